@@ -1,0 +1,239 @@
+//! One error type for the whole proxy. Each variant says, in one place, its HTTP status, its
+//! OpenAI error `type`/`code`, and the level it is logged at; rendering it as a response logs it,
+//! so an error that reaches a client can never go unlogged.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full, combinators::BoxBody};
+use serde::Serialize;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The body type every response of the proxy uses.
+pub type ProxyBody = BoxBody<Bytes, BodyError>;
+
+/// Errors that can end a response body mid-way (upstream reset, idle timeout).
+pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("We could not parse the JSON body of your request: {message}")]
+    InvalidJson {
+        message: String,
+        /// Dotted path of the offending field, when the JSON was well-formed but a field was not.
+        param: Option<String>,
+    },
+    #[error("{message}")]
+    InvalidRequest {
+        message: String,
+        param: Option<String>,
+    },
+    #[error("Unsupported content type `{0}`; send `application/json`.")]
+    UnsupportedMediaType(String),
+    #[error("The request body is larger than the configured limit of {limit} bytes.")]
+    PayloadTooLarge { limit: u64 },
+    #[error("Unknown route: {method} {path}")]
+    NotFound { method: String, path: String },
+    #[error("Method {method} is not allowed on {path}.")]
+    MethodNotAllowed { method: String, path: String },
+    #[error("Missing or invalid bearer token.")]
+    Unauthorized,
+    #[error("Rate limit exceeded; retry after {retry_after_secs} s.")]
+    RateLimited { retry_after_secs: u64 },
+    #[error("The upstream could not be reached: {0}")]
+    UpstreamUnreachable(String),
+    #[error("The upstream did not respond within {0:?}.")]
+    UpstreamTimeout(Duration),
+    #[error("The proxy is shutting down.")]
+    ShuttingDown,
+    #[error("invalid configuration at `{path}`: {message}")]
+    Config { path: String, message: String },
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// OpenAI's error envelope: `{"error":{"message","type","param","code"}}`.
+#[derive(Debug, Serialize)]
+pub struct ErrorEnvelope<'a> {
+    pub error: ErrorObject<'a>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ErrorObject<'a> {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: &'a str,
+    pub param: Option<&'a str>,
+    pub code: Option<&'a str>,
+}
+
+impl Error {
+    pub fn invalid_request(message: impl Into<String>, param: Option<&str>) -> Self {
+        Error::InvalidRequest {
+            message: message.into(),
+            param: param.map(str::to_owned),
+        }
+    }
+
+    pub fn status_code(&self) -> StatusCode {
+        match self {
+            Error::InvalidJson { .. } | Error::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
+            Error::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Error::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Error::NotFound { .. } => StatusCode::NOT_FOUND,
+            Error::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            Error::Unauthorized => StatusCode::UNAUTHORIZED,
+            Error::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Error::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
+            Error::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            Error::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            Error::Config { .. } | Error::Io(_) | Error::Internal(_) => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+        }
+    }
+
+    /// OpenAI's `error.type`.
+    fn kind(&self) -> &'static str {
+        match self {
+            Error::InvalidJson { .. }
+            | Error::InvalidRequest { .. }
+            | Error::UnsupportedMediaType(_)
+            | Error::PayloadTooLarge { .. }
+            | Error::NotFound { .. }
+            | Error::MethodNotAllowed { .. } => "invalid_request_error",
+            Error::Unauthorized => "authentication_error",
+            Error::RateLimited { .. } => "rate_limit_error",
+            Error::UpstreamUnreachable(_) | Error::UpstreamTimeout(_) => "upstream_error",
+            Error::ShuttingDown => "service_unavailable",
+            Error::Config { .. } | Error::Io(_) | Error::Internal(_) => "server_error",
+        }
+    }
+
+    /// OpenAI's `error.code`.
+    fn code(&self) -> Option<&'static str> {
+        Some(match self {
+            Error::InvalidJson { .. } => "invalid_json",
+            Error::InvalidRequest { .. } => return None,
+            Error::UnsupportedMediaType(_) => "unsupported_media_type",
+            Error::PayloadTooLarge { .. } => "request_too_large",
+            Error::NotFound { .. } => "not_found",
+            Error::MethodNotAllowed { .. } => "method_not_allowed",
+            Error::Unauthorized => "invalid_api_key",
+            Error::RateLimited { .. } => "rate_limit_exceeded",
+            Error::UpstreamUnreachable(_) => "upstream_unreachable",
+            Error::UpstreamTimeout(_) => "upstream_timeout",
+            Error::ShuttingDown => "shutting_down",
+            Error::Config { .. } | Error::Io(_) | Error::Internal(_) => return None,
+        })
+    }
+
+    fn param(&self) -> Option<&str> {
+        match self {
+            Error::InvalidJson { param, .. } | Error::InvalidRequest { param, .. } => {
+                param.as_deref()
+            }
+            _ => None,
+        }
+    }
+
+    fn log(&self) {
+        let status = self.status_code().as_u16();
+        if self.status_code().is_server_error() {
+            tracing::warn!(status, error = %self, "request failed");
+        } else {
+            tracing::debug!(status, error = %self, "request rejected");
+        }
+    }
+
+    /// The OpenAI-shaped JSON body of this error.
+    pub fn to_json(&self) -> Vec<u8> {
+        let envelope = ErrorEnvelope {
+            error: ErrorObject {
+                message: self.to_string(),
+                kind: self.kind(),
+                param: self.param(),
+                code: self.code(),
+            },
+        };
+        // Serialising a struct of strings cannot fail; fall back to a fixed body all the same.
+        serde_json::to_vec(&envelope)
+            .unwrap_or_else(|_| br#"{"error":{"message":"internal error"}}"#.to_vec())
+    }
+
+    /// Renders (and logs) the error as an HTTP response.
+    pub fn into_response(self) -> Response<ProxyBody> {
+        self.log();
+        let mut response = Response::new(full_body(self.to_json()));
+        *response.status_mut() = self.status_code();
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let Error::RateLimited { retry_after_secs } = self {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_secs));
+        }
+        response
+    }
+}
+
+/// A complete in-memory body in the proxy's body type.
+pub fn full_body(bytes: impl Into<Bytes>) -> ProxyBody {
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_openai_shape_with_status() {
+        let error = Error::InvalidJson {
+            message: "expected value at line 1 column 2".into(),
+            param: None,
+        };
+        assert_eq!(error.status_code(), StatusCode::BAD_REQUEST);
+        let value: serde_json::Value = serde_json::from_slice(&error.to_json()).unwrap();
+        assert_eq!(value["error"]["type"], "invalid_request_error");
+        assert_eq!(value["error"]["code"], "invalid_json");
+        assert!(value["error"]["param"].is_null());
+        assert!(
+            value["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("line 1 column 2")
+        );
+    }
+
+    #[test]
+    fn rate_limit_carries_retry_after() {
+        let response = Error::RateLimited {
+            retry_after_secs: 3,
+        }
+        .into_response();
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(response.headers()[header::RETRY_AFTER], "3");
+    }
+
+    #[test]
+    fn every_status_matches_its_variant() {
+        let cases = [
+            (Error::UnsupportedMediaType("text/plain".into()), 415),
+            (Error::PayloadTooLarge { limit: 1 }, 413),
+            (Error::UpstreamUnreachable("refused".into()), 502),
+            (Error::UpstreamTimeout(Duration::from_secs(1)), 504),
+            (Error::Unauthorized, 401),
+        ];
+        for (error, status) in cases {
+            assert_eq!(error.status_code().as_u16(), status, "{error}");
+        }
+    }
+}

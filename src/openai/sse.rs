@@ -1,0 +1,115 @@
+//! Server-sent events, byte-level: finding event boundaries in a stream of chunks that may cut an
+//! event anywhere, and reading an event's `data` field.
+
+use bytes::{Bytes, BytesMut};
+use memchr::memmem;
+
+/// Splits a byte stream into complete SSE events (each returned with its blank-line terminator,
+/// byte for byte as received). Holds at most one incomplete event.
+#[derive(Debug, Default)]
+pub struct EventSplitter {
+    pending: BytesMut,
+}
+
+impl EventSplitter {
+    /// Feeds a chunk; returns the events it completed, in order.
+    pub fn push(&mut self, chunk: &[u8]) -> Vec<Bytes> {
+        let mut events = Vec::new();
+        // Search only where a terminator could newly end: the last 3 old bytes plus the chunk.
+        let mut search_from = self.pending.len().saturating_sub(3);
+        self.pending.extend_from_slice(chunk);
+        while let Some(end) = event_end(&self.pending[search_from..]) {
+            let event = self.pending.split_to(search_from + end).freeze();
+            events.push(event);
+            search_from = 0;
+        }
+        events
+    }
+
+    /// Bytes of an event that never got its terminator (the stream ended mid-event).
+    pub fn pending_len(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Takes the unterminated tail, leaving the splitter empty.
+    pub fn take_pending(&mut self) -> Bytes {
+        self.pending.split().freeze()
+    }
+}
+
+/// Offset just past the first blank line (`\n\n` or `\r\n\r\n`) in `bytes`.
+fn event_end(bytes: &[u8]) -> Option<usize> {
+    let lf = memmem::find(bytes, b"\n\n").map(|at| at + 2);
+    let crlf = memmem::find(bytes, b"\r\n\r\n").map(|at| at + 4);
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// The `data` field of one event: its `data:` lines with one optional leading space removed,
+/// joined by newlines. `None` for events without data (comments, keep-alives).
+pub fn event_data(event: &[u8]) -> Option<String> {
+    let mut data: Option<String> = None;
+    for line in event.split(|&byte| byte == b'\n') {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let Some(value) = line.strip_prefix(b"data:") else {
+            continue;
+        };
+        let value = value.strip_prefix(b" ").unwrap_or(value);
+        let value = String::from_utf8_lossy(value);
+        match &mut data {
+            Some(existing) => {
+                existing.push('\n');
+                existing.push_str(&value);
+            }
+            None => data = Some(value.into_owned()),
+        }
+    }
+    data
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_events_cut_anywhere() {
+        let stream = b"data: {\"a\":1}\n\n: keep-alive\n\ndata: [DONE]\r\n\r\n";
+        for cut in 0..stream.len() {
+            let mut splitter = EventSplitter::default();
+            let mut events = splitter.push(&stream[..cut]);
+            events.extend(splitter.push(&stream[cut..]));
+            let joined: Vec<u8> = events.concat();
+            assert_eq!(joined, stream.to_vec(), "cut at {cut}");
+            assert_eq!(events.len(), 3);
+            assert_eq!(splitter.pending_len(), 0);
+        }
+    }
+
+    #[test]
+    fn byte_by_byte_feeding_finds_every_event() {
+        let stream = b"data: x\n\ndata: y\ndata: z\n\n";
+        let mut splitter = EventSplitter::default();
+        let events: Vec<Bytes> = stream.iter().flat_map(|b| splitter.push(&[*b])).collect();
+        assert_eq!(events.len(), 2);
+        assert_eq!(event_data(&events[1]).as_deref(), Some("y\nz"));
+    }
+
+    #[test]
+    fn reads_data_and_ignores_comments() {
+        assert_eq!(event_data(b"data: hello\n\n").as_deref(), Some("hello"));
+        assert_eq!(event_data(b"data:hello\r\n\r\n").as_deref(), Some("hello"));
+        assert_eq!(event_data(b": comment\n\n"), None);
+        assert_eq!(event_data(b"event: x\ndata: 1\n\n").as_deref(), Some("1"));
+    }
+
+    #[test]
+    fn unterminated_tail_is_kept() {
+        let mut splitter = EventSplitter::default();
+        assert!(splitter.push(b"data: partial").is_empty());
+        assert_eq!(splitter.pending_len(), 13);
+        assert_eq!(&splitter.take_pending()[..], b"data: partial");
+        assert_eq!(splitter.pending_len(), 0);
+    }
+}
