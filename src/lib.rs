@@ -2,3 +2,9 @@
 
 pub mod error;
 pub mod openai;
+pub mod cli;
+pub mod config;
+pub mod mock;
+pub mod pipeline;
+pub mod server;
+pub mod upstream;

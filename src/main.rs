@@ -1,1 +1,112 @@
-fn main() {}
+//! The `engram` binary: parse arguments, load config, start the runtime, run.
+
+use std::io::{IsTerminal, Write};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use engram::cli::{Cli, Command, MockArgs, ServeArgs};
+use engram::config::{Config, LogFormat};
+use engram::error::Error;
+use engram::mock::{MockOptions, MockServer};
+use engram::pipeline::NoMemory;
+use engram::server::{AppState, Server, shutdown_signal};
+use engram::upstream::Upstream;
+use tracing_subscriber::EnvFilter;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Serve(args) => serve(args),
+        Command::MockUpstream(args) => mock_upstream(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            let _ = writeln!(std::io::stderr(), "engram: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn runtime(worker_threads: usize) -> Result<tokio::runtime::Runtime, Error> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.enable_all();
+    if worker_threads > 0 {
+        builder.worker_threads(worker_threads);
+    }
+    Ok(builder.build()?)
+}
+
+fn init_logging(level: &str, format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env()
+        .or_else(|_| EnvFilter::try_new(level))
+        .unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
+    let _ = match format {
+        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Text => builder.try_init(),
+    };
+}
+
+fn serve(args: ServeArgs) -> Result<(), Error> {
+    let mut config = Config::load(args.config.as_deref(), std::env::vars())?;
+    if let Some(listen) = args.listen {
+        config.server.listen = listen;
+    }
+    if let Some(upstream) = args.upstream {
+        config.upstream.base_url = upstream;
+    }
+    config.validate()?;
+    if args.check_config {
+        let _ = writeln!(std::io::stdout(), "configuration is valid:\n{config:#?}");
+        return Ok(());
+    }
+    init_logging(&config.logging.level, config.logging.format);
+    let api_key = match &config.upstream.api_key_env {
+        Some(name) => Some(std::env::var(name).map_err(|_| Error::Config {
+            path: "upstream.api_key_env".into(),
+            message: format!("the environment variable {name} is not set"),
+        })?),
+        None => None,
+    };
+    runtime(config.server.worker_threads)?.block_on(async move {
+        let upstream = Upstream::new(&config.upstream, api_key)?;
+        let base_url = config.upstream.base_url.clone();
+        let state = AppState::new(config, upstream, Arc::new(NoMemory));
+        let server = Server::bind(state).await?;
+        let address = server.local_addr()?;
+        tracing::info!(%address, upstream = %base_url, "engram listening");
+        // Tests and scripts read this line to find the port.
+        let _ = writeln!(std::io::stdout(), "engram listening on http://{address}");
+        let _ = std::io::stdout().flush();
+        server.run(shutdown_signal()).await
+    })
+}
+
+fn mock_upstream(args: MockArgs) -> Result<(), Error> {
+    init_logging("warn", LogFormat::Text);
+    let options = MockOptions {
+        listen: args.listen,
+        latency: Duration::from_millis(args.latency_ms),
+        chunks: args.chunks,
+        chunk_size: args.chunk_size,
+        chunk_delay: Duration::from_millis(args.chunk_delay_ms),
+        echo: args.echo,
+        record: args.record,
+    };
+    runtime(args.worker_threads)?.block_on(async move {
+        let server = MockServer::bind(options).await?;
+        let address = server.local_addr()?;
+        let _ = writeln!(std::io::stdout(), "mock-upstream listening on http://{address}");
+        let _ = std::io::stdout().flush();
+        tokio::select! {
+            result = server.run() => result,
+            () = shutdown_signal() => Ok(()),
+        }
+    })
+}

@@ -69,6 +69,73 @@ pub fn event_data(event: &[u8]) -> Option<String> {
     data
 }
 
+/// Removes the usage that the proxy asked for on the client's behalf: the trailing usage-only
+/// chunk (`"choices":[]` with a `usage` object) and the `"usage":null` that every other chunk
+/// then carries. Everything else passes byte for byte; an event is held only until its end.
+#[derive(Debug, Default)]
+pub struct UsageStripper {
+    splitter: EventSplitter,
+}
+
+impl UsageStripper {
+    pub fn push(&mut self, chunk: &[u8]) -> Bytes {
+        let events = self.splitter.push(chunk);
+        if events.len() == 1 {
+            return strip_usage(&events[0]).unwrap_or_default();
+        }
+        let mut out = BytesMut::new();
+        for event in events {
+            if let Some(kept) = strip_usage(&event) {
+                out.extend_from_slice(&kept);
+            }
+        }
+        out.freeze()
+    }
+
+    /// What is left when the stream ends: an unterminated tail, passed on as it came.
+    pub fn finish(&mut self) -> Bytes {
+        self.splitter.take_pending()
+    }
+}
+
+const USAGE_NULL: [&[u8]; 4] = [
+    b",\"usage\":null",
+    b",\"usage\": null",
+    b"\"usage\":null,",
+    b"\"usage\": null,",
+];
+
+/// `None` drops the event.
+fn strip_usage(event: &Bytes) -> Option<Bytes> {
+    if memmem::find(event, b"\"usage\"").is_none() {
+        return Some(event.clone());
+    }
+    if is_usage_only_chunk(event) {
+        return None;
+    }
+    let mut kept = event.to_vec();
+    for pattern in USAGE_NULL {
+        while let Some(at) = memmem::find(&kept, pattern) {
+            kept.drain(at..at + pattern.len());
+        }
+    }
+    Some(Bytes::from(kept))
+}
+
+fn is_usage_only_chunk(event: &[u8]) -> bool {
+    let Some(data) = event_data(event) else {
+        return false;
+    };
+    let Ok(value) = serde_json::from_str::<serde_json::Value>(&data) else {
+        return false;
+    };
+    value.get("usage").is_some_and(serde_json::Value::is_object)
+        && value
+            .get("choices")
+            .and_then(serde_json::Value::as_array)
+            .is_some_and(Vec::is_empty)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -111,5 +178,39 @@ mod tests {
         assert_eq!(splitter.pending_len(), 13);
         assert_eq!(&splitter.take_pending()[..], b"data: partial");
         assert_eq!(splitter.pending_len(), 0);
+    }
+}
+
+#[cfg(test)]
+mod stripper_tests {
+    use super::*;
+
+    #[test]
+    fn drops_the_usage_chunk_and_null_usage_fields_only() {
+        let upstream = concat!(
+            "data: {\"id\":\"a\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}],\"usage\":null}\n\n",
+            "data: {\"id\":\"a\",\"choices\":[],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1,\"total_tokens\":2}}\n\n",
+            "data: [DONE]\n\n",
+        );
+        let expected = concat!(
+            "data: {\"id\":\"a\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n",
+            "data: [DONE]\n\n",
+        );
+        for cut in 1..upstream.len() {
+            let mut stripper = UsageStripper::default();
+            let mut out = Vec::new();
+            for piece in upstream.as_bytes().chunks(cut) {
+                out.extend_from_slice(&stripper.push(piece));
+            }
+            out.extend_from_slice(&stripper.finish());
+            assert_eq!(String::from_utf8(out).unwrap(), expected, "cut {cut}");
+        }
+    }
+
+    #[test]
+    fn content_mentioning_usage_is_untouched() {
+        let event = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"the \\\"usage\\\" word\"}}]}\n\n";
+        let mut stripper = UsageStripper::default();
+        assert_eq!(&stripper.push(event.as_bytes())[..], event.as_bytes());
     }
 }

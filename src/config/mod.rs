@@ -1,0 +1,344 @@
+//! Configuration: `config.yaml`, then `ENGRAM_SECTION__KEY` environment overrides, then CLI flags.
+//!
+//! The file is read into a JSON value tree first, so env overrides are merged generically; the
+//! tree is then deserialised with unknown keys denied and `serde_path_to_error`, so a typo or a
+//! bad value is rejected at start naming its key path. `validate()` checks what types cannot.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use crate::error::Error;
+
+const ENV_PREFIX: &str = "ENGRAM_";
+const ENV_SEPARATOR: &str = "__";
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub upstream: UpstreamConfig,
+    pub capture: CaptureConfig,
+    pub logging: LoggingConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Address to listen on; port 0 picks a free port (the chosen address is printed).
+    pub listen: SocketAddr,
+    /// Largest accepted `/v1/chat/completions` body; larger gets 413.
+    pub max_body_bytes: u64,
+    /// How long in-flight requests and background tasks get to finish after SIGTERM/SIGINT.
+    pub drain_timeout_ms: u64,
+    /// Tokio worker threads; 0 means one per core.
+    pub worker_threads: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UpstreamConfig {
+    /// OpenAI-compatible base URL, including its `/v1` (or equivalent) prefix.
+    pub base_url: String,
+    /// Name of an environment variable holding the upstream API key. When set, the key replaces
+    /// the client's `Authorization` header; when unset, the client's header is forwarded as is.
+    pub api_key_env: Option<String>,
+    pub connect_timeout_ms: u64,
+    /// Longest wait for the upstream's response headers, and for each body chunk after them.
+    pub read_timeout_ms: u64,
+    pub pool_idle_timeout_ms: u64,
+    pub pool_max_idle_per_host: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CaptureConfig {
+    /// Frames the tee may queue for the recorder before the capture is marked incomplete
+    /// (the client is never slowed down to wait for the recorder).
+    pub channel_frames: usize,
+    /// Largest response body the recorder keeps; past it the capture is marked incomplete.
+    pub max_response_bytes: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoggingConfig {
+    /// A `tracing` filter, e.g. `info` or `engram=debug,info`. `RUST_LOG` wins when set.
+    pub level: String,
+    pub format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            max_body_bytes: 10 * 1024 * 1024,
+            drain_timeout_ms: 30_000,
+            worker_threads: 0,
+        }
+    }
+}
+
+impl Default for UpstreamConfig {
+    fn default() -> Self {
+        UpstreamConfig {
+            base_url: "https://api.openai.com/v1".to_owned(),
+            api_key_env: None,
+            connect_timeout_ms: 5_000,
+            read_timeout_ms: 300_000,
+            pool_idle_timeout_ms: 90_000,
+            pool_max_idle_per_host: 256,
+        }
+    }
+}
+
+impl Default for CaptureConfig {
+    fn default() -> Self {
+        CaptureConfig {
+            channel_frames: 1024,
+            max_response_bytes: 4 * 1024 * 1024,
+        }
+    }
+}
+
+impl Default for LoggingConfig {
+    fn default() -> Self {
+        LoggingConfig {
+            level: "info".to_owned(),
+            format: LogFormat::Text,
+        }
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            server: ServerConfig::default(),
+            upstream: UpstreamConfig::default(),
+            capture: CaptureConfig::default(),
+            logging: LoggingConfig::default(),
+        }
+    }
+}
+
+impl Config {
+    /// Loads the file (if given), applies `ENGRAM_…__…` overrides from `env`, and validates.
+    pub fn load(
+        path: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, Error> {
+        let mut tree = match path {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|error| Error::Config {
+                    path: path.display().to_string(),
+                    message: format!("cannot read the config file: {error}"),
+                })?;
+                parse_yaml(&text)?
+            }
+            None => Value::Object(Map::new()),
+        };
+        apply_env_overrides(&mut tree, env)?;
+        Config::from_tree(tree)
+    }
+
+    pub fn from_yaml(text: &str) -> Result<Config, Error> {
+        Config::from_tree(parse_yaml(text)?)
+    }
+
+    fn from_tree(tree: Value) -> Result<Config, Error> {
+        let config: Config = serde_path_to_error::deserialize(tree).map_err(|error| {
+            Error::Config {
+                path: error.path().to_string(),
+                message: error.into_inner().to_string(),
+            }
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<(), Error> {
+        let invalid = |path: &str, message: &str| {
+            Err(Error::Config {
+                path: path.to_owned(),
+                message: message.to_owned(),
+            })
+        };
+        let base = &self.upstream.base_url;
+        match base.parse::<http::Uri>() {
+            Ok(uri)
+                if matches!(uri.scheme_str(), Some("http" | "https"))
+                    && uri.authority().is_some()
+                    && uri.query().is_none() => {}
+            _ => {
+                return invalid(
+                    "upstream.base_url",
+                    "must be an absolute http:// or https:// URL without a query",
+                );
+            }
+        }
+        if let Some(name) = &self.upstream.api_key_env
+            && (name.is_empty() || name.contains('='))
+        {
+            return invalid(
+                "upstream.api_key_env",
+                "must name an environment variable (the key itself never goes in the file)",
+            );
+        }
+        if self.server.max_body_bytes == 0 {
+            return invalid("server.max_body_bytes", "must be greater than 0");
+        }
+        for (path, value) in [
+            ("upstream.connect_timeout_ms", self.upstream.connect_timeout_ms),
+            ("upstream.read_timeout_ms", self.upstream.read_timeout_ms),
+        ] {
+            if value == 0 {
+                return invalid(path, "must be greater than 0");
+            }
+        }
+        if self.capture.channel_frames == 0 {
+            return invalid("capture.channel_frames", "must be greater than 0");
+        }
+        if let Err(error) = tracing_subscriber::EnvFilter::try_new(&self.logging.level) {
+            return invalid("logging.level", &error.to_string());
+        }
+        Ok(())
+    }
+
+    pub fn drain_timeout(&self) -> Duration {
+        Duration::from_millis(self.server.drain_timeout_ms)
+    }
+}
+
+fn parse_yaml(text: &str) -> Result<Value, Error> {
+    if text.trim().is_empty() {
+        return Ok(Value::Object(Map::new()));
+    }
+    let value: Value = serde_saphyr::from_str(text).map_err(|error| Error::Config {
+        path: "<file>".to_owned(),
+        message: error.to_string(),
+    })?;
+    match value {
+        Value::Null => Ok(Value::Object(Map::new())),
+        Value::Object(_) => Ok(value),
+        _ => Err(Error::Config {
+            path: "<file>".to_owned(),
+            message: "the top level must be a mapping of sections".to_owned(),
+        }),
+    }
+}
+
+/// `ENGRAM_SERVER__LISTEN=0.0.0.0:8080` sets `server.listen`. Variables without the `__`
+/// separator (such as `ENGRAM_ADMIN_TOKEN`) are not config keys and are left alone.
+fn apply_env_overrides(
+    tree: &mut Value,
+    env: impl IntoIterator<Item = (String, String)>,
+) -> Result<(), Error> {
+    let mut overrides: Vec<(String, String)> = env
+        .into_iter()
+        .filter(|(key, _)| key.starts_with(ENV_PREFIX) && key.contains(ENV_SEPARATOR))
+        .collect();
+    overrides.sort();
+    for (key, raw) in overrides {
+        let path: Vec<String> = key[ENV_PREFIX.len()..]
+            .split(ENV_SEPARATOR)
+            .map(str::to_ascii_lowercase)
+            .collect();
+        let mut node = &mut *tree;
+        for (depth, segment) in path.iter().enumerate() {
+            let Value::Object(map) = node else {
+                return Err(Error::Config {
+                    path: path[..depth].join("."),
+                    message: format!("{key} descends into a value that is not a section"),
+                });
+            };
+            node = map
+                .entry(segment.clone())
+                .or_insert_with(|| Value::Object(Map::new()));
+        }
+        *node = scalar(&raw);
+    }
+    Ok(())
+}
+
+/// Reads an env value the way YAML would read a plain scalar.
+fn scalar(raw: &str) -> Value {
+    match raw {
+        "" | "null" | "~" => Value::Null,
+        "true" => Value::Bool(true),
+        "false" => Value::Bool(false),
+        _ => raw
+            .parse::<u64>()
+            .map(Value::from)
+            .or_else(|_| raw.parse::<i64>().map(Value::from))
+            .or_else(|_| raw.parse::<f64>().map(Value::from))
+            .unwrap_or_else(|_| Value::String(raw.to_owned())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn no_env() -> Vec<(String, String)> {
+        Vec::new()
+    }
+
+    #[test]
+    fn the_documented_config_file_is_exactly_the_defaults() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config.yaml");
+        let config = Config::load(Some(&path), no_env()).unwrap();
+        assert_eq!(config, Config::default());
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected_with_their_path() {
+        let error = Config::from_yaml("server:\n  listne: 1.2.3.4:5\n").unwrap_err();
+        let text = error.to_string();
+        assert!(text.contains("server"), "{text}");
+        assert!(text.contains("listne"), "{text}");
+    }
+
+    #[test]
+    fn bad_values_are_rejected_with_their_path() {
+        let error = Config::from_yaml("upstream:\n  connect_timeout_ms: soon\n").unwrap_err();
+        assert!(error.to_string().contains("upstream.connect_timeout_ms"), "{error}");
+        let error = Config::from_yaml("upstream:\n  base_url: ftp://x\n").unwrap_err();
+        assert!(error.to_string().contains("upstream.base_url"), "{error}");
+        let error = Config::from_yaml("logging:\n  format: xml\n").unwrap_err();
+        assert!(error.to_string().contains("logging.format"), "{error}");
+    }
+
+    #[test]
+    fn env_overrides_win_over_the_file_and_ignore_plain_vars() {
+        let env = vec![
+            ("ENGRAM_SERVER__LISTEN".to_owned(), "0.0.0.0:9999".to_owned()),
+            ("ENGRAM_UPSTREAM__READ_TIMEOUT_MS".to_owned(), "1234".to_owned()),
+            ("ENGRAM_ADMIN_TOKEN".to_owned(), "secret".to_owned()),
+            ("OTHER__THING".to_owned(), "x".to_owned()),
+        ];
+        let dir = std::env::temp_dir().join(format!("engram-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("c.yaml");
+        std::fs::write(&file, "server:\n  listen: 127.0.0.1:1\n").unwrap();
+        let config = Config::load(Some(&file), env).unwrap();
+        assert_eq!(config.server.listen.port(), 9999);
+        assert_eq!(config.upstream.read_timeout_ms, 1234);
+    }
+
+    #[test]
+    fn a_mistyped_env_override_is_rejected_by_name() {
+        let env = vec![("ENGRAM_SERVER__LISTNE".to_owned(), "x".to_owned())];
+        let error = Config::load(None, env).unwrap_err();
+        assert!(error.to_string().contains("listne"), "{error}");
+    }
+}

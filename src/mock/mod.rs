@@ -1,0 +1,451 @@
+//! `engram mock-upstream`: an OpenAI-compatible upstream for tests, benchmarks and the
+//! quickstart. Output is deterministic (fixed ids and timestamps) so a response can be compared
+//! byte for byte with the same response through the proxy.
+//!
+//! Per-request knobs, as request headers (the proxy forwards them):
+//! - `x-mock-latency-ms: N` — wait before the response headers;
+//! - `x-mock-chunks: N` — content chunks of a stream;
+//! - `x-mock-chunk-delay-ms: N` — delay between streamed chunks;
+//! - `x-mock-status: CODE` — answer with an OpenAI-shaped error of that status (429 adds
+//!   `retry-after: 1`);
+//! - `x-mock-fault: reset | malformed | hang` — a stream that breaks its connection half-way,
+//!   sends an event that is not JSON and no `[DONE]`, or stops sending after its first chunk.
+
+use std::convert::Infallible;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body::Frame;
+use http_body_util::{BodyExt, Limited, channel::Channel};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio_util::task::TaskTracker;
+
+use crate::error::{BodyError, Error, ProxyBody, full_body};
+
+const CREATED: u64 = 1_700_000_000;
+const MAX_REQUEST_BYTES: usize = 64 * 1024 * 1024;
+
+#[derive(Debug, Clone)]
+pub struct MockOptions {
+    pub listen: SocketAddr,
+    /// Delay before response headers.
+    pub latency: Duration,
+    /// Content chunks per streamed reply.
+    pub chunks: usize,
+    /// Characters per content chunk.
+    pub chunk_size: usize,
+    /// Delay between streamed chunks.
+    pub chunk_delay: Duration,
+    /// Reply with the received messages (as JSON text) instead of filler text.
+    pub echo: bool,
+    /// Append every received chat request to this JSON-lines file.
+    pub record: Option<PathBuf>,
+}
+
+impl Default for MockOptions {
+    fn default() -> Self {
+        MockOptions {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            latency: Duration::ZERO,
+            chunks: 8,
+            chunk_size: 16,
+            chunk_delay: Duration::ZERO,
+            echo: false,
+            record: None,
+        }
+    }
+}
+
+struct Mock {
+    options: MockOptions,
+    record: Option<Mutex<std::fs::File>>,
+    tasks: TaskTracker,
+}
+
+pub struct MockServer {
+    listener: TcpListener,
+    mock: Arc<Mock>,
+}
+
+impl MockServer {
+    pub async fn bind(options: MockOptions) -> Result<MockServer, Error> {
+        let listener = TcpListener::bind(options.listen).await?;
+        let record = match &options.record {
+            Some(path) => Some(Mutex::new(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)?,
+            )),
+            None => None,
+        };
+        Ok(MockServer {
+            listener,
+            mock: Arc::new(Mock {
+                options,
+                record,
+                tasks: TaskTracker::new(),
+            }),
+        })
+    }
+
+    pub fn local_addr(&self) -> Result<SocketAddr, Error> {
+        Ok(self.listener.local_addr()?)
+    }
+
+    pub async fn run(self) -> Result<(), Error> {
+        let connections = auto::Builder::new(TokioExecutor::new());
+        loop {
+            let (stream, _) = match self.listener.accept().await {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    tracing::warn!(%error, "mock accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let mock = self.mock.clone();
+            let service = service_fn(move |request| {
+                let mock = mock.clone();
+                async move { Ok::<_, Infallible>(mock.route(request).await) }
+            });
+            let connection = connections
+                .serve_connection(TokioIo::new(stream), service)
+                .into_owned();
+            self.mock.tasks.spawn(async move {
+                let _ = connection.await;
+            });
+        }
+    }
+}
+
+impl Mock {
+    async fn route(&self, request: Request<Incoming>) -> Response<ProxyBody> {
+        let knobs = Knobs::from_headers(request.headers(), &self.options);
+        if !knobs.latency.is_zero() {
+            tokio::time::sleep(knobs.latency).await;
+        }
+        if let Some(status) = knobs.status {
+            return error_response(status, "mock error requested by x-mock-status");
+        }
+        let path = request.uri().path().to_owned();
+        match (request.method().clone(), path.as_str()) {
+            (Method::POST, "/v1/chat/completions") => self.chat(request, knobs).await,
+            (Method::GET, "/v1/models") => json_response(
+                StatusCode::OK,
+                json!({"object": "list", "data": [
+                    {"id": "mock-model", "object": "model", "created": CREATED, "owned_by": "engram"}
+                ]}),
+            ),
+            // Streams any body straight back, for pass-through tests.
+            (_, "/v1/echo") => {
+                let content_type = request.headers().get(header::CONTENT_TYPE).cloned();
+                let mut response =
+                    Response::new(request.into_body().map_err(BodyError::from).boxed());
+                if let Some(content_type) = content_type {
+                    response
+                        .headers_mut()
+                        .insert(header::CONTENT_TYPE, content_type);
+                }
+                response
+            }
+            _ => error_response(StatusCode::NOT_FOUND, &format!("no mock route for {path}")),
+        }
+    }
+
+    async fn chat(&self, request: Request<Incoming>, knobs: Knobs) -> Response<ProxyBody> {
+        let body = match Limited::new(request.into_body(), MAX_REQUEST_BYTES)
+            .collect()
+            .await
+        {
+            Ok(collected) => collected.to_bytes(),
+            Err(error) => return error_response(StatusCode::BAD_REQUEST, &error.to_string()),
+        };
+        let parsed: Value = match serde_json::from_slice(&body) {
+            Ok(value) => value,
+            Err(error) => return error_response(StatusCode::BAD_REQUEST, &error.to_string()),
+        };
+        if let Some(record) = &self.record
+            && let Ok(mut file) = record.lock()
+        {
+            let mut line = serde_json::to_vec(&parsed).unwrap_or_default();
+            line.push(b'\n');
+            // One write per line keeps lines whole when several requests record at once.
+            let _ = file.write_all(&line);
+        }
+        let model = parsed
+            .get("model")
+            .and_then(Value::as_str)
+            .unwrap_or("mock-model")
+            .to_owned();
+        let messages = parsed.get("messages").cloned().unwrap_or(Value::Null);
+        let content = if self.options.echo {
+            messages.to_string()
+        } else {
+            filler(knobs.chunks * self.options.chunk_size)
+        };
+        let prompt_tokens = (messages.to_string().len() / 4) as u64;
+        let reply = Reply {
+            model,
+            content,
+            prompt_tokens,
+            chunks: knobs.chunks.max(1),
+        };
+        let stream = parsed.get("stream").and_then(Value::as_bool) == Some(true);
+        if !stream {
+            return json_response(StatusCode::OK, reply.completion());
+        }
+        let include_usage = parsed
+            .pointer("/stream_options/include_usage")
+            .and_then(Value::as_bool)
+            == Some(true);
+        self.stream(reply, include_usage, &knobs)
+    }
+
+    fn stream(&self, reply: Reply, include_usage: bool, knobs: &Knobs) -> Response<ProxyBody> {
+        let (mut sender, body) = Channel::<Bytes, BodyError>::new(4);
+        let delay = knobs.chunk_delay;
+        let fault = knobs.fault;
+        self.tasks.spawn(async move {
+            let events = reply.events(include_usage);
+            let cut = events.len() / 2;
+            for (index, event) in events.into_iter().enumerate() {
+                match fault {
+                    Some(Fault::Reset) if index == cut => {
+                        sender.abort("mock reset".into());
+                        return;
+                    }
+                    Some(Fault::Hang) if index == 1 => {
+                        // Hold the connection open without sending until the peer gives up.
+                        sender.send_data(Bytes::new()).await.ok();
+                        tokio::time::sleep(Duration::from_secs(3600)).await;
+                        return;
+                    }
+                    Some(Fault::Malformed) if index == cut => {
+                        let _ = sender.send_data(Bytes::from_static(b"data: {not json\n\n")).await;
+                        return;
+                    }
+                    _ => {}
+                }
+                if index > 0 && !delay.is_zero() {
+                    tokio::time::sleep(delay).await;
+                }
+                if sender.send(Frame::data(event)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let mut response = Response::new(body.boxed());
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        response
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    Reset,
+    Malformed,
+    Hang,
+}
+
+struct Knobs {
+    latency: Duration,
+    chunks: usize,
+    chunk_delay: Duration,
+    status: Option<StatusCode>,
+    fault: Option<Fault>,
+}
+
+impl Knobs {
+    fn from_headers(headers: &HeaderMap, options: &MockOptions) -> Knobs {
+        let number = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|value| value.to_str().ok())
+                .and_then(|value| value.parse::<u64>().ok())
+        };
+        Knobs {
+            latency: number("x-mock-latency-ms").map_or(options.latency, Duration::from_millis),
+            chunks: number("x-mock-chunks").map_or(options.chunks, |n| n.min(100_000) as usize),
+            chunk_delay: number("x-mock-chunk-delay-ms")
+                .map_or(options.chunk_delay, Duration::from_millis),
+            status: number("x-mock-status")
+                .and_then(|code| u16::try_from(code).ok())
+                .and_then(|code| StatusCode::from_u16(code).ok()),
+            fault: match headers.get("x-mock-fault").map(HeaderValue::as_bytes) {
+                Some(b"reset") => Some(Fault::Reset),
+                Some(b"malformed") => Some(Fault::Malformed),
+                Some(b"hang") => Some(Fault::Hang),
+                _ => None,
+            },
+        }
+    }
+}
+
+struct Reply {
+    model: String,
+    content: String,
+    prompt_tokens: u64,
+    chunks: usize,
+}
+
+impl Reply {
+    fn usage(&self) -> Value {
+        let completion_tokens = self.chunks as u64;
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        })
+    }
+
+    fn completion(&self) -> Value {
+        json!({
+            "id": "chatcmpl-mock",
+            "object": "chat.completion",
+            "created": CREATED,
+            "model": self.model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": self.content, "refusal": null},
+                "logprobs": null,
+                "finish_reason": "stop",
+            }],
+            "usage": self.usage(),
+            "system_fingerprint": null,
+        })
+    }
+
+    /// The SSE events of a streamed reply, as OpenAI sends them.
+    fn events(&self, include_usage: bool) -> Vec<Bytes> {
+        let chunk = |delta: Value, finish_reason: Value| {
+            let mut value = json!({
+                "id": "chatcmpl-mock",
+                "object": "chat.completion.chunk",
+                "created": CREATED,
+                "model": self.model,
+                "system_fingerprint": null,
+                "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason}],
+            });
+            if include_usage && let Some(object) = value.as_object_mut() {
+                object.insert("usage".into(), Value::Null);
+            }
+            event(&value)
+        };
+        let mut events = vec![chunk(json!({"role": "assistant", "content": ""}), Value::Null)];
+        for piece in split_chars(&self.content, self.chunks) {
+            events.push(chunk(json!({"content": piece}), Value::Null));
+        }
+        events.push(chunk(json!({}), json!("stop")));
+        if include_usage {
+            events.push(event(&json!({
+                "id": "chatcmpl-mock",
+                "object": "chat.completion.chunk",
+                "created": CREATED,
+                "model": self.model,
+                "system_fingerprint": null,
+                "choices": [],
+                "usage": self.usage(),
+            })));
+        }
+        events.push(Bytes::from_static(b"data: [DONE]\n\n"));
+        events
+    }
+}
+
+fn event(value: &Value) -> Bytes {
+    Bytes::from(format!("data: {value}\n\n"))
+}
+
+/// Splits text into `parts` pieces of about equal length, on character boundaries.
+fn split_chars(text: &str, parts: usize) -> Vec<String> {
+    let chars: Vec<char> = text.chars().collect();
+    let size = chars.len().div_ceil(parts.max(1)).max(1);
+    chars.chunks(size).map(|piece| piece.iter().collect()).collect()
+}
+
+fn filler(len: usize) -> String {
+    const WORDS: &str = "the quick brown fox jumps over the lazy dog ";
+    WORDS.chars().cycle().take(len).collect()
+}
+
+fn json_response(status: StatusCode, value: Value) -> Response<ProxyBody> {
+    let body = serde_json::to_vec(&value).unwrap_or_default();
+    let mut response = Response::new(full_body(body));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+fn error_response(status: StatusCode, message: &str) -> Response<ProxyBody> {
+    let mut response = json_response(
+        status,
+        json!({"error": {"message": message, "type": "mock_error", "param": null, "code": status.as_u16().to_string()}}),
+    );
+    if status == StatusCode::TOO_MANY_REQUESTS {
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::openai::StreamAccumulator;
+
+    fn reply(content: &str, chunks: usize) -> Reply {
+        Reply {
+            model: "m".into(),
+            content: content.into(),
+            prompt_tokens: 3,
+            chunks,
+        }
+    }
+
+    #[test]
+    fn streamed_events_rebuild_the_reply() {
+        let reply = reply("héllo wörld, this is a reply", 5);
+        let mut accumulator = StreamAccumulator::default();
+        for event in reply.events(true) {
+            accumulator.push(&event);
+        }
+        let summary = accumulator.finish();
+        assert!(summary.saw_done);
+        assert_eq!(summary.message.content, "héllo wörld, this is a reply");
+        assert_eq!(summary.message.usage.unwrap().completion_tokens, 5);
+    }
+
+    #[test]
+    fn usage_null_appears_only_when_asked() {
+        let reply = reply("abc", 2);
+        let with: Vec<Bytes> = reply.events(true);
+        let without: Vec<Bytes> = reply.events(false);
+        assert!(with.iter().all(|e| e.ends_with(b"[DONE]\n\n") || memchr::memmem::find(e, b"\"usage\"").is_some()));
+        assert!(without.iter().all(|e| memchr::memmem::find(e, b"usage").is_none()));
+        assert_eq!(with.len(), without.len() + 1);
+    }
+
+    #[test]
+    fn split_keeps_every_character() {
+        for parts in 1..10 {
+            assert_eq!(split_chars("abcdéfgh", parts).concat(), "abcdéfgh");
+        }
+    }
+}

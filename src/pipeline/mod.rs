@@ -1,0 +1,135 @@
+//! The seams where memory plugs into the proxy, in the order of a request's phases:
+//!
+//! 1. request filter (server: content type, size, parse once),
+//! 2. **`MemoryLayer::rewrite`** — the prompt rewrite, before the upstream request is built,
+//! 3. upstream request (headers, `stream_options.include_usage`),
+//! 4. response body filter (the tee: bytes pass on untouched, a copy goes aside),
+//! 5. **`MemoryLayer::record`** — after the response has streamed back (or the client left),
+//!    off the hot path, on the tracked task set that shutdown drains.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use http::HeaderMap;
+use serde::Serialize;
+
+use crate::openai::{AssistantMessage, ChatRequest};
+
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What the memory phase did to a request; rendered as `x-engram-*` response headers.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Rewrite {
+    pub outcome: MemoryOutcome,
+    /// The rewritten request; `None` forwards the client's bytes as sent.
+    pub request: Option<ChatRequest>,
+    pub injected_tokens: u32,
+    pub injected_items: u32,
+    pub turn_id: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryOutcome {
+    /// Memory was injected.
+    Injected,
+    /// Memory was not used: no user identity, `x-engram-mode: off`, or memory disabled.
+    #[default]
+    Skipped,
+    /// The store failed or was too slow; the request went upstream without memory.
+    Degraded,
+}
+
+impl MemoryOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemoryOutcome::Injected => "injected",
+            MemoryOutcome::Skipped => "skipped",
+            MemoryOutcome::Degraded => "degraded",
+        }
+    }
+}
+
+/// Why a capture is not the whole answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Incomplete {
+    /// The client went away before the response ended.
+    ClientDisconnected,
+    /// The upstream connection failed or went idle past the read timeout mid-body.
+    UpstreamFailed,
+    /// The recorder fell behind the client and frames were not copied.
+    TeeOverflow,
+    /// The response was larger than `capture.max_response_bytes`.
+    TooLarge,
+    /// The body could not be read as a completion (bad JSON, or a stream without `[DONE]`).
+    Malformed,
+}
+
+/// The assistant's answer as the recorder saw it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Capture {
+    pub message: AssistantMessage,
+    /// `None` when the whole response arrived and was read.
+    pub incomplete: Option<Incomplete>,
+    pub streamed: bool,
+}
+
+/// One request and its captured answer, handed to the recorder.
+#[derive(Debug, Clone)]
+pub struct Exchange {
+    /// The request as the client sent it (before any rewrite).
+    pub request: ChatRequest,
+    pub client_headers: HeaderMap,
+    pub capture: Capture,
+    pub turn_id: Option<String>,
+}
+
+/// The memory behaviour of the proxy. The pass-through proxy uses [`NoMemory`].
+pub trait MemoryLayer: Send + Sync + 'static {
+    /// Rewrites the request on the hot path. Must not fail the request: on any trouble it
+    /// returns a `Degraded` outcome without a rewritten request.
+    fn rewrite<'a>(
+        &'a self,
+        client_headers: &'a HeaderMap,
+        request: &'a ChatRequest,
+    ) -> BoxFuture<'a, Rewrite>;
+
+    /// Records a finished exchange; runs after the response, off the hot path.
+    fn record(&self, exchange: Exchange) -> BoxFuture<'static, ()>;
+}
+
+/// No memory: requests pass through unchanged; captured exchanges are only logged.
+#[derive(Debug, Default)]
+pub struct NoMemory;
+
+impl MemoryLayer for NoMemory {
+    fn rewrite<'a>(
+        &'a self,
+        _client_headers: &'a HeaderMap,
+        _request: &'a ChatRequest,
+    ) -> BoxFuture<'a, Rewrite> {
+        Box::pin(std::future::ready(Rewrite::default()))
+    }
+
+    fn record(&self, exchange: Exchange) -> BoxFuture<'static, ()> {
+        log_capture(&exchange);
+        Box::pin(std::future::ready(()))
+    }
+}
+
+/// One debug line per captured exchange: sizes and state, never the text itself.
+pub fn log_capture(exchange: &Exchange) {
+    let capture = &exchange.capture;
+    tracing::debug!(
+        model = %exchange.request.model,
+        streamed = capture.streamed,
+        complete = capture.incomplete.is_none(),
+        incomplete = capture.incomplete.map(|reason| format!("{reason:?}")),
+        content_chars = capture.message.content.chars().count(),
+        tool_calls = capture.message.tool_calls.len(),
+        finish_reason = capture.message.finish_reason.as_deref(),
+        completion_tokens = capture.message.usage.map(|usage| usage.completion_tokens),
+        "exchange captured"
+    );
+}

@@ -1,0 +1,193 @@
+//! `POST /v1/chat/completions`, the interception point, as named phases in request order.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderValue};
+use http::request::Parts;
+use http::{Request, Response};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+
+use super::AppState;
+use super::tee::{self, TeeBody, TeeOptions};
+use crate::error::{BodyError, Error, ProxyBody, full_body};
+use crate::openai::{ChatRequest, StreamOptions};
+use crate::pipeline::{Exchange, Rewrite};
+use crate::upstream::without_hop_by_hop;
+
+pub async fn handle(
+    state: Arc<AppState>,
+    request: Request<Incoming>,
+) -> Result<Response<ProxyBody>, Error> {
+    if state.is_draining() {
+        return Err(Error::ShuttingDown);
+    }
+    // Phase 1: request filter — content type, size, one parse.
+    let (parts, body) = request.into_parts();
+    check_content_type(&parts.headers)?;
+    let body = read_body(body, &parts.headers, state.config.server.max_body_bytes).await?;
+    let original = ChatRequest::from_slice(&body)?;
+
+    // Phase 2: memory rewrite.
+    let mut rewrite = state.memory.rewrite(&parts.headers, &original).await;
+
+    // Phase 3: upstream request. Ask for usage on streams so the recorder sees token counts.
+    let mut outgoing = rewrite.request.take();
+    let strip_usage = original.is_stream() && !original.client_wants_usage();
+    if strip_usage {
+        outgoing
+            .get_or_insert_with(|| original.clone())
+            .stream_options
+            .get_or_insert_with(StreamOptions::default)
+            .include_usage = Some(true);
+    }
+    let upstream_body = match &outgoing {
+        Some(rewritten) => Bytes::from(rewritten.to_vec()),
+        None => body,
+    };
+    drop(outgoing);
+    let upstream_request = upstream_request(&state, &parts, upstream_body)?;
+    let response = state.upstream.send(upstream_request).await?;
+
+    // Phase 4: response filter. Upstream errors go back exactly as the upstream sent them.
+    let (mut response_parts, upstream_body) = response.into_parts();
+    response_parts.headers = without_hop_by_hop(&response_parts.headers);
+    add_memory_headers(&mut response_parts.headers, &rewrite);
+    if !response_parts.status.is_success() {
+        let body = upstream_body.map_err(BodyError::from).boxed();
+        return Ok(Response::from_parts(response_parts, body));
+    }
+    let event_stream = is_event_stream(&response_parts.headers);
+    if strip_usage && event_stream {
+        response_parts.headers.remove(header::CONTENT_LENGTH);
+    }
+
+    // Phase 5: response body filter — the tee — and, after it, the recorder.
+    let capture = &state.config.capture;
+    let (body, copies, tee_state) = TeeBody::new(
+        upstream_body,
+        TeeOptions {
+            channel_frames: capture.channel_frames,
+            max_tapped_bytes: capture.max_response_bytes,
+            idle_timeout: state.upstream.read_timeout(),
+            event_stream,
+            strip_usage: strip_usage && event_stream,
+        },
+    );
+    let memory = state.memory.clone();
+    let client_headers = parts.headers;
+    let turn_id = rewrite.turn_id;
+    state.tasks.spawn(async move {
+        let capture = tee::collect(copies, tee_state, event_stream).await;
+        let exchange = Exchange {
+            request: original,
+            client_headers,
+            capture,
+            turn_id,
+        };
+        memory.record(exchange).await;
+    });
+    Ok(Response::from_parts(response_parts, BodyExt::boxed(body)))
+}
+
+fn check_content_type(headers: &HeaderMap) -> Result<(), Error> {
+    let Some(value) = headers.get(header::CONTENT_TYPE) else {
+        // Lenient like OpenAI itself: a body without a content type is read as JSON.
+        return Ok(());
+    };
+    let media_type = value
+        .to_str()
+        .unwrap_or_default()
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    if media_type == "application/json" || media_type.ends_with("+json") {
+        Ok(())
+    } else {
+        Err(Error::UnsupportedMediaType(
+            String::from_utf8_lossy(value.as_bytes()).into_owned(),
+        ))
+    }
+}
+
+async fn read_body(body: Incoming, headers: &HeaderMap, limit: u64) -> Result<Bytes, Error> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<u64>().ok());
+    if declared.is_some_and(|length| length > limit) {
+        return Err(Error::PayloadTooLarge { limit });
+    }
+    let limit_usize = usize::try_from(limit).unwrap_or(usize::MAX);
+    match Limited::new(body, limit_usize).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(error) if error.is::<http_body_util::LengthLimitError>() => {
+            Err(Error::PayloadTooLarge { limit })
+        }
+        Err(error) => Err(Error::invalid_request(
+            format!("could not read the request body: {error}"),
+            None,
+        )),
+    }
+}
+
+fn upstream_request(
+    state: &AppState,
+    client: &Parts,
+    body: Bytes,
+) -> Result<Request<ProxyBody>, Error> {
+    let rest = client
+        .uri
+        .path_and_query()
+        .map_or("/chat/completions", |p| p.as_str())
+        .strip_prefix("/v1")
+        .unwrap_or("/chat/completions");
+    let mut headers = state.upstream.request_headers(&client.headers);
+    // The body may have changed size; hyper sets the length from the body itself.
+    headers.remove(header::CONTENT_LENGTH);
+    // The recorder must read the answer, so ask for it uncompressed.
+    headers.remove(header::ACCEPT_ENCODING);
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    let mut request = Request::new(full_body(body));
+    *request.method_mut() = http::Method::POST;
+    *request.uri_mut() = state.upstream.uri_for(rest)?;
+    *request.headers_mut() = headers;
+    Ok(request)
+}
+
+fn is_event_stream(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.starts_with("text/event-stream"))
+}
+
+fn add_memory_headers(headers: &mut HeaderMap, rewrite: &Rewrite) {
+    headers.insert(
+        "x-engram-memory",
+        HeaderValue::from_static(rewrite.outcome.as_str()),
+    );
+    if rewrite.injected_items > 0 {
+        headers.insert(
+            "x-engram-memory-tokens",
+            HeaderValue::from(rewrite.injected_tokens),
+        );
+        headers.insert(
+            "x-engram-memory-items",
+            HeaderValue::from(rewrite.injected_items),
+        );
+    }
+    if let Some(turn_id) = rewrite
+        .turn_id
+        .as_deref()
+        .and_then(|id| HeaderValue::from_str(id).ok())
+    {
+        headers.insert("x-engram-turn-id", turn_id);
+    }
+}

@@ -1,0 +1,161 @@
+//! The HTTP layer: accept loop, graceful shutdown, and the route table. Handlers stay thin; the
+//! work lives in `upstream`, `openai`, and the memory layer behind `pipeline`.
+
+mod chat;
+mod passthrough;
+mod router;
+pub mod tee;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio_util::task::TaskTracker;
+
+use crate::config::Config;
+use crate::error::Error;
+use crate::pipeline::MemoryLayer;
+use crate::upstream::Upstream;
+
+/// Everything a request handler needs, shared behind one `Arc`.
+pub struct AppState {
+    pub config: Config,
+    pub upstream: Upstream,
+    pub memory: Arc<dyn MemoryLayer>,
+    /// Connections, recorders and any other background work; shutdown waits for all of it.
+    pub tasks: TaskTracker,
+    draining: AtomicBool,
+}
+
+impl AppState {
+    pub fn new(config: Config, upstream: Upstream, memory: Arc<dyn MemoryLayer>) -> Self {
+        AppState {
+            config,
+            upstream,
+            memory,
+            tasks: TaskTracker::new(),
+            draining: AtomicBool::new(false),
+        }
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+}
+
+pub struct Server {
+    listener: TcpListener,
+    state: Arc<AppState>,
+}
+
+impl Server {
+    pub async fn bind(state: AppState) -> Result<Server, Error> {
+        let listen = state.config.server.listen;
+        let listener = TcpListener::bind(listen).await.map_err(|error| Error::Config {
+            path: "server.listen".into(),
+            message: format!("cannot listen on {listen}: {error}"),
+        })?;
+        Ok(Server {
+            listener,
+            state: Arc::new(state),
+        })
+    }
+
+    pub fn local_addr(&self) -> Result<SocketAddr, Error> {
+        Ok(self.listener.local_addr()?)
+    }
+
+    pub fn state(&self) -> Arc<AppState> {
+        self.state.clone()
+    }
+
+    /// Serves until `shutdown` resolves, then drains: stops accepting, lets in-flight requests
+    /// and streams finish, then waits for background tasks, all within the drain timeout.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
+        let Server { listener, state } = self;
+        let mut connections = auto::Builder::new(TokioExecutor::new());
+        connections.http1().keep_alive(true).max_buf_size(256 * 1024);
+        let graceful = GracefulShutdown::new();
+        tokio::pin!(shutdown);
+
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => {
+                    let (stream, peer) = match accepted {
+                        Ok(accepted) => accepted,
+                        Err(error) => {
+                            // EMFILE and friends: back off instead of spinning.
+                            tracing::warn!(%error, "accept failed");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                    };
+                    let _ = stream.set_nodelay(true);
+                    let handler_state = state.clone();
+                    let service = service_fn(move |request| {
+                        let state = handler_state.clone();
+                        async move { Ok::<_, Infallible>(router::route(state, request).await) }
+                    });
+                    let connection = connections
+                        .serve_connection_with_upgrades(TokioIo::new(stream), service)
+                        .into_owned();
+                    let connection = graceful.watch(connection);
+                    state.tasks.spawn(async move {
+                        if let Err(error) = connection.await {
+                            tracing::debug!(%peer, error = %error, "connection ended with an error");
+                        }
+                    });
+                }
+                () = &mut shutdown => break,
+            }
+        }
+
+        drop(listener);
+        state.draining.store(true, Ordering::Release);
+        let drain = state.config.drain_timeout();
+        let started = tokio::time::Instant::now();
+        tracing::info!(connections = graceful.count(), ?drain, "shutting down: draining");
+        if tokio::time::timeout(drain, graceful.shutdown()).await.is_err() {
+            tracing::warn!("drain timeout reached with connections still open; closing them");
+        }
+        state.tasks.close();
+        let left = drain.saturating_sub(started.elapsed()).max(Duration::from_millis(100));
+        if tokio::time::timeout(left, state.tasks.wait()).await.is_err() {
+            tracing::warn!(tasks = state.tasks.len(), "background tasks still running at exit");
+        }
+        tracing::info!("shutdown complete");
+        Ok(())
+    }
+}
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut terminate) => {
+                tokio::select! {
+                    _ = interrupt => {}
+                    _ = terminate.recv() => {}
+                }
+            }
+            Err(error) => {
+                tracing::warn!(%error, "cannot listen for SIGTERM; only SIGINT stops the server");
+                let _ = interrupt.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = interrupt.await;
+    }
+}

@@ -1,0 +1,36 @@
+//! Every `/v1/*` route other than chat completions: bodies stream both ways, untouched.
+
+use std::sync::Arc;
+
+use http::{Request, Response};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+
+use super::AppState;
+use crate::error::{BodyError, Error, ProxyBody};
+use crate::upstream::without_hop_by_hop;
+
+pub async fn handle(
+    state: Arc<AppState>,
+    request: Request<Incoming>,
+) -> Result<Response<ProxyBody>, Error> {
+    let (parts, body) = request.into_parts();
+    let rest = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .strip_prefix("/v1")
+        .unwrap_or("/");
+    let mut upstream_request = Request::new(body.map_err(BodyError::from).boxed());
+    *upstream_request.method_mut() = parts.method;
+    *upstream_request.uri_mut() = state.upstream.uri_for(rest)?;
+    *upstream_request.headers_mut() = state.upstream.request_headers(&parts.headers);
+
+    let response = state.upstream.send(upstream_request).await?;
+    let (mut parts, body) = response.into_parts();
+    parts.headers = without_hop_by_hop(&parts.headers);
+    Ok(Response::from_parts(
+        parts,
+        body.map_err(BodyError::from).boxed(),
+    ))
+}

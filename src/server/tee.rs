@@ -1,0 +1,247 @@
+//! The response body filter: upstream frames go to the client as they arrive, and a clone of
+//! each (a reference count, not a copy) goes to a bounded channel read by the recorder off the
+//! hot path. A full channel marks the capture incomplete instead of slowing the client.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use tokio::sync::mpsc;
+use tokio::time::{Instant, Sleep};
+
+use crate::error::BodyError;
+use crate::openai::sse::UsageStripper;
+use crate::openai::{AssistantMessage, StreamAccumulator};
+use crate::pipeline::{Capture, Incomplete};
+
+/// The first reason the capture became incomplete, shared by the tee and the recorder.
+#[derive(Debug, Default)]
+pub struct TeeState {
+    incomplete: AtomicU8,
+}
+
+impl TeeState {
+    fn mark(&self, reason: Incomplete) {
+        let code = match reason {
+            Incomplete::ClientDisconnected => 1,
+            Incomplete::UpstreamFailed => 2,
+            Incomplete::TeeOverflow => 3,
+            Incomplete::TooLarge => 4,
+            Incomplete::Malformed => 5,
+        };
+        // Keep the first reason: it is the cause, later ones are consequences.
+        let _ = self
+            .incomplete
+            .compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    pub fn incomplete(&self) -> Option<Incomplete> {
+        match self.incomplete.load(Ordering::Acquire) {
+            1 => Some(Incomplete::ClientDisconnected),
+            2 => Some(Incomplete::UpstreamFailed),
+            3 => Some(Incomplete::TeeOverflow),
+            4 => Some(Incomplete::TooLarge),
+            5 => Some(Incomplete::Malformed),
+            _ => None,
+        }
+    }
+}
+
+pub struct TeeBody {
+    upstream: Incoming,
+    /// `None` once the capture stopped (overflow, size limit, end).
+    tap: Option<mpsc::Sender<Bytes>>,
+    state: Arc<TeeState>,
+    stripper: Option<UsageStripper>,
+    idle_timeout: Duration,
+    idle: Pin<Box<Sleep>>,
+    /// Mid-stream failures of an event stream end with an SSE error event rather than a reset.
+    event_stream: bool,
+    tapped_bytes: usize,
+    max_tapped_bytes: usize,
+    ended: bool,
+}
+
+pub struct TeeOptions {
+    pub channel_frames: usize,
+    pub max_tapped_bytes: usize,
+    pub idle_timeout: Duration,
+    pub event_stream: bool,
+    /// Remove the usage chunk the proxy requested but the client did not.
+    pub strip_usage: bool,
+}
+
+impl TeeBody {
+    /// Wraps an upstream body; the receiver gets the copies and closes when the tee is done.
+    pub fn new(
+        upstream: Incoming,
+        options: TeeOptions,
+    ) -> (TeeBody, mpsc::Receiver<Bytes>, Arc<TeeState>) {
+        let (sender, receiver) = mpsc::channel(options.channel_frames.max(1));
+        let state = Arc::new(TeeState::default());
+        let body = TeeBody {
+            upstream,
+            tap: Some(sender),
+            state: state.clone(),
+            stripper: options.strip_usage.then(UsageStripper::default),
+            idle_timeout: options.idle_timeout,
+            idle: Box::pin(tokio::time::sleep(options.idle_timeout)),
+            event_stream: options.event_stream,
+            tapped_bytes: 0,
+            max_tapped_bytes: options.max_tapped_bytes,
+            ended: false,
+        };
+        (body, receiver, state)
+    }
+
+    fn copy_aside(&mut self, data: &Bytes) {
+        let Some(tap) = &self.tap else { return };
+        self.tapped_bytes += data.len();
+        let stop = if self.tapped_bytes > self.max_tapped_bytes {
+            Some(Incomplete::TooLarge)
+        } else if tap.try_send(data.clone()).is_err() {
+            Some(Incomplete::TeeOverflow)
+        } else {
+            None
+        };
+        if let Some(reason) = stop {
+            self.state.mark(reason);
+            self.tap = None;
+        }
+    }
+
+    /// Ends the body after an upstream failure: an error event for SSE, an error otherwise.
+    fn fail(&mut self, message: String) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        self.state.mark(Incomplete::UpstreamFailed);
+        self.tap = None;
+        self.ended = true;
+        tracing::warn!(error = %message, "upstream body failed mid-response");
+        if self.event_stream {
+            let event = serde_json::json!({"error": {
+                "message": format!("The upstream stream failed: {message}"),
+                "type": "upstream_error",
+                "param": null,
+                "code": "upstream_stream_failed",
+            }});
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from(format!(
+                "data: {event}\n\n"
+            ))))))
+        } else {
+            Poll::Ready(Some(Err(message.into())))
+        }
+    }
+}
+
+impl Body for TeeBody {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let this = self.get_mut();
+        loop {
+            if this.ended {
+                return Poll::Ready(None);
+            }
+            match Pin::new(&mut this.upstream).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    let deadline = Instant::now() + this.idle_timeout;
+                    this.idle.as_mut().reset(deadline);
+                    let data = match frame.into_data() {
+                        Ok(data) => data,
+                        Err(trailers) => return Poll::Ready(Some(Ok(trailers))),
+                    };
+                    this.copy_aside(&data);
+                    let out = match &mut this.stripper {
+                        Some(stripper) => stripper.push(&data),
+                        None => data,
+                    };
+                    if out.is_empty() {
+                        continue;
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(out))));
+                }
+                Poll::Ready(None) => {
+                    this.ended = true;
+                    this.tap = None;
+                    let tail = this.stripper.as_mut().map(UsageStripper::finish);
+                    return match tail {
+                        Some(tail) if !tail.is_empty() => Poll::Ready(Some(Ok(Frame::data(tail)))),
+                        _ => Poll::Ready(None),
+                    };
+                }
+                Poll::Ready(Some(Err(error))) => return this.fail(error.to_string()),
+                Poll::Pending => {
+                    if this.idle.as_mut().poll(cx).is_ready() {
+                        let message = format!("no data for {:?}", this.idle_timeout);
+                        return this.fail(message);
+                    }
+                    return Poll::Pending;
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match (&self.stripper, self.ended) {
+            (_, true) => SizeHint::with_exact(0),
+            (None, false) => self.upstream.size_hint(),
+            (Some(_), false) => SizeHint::default(),
+        }
+    }
+}
+
+impl Drop for TeeBody {
+    fn drop(&mut self) {
+        // Dropped before its end: hyper gave up on the client (disconnect, reset).
+        if !self.ended {
+            self.state.mark(Incomplete::ClientDisconnected);
+        }
+        // The tap sender drops after this, so the recorder sees the mark before the close.
+    }
+}
+
+/// The recorder's side of the tee: rebuilds the answer from the copies, once the tee is done.
+pub async fn collect(
+    mut copies: mpsc::Receiver<Bytes>,
+    state: Arc<TeeState>,
+    streamed: bool,
+) -> Capture {
+    let (message, parse_problem) = if streamed {
+        let mut accumulator = StreamAccumulator::default();
+        while let Some(bytes) = copies.recv().await {
+            accumulator.push(&bytes);
+        }
+        let summary = accumulator.finish();
+        let whole = summary.saw_done && summary.malformed_events == 0;
+        (summary.message, !whole)
+    } else {
+        let mut body = Vec::new();
+        while let Some(bytes) = copies.recv().await {
+            body.extend_from_slice(&bytes);
+        }
+        match AssistantMessage::from_completion(&body) {
+            Ok(message) => (message, false),
+            Err(_) => (AssistantMessage::default(), true),
+        }
+    };
+    let incomplete = state
+        .incomplete()
+        .or(parse_problem.then_some(Incomplete::Malformed));
+    Capture {
+        message,
+        incomplete,
+        streamed,
+    }
+}
