@@ -6,7 +6,11 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "engram", version, about = "An OpenAI-compatible proxy that gives LLM apps long-term memory")]
+#[command(
+    name = "engram",
+    version,
+    about = "An OpenAI-compatible proxy that gives LLM apps long-term memory"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,

@@ -102,7 +102,10 @@ fn mock_upstream(args: MockArgs) -> Result<(), Error> {
     runtime(args.worker_threads)?.block_on(async move {
         let server = MockServer::bind(options).await?;
         let address = server.local_addr()?;
-        let _ = writeln!(std::io::stdout(), "mock-upstream listening on http://{address}");
+        let _ = writeln!(
+            std::io::stdout(),
+            "mock-upstream listening on http://{address}"
+        );
         let _ = std::io::stdout().flush();
         tokio::select! {
             result = server.run() => result,

@@ -16,7 +16,7 @@ use crate::error::Error;
 const ENV_PREFIX: &str = "ENGRAM_";
 const ENV_SEPARATOR: &str = "__";
 
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub server: ServerConfig,
@@ -120,17 +120,6 @@ impl Default for LoggingConfig {
     }
 }
 
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            server: ServerConfig::default(),
-            upstream: UpstreamConfig::default(),
-            capture: CaptureConfig::default(),
-            logging: LoggingConfig::default(),
-        }
-    }
-}
-
 impl Config {
     /// Loads the file (if given), applies `ENGRAM_…__…` overrides from `env`, and validates.
     pub fn load(
@@ -156,12 +145,11 @@ impl Config {
     }
 
     fn from_tree(tree: Value) -> Result<Config, Error> {
-        let config: Config = serde_path_to_error::deserialize(tree).map_err(|error| {
-            Error::Config {
+        let config: Config =
+            serde_path_to_error::deserialize(tree).map_err(|error| Error::Config {
                 path: error.path().to_string(),
                 message: error.into_inner().to_string(),
-            }
-        })?;
+            })?;
         config.validate()?;
         Ok(config)
     }
@@ -198,7 +186,10 @@ impl Config {
             return invalid("server.max_body_bytes", "must be greater than 0");
         }
         for (path, value) in [
-            ("upstream.connect_timeout_ms", self.upstream.connect_timeout_ms),
+            (
+                "upstream.connect_timeout_ms",
+                self.upstream.connect_timeout_ms,
+            ),
             ("upstream.read_timeout_ms", self.upstream.read_timeout_ms),
         ] {
             if value == 0 {
@@ -311,7 +302,10 @@ mod tests {
     #[test]
     fn bad_values_are_rejected_with_their_path() {
         let error = Config::from_yaml("upstream:\n  connect_timeout_ms: soon\n").unwrap_err();
-        assert!(error.to_string().contains("upstream.connect_timeout_ms"), "{error}");
+        assert!(
+            error.to_string().contains("upstream.connect_timeout_ms"),
+            "{error}"
+        );
         let error = Config::from_yaml("upstream:\n  base_url: ftp://x\n").unwrap_err();
         assert!(error.to_string().contains("upstream.base_url"), "{error}");
         let error = Config::from_yaml("logging:\n  format: xml\n").unwrap_err();
@@ -321,8 +315,14 @@ mod tests {
     #[test]
     fn env_overrides_win_over_the_file_and_ignore_plain_vars() {
         let env = vec![
-            ("ENGRAM_SERVER__LISTEN".to_owned(), "0.0.0.0:9999".to_owned()),
-            ("ENGRAM_UPSTREAM__READ_TIMEOUT_MS".to_owned(), "1234".to_owned()),
+            (
+                "ENGRAM_SERVER__LISTEN".to_owned(),
+                "0.0.0.0:9999".to_owned(),
+            ),
+            (
+                "ENGRAM_UPSTREAM__READ_TIMEOUT_MS".to_owned(),
+                "1234".to_owned(),
+            ),
             ("ENGRAM_ADMIN_TOKEN".to_owned(), "secret".to_owned()),
             ("OTHER__THING".to_owned(), "x".to_owned()),
         ];

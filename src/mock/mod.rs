@@ -233,7 +233,9 @@ impl Mock {
                         return;
                     }
                     Some(Fault::Malformed) if index == cut => {
-                        let _ = sender.send_data(Bytes::from_static(b"data: {not json\n\n")).await;
+                        let _ = sender
+                            .send_data(Bytes::from_static(b"data: {not json\n\n"))
+                            .await;
                         return;
                     }
                     _ => {}
@@ -248,7 +250,10 @@ impl Mock {
         });
         let mut response = Response::new(body.boxed());
         let headers = response.headers_mut();
-        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
         response
     }
@@ -345,7 +350,10 @@ impl Reply {
             }
             event(&value)
         };
-        let mut events = vec![chunk(json!({"role": "assistant", "content": ""}), Value::Null)];
+        let mut events = vec![chunk(
+            json!({"role": "assistant", "content": ""}),
+            Value::Null,
+        )];
         for piece in split_chars(&self.content, self.chunks) {
             events.push(chunk(json!({"content": piece}), Value::Null));
         }
@@ -374,7 +382,10 @@ fn event(value: &Value) -> Bytes {
 fn split_chars(text: &str, parts: usize) -> Vec<String> {
     let chars: Vec<char> = text.chars().collect();
     let size = chars.len().div_ceil(parts.max(1)).max(1);
-    chars.chunks(size).map(|piece| piece.iter().collect()).collect()
+    chars
+        .chunks(size)
+        .map(|piece| piece.iter().collect())
+        .collect()
 }
 
 fn filler(len: usize) -> String {
@@ -386,9 +397,10 @@ fn json_response(status: StatusCode, value: Value) -> Response<ProxyBody> {
     let body = serde_json::to_vec(&value).unwrap_or_default();
     let mut response = Response::new(full_body(body));
     *response.status_mut() = status;
-    response
-        .headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     response
 }
 
@@ -437,8 +449,16 @@ mod tests {
         let reply = reply("abc", 2);
         let with: Vec<Bytes> = reply.events(true);
         let without: Vec<Bytes> = reply.events(false);
-        assert!(with.iter().all(|e| e.ends_with(b"[DONE]\n\n") || memchr::memmem::find(e, b"\"usage\"").is_some()));
-        assert!(without.iter().all(|e| memchr::memmem::find(e, b"usage").is_none()));
+        assert!(
+            with.iter()
+                .all(|e| e.ends_with(b"[DONE]\n\n")
+                    || memchr::memmem::find(e, b"\"usage\"").is_some())
+        );
+        assert!(
+            without
+                .iter()
+                .all(|e| memchr::memmem::find(e, b"usage").is_none())
+        );
         assert_eq!(with.len(), without.len() + 1);
     }
 

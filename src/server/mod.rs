@@ -59,10 +59,12 @@ pub struct Server {
 impl Server {
     pub async fn bind(state: AppState) -> Result<Server, Error> {
         let listen = state.config.server.listen;
-        let listener = TcpListener::bind(listen).await.map_err(|error| Error::Config {
-            path: "server.listen".into(),
-            message: format!("cannot listen on {listen}: {error}"),
-        })?;
+        let listener = TcpListener::bind(listen)
+            .await
+            .map_err(|error| Error::Config {
+                path: "server.listen".into(),
+                message: format!("cannot listen on {listen}: {error}"),
+            })?;
         Ok(Server {
             listener,
             state: Arc::new(state),
@@ -82,7 +84,10 @@ impl Server {
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
         let Server { listener, state } = self;
         let mut connections = auto::Builder::new(TokioExecutor::new());
-        connections.http1().keep_alive(true).max_buf_size(256 * 1024);
+        connections
+            .http1()
+            .keep_alive(true)
+            .max_buf_size(256 * 1024);
         let graceful = GracefulShutdown::new();
         tokio::pin!(shutdown);
 
@@ -122,14 +127,29 @@ impl Server {
         state.draining.store(true, Ordering::Release);
         let drain = state.config.drain_timeout();
         let started = tokio::time::Instant::now();
-        tracing::info!(connections = graceful.count(), ?drain, "shutting down: draining");
-        if tokio::time::timeout(drain, graceful.shutdown()).await.is_err() {
+        tracing::info!(
+            connections = graceful.count(),
+            ?drain,
+            "shutting down: draining"
+        );
+        if tokio::time::timeout(drain, graceful.shutdown())
+            .await
+            .is_err()
+        {
             tracing::warn!("drain timeout reached with connections still open; closing them");
         }
         state.tasks.close();
-        let left = drain.saturating_sub(started.elapsed()).max(Duration::from_millis(100));
-        if tokio::time::timeout(left, state.tasks.wait()).await.is_err() {
-            tracing::warn!(tasks = state.tasks.len(), "background tasks still running at exit");
+        let left = drain
+            .saturating_sub(started.elapsed())
+            .max(Duration::from_millis(100));
+        if tokio::time::timeout(left, state.tasks.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                tasks = state.tasks.len(),
+                "background tasks still running at exit"
+            );
         }
         tracing::info!("shutdown complete");
         Ok(())

@@ -17,7 +17,9 @@ pub async fn route(state: Arc<AppState>, request: Request<Incoming>) -> Response
             path: path.to_owned(),
         }),
         (_, path) if path.starts_with("/v1/") => passthrough::handle(state, request).await,
-        (&Method::GET | &Method::HEAD, "/healthz") => Ok(json(StatusCode::OK, r#"{"status":"ok"}"#)),
+        (&Method::GET | &Method::HEAD, "/healthz") => {
+            Ok(json(StatusCode::OK, r#"{"status":"ok"}"#))
+        }
         (&Method::GET | &Method::HEAD, "/readyz") => Ok(if state.is_draining() {
             json(StatusCode::SERVICE_UNAVAILABLE, r#"{"status":"draining"}"#)
         } else {

@@ -115,6 +115,16 @@ impl TeeBody {
         }
     }
 
+    /// The upstream body ended whole: closes the tap and returns any held-back tail.
+    fn end(&mut self) -> Bytes {
+        self.ended = true;
+        self.tap = None;
+        self.stripper
+            .as_mut()
+            .map(UsageStripper::finish)
+            .unwrap_or_default()
+    }
+
     /// Ends the body after an upstream failure: an error event for SSE, an error otherwise.
     fn fail(&mut self, message: String) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         self.state.mark(Incomplete::UpstreamFailed);
@@ -159,22 +169,29 @@ impl Body for TeeBody {
                         Err(trailers) => return Poll::Ready(Some(Ok(trailers))),
                     };
                     this.copy_aside(&data);
-                    let out = match &mut this.stripper {
+                    let mut out = match &mut this.stripper {
                         Some(stripper) => stripper.push(&data),
                         None => data,
                     };
+                    // A body with a known length ends with its last data frame: hyper will not
+                    // poll again, so the end is recorded here rather than on `None`.
+                    if this.upstream.is_end_stream() {
+                        let tail = this.end();
+                        if !tail.is_empty() {
+                            out = [out, tail].concat().into();
+                        }
+                    }
                     if out.is_empty() {
                         continue;
                     }
                     return Poll::Ready(Some(Ok(Frame::data(out))));
                 }
                 Poll::Ready(None) => {
-                    this.ended = true;
-                    this.tap = None;
-                    let tail = this.stripper.as_mut().map(UsageStripper::finish);
-                    return match tail {
-                        Some(tail) if !tail.is_empty() => Poll::Ready(Some(Ok(Frame::data(tail)))),
-                        _ => Poll::Ready(None),
+                    let tail = this.end();
+                    return if tail.is_empty() {
+                        Poll::Ready(None)
+                    } else {
+                        Poll::Ready(Some(Ok(Frame::data(tail))))
                     };
                 }
                 Poll::Ready(Some(Err(error))) => return this.fail(error.to_string()),

@@ -79,18 +79,19 @@ impl Upstream {
             .pool_max_idle_per_host(config.pool_max_idle_per_host)
             .build(https);
 
-        let api_key = match api_key {
-            Some(key) => {
-                let mut value = HeaderValue::try_from(format!("Bearer {}", key.trim()))
-                    .map_err(|_| Error::Config {
-                        path: "upstream.api_key_env".into(),
-                        message: "the key holds characters not allowed in a header".into(),
-                    })?;
-                value.set_sensitive(true);
-                Some(value)
-            }
-            None => None,
-        };
+        let api_key =
+            match api_key {
+                Some(key) => {
+                    let mut value = HeaderValue::try_from(format!("Bearer {}", key.trim()))
+                        .map_err(|_| Error::Config {
+                            path: "upstream.api_key_env".into(),
+                            message: "the key holds characters not allowed in a header".into(),
+                        })?;
+                    value.set_sensitive(true);
+                    Some(value)
+                }
+                None => None,
+            };
         Ok(Upstream {
             client,
             scheme,
@@ -206,8 +207,14 @@ mod tests {
     #[tokio::test]
     async fn client_authorization_is_kept_unless_a_key_is_configured() {
         let mut client = HeaderMap::new();
-        client.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer client"));
-        client.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, x-drop"));
+        client.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer client"),
+        );
+        client.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-drop"),
+        );
         client.insert("x-drop", HeaderValue::from_static("1"));
         client.insert("x-engram-user", HeaderValue::from_static("alice"));
         client.insert("x-keep", HeaderValue::from_static("1"));
@@ -221,7 +228,8 @@ mod tests {
         assert!(forwarded.get(header::HOST).is_none());
         assert_eq!(forwarded["x-keep"], "1");
 
-        let forwarded = upstream("http://127.0.0.1:9/v1", Some("sk-server")).request_headers(&client);
+        let forwarded =
+            upstream("http://127.0.0.1:9/v1", Some("sk-server")).request_headers(&client);
         assert_eq!(forwarded[header::AUTHORIZATION], "Bearer sk-server");
         assert!(forwarded[header::AUTHORIZATION].is_sensitive());
     }
@@ -234,6 +242,10 @@ mod tests {
             .body(crate::error::full_body(""))
             .unwrap();
         let error = up.send(request).await.unwrap_err();
-        assert_eq!(error.status_code(), http::StatusCode::BAD_GATEWAY, "{error}");
+        assert_eq!(
+            error.status_code(),
+            http::StatusCode::BAD_GATEWAY,
+            "{error}"
+        );
     }
 }
