@@ -1,0 +1,477 @@
+//! The proxy's own added latency, measured side by side with a direct-to-mock run.
+//!
+//! Run with `./benches/overhead.sh` (or `cargo bench --bench overhead -- [--duration-secs N]
+//! [--rates 500,1000,2000]`). It starts the mock upstream and the proxy (the real release
+//! binaries), pins the proxy to core 1 and itself plus the mock to core 0 when `taskset` exists,
+//! and drives an open-loop load (requests are sent on a fixed schedule, never waiting for
+//! earlier answers) against the mock directly and through the proxy, one after the other at each
+//! rate. Added latency = proxy percentile − direct percentile.
+//!
+//! Not a test: it prints numbers and asserts nothing.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "a benchmark binary: it reports on stdout and stops loudly on a broken setup"
+)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio::task::JoinSet;
+
+const BIN: &str = env!("CARGO_BIN_EXE_engram");
+
+struct Process {
+    child: Child,
+    address: String,
+}
+
+impl Process {
+    fn start(core: Option<&str>, args: &[&str], env: &[(&str, &str)]) -> Process {
+        let mut command = match core {
+            Some(core) if has_taskset() => {
+                let mut command = Command::new("taskset");
+                command.args(["-c", core, BIN]);
+                command
+            }
+            _ => Command::new(BIN),
+        };
+        command
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .env("ENGRAM_LOGGING__LEVEL", "warn");
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        let mut child = command.spawn().expect("start engram");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let address = line
+            .rsplit(' ')
+            .next()
+            .expect("listening line")
+            .trim()
+            .to_owned();
+        Process { child, address }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Peak resident set size in MiB (VmHWM).
+    fn peak_rss_mib(&self) -> f64 {
+        proc_status_kib(self.pid(), "VmHWM:") as f64 / 1024.0
+    }
+
+    /// User + system CPU seconds used so far.
+    fn cpu_seconds(&self) -> f64 {
+        let stat =
+            std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).unwrap_or_default();
+        // Fields after the command name (which may contain spaces) start after ')'.
+        let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+        let fields: Vec<&str> = after.split_whitespace().collect();
+        let ticks: f64 = fields
+            .get(11..13)
+            .map(|f| f.iter().filter_map(|v| v.parse::<f64>().ok()).sum())
+            .unwrap_or(0.0);
+        ticks / 100.0
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn proc_status_kib(pid: u32, key: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|line| line.starts_with(key))
+        .and_then(|line| line.split_whitespace().nth(1))
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(0)
+}
+
+fn has_taskset() -> bool {
+    Command::new("taskset")
+        .arg("-V")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+#[derive(Default)]
+struct Samples {
+    /// Full response time, send to last byte, in microseconds.
+    total_us: Vec<f64>,
+    /// Send to first body chunk, in microseconds.
+    first_chunk_us: Vec<f64>,
+    errors: u64,
+    /// How late the generator started requests against its schedule (its own health).
+    max_send_lag_us: f64,
+    elapsed: Duration,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted[rank.min(sorted.len() - 1)]
+}
+
+const PERCENTILES: [f64; 4] = [50.0, 90.0, 99.0, 99.9];
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+type Headers = &'static [(&'static str, &'static str)];
+
+fn client() -> HttpClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(4096)
+        .build(connector)
+}
+
+async fn one_request(
+    client: HttpClient,
+    url: String,
+    body: Bytes,
+    headers: Headers,
+) -> Option<(f64, f64)> {
+    let mut request = http::Request::post(url)
+        .header("content-type", "application/json")
+        .header("authorization", "Bearer sk-bench");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request.body(Full::new(body)).ok()?;
+    let started = Instant::now();
+    let response = client.request(request).await.ok()?;
+    if !response.status().is_success() {
+        return None;
+    }
+    let mut body = response.into_body();
+    let mut first = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.ok()?;
+        if first.is_none() && frame.data_ref().is_some_and(|d| !d.is_empty()) {
+            first = Some(started.elapsed());
+        }
+    }
+    let total = started.elapsed();
+    let first = first.unwrap_or(total);
+    Some((total.as_secs_f64() * 1e6, first.as_secs_f64() * 1e6))
+}
+
+/// Open loop: request `i` is sent at `start + i / rate`, whatever happened to earlier ones.
+async fn open_loop(
+    url: &str,
+    body: &Bytes,
+    headers: Headers,
+    rate: u64,
+    duration: Duration,
+) -> Samples {
+    let client = client();
+    // Warm the pool and both processes.
+    for _ in 0..200 {
+        let _ = one_request(client.clone(), url.to_owned(), body.clone(), headers).await;
+    }
+    let total = (rate as f64 * duration.as_secs_f64()) as u64;
+    let interval = Duration::from_secs_f64(1.0 / rate as f64);
+    let start = tokio::time::Instant::now() + Duration::from_millis(20);
+    let mut in_flight = JoinSet::new();
+    let mut samples = Samples::default();
+    for i in 0..total {
+        let scheduled = start + interval.mul_f64(i as f64);
+        tokio::time::sleep_until(scheduled).await;
+        let lag = tokio::time::Instant::now().saturating_duration_since(scheduled);
+        samples.max_send_lag_us = samples.max_send_lag_us.max(lag.as_secs_f64() * 1e6);
+        in_flight.spawn(one_request(
+            client.clone(),
+            url.to_owned(),
+            body.clone(),
+            headers,
+        ));
+    }
+    while let Some(result) = in_flight.join_next().await {
+        match result {
+            Ok(Some((total, first))) => {
+                samples.total_us.push(total);
+                samples.first_chunk_us.push(first);
+            }
+            _ => samples.errors += 1,
+        }
+    }
+    samples.elapsed = start.elapsed();
+    samples.total_us.sort_by(f64::total_cmp);
+    samples.first_chunk_us.sort_by(f64::total_cmp);
+    samples
+}
+
+/// What oha reports for one run, in microseconds.
+struct OhaRun {
+    percentiles_us: [f64; 4],
+    requests_per_sec: f64,
+    ok: u64,
+    errors: u64,
+}
+
+fn oha_path() -> String {
+    let home_bin = format!(
+        "{}/.cargo/bin/oha",
+        std::env::var("HOME").unwrap_or_default()
+    );
+    if std::path::Path::new(&home_bin).exists() {
+        home_bin
+    } else {
+        "oha".to_owned()
+    }
+}
+
+/// Open-loop load from oha at a fixed rate, with latency correction (latency counted from when
+/// each request was due, not when it went out), pinned to core 0.
+fn run_oha(url: &str, body: &Bytes, rate: u64, duration: Duration) -> OhaRun {
+    let body_path = std::env::temp_dir().join("engram-bench-body.json");
+    std::fs::write(&body_path, body).unwrap();
+    let mut command = if has_taskset() {
+        let mut c = Command::new("taskset");
+        c.args(["-c", "0", &oha_path()]);
+        c
+    } else {
+        Command::new(oha_path())
+    };
+    let output = command
+        .args([
+            "--no-tui",
+            "--output-format",
+            "json",
+            "--latency-correction",
+        ])
+        .args(["-z", &format!("{}s", duration.as_secs())])
+        .args(["-q", &rate.to_string(), "-c", "64", "-m", "POST"])
+        .args([
+            "-H",
+            "content-type: application/json",
+            "-H",
+            "authorization: Bearer sk-bench",
+        ])
+        .arg("-D")
+        .arg(&body_path)
+        .arg(url)
+        .output()
+        .expect("oha is missing: run ./benches/overhead.sh, which installs it");
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+        panic!(
+            "oha output is not JSON ({e}): {}",
+            String::from_utf8_lossy(&output.stderr)
+        )
+    });
+    let at = |key: &str| {
+        report["latencyPercentiles"][key]
+            .as_f64()
+            .unwrap_or(f64::NAN)
+            * 1e6
+    };
+    let ok = report["statusCodeDistribution"]["200"]
+        .as_u64()
+        .unwrap_or(0);
+    let errors = report["statusCodeDistribution"]
+        .as_object()
+        .map_or(0, |codes| {
+            codes
+                .iter()
+                .filter(|(code, _)| *code != "200")
+                .filter_map(|(_, n)| n.as_u64())
+                .sum()
+        })
+        + report["errorDistribution"].as_object().map_or(0, |errors| {
+            errors.values().filter_map(serde_json::Value::as_u64).sum()
+        });
+    OhaRun {
+        percentiles_us: [at("p50"), at("p90"), at("p99"), at("p99.9")],
+        requests_per_sec: report["summary"]["requestsPerSec"].as_f64().unwrap_or(0.0),
+        ok,
+        errors,
+    }
+}
+
+fn chat_body(stream: bool) -> Bytes {
+    Bytes::from(
+        serde_json::json!({
+            "model": "gpt-bench",
+            "messages": [
+                {"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "Summarise the plot of a short story about a lighthouse keeper in two sentences."}
+            ],
+            "stream": stream,
+        })
+        .to_string(),
+    )
+}
+
+fn row(label: &str, values: impl IntoIterator<Item = f64>) {
+    let cells: Vec<String> = values
+        .into_iter()
+        .map(|v| format!("{:>8.3}", v / 1000.0))
+        .collect();
+    println!("| {label:<28} | {} |", cells.join(" | "));
+}
+
+fn report(rate: u64, metric: &str, direct: &[f64], proxied: &[f64]) {
+    println!("\n{metric} at {rate} req/s (ms, built-in open-loop client)");
+    table(
+        &PERCENTILES.map(|p| percentile(direct, p)),
+        &PERCENTILES.map(|p| percentile(proxied, p)),
+    );
+}
+
+fn table(direct: &[f64; 4], proxied: &[f64; 4]) {
+    println!(
+        "| {:<28} | {:>8} | {:>8} | {:>8} | {:>8} |",
+        "", "p50", "p90", "p99", "p99.9"
+    );
+    println!("|{}|", "-".repeat(30) + &"|----------".repeat(4));
+    row("direct", *direct);
+    row("through engram", *proxied);
+    row(
+        "added by engram",
+        std::array::from_fn::<f64, 4, _>(|i| proxied[i] - direct[i]),
+    );
+}
+
+fn parse_args() -> (Duration, Vec<u64>, u64) {
+    let mut duration = Duration::from_secs(10);
+    let mut rates = vec![500, 1000, 2000];
+    let mut stream_rate = 200;
+    let args: Vec<String> = std::env::args().collect();
+    let mut i = 1;
+    while i < args.len() {
+        match args[i].as_str() {
+            "--duration-secs" => {
+                duration = Duration::from_secs(args[i + 1].parse().expect("seconds"));
+                i += 1;
+            }
+            "--rates" => {
+                rates = args[i + 1]
+                    .split(',')
+                    .map(|r| r.parse().expect("rate"))
+                    .collect();
+                i += 1;
+            }
+            "--stream-rate" => {
+                stream_rate = args[i + 1].parse().expect("rate");
+                i += 1;
+            }
+            _ => {} // cargo passes --bench
+        }
+        i += 1;
+    }
+    (duration, rates, stream_rate)
+}
+
+fn main() {
+    let (duration, rates, stream_rate) = parse_args();
+    let pinned = has_taskset();
+    if pinned {
+        // The generator shares core 0 with the mock; the proxy gets core 1 to itself.
+        let _ = Command::new("taskset")
+            .args(["-a", "-p", "-c", "0", &std::process::id().to_string()])
+            .stdout(Stdio::null())
+            .status();
+    }
+    let mock = Process::start(
+        Some("0"),
+        &[
+            "mock-upstream",
+            "--listen",
+            "127.0.0.1:0",
+            "--worker-threads",
+            "1",
+        ],
+        &[],
+    );
+    let upstream = format!("{}/v1", mock.address);
+    let proxy = Process::start(
+        Some("1"),
+        &["serve", "--listen", "127.0.0.1:0", "--upstream", &upstream],
+        &[("ENGRAM_SERVER__WORKER_THREADS", "1")],
+    );
+    println!("# engram overhead benchmark");
+    println!(
+        "machine: {} cores, {}; pinned: {}; duration per run: {:?}",
+        std::fs::read_to_string("/proc/cpuinfo")
+            .unwrap_or_default()
+            .matches("processor\t")
+            .count(),
+        cpu_model(),
+        if pinned {
+            "proxy on core 1, mock + load generator on core 0"
+        } else {
+            "no (taskset missing)"
+        },
+        duration
+    );
+    println!("proxy: 1 worker thread, memory off (pass-through); mock: 1 worker thread");
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let direct_url = format!("{}/v1/chat/completions", mock.address);
+        let proxy_url = format!("{}/v1/chat/completions", proxy.address);
+        let body = chat_body(false);
+        for &rate in &rates {
+            let direct = run_oha(&direct_url, &body, rate, duration);
+            let cpu_before = proxy.cpu_seconds();
+            let proxied = run_oha(&proxy_url, &body, rate, duration);
+            let cpu = proxy.cpu_seconds() - cpu_before;
+            println!("\nnon-streaming, full response at {rate} req/s (ms, oha, latency-corrected)");
+            table(&direct.percentiles_us, &proxied.percentiles_us);
+            println!(
+                "throughput {:.0} req/s direct, {:.0} req/s proxied; errors {} direct, {} proxied; proxy CPU {:.3} s per 1,000 requests",
+                direct.requests_per_sec,
+                proxied.requests_per_sec,
+                direct.errors,
+                proxied.errors,
+                cpu / proxied.ok.max(1) as f64 * 1000.0,
+            );
+        }
+
+        let body = chat_body(true);
+        let fifty_chunks: Headers = &[("x-mock-chunks", "50")];
+        let direct = open_loop(&direct_url, &body, fifty_chunks, stream_rate, duration).await;
+        let proxied = open_loop(&proxy_url, &body, fifty_chunks, stream_rate, duration).await;
+        report(stream_rate, "streaming (50 chunks), time to first chunk", &direct.first_chunk_us, &proxied.first_chunk_us);
+        report(stream_rate, "streaming (50 chunks), full stream", &direct.total_us, &proxied.total_us);
+        println!("errors {} direct, {} proxied", direct.errors, proxied.errors);
+        println!("\nproxy peak RSS: {:.1} MiB", proxy.peak_rss_mib());
+    });
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find(|line| line.starts_with("model name"))
+        .and_then(|line| line.split(':').nth(1))
+        .map_or_else(|| "unknown CPU".to_owned(), |m| m.trim().to_owned())
+}

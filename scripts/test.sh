@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Runs engram's whole test suite. Installs what the tests need when it is missing:
+# a Python venv (.venv) with the official `openai` SDK for the end-to-end SDK test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\n== %s\n' "$*"; }
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+apt_install() {
+  log "installing $* with apt-get"
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "$@" >/dev/null
+}
+
+# Python venv with the openai SDK.
+VENV=.venv
+if ! "$VENV/bin/python" -c "import openai" 2>/dev/null; then
+  log "creating $VENV with the openai package"
+  python3 -m venv "$VENV" 2>/dev/null || { apt_install python3-venv; rm -rf "$VENV"; python3 -m venv "$VENV"; }
+  "$VENV/bin/pip" install --quiet --disable-pip-version-check openai
+fi
+export ENGRAM_TEST_PYTHON="$PWD/$VENV/bin/python"
+
+log "cargo fmt --check"
+cargo fmt --all -- --check
+
+log "cargo clippy"
+cargo clippy --all-targets --locked -- -D warnings
+
+log "cargo test"
+cargo test --locked --all-targets
