@@ -95,9 +95,10 @@ impl MemoryState {
         MemoryState::default()
     }
 
-    /// The turn number new items are stamped with: the number of recorded turns.
+    /// The latest recorded turn's sequence number (0 before any): items are stamped with it,
+    /// and ages are counted from it.
     pub fn now(&self) -> TurnSeq {
-        TurnSeq::try_from(self.raw_turns.len()).unwrap_or(TurnSeq::MAX)
+        TurnSeq::try_from(self.raw_turns.len().saturating_sub(1)).unwrap_or(TurnSeq::MAX)
     }
 
     /// The client-visible id of a raw turn, for provenance.
