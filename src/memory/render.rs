@@ -37,8 +37,8 @@ pub enum Fixed {
     ConversationHeading,
     EpisodesHeading,
     ArtifactsHeading,
-    /// Between a block and the user text it prefixes.
-    PrefixSeparator,
+    /// The closing tag of a block that prefixes the user's text, with the blank line after it.
+    ClosePrefix,
 }
 
 const FIXED: [Fixed; 14] = [
@@ -55,7 +55,7 @@ const FIXED: [Fixed; 14] = [
     Fixed::ConversationHeading,
     Fixed::EpisodesHeading,
     Fixed::ArtifactsHeading,
-    Fixed::PrefixSeparator,
+    Fixed::ClosePrefix,
 ];
 
 impl Fixed {
@@ -78,7 +78,7 @@ impl Fixed {
             Fixed::ConversationHeading => "## Earlier conversation\n",
             Fixed::EpisodesHeading => "## Earlier episodes\n",
             Fixed::ArtifactsHeading => "## Artifacts\n",
-            Fixed::PrefixSeparator => "\n\n",
+            Fixed::ClosePrefix => "</engram-memory>\n\n",
         }
     }
 
