@@ -23,6 +23,10 @@ pub struct MemoryConfig {
     pub long_turn_extra_window: usize,
     /// Turns an item stays in NEW before it is demoted to CURRENT.
     pub new_ttl_turns: u32,
+    /// Turns a turn summary may stay in CURRENT without the conversation coming back to it
+    /// (seed 000 applies a TTL to the working set). Facts are bounded by capacity only: base
+    /// truth stays in the core block while it fits.
+    pub current_ttl_turns: u32,
     /// Token capacity of the CURRENT working set; lower-scored items beyond it are demoted to OLD
     /// and folded into episode manifests.
     pub working_set_tokens: u32,
@@ -51,6 +55,7 @@ impl Default for MemoryConfig {
             raw_window_turns: 6,
             long_turn_extra_window: 2,
             new_ttl_turns: 8,
+            current_ttl_turns: 24,
             working_set_tokens: 1024,
             placement: Placement::System,
             message_overhead_tokens: 4,

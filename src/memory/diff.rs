@@ -152,9 +152,9 @@ impl DiffReport {
 /// The final effect a diff has on one key.
 #[derive(Debug, Clone)]
 enum KeyOp {
-    /// Remove, optionally only if the current value matches.
+    /// Remove: unconditionally (`None`), or only if the current value is one of these.
     Remove {
-        value: Option<String>,
+        values: Option<Vec<String>>,
     },
     Set {
         edit: FactEdit,
@@ -174,8 +174,25 @@ fn collapse(diff: &FactDiff) -> (BTreeMap<String, (String, KeyOp)>, Vec<String>)
             ignored.push(edit.text.clone());
             continue;
         }
-        let value = (!value.is_empty()).then_some(value);
-        ops.insert(normalise(&key), (key, KeyOp::Remove { value }));
+        // Removes of one key combine as the sequence would: any unconditional remove wins,
+        // otherwise the fact goes if it holds any of the listed values.
+        let values = match (ops.remove(&normalise(&key)), value.is_empty()) {
+            (_, true) | (Some((_, KeyOp::Remove { values: None })), _) => None,
+            (
+                Some((
+                    _,
+                    KeyOp::Remove {
+                        values: Some(mut earlier),
+                    },
+                )),
+                false,
+            ) => {
+                earlier.push(value);
+                Some(earlier)
+            }
+            (_, false) => Some(vec![value]),
+        };
+        ops.insert(normalise(&key), (key, KeyOp::Remove { values }));
     }
     for edit in diff.update.iter().chain(&diff.add) {
         let (key, value) = edit.key_value();
@@ -211,14 +228,16 @@ pub fn apply_diff(state: &mut MemoryState, diff: &FactDiff, source: Option<TurnS
     for (normalised_key, (key, op)) in ops {
         let existing = find_fact(state, &normalised_key);
         match op {
-            KeyOp::Remove { value } => {
+            KeyOp::Remove { values } => {
                 let Some(index) = existing.filter(|index| state.facts[*index].active) else {
                     report.ignored.push(key);
                     continue;
                 };
                 let fact = &mut state.facts[index];
-                if let Some(value) = value
-                    && normalise(&value) != normalise(&fact.value)
+                if let Some(values) = values
+                    && !values
+                        .iter()
+                        .any(|value| normalise(value) == normalise(&fact.value))
                 {
                     // A remove of a value the fact no longer holds is stale.
                     report.ignored.push(key);

@@ -69,15 +69,16 @@ pub fn touch_related(
     touched
 }
 
-/// Brings back the OLD episode the new user message returns to, if any: its turn summaries and
-/// facts re-enter NEW. At most one episode per turn, the one sharing the most salient terms.
+/// Brings back the OLD episodes the new user message returns to: their turn summaries and
+/// facts re-enter NEW. At most `MAX_REHYDRATED` per turn, those sharing the most salient terms.
 pub fn rehydrate(
     state: &mut MemoryState,
     user_terms: &HashSet<String>,
     turn: TurnSeq,
     config: &MemoryConfig,
 ) -> Vec<EpisodeId> {
-    let mut best: Option<(usize, EpisodeId)> = None;
+    const MAX_REHYDRATED: usize = 3;
+    let mut matching: Vec<(usize, EpisodeId)> = Vec::new();
     for episode in &state.episodes {
         let dormant = episode.links.iter().any(|seq| {
             state
@@ -89,46 +90,51 @@ pub fn rehydrate(
             continue;
         }
         let matches = match_terms(episode).intersection(user_terms).count();
-        if matches >= config.episodes.rehydrate_min_matches
-            && best.is_none_or(|(count, _)| matches >= count)
-        {
-            best = Some((matches, episode.id));
+        if matches >= config.episodes.rehydrate_min_matches {
+            matching.push((matches, episode.id));
         }
     }
-    let Some((_, id)) = best else {
-        return Vec::new();
-    };
-    let Some(episode) = state.episodes.get_mut(id as usize) else {
-        return Vec::new();
-    };
-    episode.rehydrated_at.push(turn);
-    let links = episode.links.clone();
-    let facts = episode.facts.clone();
-    let revive = |tier: &mut TierState| {
-        *tier = TierState {
-            frequency: tier.frequency + 1,
-            ..TierState::fresh(turn)
+    matching.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
+    matching.truncate(MAX_REHYDRATED);
+    let mut rehydrated = Vec::new();
+    for (_, id) in matching {
+        let Some(episode) = state.episodes.get_mut(id as usize) else {
+            continue;
         };
-    };
-    for seq in links {
-        if let Some(entry) = state.turn_log.get_mut(seq as usize) {
-            revive(&mut entry.tier);
+        episode.rehydrated_at.push(turn);
+        let links = episode.links.clone();
+        let facts = episode.facts.clone();
+        let revive = |tier: &mut TierState| {
+            *tier = TierState {
+                frequency: tier.frequency + 1,
+                ..TierState::fresh(turn)
+            };
+        };
+        for seq in links {
+            if let Some(entry) = state.turn_log.get_mut(seq as usize) {
+                revive(&mut entry.tier);
+            }
         }
-    }
-    for fact_id in facts {
-        if let Some(fact) = state.facts.get_mut(fact_id as usize)
-            && fact.active
-            && fact.tier.tier == Tier::Old
-        {
-            revive(&mut fact.tier);
+        for fact_id in facts {
+            if let Some(fact) = state.facts.get_mut(fact_id as usize)
+                && fact.active
+                && fact.tier.tier == Tier::Old
+            {
+                revive(&mut fact.tier);
+            }
         }
+        rehydrated.push(id);
     }
-    state.episodes_version += 1;
-    vec![id]
+    if !rehydrated.is_empty() {
+        state.episodes_version += 1;
+    }
+    rehydrated.sort_unstable();
+    rehydrated
 }
 
-/// Ages NEW into CURRENT, packs CURRENT into the working-set capacity by score, demotes the rest
-/// to OLD and folds demoted turn summaries into episodes.
+/// Ages NEW into CURRENT; demotes to OLD the turn summaries the conversation has not come back
+/// to within the CURRENT TTL and whatever does not fit the working-set capacity by score; folds
+/// demoted turn summaries into episodes.
 pub fn maintain(state: &mut MemoryState, config: &MemoryConfig, report: &mut TierReport) {
     let now = state.now();
     let ttl = config.new_ttl_turns;
@@ -159,8 +165,14 @@ pub fn maintain(state: &mut MemoryState, config: &MemoryConfig, report: &mut Tie
             ));
         }
     }
+    let mut expired = Vec::new();
     for entry in &state.turn_log {
-        if entry.tier.tier == Tier::Current {
+        if entry.tier.tier != Tier::Current {
+            continue;
+        }
+        if now.saturating_sub(entry.tier.last_touched_turn) > config.current_ttl_turns {
+            expired.push(ItemRef::Summary(entry.turn));
+        } else {
             let score = summary_score(state, &config.weights, entry);
             working.push((
                 score,
@@ -171,7 +183,7 @@ pub fn maintain(state: &mut MemoryState, config: &MemoryConfig, report: &mut Tie
     }
     working.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.2.cmp(&b.2)));
     let mut used = 0u32;
-    let mut evicted = Vec::new();
+    let mut evicted = expired;
     for (_, tokens, item) in working {
         if used.saturating_add(tokens) <= config.working_set_tokens {
             used += tokens;
@@ -240,8 +252,8 @@ fn fold_into_episodes(
             let close = *seq > last && seq - last <= config.episodes.max_gap_turns;
             let room = episode.links.len() < config.episodes.max_turns;
             let on_topic = episode.links.len() < 3 || {
-                let tags = match_terms(episode);
-                let shared = entry_terms.intersection(&tags).count();
+                let episode_terms = episode_terms(state, &episode.links);
+                let shared = entry_terms.intersection(&episode_terms).count();
                 !entry_terms.is_empty()
                     && shared as f32 / entry_terms.len() as f32 >= config.episodes.min_topic_overlap
             };
@@ -281,6 +293,21 @@ fn fold_into_episodes(
     if !turns.is_empty() {
         state.episodes_version += 1;
     }
+}
+
+/// Terms of an episode's turn summaries (broader than its tags, for the topic check).
+fn episode_terms(state: &MemoryState, links: &[TurnSeq]) -> HashSet<String> {
+    links
+        .iter()
+        .filter_map(|seq| state.turn_log.get(*seq as usize))
+        .flat_map(|entry| {
+            terms(&format!(
+                "{} {}",
+                entry.user_summary, entry.assistant_summary
+            ))
+            .collect::<Vec<_>>()
+        })
+        .collect()
 }
 
 /// Rebuilds an episode's manifest from its links.
