@@ -779,7 +779,7 @@ fn line_text(state: &MemoryState, line: &Line) -> String {
         ItemRef::Summary(seq) => state
             .turn_log
             .get(seq as usize)
-            .map(|entry| summary_line(entry, event_time(seq)))
+            .map(|entry| summary_line(entry, state.raw_turns.get(seq as usize)))
             .unwrap_or_default(),
         ItemRef::RawTurn(seq) => state
             .raw_turns

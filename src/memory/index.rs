@@ -245,8 +245,8 @@ impl MemoryIndex {
             self.chains.insert(turn.chain, key);
         }
         for seq in self.summaries.len()..state.turn_log.len() {
-            let entry = &state.turn_log[seq];
-            let text = format!("{} {}", entry.user_summary, entry.assistant_summary);
+            let (user, assistant) = state.summary_texts(u32::try_from(seq).unwrap_or(u32::MAX));
+            let text = format!("{user} {assistant}");
             let ids = self.term_ids(&text);
             self.summaries
                 .add(u32::try_from(seq).unwrap_or(u32::MAX), ids);

@@ -36,12 +36,10 @@ pub fn build_manifest(
             continue;
         };
         let raw = state.raw_turns.get(*seq as usize);
-        summaries.push(entry.user_summary.clone());
+        let (user_summary, assistant_summary) = entry.texts(raw);
+        summaries.push(user_summary.clone().into_owned());
         let raw_user = raw.map_or("", |turn| turn.user.as_str());
-        let text = format!(
-            "{} {} {}",
-            entry.user_summary, entry.assistant_summary, raw_user
-        );
+        let text = format!("{user_summary} {assistant_summary} {raw_user}");
         for word in words(&text) {
             position += 1;
             if word.len() < 3 || is_stop_word(&word) || word.chars().all(|c| c.is_ascii_digit()) {
@@ -187,7 +185,7 @@ mod tests {
             });
             state.turn_log.push(TurnLogEntry {
                 turn: seq,
-                user_summary: summary.to_string(),
+                user_summary: (*summary).into(),
                 assistant_summary: "answered".into(),
                 facts: vec![],
                 artifacts: vec![],

@@ -6,8 +6,11 @@
 //! index in `raw_turns` (and `turn_log`), and so on. Nothing is ever removed from these vectors
 //! (demotion and retirement are flags), so ids stay valid and provenance always resolves.
 
+use std::borrow::Cow;
+
 use serde::{Deserialize, Serialize};
 
+use super::text::one_line;
 use super::tokens::TokenCount;
 
 /// Position of a turn in the user's raw log (0-based, across all sessions).
@@ -25,14 +28,19 @@ pub enum Tier {
     Old,
 }
 
-/// Where an item sits in the tier hierarchy and how it has been used (seed 000).
+/// Where an item sits in the tier hierarchy and how it has been used (seed 000). Serialised
+/// with one-letter keys: it is stored on every item, thousands of times per user.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct TierState {
+    #[serde(rename = "t")]
     pub tier: Tier,
     /// Turn the item entered its current tier.
+    #[serde(rename = "s")]
     pub since_turn: TurnSeq,
+    #[serde(rename = "l")]
     pub last_touched_turn: TurnSeq,
     /// How often the conversation came back to the item.
+    #[serde(rename = "f")]
     pub frequency: u32,
 }
 
@@ -121,6 +129,15 @@ impl MemoryState {
 
     pub fn fact(&self, id: FactId) -> Option<&Fact> {
         self.facts.get(id as usize)
+    }
+
+    /// A turn's user and assistant summaries (see `TurnLogEntry::texts`).
+    pub fn summary_texts(&self, seq: TurnSeq) -> (Cow<'_, str>, Cow<'_, str>) {
+        self.turn_log
+            .get(seq as usize)
+            .map_or((Cow::Borrowed(""), Cow::Borrowed("")), |entry| {
+                entry.texts(self.raw_turns.get(seq as usize))
+            })
     }
 
     /// The date a raw turn happened, in display form.
@@ -265,14 +282,68 @@ pub struct RawTurn {
     pub tokens: RawTurnTokens,
 }
 
+/// Stored on every raw turn; one-letter keys keep the per-user JSON small.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct RawTurnTokens {
     /// Message contents, for the raw window.
+    #[serde(rename = "u")]
     pub user: TokenCount,
+    #[serde(rename = "a")]
     pub assistant: TokenCount,
     /// The full recall line, and the clipped one used when the full one does not fit.
+    #[serde(rename = "l")]
     pub line: TokenCount,
+    #[serde(rename = "c")]
     pub clipped_line: TokenCount,
+}
+
+/// One side of a turn summary: its own text, or the span of the raw side it was cut from. Most
+/// heuristic summaries are a contiguous stretch of the (one-lined) raw text, and storing the
+/// span instead of a copy keeps the per-user state small. Serialised as a string or as
+/// `[start, end]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum SummaryText {
+    Text(String),
+    /// Byte range `[start, end)` of `one_line(raw side)`.
+    Span([u32; 2]),
+}
+
+impl SummaryText {
+    /// A span when `summary` occurs in the raw side, the text otherwise.
+    pub fn of(summary: String, raw: &str) -> SummaryText {
+        let line = one_line(raw);
+        match line.find(summary.as_str()) {
+            Some(start) if !summary.is_empty() => {
+                let span = u32::try_from(start)
+                    .ok()
+                    .zip(u32::try_from(start + summary.len()).ok());
+                match span {
+                    Some((start, end)) => SummaryText::Span([start, end]),
+                    None => SummaryText::Text(summary),
+                }
+            }
+            _ => SummaryText::Text(summary),
+        }
+    }
+
+    pub fn resolve<'a>(&'a self, raw: &str) -> Cow<'a, str> {
+        match self {
+            SummaryText::Text(text) => Cow::Borrowed(text),
+            SummaryText::Span([start, end]) => Cow::Owned(
+                one_line(raw)
+                    .get(*start as usize..*end as usize)
+                    .unwrap_or_default()
+                    .to_string(),
+            ),
+        }
+    }
+}
+
+impl From<&str> for SummaryText {
+    fn from(text: &str) -> SummaryText {
+        SummaryText::Text(text.to_string())
+    }
 }
 
 /// The turn-log entry of one exchange (seed 001): ≤25-word user and ≤30-word assistant
@@ -280,8 +351,8 @@ pub struct RawTurnTokens {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TurnLogEntry {
     pub turn: TurnSeq,
-    pub user_summary: String,
-    pub assistant_summary: String,
+    pub user_summary: SummaryText,
+    pub assistant_summary: SummaryText,
     /// Facts this turn added or changed (the summary's dependencies).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub facts: Vec<FactId>,
@@ -292,6 +363,18 @@ pub struct TurnLogEntry {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub episode: Option<EpisodeId>,
     pub tokens: TokenCount,
+}
+
+impl TurnLogEntry {
+    /// The user and assistant summaries as text (`raw` is this entry's raw turn).
+    pub fn texts<'a>(&'a self, raw: Option<&RawTurn>) -> (Cow<'a, str>, Cow<'a, str>) {
+        (
+            self.user_summary
+                .resolve(raw.map_or("", |turn| turn.user.as_str())),
+            self.assistant_summary
+                .resolve(raw.map_or("", |turn| turn.assistant.as_str())),
+        )
+    }
 }
 
 /// OLD tier: a compact index entry over a run of demoted turns (seed 000, 002).

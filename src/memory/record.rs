@@ -14,7 +14,7 @@ use super::fence::{neutralise_fences, strip_fences};
 use super::history::link;
 use super::model::{
     Artifact, ArtifactId, Depth, FactCategory, FactId, Identity, ItemRef, MemoryState, PinId,
-    PinnedItem, RawTurn, RevisionEnd, SessionState, TierState, TurnLogEntry, TurnSeq,
+    PinnedItem, RawTurn, RevisionEnd, SessionState, SummaryText, TierState, TurnLogEntry, TurnSeq,
 };
 use super::render::{
     recount_artifact, recount_fact, recount_identity, recount_pinned, recount_raw_turn,
@@ -144,21 +144,23 @@ pub fn record_exchange(
         artifacts.push(id);
     }
 
+    let user_summary = bounded_summary(&extraction.user_summary, USER_SUMMARY_WORDS, "");
+    let assistant_summary = bounded_summary(
+        &extraction.assistant_summary,
+        ASSISTANT_SUMMARY_WORDS,
+        &artifact_note(&artifacts),
+    );
     let mut entry = TurnLogEntry {
         turn: seq,
-        user_summary: bounded_summary(&extraction.user_summary, USER_SUMMARY_WORDS, ""),
-        assistant_summary: bounded_summary(
-            &extraction.assistant_summary,
-            ASSISTANT_SUMMARY_WORDS,
-            &artifact_note(&artifacts),
-        ),
+        user_summary: SummaryText::of(user_summary, &user),
+        assistant_summary: SummaryText::of(assistant_summary, &assistant),
         facts: diff.added.iter().chain(&diff.updated).copied().collect(),
         artifacts: artifacts.clone(),
         tier: TierState::fresh(seq),
         episode: None,
         tokens: Default::default(),
     };
-    recount_summary(&mut entry, exchange.event_time.as_deref());
+    recount_summary(&mut entry, state.raw_turns.last());
     state.turn_log.push(entry);
 
     let mut tiers = TierReport::default();
@@ -423,11 +425,8 @@ mod tests {
             "def add(a, b):\n    return a + b"
         );
         assert_eq!(state.artifacts[0].language.as_deref(), Some("python"));
-        assert!(
-            state.turn_log[0]
-                .assistant_summary
-                .ends_with("[artifact 0]")
-        );
+        let (_, assistant_summary) = state.summary_texts(0);
+        assert!(assistant_summary.ends_with("[artifact 0]"));
     }
 
     #[test]
@@ -475,6 +474,31 @@ mod tests {
             let episode = entry.episode.expect("demoted turns belong to an episode");
             assert!(state.episodes[episode as usize].links.contains(&entry.turn));
         }
+    }
+
+    #[test]
+    fn summaries_cut_from_the_raw_text_are_stored_as_spans() {
+        let mut state = MemoryState::new();
+        let config = MemoryConfig::default();
+        let reply = "Bake at 230 degrees for forty minutes with steam.";
+        record_exchange(
+            &mut state,
+            &exchange(0, "How  hot\nshould the oven be?", reply),
+            &HeuristicExtractor,
+            &config,
+        );
+        let entry = &state.turn_log[0];
+        assert_eq!(entry.user_summary, SummaryText::Span([0, 27]));
+        assert!(matches!(entry.assistant_summary, SummaryText::Span(_)));
+        let (user, assistant) = state.summary_texts(0);
+        assert_eq!(user, "How hot should the oven be?");
+        assert_eq!(
+            assistant,
+            "Bake at 230 degrees for forty minutes with steam."
+        );
+        let json = serde_json::to_string(entry).unwrap();
+        let back: TurnLogEntry = serde_json::from_str(&json).unwrap();
+        assert_eq!(&back, entry);
     }
 
     #[test]

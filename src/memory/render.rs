@@ -155,12 +155,13 @@ pub fn raw_turn_line(turn: &RawTurn, clipped: bool) -> String {
     }
 }
 
-pub fn summary_line(entry: &TurnLogEntry, event_time: Option<&str>) -> String {
-    let date = date_prefix(event_time);
+pub fn summary_line(entry: &TurnLogEntry, raw: Option<&RawTurn>) -> String {
+    let date = date_prefix(raw.and_then(|turn| turn.event_time.as_deref()));
+    let (user, assistant) = entry.texts(raw);
     format!(
         "- {date}(summary) user: {} | assistant: {}\n",
-        one_line(&entry.user_summary),
-        one_line(&entry.assistant_summary)
+        one_line(&user),
+        one_line(&assistant)
     )
 }
 
@@ -236,8 +237,8 @@ pub fn recount_raw_turn(turn: &mut RawTurn) {
     turn.tokens.clipped_line = TokenCount::of(&raw_turn_line(turn, true));
 }
 
-pub fn recount_summary(entry: &mut TurnLogEntry, event_time: Option<&str>) {
-    entry.tokens = TokenCount::of(&summary_line(entry, event_time));
+pub fn recount_summary(entry: &mut TurnLogEntry, raw: Option<&RawTurn>) {
+    entry.tokens = TokenCount::of(&summary_line(entry, raw));
 }
 
 pub fn recount_episode(episode: &mut EpisodeManifest) {

@@ -55,11 +55,13 @@ pub fn touch_related(
             touched.push(ItemRef::Fact(fact.id));
         }
     }
+    let raw_turns = &state.raw_turns;
     for entry in &mut state.turn_log {
         if matches!(entry.tier.tier, Tier::Old) || entry.turn == turn {
             continue;
         }
-        let text = format!("{} {}", entry.user_summary, entry.assistant_summary);
+        let (user, assistant) = entry.texts(raw_turns.get(entry.turn as usize));
+        let text = format!("{user} {assistant}");
         if related(&text) {
             entry.tier.last_touched_turn = turn;
             entry.tier.frequency += 1;
@@ -237,11 +239,8 @@ fn fold_into_episodes(
             .raw_turns
             .get(*seq as usize)
             .map_or(0, |turn| turn.session);
-        let entry_terms: HashSet<String> = terms(&format!(
-            "{} {}",
-            entry.user_summary, entry.assistant_summary
-        ))
-        .collect();
+        let (user, assistant) = entry.texts(state.raw_turns.get(*seq as usize));
+        let entry_terms: HashSet<String> = terms(&format!("{user} {assistant}")).collect();
         let open = state
             .episodes
             .iter()
@@ -299,13 +298,9 @@ fn fold_into_episodes(
 fn episode_terms(state: &MemoryState, links: &[TurnSeq]) -> HashSet<String> {
     links
         .iter()
-        .filter_map(|seq| state.turn_log.get(*seq as usize))
-        .flat_map(|entry| {
-            terms(&format!(
-                "{} {}",
-                entry.user_summary, entry.assistant_summary
-            ))
-            .collect::<Vec<_>>()
+        .flat_map(|seq| {
+            let (user, assistant) = state.summary_texts(*seq);
+            terms(&format!("{user} {assistant}")).collect::<Vec<_>>()
         })
         .collect()
 }
