@@ -3,6 +3,7 @@
 pub mod cli;
 pub mod config;
 pub mod error;
+pub mod memory;
 pub mod mock;
 pub mod openai;
 pub mod pipeline;

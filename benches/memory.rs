@@ -1,0 +1,519 @@
+//! Memory engine benchmark: one user with 2,000 recorded turns and 500 facts.
+//!
+//! Prints the issue's figures first (hot path re-rank + pack + compose percentiles, prefetch
+//! percentiles, per-user state size), measured over many individually timed calls, then runs
+//! the same operations under criterion.
+
+#![expect(
+    clippy::print_stdout,
+    reason = "a benchmark reports its figures on stdout"
+)]
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::Criterion;
+use engram::memory::model::SummaryText;
+use engram::memory::{
+    CandidateId, ComposeRequest, ExchangeInput, FactDiff, FactEdit, HeuristicExtractor,
+    MemoryConfig, MemoryIndex, MemoryState, apply_diff, compose, pin, prefetch, record_exchange,
+    set_identity, warm_up,
+};
+use engram::openai::ChatMessage;
+
+const TURNS: usize = 2_000;
+const FACTS: usize = 500;
+const SESSIONS: usize = 20;
+
+/// A tiny deterministic generator (no extra dependency).
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> usize {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (self.0 >> 33) as usize
+    }
+
+    fn pick<'a>(&mut self, items: &[&'a str]) -> &'a str {
+        items[self.next() % items.len()]
+    }
+}
+
+const TOPICS: &[&[&str]] = &[
+    &[
+        "sourdough",
+        "starter",
+        "hydration",
+        "flour",
+        "oven",
+        "crust",
+        "proofing",
+    ],
+    &[
+        "marathon",
+        "training",
+        "tempo",
+        "intervals",
+        "shoes",
+        "recovery",
+        "pace",
+    ],
+    &[
+        "mortgage",
+        "interest",
+        "rate",
+        "deposit",
+        "bank",
+        "repayment",
+        "fixed",
+    ],
+    &[
+        "garden",
+        "tomatoes",
+        "compost",
+        "seedlings",
+        "watering",
+        "pests",
+        "soil",
+    ],
+    &[
+        "python",
+        "script",
+        "pandas",
+        "dataframe",
+        "csv",
+        "function",
+        "loop",
+    ],
+    &[
+        "japan",
+        "kyoto",
+        "train",
+        "ryokan",
+        "itinerary",
+        "temples",
+        "visa",
+    ],
+    &[
+        "guitar", "chords", "scales", "practice", "amp", "strings", "song",
+    ],
+    &[
+        "wedding",
+        "venue",
+        "guests",
+        "catering",
+        "budget",
+        "dress",
+        "photographer",
+    ],
+    &[
+        "puppy", "training", "crate", "vet", "walks", "treats", "leash",
+    ],
+    &[
+        "novel",
+        "chapter",
+        "character",
+        "plot",
+        "draft",
+        "editor",
+        "outline",
+    ],
+    &[
+        "kitchen",
+        "renovation",
+        "cabinets",
+        "tiles",
+        "plumber",
+        "quote",
+        "countertop",
+    ],
+    &[
+        "chess",
+        "opening",
+        "endgame",
+        "tactics",
+        "rating",
+        "tournament",
+        "blunder",
+    ],
+    &[
+        "taxes",
+        "deduction",
+        "receipts",
+        "accountant",
+        "freelance",
+        "invoice",
+        "deadline",
+    ],
+    &[
+        "camera", "lens", "aperture", "exposure", "portrait", "lighting", "editing",
+    ],
+    &[
+        "yoga",
+        "flexibility",
+        "breathing",
+        "poses",
+        "studio",
+        "balance",
+        "meditation",
+    ],
+    &[
+        "startup",
+        "pitch",
+        "investors",
+        "prototype",
+        "customers",
+        "pricing",
+        "runway",
+    ],
+];
+
+const NAMES: &[&str] = &[
+    "Maria", "Tom", "Aiko", "Lena", "Omar", "Priya", "Jonas", "Chen",
+];
+const PLACES: &[&str] = &[
+    "Lisbon", "Berlin", "Osaka", "Denver", "Nairobi", "Lyon", "Oslo",
+];
+
+fn user_text(rng: &mut Lcg, topic: &[&str], n: usize) -> String {
+    let (a, b, c) = (rng.pick(topic), rng.pick(topic), rng.pick(topic));
+    match n % 9 {
+        0 => format!(
+            "My friend {} told me about {a} in {}. How should I think about the {b} and the {c} before next week?",
+            rng.pick(NAMES),
+            rng.pick(PLACES)
+        ),
+        1 => format!(
+            "I tried the {a} idea yesterday but the {b} was off again. Could the {c} be the reason, or is it something else entirely?"
+        ),
+        2 => format!("I love {a}. What {b} would you recommend for someone who cares about {c}?"),
+        3 => format!(
+            "Quick question about {a}: is it normal that the {b} changes so much from day to day, given the {c}?"
+        ),
+        4 => format!(
+            "I'm planning to sort out the {a} and the {b} with {} this month, what should come first?",
+            rng.pick(NAMES)
+        ),
+        5 => format!(
+            "Remember that the {a} appointment is on the {}th.",
+            1 + n % 27
+        ),
+        6 => format!(
+            "Can you compare {a} and {b} for me? I keep going back and forth, and {} thinks the {c} matters most.",
+            rng.pick(NAMES)
+        ),
+        7 => format!("Thanks, that {a} tip about {b} worked. Any more advice on {c}?"),
+        _ => format!("What is the usual mistake people make with {a} and {b}?"),
+    }
+}
+
+fn assistant_text(rng: &mut Lcg, topic: &[&str]) -> String {
+    let (a, b, c, d) = (
+        rng.pick(topic),
+        rng.pick(topic),
+        rng.pick(topic),
+        rng.pick(topic),
+    );
+    format!(
+        "Good question. With {a}, the {b} usually matters more than people expect, so start there. \
+         Keep notes on the {c} for a week and change one thing at a time. If the {d} still \
+         looks wrong after that, it is worth asking someone with experience to take a look, \
+         because small details compound quickly."
+    )
+}
+
+struct Fixture {
+    state: MemoryState,
+    index: MemoryIndex,
+    config: MemoryConfig,
+    prefetched: Vec<CandidateId>,
+    queries: Vec<Vec<ChatMessage>>,
+    record_time: Duration,
+}
+
+fn build_fixture() -> Fixture {
+    let config = MemoryConfig::default();
+    let mut state = MemoryState::new();
+    let mut rng = Lcg(42);
+    set_identity(
+        &mut state,
+        "I am Sam, a product designer in Lisbon.\nI like short, direct answers.",
+    );
+    pin(&mut state, "Always give metric units.", None);
+    pin(&mut state, "Answer in British English.", None);
+
+    let started = Instant::now();
+    let mut topic = 0;
+    for n in 0..TURNS {
+        // Topics run for ~12 turns, so episodes form.
+        if n % 12 == 0 {
+            topic = rng.next() % TOPICS.len();
+        }
+        let words = TOPICS[topic];
+        let mut user = user_text(&mut rng, words, n);
+        if n % 97 == 3 {
+            user.push_str(" By the way, I'm allergic to sesame.");
+        }
+        if n % 250 == 10 {
+            user.push_str(&format!(" I moved to {}.", rng.pick(PLACES)));
+        }
+        let assistant = assistant_text(&mut rng, words);
+        record_exchange(
+            &mut state,
+            &ExchangeInput {
+                session_id: format!("session-{}", n * SESSIONS / TURNS),
+                turn_id: format!("turn-{n:05}"),
+                user_text: user,
+                assistant_text: assistant,
+                event_time: Some(format!(
+                    "2023-{:02}-{:02}T{:02}:00:00Z",
+                    1 + (n / 170) % 12,
+                    1 + (n / 6) % 28,
+                    8 + n % 12
+                )),
+                prior_chain: None,
+                incomplete: false,
+            },
+            &HeuristicExtractor,
+            &config,
+        );
+    }
+    let record_time = started.elapsed() / TURNS as u32;
+
+    // Top the base truth up to 500 facts, each grounded in a recorded turn.
+    let missing = FACTS.saturating_sub(state.active_facts().count());
+    for n in 0..missing {
+        let words = TOPICS[n % TOPICS.len()];
+        let seq = (n * 7 % TURNS) as u32;
+        apply_diff(
+            &mut state,
+            &FactDiff {
+                add: vec![FactEdit::new(format!(
+                    "{} preference {n}: prefers {} with {} over {}",
+                    words[0],
+                    words[1 + n % 6],
+                    rng.pick(NAMES),
+                    words[1 + (n + 3) % 6]
+                ))],
+                ..FactDiff::default()
+            },
+            Some(seq),
+        );
+    }
+    let index = MemoryIndex::build(&state);
+    let prefetched = prefetch(&state, &index, "session-19", &config.retrieval);
+
+    let mut queries = Vec::new();
+    for n in 0..64 {
+        let words = TOPICS[n % TOPICS.len()];
+        let question = match n % 4 {
+            0 => format!(
+                "What did we say about the {} and the {}?",
+                words[1], words[3]
+            ),
+            1 => format!("When did I mention {} and {}?", rng.pick(NAMES), words[0]),
+            2 => format!("Any more ideas on {}?", words[2]),
+            _ => "Can you recap what I'm allergic to and where I live?".to_string(),
+        };
+        queries.push(vec![
+            ChatMessage::new("system", "You are a helpful assistant."),
+            ChatMessage::new("user", question),
+        ]);
+    }
+    Fixture {
+        state,
+        index,
+        config,
+        prefetched,
+        queries,
+        record_time,
+    }
+}
+
+fn percentiles(mut samples: Vec<Duration>) -> (Duration, Duration, Duration) {
+    samples.sort_unstable();
+    let at = |q: f64| samples[((samples.len() as f64 - 1.0) * q).round() as usize];
+    (at(0.5), at(0.99), at(1.0))
+}
+
+/// Heap bytes of the state's strings and vectors (an estimate: allocator overhead excluded).
+fn estimated_heap_bytes(state: &MemoryState) -> usize {
+    use std::mem::size_of_val;
+    let strings = |texts: &[&String]| texts.iter().map(|text| text.capacity()).sum::<usize>();
+    let mut bytes = size_of_val(state.facts.as_slice())
+        + size_of_val(state.raw_turns.as_slice())
+        + size_of_val(state.turn_log.as_slice())
+        + size_of_val(state.episodes.as_slice())
+        + size_of_val(state.artifacts.as_slice())
+        + size_of_val(state.pinned.as_slice());
+    for fact in &state.facts {
+        bytes += strings(&[&fact.key, &fact.value]) + fact.provenance.capacity() * 4;
+        bytes += fact.date.as_ref().map_or(0, String::capacity);
+        for revision in &fact.history {
+            bytes += size_of_val(revision)
+                + revision.value.capacity()
+                + revision.provenance.capacity() * 4;
+        }
+    }
+    for turn in &state.raw_turns {
+        bytes += strings(&[&turn.id, &turn.user, &turn.assistant]);
+        bytes += turn.event_time.as_ref().map_or(0, String::capacity);
+    }
+    for entry in &state.turn_log {
+        for side in [&entry.user_summary, &entry.assistant_summary] {
+            if let SummaryText::Text(text) = side {
+                bytes += text.capacity();
+            }
+        }
+        bytes += entry.facts.capacity() * 4 + entry.artifacts.capacity() * 4;
+    }
+    for episode in &state.episodes {
+        bytes += strings(&[&episode.topic, &episode.summary]);
+        bytes += episode
+            .salience_tags
+            .iter()
+            .map(|tag| tag.capacity() + 24)
+            .sum::<usize>();
+        bytes += episode
+            .rehydration_hints
+            .iter()
+            .map(|hint| hint.capacity() + 24)
+            .sum::<usize>();
+        bytes += episode.links.capacity() * 4 + episode.facts.capacity() * 4;
+    }
+    for artifact in &state.artifacts {
+        bytes += artifact.content.capacity();
+    }
+    bytes
+}
+
+fn report(fixture: &Fixture) {
+    let Fixture {
+        state,
+        index,
+        config,
+        prefetched,
+        queries,
+        record_time,
+    } = fixture;
+    println!(
+        "fixture: {} turns, {} active facts, {} episodes, {} artifacts, {} prefetched candidates",
+        state.raw_turns.len(),
+        state.active_facts().count(),
+        state.episodes.len(),
+        state.artifacts.len(),
+        prefetched.len()
+    );
+    println!("record_exchange (heuristic extractor), mean over the 2,000 turns: {record_time:?}");
+
+    // Hot path: re-rank the prefetched candidates + search + pack + compose.
+    let mut samples = Vec::with_capacity(20_000);
+    let mut items = 0;
+    let mut tokens = 0;
+    for round in 0..20_000 {
+        let messages = &queries[round % queries.len()];
+        let started = Instant::now();
+        let composition = compose(
+            state,
+            index,
+            prefetched,
+            &ComposeRequest {
+                session_id: "session-19",
+                messages,
+                model: "gpt-4o",
+            },
+            config,
+        );
+        samples.push(started.elapsed());
+        items += composition.items;
+        tokens += composition.tokens.total as usize;
+        black_box(composition);
+    }
+    let (p50, p99, max) = percentiles(samples);
+    println!(
+        "compose (re-rank + search + pack + compose), 20,000 calls: p50 {p50:?}, p99 {p99:?}, max {max:?} (target p99 < 200 µs); mean {} items, {} tokens injected of {}",
+        items / 20_000,
+        tokens / 20_000,
+        config.budget_tokens
+    );
+
+    let mut samples = Vec::with_capacity(500);
+    for _ in 0..500 {
+        let started = Instant::now();
+        black_box(prefetch(state, index, "session-19", &config.retrieval));
+        samples.push(started.elapsed());
+    }
+    let (p50, p99, max) = percentiles(samples);
+    println!("prefetch, 500 calls: p50 {p50:?}, p99 {p99:?}, max {max:?} (target < 5 ms)");
+
+    let started = Instant::now();
+    let rebuilt = MemoryIndex::build(state);
+    println!(
+        "index build from scratch: {:?}; index heap estimate {:.2} MB",
+        started.elapsed(),
+        rebuilt.estimated_bytes() as f64 / 1e6
+    );
+
+    let size =
+        |value: serde_json::Result<Vec<u8>>| value.map_or(0, |bytes| bytes.len()) as f64 / 1e6;
+    println!(
+        "  JSON by part: raw turns {:.2} MB, turn log {:.2} MB, facts {:.2} MB, episodes {:.2} MB",
+        size(serde_json::to_vec(&state.raw_turns)),
+        size(serde_json::to_vec(&state.turn_log)),
+        size(serde_json::to_vec(&state.facts)),
+        size(serde_json::to_vec(&state.episodes)),
+    );
+    let text: usize = state
+        .raw_turns
+        .iter()
+        .map(|turn| turn.user.len() + turn.assistant.len())
+        .sum();
+    println!("  raw exchange text alone: {:.2} MB", text as f64 / 1e6);
+    let json = serde_json::to_vec(state).unwrap_or_default();
+    println!(
+        "state size per user: serialized JSON {:.2} MB, heap estimate {:.2} MB (target < 2 MB)",
+        json.len() as f64 / 1e6,
+        estimated_heap_bytes(state) as f64 / 1e6
+    );
+}
+
+fn main() {
+    warm_up();
+    let fixture = build_fixture();
+    report(&fixture);
+
+    let mut criterion = Criterion::default()
+        .sample_size(50)
+        .measurement_time(Duration::from_secs(3))
+        .configure_from_args();
+    let request = ComposeRequest {
+        session_id: "session-19",
+        messages: &fixture.queries[0],
+        model: "gpt-4o",
+    };
+    criterion.bench_function("compose_2000_turns_500_facts", |bencher| {
+        bencher.iter(|| {
+            compose(
+                &fixture.state,
+                &fixture.index,
+                &fixture.prefetched,
+                black_box(&request),
+                &fixture.config,
+            )
+        })
+    });
+    criterion.bench_function("prefetch_2000_turns_500_facts", |bencher| {
+        bencher.iter(|| {
+            prefetch(
+                &fixture.state,
+                &fixture.index,
+                black_box("session-19"),
+                &fixture.config.retrieval,
+            )
+        })
+    });
+    criterion.final_summary();
+}

@@ -1,0 +1,433 @@
+//! An in-memory BM25 index over a user's whole memory: raw turns, turn summaries, facts,
+//! episode manifests and artifacts, one segment each (each with its own statistics). The proxy
+//! caches one per user and calls `refresh`, which appends new turns incrementally and rebuilds
+//! only the small fact and episode segments when they changed.
+
+use std::collections::HashMap;
+
+use super::model::{ItemRef, MemoryState, TurnSeq};
+use super::text::{display_date, terms};
+
+pub type TermId = u32;
+
+#[derive(Debug, Clone, Copy)]
+struct Posting {
+    doc: u32,
+    tf: u32,
+}
+
+/// One BM25 collection. Document `i` has key `doc_keys[i]` (a turn sequence number or an id).
+#[derive(Debug, Clone, Default)]
+pub struct Segment {
+    doc_keys: Vec<u32>,
+    doc_len: Vec<u32>,
+    total_len: u64,
+    /// Postings sorted by document.
+    postings: HashMap<TermId, Vec<Posting>>,
+}
+
+/// BM25 parameters.
+#[derive(Debug, Clone, Copy)]
+pub struct Bm25 {
+    pub k1: f32,
+    pub b: f32,
+}
+
+impl Segment {
+    fn add(&mut self, key: u32, mut term_ids: Vec<TermId>) {
+        let doc = u32::try_from(self.doc_keys.len()).unwrap_or(u32::MAX);
+        self.doc_keys.push(key);
+        self.doc_len
+            .push(u32::try_from(term_ids.len()).unwrap_or(u32::MAX));
+        self.total_len += term_ids.len() as u64;
+        term_ids.sort_unstable();
+        let mut index = 0;
+        while index < term_ids.len() {
+            let term = term_ids[index];
+            let run = term_ids[index..].iter().take_while(|t| **t == term).count();
+            self.postings.entry(term).or_default().push(Posting {
+                doc,
+                tf: u32::try_from(run).unwrap_or(u32::MAX),
+            });
+            index += run;
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.doc_keys.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.doc_keys.is_empty()
+    }
+
+    fn average_len(&self) -> f32 {
+        if self.doc_keys.is_empty() {
+            1.0
+        } else {
+            (self.total_len as f32 / self.doc_keys.len() as f32).max(1.0)
+        }
+    }
+
+    pub fn idf(&self, term: TermId) -> f32 {
+        let n = self.doc_keys.len() as f32;
+        let df = self.postings.get(&term).map_or(0, Vec::len) as f32;
+        if df == 0.0 {
+            return 0.0;
+        }
+        (1.0 + (n - df + 0.5) / (df + 0.5)).ln()
+    }
+
+    /// The best score any document could reach for `query`: normalises scores to about `0..1`
+    /// so segments can be compared.
+    fn ceiling(&self, query: &[TermId], bm25: Bm25) -> f32 {
+        query
+            .iter()
+            .map(|term| self.idf(*term) * (bm25.k1 + 1.0))
+            .sum()
+    }
+
+    fn term_score(&self, idf: f32, tf: u32, doc: u32, average: f32, bm25: Bm25) -> f32 {
+        let tf = tf as f32;
+        let len = self.doc_len.get(doc as usize).copied().unwrap_or(0) as f32;
+        let norm = bm25.k1 * (1.0 - bm25.b + bm25.b * len / average);
+        idf * tf * (bm25.k1 + 1.0) / (tf + norm)
+    }
+
+    /// The `top` best documents for `query` as `(key, normalised score)`, best first, ties by
+    /// key.
+    pub fn search(&self, query: &[TermId], bm25: Bm25, top: usize) -> Vec<(u32, f32)> {
+        if self.doc_keys.is_empty() || query.is_empty() || top == 0 {
+            return Vec::new();
+        }
+        let ceiling = self.ceiling(query, bm25);
+        if ceiling <= 0.0 {
+            return Vec::new();
+        }
+        let average = self.average_len();
+        // Dense accumulation: a few kilobytes per query, no hashing on the hot path.
+        let mut scores = vec![0.0f32; self.doc_keys.len()];
+        let mut touched: Vec<u32> = Vec::new();
+        for term in query {
+            let Some(postings) = self.postings.get(term) else {
+                continue;
+            };
+            let idf = self.idf(*term);
+            for posting in postings {
+                let slot = &mut scores[posting.doc as usize];
+                if *slot == 0.0 {
+                    touched.push(posting.doc);
+                }
+                *slot += self.term_score(idf, posting.tf, posting.doc, average, bm25);
+            }
+        }
+        let mut hits: Vec<(u32, f32)> = touched
+            .into_iter()
+            .map(|doc| {
+                let key = self.doc_keys.get(doc as usize).copied().unwrap_or(u32::MAX);
+                (key, scores[doc as usize] / ceiling)
+            })
+            .collect();
+        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if hits.len() > top {
+            hits.select_nth_unstable_by(top - 1, order);
+            hits.truncate(top);
+        }
+        hits.sort_by(order);
+        hits
+    }
+
+    fn doc_of(&self, key: u32) -> Option<u32> {
+        self.doc_keys
+            .binary_search(&key)
+            .ok()
+            .and_then(|doc| u32::try_from(doc).ok())
+    }
+
+    /// Normalised score of one document (by key) for `query`; 0 when absent.
+    pub fn score_key(&self, key: u32, query: &[TermId], bm25: Bm25) -> f32 {
+        let Some(doc) = self.doc_of(key) else {
+            return 0.0;
+        };
+        let ceiling = self.ceiling(query, bm25);
+        if ceiling <= 0.0 {
+            return 0.0;
+        }
+        let average = self.average_len();
+        let mut score = 0.0;
+        for term in query {
+            if let Some(postings) = self.postings.get(term)
+                && let Ok(at) = postings.binary_search_by_key(&doc, |posting| posting.doc)
+            {
+                score += self.term_score(self.idf(*term), postings[at].tf, doc, average, bm25);
+            }
+        }
+        score / ceiling
+    }
+
+    /// Whether the document with `key` contains `term`.
+    pub fn contains(&self, key: u32, term: TermId) -> bool {
+        let Some(doc) = self.doc_of(key) else {
+            return false;
+        };
+        self.postings.get(&term).is_some_and(|postings| {
+            postings
+                .binary_search_by_key(&doc, |posting| posting.doc)
+                .is_ok()
+        })
+    }
+}
+
+/// Which segment an item lives in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SegmentKind {
+    Raw,
+    Summary,
+    Fact,
+    Episode,
+    Artifact,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct MemoryIndex {
+    /// The state version this index reflects.
+    pub state_version: u64,
+    facts_version: u64,
+    episodes_version: u64,
+    vocabulary: HashMap<String, TermId>,
+    pub raw: Segment,
+    pub summaries: Segment,
+    pub facts: Segment,
+    pub episodes: Segment,
+    pub artifacts: Segment,
+    /// Chain link -> raw turn, for recognising a full-history client's turns.
+    chains: HashMap<u64, TurnSeq>,
+}
+
+const ARTIFACT_INDEX_CHARS: usize = 4000;
+
+impl MemoryIndex {
+    pub fn build(state: &MemoryState) -> MemoryIndex {
+        let mut index = MemoryIndex::default();
+        index.refresh(state);
+        index
+    }
+
+    /// Whether the index reflects `state` exactly.
+    pub fn is_current(&self, state: &MemoryState) -> bool {
+        self.state_version == state.version
+            && self.raw.len() == state.raw_turns.len()
+            && self.facts_version == state.facts_version
+            && self.episodes_version == state.episodes_version
+    }
+
+    /// Brings the index up to `state` (of the same user): appends new raw turns, summaries and
+    /// artifacts; rebuilds the fact and episode segments if their versions moved.
+    pub fn refresh(&mut self, state: &MemoryState) {
+        if self.raw.len() > state.raw_turns.len()
+            || self.summaries.len() > state.turn_log.len()
+            || self.artifacts.len() > state.artifacts.len()
+        {
+            // Not a later version of the same state: start over.
+            *self = MemoryIndex::default();
+        }
+        for seq in self.raw.len()..state.raw_turns.len() {
+            let turn = &state.raw_turns[seq];
+            let date = turn
+                .event_time
+                .as_deref()
+                .and_then(display_date)
+                .unwrap_or_default();
+            let text = format!("{} {} {}", turn.user, turn.assistant, date);
+            let ids = self.term_ids(&text);
+            let key = u32::try_from(seq).unwrap_or(u32::MAX);
+            self.raw.add(key, ids);
+            self.chains.insert(turn.chain, key);
+        }
+        for seq in self.summaries.len()..state.turn_log.len() {
+            let (user, assistant) = state.summary_texts(u32::try_from(seq).unwrap_or(u32::MAX));
+            let text = format!("{user} {assistant}");
+            let ids = self.term_ids(&text);
+            self.summaries
+                .add(u32::try_from(seq).unwrap_or(u32::MAX), ids);
+        }
+        for id in self.artifacts.len()..state.artifacts.len() {
+            let artifact = &state.artifacts[id];
+            let head: String = artifact
+                .content
+                .chars()
+                .take(ARTIFACT_INDEX_CHARS)
+                .collect();
+            let text = format!("{} {head}", artifact.language.as_deref().unwrap_or(""));
+            let ids = self.term_ids(&text);
+            self.artifacts
+                .add(u32::try_from(id).unwrap_or(u32::MAX), ids);
+        }
+        if self.facts_version != state.facts_version || self.facts.is_empty() {
+            self.facts = Segment::default();
+            for fact in state.facts.iter().filter(|fact| fact.active) {
+                let mut text = fact.text();
+                // Earlier values answer "where did I live before?".
+                for revision in &fact.history {
+                    text.push(' ');
+                    text.push_str(&revision.value);
+                }
+                let ids = self.term_ids(&text);
+                self.facts.add(fact.id, ids);
+            }
+            self.facts_version = state.facts_version;
+        }
+        if self.episodes_version != state.episodes_version || self.episodes.is_empty() {
+            self.episodes = Segment::default();
+            for episode in &state.episodes {
+                let text = format!(
+                    "{} {} {} {}",
+                    episode.topic,
+                    episode.summary,
+                    episode.salience_tags.join(" "),
+                    episode.rehydration_hints.join(" ")
+                );
+                let ids = self.term_ids(&text);
+                self.episodes.add(episode.id, ids);
+            }
+            self.episodes_version = state.episodes_version;
+        }
+        self.state_version = state.version;
+    }
+
+    fn term_ids(&mut self, text: &str) -> Vec<TermId> {
+        let mut ids = Vec::new();
+        for term in terms(text) {
+            let next = TermId::try_from(self.vocabulary.len()).unwrap_or(TermId::MAX);
+            let id = *self.vocabulary.entry(term).or_insert(next);
+            ids.push(id);
+        }
+        ids
+    }
+
+    /// The query's known terms (deduplicated, in first-seen order) and how many terms it had.
+    pub fn query_terms(&self, text: &str) -> (Vec<TermId>, usize) {
+        let mut ids = Vec::new();
+        let mut total = 0;
+        let mut seen = std::collections::HashSet::new();
+        for term in terms(text) {
+            if !seen.insert(term.clone()) {
+                continue;
+            }
+            total += 1;
+            if let Some(id) = self.vocabulary.get(&term) {
+                ids.push(*id);
+            }
+        }
+        (ids, total)
+    }
+
+    pub fn segment(&self, kind: SegmentKind) -> &Segment {
+        match kind {
+            SegmentKind::Raw => &self.raw,
+            SegmentKind::Summary => &self.summaries,
+            SegmentKind::Fact => &self.facts,
+            SegmentKind::Episode => &self.episodes,
+            SegmentKind::Artifact => &self.artifacts,
+        }
+    }
+
+    /// The raw turn a chain link was recorded under.
+    pub fn turn_for_chain(&self, chain: u64) -> Option<TurnSeq> {
+        self.chains.get(&chain).copied()
+    }
+
+    /// Normalised relevance of one item for a query.
+    pub fn score_item(&self, item: ItemRef, query: &[TermId], bm25: Bm25) -> f32 {
+        match segment_of(item) {
+            Some((kind, key)) => self.segment(kind).score_key(key, query, bm25),
+            None => 0.0,
+        }
+    }
+
+    /// Approximate heap size in bytes (for the per-user memory report).
+    pub fn estimated_bytes(&self) -> usize {
+        let segment = |segment: &Segment| {
+            segment.doc_keys.len() * 8
+                + segment
+                    .postings
+                    .values()
+                    .map(|postings| postings.len() * 8 + 48)
+                    .sum::<usize>()
+        };
+        self.vocabulary
+            .keys()
+            .map(|term| term.len() + 40)
+            .sum::<usize>()
+            + self.chains.len() * 24
+            + segment(&self.raw)
+            + segment(&self.summaries)
+            + segment(&self.facts)
+            + segment(&self.episodes)
+            + segment(&self.artifacts)
+    }
+}
+
+/// The segment and document key of an item, if it is indexed.
+pub fn segment_of(item: ItemRef) -> Option<(SegmentKind, u32)> {
+    match item {
+        ItemRef::RawTurn(seq) => Some((SegmentKind::Raw, seq)),
+        ItemRef::Summary(seq) => Some((SegmentKind::Summary, seq)),
+        ItemRef::Fact(id) => Some((SegmentKind::Fact, id)),
+        ItemRef::Episode(id) => Some((SegmentKind::Episode, id)),
+        ItemRef::Artifact(id) => Some((SegmentKind::Artifact, id)),
+        ItemRef::Identity | ItemRef::Pinned(_) => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn segment(docs: &[&str]) -> (MemoryIndex, Segment) {
+        let mut index = MemoryIndex::default();
+        let mut segment = Segment::default();
+        for (key, doc) in docs.iter().enumerate() {
+            let ids = index.term_ids(doc);
+            segment.add(key as u32, ids);
+        }
+        (index, segment)
+    }
+
+    const BM25: Bm25 = Bm25 { k1: 1.2, b: 0.75 };
+
+    #[test]
+    fn bm25_ranks_rare_terms_higher() {
+        let (index, segment) = segment(&[
+            "the cat sat on the mat",
+            "dogs and cats are pets",
+            "my sourdough starter smells of acetone",
+            "the cat likes the sourdough",
+        ]);
+        let (query, total) = index.query_terms("why does my sourdough starter smell?");
+        assert_eq!(total, 3);
+        let hits = segment.search(&query, BM25, 10);
+        assert_eq!(hits[0].0, 2);
+        assert_eq!(hits[1].0, 3);
+        assert_eq!(hits.len(), 2);
+        assert!(hits[0].1 > 0.0 && hits[0].1 <= 1.0);
+        let single = segment.score_key(2, &query, BM25);
+        assert!((single - hits[0].1).abs() < 1e-6);
+        assert_eq!(segment.score_key(0, &query, BM25), 0.0);
+    }
+
+    #[test]
+    fn stemming_matches_inflections() {
+        let (index, segment) = segment(&["we went hiking in the alps", "taxes are due"]);
+        let (query, _) = index.query_terms("hikes");
+        assert_eq!(segment.search(&query, BM25, 5)[0].0, 0);
+    }
+
+    #[test]
+    fn top_k_is_deterministic_on_ties() {
+        let (index, segment) = segment(&["apple pie", "apple pie", "apple pie", "pear"]);
+        let (query, _) = index.query_terms("apple");
+        let hits = segment.search(&query, BM25, 2);
+        assert_eq!(hits.iter().map(|hit| hit.0).collect::<Vec<_>>(), [0, 1]);
+    }
+}

@@ -1,0 +1,467 @@
+//! The per-user memory state: identity (L0), base-truth facts (L1), pinned items, the raw log,
+//! the turn log, episode manifests and artifacts. It is plain data, serialised as JSON by the
+//! storage layer; every function that changes it lives in another module.
+//!
+//! Ids are positions: a fact's id is its index in `facts`, a turn's sequence number is its
+//! index in `raw_turns` (and `turn_log`), and so on. Nothing is ever removed from these vectors
+//! (demotion and retirement are flags), so ids stay valid and provenance always resolves.
+
+use std::borrow::Cow;
+
+use serde::{Deserialize, Serialize};
+
+use super::text::one_line;
+use super::tokens::TokenCount;
+
+/// Position of a turn in the user's raw log (0-based, across all sessions).
+pub type TurnSeq = u32;
+pub type FactId = u32;
+pub type EpisodeId = u32;
+pub type ArtifactId = u32;
+pub type PinId = u32;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Tier {
+    New,
+    Current,
+    Old,
+}
+
+/// Where an item sits in the tier hierarchy and how it has been used (seed 000). Serialised
+/// with one-letter keys: it is stored on every item, thousands of times per user.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct TierState {
+    #[serde(rename = "t")]
+    pub tier: Tier,
+    /// Turn the item entered its current tier.
+    #[serde(rename = "s")]
+    pub since_turn: TurnSeq,
+    #[serde(rename = "l")]
+    pub last_touched_turn: TurnSeq,
+    /// How often the conversation came back to the item.
+    #[serde(rename = "f")]
+    pub frequency: u32,
+}
+
+impl TierState {
+    pub fn fresh(turn: TurnSeq) -> TierState {
+        TierState {
+            tier: Tier::New,
+            since_turn: turn,
+            last_touched_turn: turn,
+            frequency: 1,
+        }
+    }
+}
+
+/// A reference to any memory item: what prefetch returns, what the explain lists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(tag = "kind", content = "id", rename_all = "snake_case")]
+pub enum ItemRef {
+    Identity,
+    Pinned(PinId),
+    Fact(FactId),
+    Summary(TurnSeq),
+    RawTurn(TurnSeq),
+    Episode(EpisodeId),
+    Artifact(ArtifactId),
+}
+
+/// Prefetched candidates are item references.
+pub type CandidateId = ItemRef;
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct MemoryState {
+    /// Bumped by every change; the retrieval index and caches key on it.
+    pub version: u64,
+    /// Bumped when a fact's text or status changes (the index rebuilds its fact part).
+    pub facts_version: u64,
+    /// Bumped when an episode manifest changes.
+    pub episodes_version: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<Identity>,
+    #[serde(default)]
+    pub facts: Vec<Fact>,
+    #[serde(default)]
+    pub pinned: Vec<PinnedItem>,
+    #[serde(default)]
+    pub raw_turns: Vec<RawTurn>,
+    /// One entry per raw turn, same index.
+    #[serde(default)]
+    pub turn_log: Vec<TurnLogEntry>,
+    #[serde(default)]
+    pub episodes: Vec<EpisodeManifest>,
+    #[serde(default)]
+    pub artifacts: Vec<Artifact>,
+    #[serde(default)]
+    pub sessions: Vec<SessionState>,
+}
+
+impl MemoryState {
+    pub fn new() -> MemoryState {
+        MemoryState::default()
+    }
+
+    /// The latest recorded turn's sequence number (0 before any): items are stamped with it,
+    /// and ages are counted from it.
+    pub fn now(&self) -> TurnSeq {
+        TurnSeq::try_from(self.raw_turns.len().saturating_sub(1)).unwrap_or(TurnSeq::MAX)
+    }
+
+    /// The client-visible id of a raw turn, for provenance.
+    pub fn turn_id(&self, seq: TurnSeq) -> Option<&str> {
+        self.raw_turns
+            .get(seq as usize)
+            .map(|turn| turn.id.as_str())
+    }
+
+    pub fn session_index(&self, session_id: &str) -> Option<u32> {
+        self.sessions
+            .iter()
+            .position(|session| session.id == session_id)
+            .and_then(|index| u32::try_from(index).ok())
+    }
+
+    pub fn active_facts(&self) -> impl Iterator<Item = &Fact> {
+        self.facts.iter().filter(|fact| fact.active)
+    }
+
+    pub fn fact(&self, id: FactId) -> Option<&Fact> {
+        self.facts.get(id as usize)
+    }
+
+    /// A turn's user and assistant summaries (see `TurnLogEntry::texts`).
+    pub fn summary_texts(&self, seq: TurnSeq) -> (Cow<'_, str>, Cow<'_, str>) {
+        self.turn_log
+            .get(seq as usize)
+            .map_or((Cow::Borrowed(""), Cow::Borrowed("")), |entry| {
+                entry.texts(self.raw_turns.get(seq as usize))
+            })
+    }
+
+    /// The date a raw turn happened, in display form.
+    pub fn turn_date(&self, seq: TurnSeq) -> Option<String> {
+        self.raw_turns
+            .get(seq as usize)
+            .and_then(|turn| turn.event_time.as_deref())
+            .and_then(super::text::display_date)
+    }
+}
+
+/// L0: a short, user-written profile, set through the management API.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Identity {
+    pub text: String,
+    /// Tokens of the rendered identity lines.
+    pub tokens: TokenCount,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FactCategory {
+    /// "never X", allergies, deadlines: always injected, never pruned or demoted.
+    HardConstraint,
+    /// Name, age, where the user lives or works.
+    Identity,
+    Preference,
+    Relation,
+    Possession,
+    Plan,
+    /// Something the user explicitly asked to be remembered.
+    Explicit,
+    General,
+}
+
+/// A base-truth fact `key: value` (or a bare `key` statement such as "allergic to peanuts").
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Fact {
+    pub id: FactId,
+    pub key: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub value: String,
+    pub category: FactCategory,
+    /// User priority in `0..=1`.
+    pub importance: f32,
+    /// Bumped by each change of value or status.
+    pub version: u32,
+    /// Raw turns that established or confirmed the current value.
+    pub provenance: Vec<TurnSeq>,
+    /// Display date of the turn that set the current value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub date: Option<String>,
+    /// Earlier values, oldest first, each with its own provenance.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub history: Vec<FactRevision>,
+    /// False once removed by a diff or merged into another fact; kept for provenance.
+    pub active: bool,
+    pub tier: TierState,
+    /// Tokens of the rendered fact line.
+    pub tokens: TokenCount,
+}
+
+impl Fact {
+    /// `key: value`, or `key` alone.
+    pub fn text(&self) -> String {
+        if self.value.is_empty() {
+            self.key.clone()
+        } else {
+            format!("{}: {}", self.key, self.value)
+        }
+    }
+
+    pub fn is_hard_constraint(&self) -> bool {
+        self.category == FactCategory::HardConstraint
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FactRevision {
+    pub value: String,
+    pub version: u32,
+    pub provenance: Vec<TurnSeq>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub date: Option<String>,
+    /// What ended this revision, and in which turn (None for management edits).
+    pub ended_by: RevisionEnd,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_at_turn: Option<TurnSeq>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RevisionEnd {
+    /// A new value contradicted it.
+    Replaced,
+    Removed,
+    MergedInto(FactId),
+}
+
+/// An item the user or app pinned: always injected (a projection; the source stays in place).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PinnedItem {
+    pub id: PinId,
+    pub text: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<ItemRef>,
+    pub active: bool,
+    pub tokens: TokenCount,
+}
+
+/// How deeply an exchange is kept (seed 001's size-adaptive depth).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Depth {
+    /// Both sides short: a summary is enough.
+    Short,
+    Medium,
+    /// A long message: kept raw in the window a little longer; a long reply becomes a draft.
+    Long,
+    /// Contains code: always diffed, code stored whole as artifacts.
+    Code,
+}
+
+/// One exchange of the immutable raw log, the ground truth every summary links back to.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RawTurn {
+    /// The stable id the proxy gave the exchange.
+    pub id: String,
+    /// Index into `MemoryState::sessions`.
+    pub session: u32,
+    pub user: String,
+    pub assistant: String,
+    /// As given (RFC 3339 or a preformatted date).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event_time: Option<String>,
+    /// Hash chain link over the normalised conversation up to and including this exchange.
+    pub chain: u64,
+    pub depth: Depth,
+    /// The answer did not finish streaming (client disconnect).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub incomplete: bool,
+    pub tokens: RawTurnTokens,
+}
+
+/// Stored on every raw turn; one-letter keys keep the per-user JSON small.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct RawTurnTokens {
+    /// Message contents, for the raw window.
+    #[serde(rename = "u")]
+    pub user: TokenCount,
+    #[serde(rename = "a")]
+    pub assistant: TokenCount,
+    /// The full recall line, and the clipped one used when the full one does not fit.
+    #[serde(rename = "l")]
+    pub line: TokenCount,
+    #[serde(rename = "c")]
+    pub clipped_line: TokenCount,
+}
+
+/// One side of a turn summary: its own text, or the span of the raw side it was cut from. Most
+/// heuristic summaries are a contiguous stretch of the (one-lined) raw text, and storing the
+/// span instead of a copy keeps the per-user state small. Serialised as a string or as
+/// `[start, end]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum SummaryText {
+    Text(String),
+    /// Byte range `[start, end)` of `one_line(raw side)`.
+    Span([u32; 2]),
+}
+
+impl SummaryText {
+    /// A span when `summary` occurs in the raw side, the text otherwise.
+    pub fn of(summary: String, raw: &str) -> SummaryText {
+        let line = one_line(raw);
+        match line.find(summary.as_str()) {
+            Some(start) if !summary.is_empty() => {
+                let span = u32::try_from(start)
+                    .ok()
+                    .zip(u32::try_from(start + summary.len()).ok());
+                match span {
+                    Some((start, end)) => SummaryText::Span([start, end]),
+                    None => SummaryText::Text(summary),
+                }
+            }
+            _ => SummaryText::Text(summary),
+        }
+    }
+
+    pub fn resolve<'a>(&'a self, raw: &str) -> Cow<'a, str> {
+        match self {
+            SummaryText::Text(text) => Cow::Borrowed(text),
+            SummaryText::Span([start, end]) => Cow::Owned(
+                one_line(raw)
+                    .get(*start as usize..*end as usize)
+                    .unwrap_or_default()
+                    .to_string(),
+            ),
+        }
+    }
+}
+
+impl From<&str> for SummaryText {
+    fn from(text: &str) -> SummaryText {
+        SummaryText::Text(text.to_string())
+    }
+}
+
+/// The turn-log entry of one exchange (seed 001): ≤25-word user and ≤30-word assistant
+/// summaries.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnLogEntry {
+    pub turn: TurnSeq,
+    pub user_summary: SummaryText,
+    pub assistant_summary: SummaryText,
+    /// Facts this turn added or changed (the summary's dependencies).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub facts: Vec<FactId>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub artifacts: Vec<ArtifactId>,
+    pub tier: TierState,
+    /// The episode this entry was folded into when it was demoted to OLD.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub episode: Option<EpisodeId>,
+    pub tokens: TokenCount,
+}
+
+impl TurnLogEntry {
+    /// The user and assistant summaries as text (`raw` is this entry's raw turn).
+    pub fn texts<'a>(&'a self, raw: Option<&RawTurn>) -> (Cow<'a, str>, Cow<'a, str>) {
+        (
+            self.user_summary
+                .resolve(raw.map_or("", |turn| turn.user.as_str())),
+            self.assistant_summary
+                .resolve(raw.map_or("", |turn| turn.assistant.as_str())),
+        )
+    }
+}
+
+/// OLD tier: a compact index entry over a run of demoted turns (seed 000, 002).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EpisodeManifest {
+    pub id: EpisodeId,
+    pub session: u32,
+    pub topic: String,
+    /// First and last display dates of the episode's turns, when known.
+    pub date_range: (Option<String>, Option<String>),
+    /// At most 256 characters.
+    pub summary: String,
+    pub salience_tags: Vec<String>,
+    /// Raw turns of the episode (provenance into the raw log).
+    pub links: Vec<TurnSeq>,
+    /// Facts first established in the episode's turns.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub facts: Vec<FactId>,
+    pub rehydration_hints: Vec<String>,
+    /// Tokens the episode's raw turns would take in full.
+    pub size_estimate_tokens: u32,
+    /// Turns at which the conversation returned to the episode.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rehydrated_at: Vec<TurnSeq>,
+    pub tokens: TokenCount,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ArtifactKind {
+    Code,
+    Draft,
+}
+
+/// Code and long drafts, kept whole and never summarised (seed 001).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Artifact {
+    pub id: ArtifactId,
+    pub turn: TurnSeq,
+    pub kind: ArtifactKind,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub language: Option<String>,
+    pub content: String,
+    /// Tokens of the full rendering, and of the one-line reference used when it does not fit.
+    pub tokens: TokenCount,
+    pub reference_tokens: TokenCount,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionState {
+    pub id: String,
+    /// Chain link of the session's latest exchange.
+    pub last_chain: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn item_refs_serialise_as_tagged_ids() {
+        let json = serde_json::to_string(&ItemRef::Fact(3)).unwrap();
+        assert_eq!(json, r#"{"kind":"fact","id":3}"#);
+        let back: ItemRef = serde_json::from_str(r#"{"kind":"raw_turn","id":7}"#).unwrap();
+        assert_eq!(back, ItemRef::RawTurn(7));
+        let identity: ItemRef = serde_json::from_str(r#"{"kind":"identity"}"#).unwrap();
+        assert_eq!(identity, ItemRef::Identity);
+    }
+
+    #[test]
+    fn fact_text_joins_key_and_value() {
+        let mut fact = Fact {
+            id: 0,
+            key: "lives in".into(),
+            value: "Berlin".into(),
+            category: FactCategory::Identity,
+            importance: 0.5,
+            version: 1,
+            provenance: vec![0],
+            date: None,
+            history: vec![],
+            active: true,
+            tier: TierState::fresh(0),
+            tokens: TokenCount::default(),
+        };
+        assert_eq!(fact.text(), "lives in: Berlin");
+        fact.value.clear();
+        assert_eq!(fact.text(), "lives in");
+    }
+}

@@ -1,0 +1,406 @@
+//! Retrieval for the hot path and prefetch for the update path.
+//!
+//! `retrieve` scores the prefetched candidates against the new message (a re-rank: one postings
+//! lookup per term and candidate) and searches every segment of the index. Raw turns are
+//! first-class: they are searched directly, their neighbours in the same session are pulled in
+//! at a discount, and when the summary tier (facts, turn summaries, manifests) covers too little
+//! of the query's term weight, retrieval escalates (seed 003): the raw turns the best summary
+//! hits link to are pulled in, and raw hits keep their full weight.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::config::RetrievalConfig;
+use super::index::{Bm25, MemoryIndex, SegmentKind, TermId, segment_of};
+use super::model::{CandidateId, ItemRef, MemoryState, Tier, TurnSeq};
+
+/// Why an item was retrieved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HitSource {
+    /// Found by searching the index for the new message.
+    Search,
+    /// Prefetched after the previous turn and re-ranked against the new message.
+    Prefetch,
+    /// A raw turn next to a raw-turn hit in the same session.
+    Neighbour,
+    /// A raw turn a summary-tier hit links to, pulled in because summaries covered too little.
+    Escalation,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Hit {
+    pub item: ItemRef,
+    /// About `0..1`: BM25 normalised by the query's ceiling, plus the prefetch context bonus.
+    pub relevance: f32,
+    pub source: HitSource,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Retrieval {
+    /// Best first; ties by item.
+    pub hits: Vec<Hit>,
+    /// Share of the query's term weight found in the top summary-tier hits.
+    pub coverage: f32,
+    pub escalated: bool,
+    /// Distinct query terms, and how many the index knows.
+    pub query_terms: usize,
+    pub known_terms: usize,
+}
+
+/// Bonus a prefetched candidate gets for being part of the recent context, scaled by its
+/// prefetch rank (first: full bonus).
+const PREFETCH_CONTEXT_BONUS: f32 = 0.1;
+/// A linked raw turn inherits this share of its summary hit's relevance.
+const ESCALATION_INHERIT: f32 = 0.9;
+/// Summary-tier hits whose coverage and links are considered.
+const COVERAGE_HITS: usize = 8;
+
+fn bm25(config: &RetrievalConfig) -> Bm25 {
+    Bm25 {
+        k1: config.bm25_k1,
+        b: config.bm25_b,
+    }
+}
+
+fn offer(
+    best: &mut BTreeMap<ItemRef, (f32, HitSource)>,
+    item: ItemRef,
+    relevance: f32,
+    source: HitSource,
+) {
+    if relevance <= 0.0 {
+        return;
+    }
+    let slot = best.entry(item).or_insert((relevance, source));
+    if relevance > slot.0 {
+        *slot = (relevance, source);
+    }
+}
+
+/// Retrieves memory for `query` (the new user message).
+pub fn retrieve(
+    state: &MemoryState,
+    index: &MemoryIndex,
+    query: &str,
+    prefetched: &[CandidateId],
+    config: &RetrievalConfig,
+) -> Retrieval {
+    let (terms, total) = index.query_terms(query);
+    let params = bm25(config);
+    let mut best: BTreeMap<ItemRef, (f32, HitSource)> = BTreeMap::new();
+
+    // Re-rank the prefetched candidates against the actual message.
+    let count = prefetched.len().max(1) as f32;
+    for (rank, candidate) in prefetched.iter().enumerate() {
+        if !exists(state, *candidate) {
+            continue;
+        }
+        let relevance = index.score_item(*candidate, &terms, params);
+        let context = PREFETCH_CONTEXT_BONUS * (1.0 - rank as f32 / count);
+        offer(
+            &mut best,
+            *candidate,
+            relevance + context,
+            HitSource::Prefetch,
+        );
+    }
+
+    // Search the summary tier.
+    let mut summary_hits: Vec<(ItemRef, f32)> = Vec::new();
+    for (kind, top, wrap) in [
+        (
+            SegmentKind::Fact,
+            config.top_facts,
+            ItemRef::Fact as fn(u32) -> ItemRef,
+        ),
+        (SegmentKind::Summary, config.top_summaries, ItemRef::Summary),
+        (SegmentKind::Episode, config.top_episodes, ItemRef::Episode),
+    ] {
+        for (key, relevance) in index.segment(kind).search(&terms, params, top) {
+            let item = wrap(key);
+            if exists(state, item) {
+                summary_hits.push((item, relevance));
+                offer(&mut best, item, relevance, HitSource::Search);
+            }
+        }
+    }
+    summary_hits.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    summary_hits.truncate(COVERAGE_HITS);
+
+    let coverage = coverage(index, &terms, &summary_hits);
+    let escalated = !terms.is_empty() && coverage < config.escalate_below_coverage;
+
+    // Raw turns: always searched; discounted when the summaries already answer.
+    let raw_weight = if escalated {
+        1.0
+    } else {
+        config.raw_weight_when_covered
+    };
+    for (key, relevance) in index.raw.search(&terms, params, config.top_raw_turns) {
+        offer(
+            &mut best,
+            ItemRef::RawTurn(key),
+            relevance * raw_weight,
+            HitSource::Search,
+        );
+    }
+    if escalated {
+        for (item, relevance) in &summary_hits {
+            for seq in linked_turns(state, index, *item, &terms, params) {
+                offer(
+                    &mut best,
+                    ItemRef::RawTurn(seq),
+                    relevance * ESCALATION_INHERIT,
+                    HitSource::Escalation,
+                );
+            }
+        }
+    }
+    for (key, relevance) in index.artifacts.search(&terms, params, config.top_artifacts) {
+        offer(
+            &mut best,
+            ItemRef::Artifact(key),
+            relevance,
+            HitSource::Search,
+        );
+    }
+
+    // Neighbour expansion of raw hits.
+    let raw_hits: Vec<(TurnSeq, f32)> = best
+        .iter()
+        .filter_map(|(item, (relevance, _))| match item {
+            ItemRef::RawTurn(seq) => Some((*seq, *relevance)),
+            _ => None,
+        })
+        .collect();
+    for (seq, relevance) in raw_hits {
+        for neighbour in neighbours(state, seq) {
+            offer(
+                &mut best,
+                ItemRef::RawTurn(neighbour),
+                relevance * config.neighbour_weight,
+                HitSource::Neighbour,
+            );
+        }
+    }
+
+    let mut hits: Vec<Hit> = best
+        .into_iter()
+        .map(|(item, (relevance, source))| Hit {
+            item,
+            relevance,
+            source,
+        })
+        .collect();
+    hits.sort_by(|a, b| {
+        b.relevance
+            .total_cmp(&a.relevance)
+            .then(a.item.cmp(&b.item))
+    });
+    Retrieval {
+        hits,
+        coverage,
+        escalated,
+        query_terms: total,
+        known_terms: terms.len(),
+    }
+}
+
+fn exists(state: &MemoryState, item: ItemRef) -> bool {
+    match item {
+        ItemRef::Fact(id) => state.fact(id).is_some_and(|fact| fact.active),
+        ItemRef::Summary(seq) => (seq as usize) < state.turn_log.len(),
+        ItemRef::RawTurn(seq) => (seq as usize) < state.raw_turns.len(),
+        ItemRef::Episode(id) => (id as usize) < state.episodes.len(),
+        ItemRef::Artifact(id) => (id as usize) < state.artifacts.len(),
+        ItemRef::Pinned(id) => state.pinned.get(id as usize).is_some_and(|pin| pin.active),
+        ItemRef::Identity => state.identity.is_some(),
+    }
+}
+
+/// Share of the query's weight (raw-segment idf, the largest collection) present in at least
+/// one of the top summary-tier hits.
+fn coverage(index: &MemoryIndex, terms: &[TermId], hits: &[(ItemRef, f32)]) -> f32 {
+    let mut total = 0.0;
+    let mut covered = 0.0;
+    for term in terms {
+        let weight = index.raw.idf(*term).max(0.1);
+        total += weight;
+        let found = hits.iter().any(|(item, _)| {
+            segment_of(*item).is_some_and(|(kind, key)| index.segment(kind).contains(key, *term))
+        });
+        if found {
+            covered += weight;
+        }
+    }
+    if total > 0.0 { covered / total } else { 0.0 }
+}
+
+/// Raw turns behind a summary-tier item: a summary's own turn, a fact's provenance, an
+/// episode's three most relevant linked turns.
+fn linked_turns(
+    state: &MemoryState,
+    index: &MemoryIndex,
+    item: ItemRef,
+    terms: &[TermId],
+    params: Bm25,
+) -> Vec<TurnSeq> {
+    match item {
+        ItemRef::Summary(seq) => vec![seq],
+        ItemRef::Fact(id) => state
+            .fact(id)
+            .map(|fact| fact.provenance.iter().rev().take(3).copied().collect())
+            .unwrap_or_default(),
+        ItemRef::Episode(id) => {
+            let Some(episode) = state.episodes.get(id as usize) else {
+                return Vec::new();
+            };
+            let mut scored: Vec<(TurnSeq, f32)> = episode
+                .links
+                .iter()
+                .map(|seq| (*seq, index.raw.score_key(*seq, terms, params)))
+                .filter(|(_, score)| *score > 0.0)
+                .collect();
+            scored.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            scored.into_iter().take(3).map(|(seq, _)| seq).collect()
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// The turns just before and after `seq` in the same session.
+pub fn neighbours(state: &MemoryState, seq: TurnSeq) -> Vec<TurnSeq> {
+    const SCAN: usize = 64;
+    let Some(turn) = state.raw_turns.get(seq as usize) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    let before = state.raw_turns[..seq as usize]
+        .iter()
+        .enumerate()
+        .rev()
+        .take(SCAN)
+        .find(|(_, other)| other.session == turn.session)
+        .map(|(at, _)| at);
+    let after = state
+        .raw_turns
+        .iter()
+        .enumerate()
+        .skip(seq as usize + 1)
+        .take(SCAN)
+        .find(|(_, other)| other.session == turn.session)
+        .map(|(at, _)| at);
+    for at in [before, after].into_iter().flatten() {
+        if let Ok(at) = TurnSeq::try_from(at) {
+            out.push(at);
+        }
+    }
+    out
+}
+
+/// The candidates for the next turn of `session_id`, computed after its latest exchange: what
+/// the index finds for that exchange (both sides), the raw neighbours of those hits, and the
+/// active working set. Best first, at most `prefetch_limit`.
+pub fn prefetch(
+    state: &MemoryState,
+    index: &MemoryIndex,
+    session_id: &str,
+    config: &RetrievalConfig,
+) -> Vec<CandidateId> {
+    let Some(session) = state.session_index(session_id) else {
+        return Vec::new();
+    };
+    let Some(last) = state
+        .raw_turns
+        .iter()
+        .rposition(|turn| turn.session == session)
+    else {
+        return Vec::new();
+    };
+    let turn = &state.raw_turns[last];
+    let text = format!("{} {}", turn.user, turn.assistant);
+    let (terms, _) = index.query_terms(&text);
+    let params = bm25(config);
+    let mut best: BTreeMap<ItemRef, (f32, HitSource)> = BTreeMap::new();
+    for (kind, top, wrap) in [
+        (
+            SegmentKind::Fact,
+            config.top_facts * 2,
+            ItemRef::Fact as fn(u32) -> ItemRef,
+        ),
+        (
+            SegmentKind::Summary,
+            config.top_summaries * 2,
+            ItemRef::Summary,
+        ),
+        (
+            SegmentKind::Episode,
+            config.top_episodes * 2,
+            ItemRef::Episode,
+        ),
+        (SegmentKind::Raw, config.top_raw_turns * 2, ItemRef::RawTurn),
+        (
+            SegmentKind::Artifact,
+            config.top_artifacts * 2,
+            ItemRef::Artifact,
+        ),
+    ] {
+        for (key, relevance) in index.segment(kind).search(&terms, params, top) {
+            let item = wrap(key);
+            // The exchange itself is in the raw window next turn.
+            if item == ItemRef::RawTurn(u32::try_from(last).unwrap_or(u32::MAX)) {
+                continue;
+            }
+            if exists(state, item) {
+                offer(&mut best, item, relevance, HitSource::Search);
+            }
+        }
+    }
+    let raw_hits: Vec<(TurnSeq, f32)> = best
+        .iter()
+        .filter_map(|(item, (relevance, _))| match item {
+            ItemRef::RawTurn(seq) => Some((*seq, *relevance)),
+            _ => None,
+        })
+        .collect();
+    for (seq, relevance) in raw_hits {
+        for neighbour in neighbours(state, seq) {
+            offer(
+                &mut best,
+                ItemRef::RawTurn(neighbour),
+                relevance * config.neighbour_weight,
+                HitSource::Neighbour,
+            );
+        }
+    }
+    // The working set rides along at a small weight, so a terse follow-up still has context.
+    let active = |tier: Tier| matches!(tier, Tier::New | Tier::Current);
+    for fact in state
+        .facts
+        .iter()
+        .filter(|fact| fact.active && active(fact.tier.tier))
+    {
+        offer(&mut best, ItemRef::Fact(fact.id), 0.01, HitSource::Prefetch);
+    }
+    for entry in state
+        .turn_log
+        .iter()
+        .filter(|entry| active(entry.tier.tier))
+    {
+        offer(
+            &mut best,
+            ItemRef::Summary(entry.turn),
+            0.01,
+            HitSource::Prefetch,
+        );
+    }
+    let mut ranked: Vec<(ItemRef, f32)> = best
+        .into_iter()
+        .map(|(item, (relevance, _))| (item, relevance))
+        .collect();
+    ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    ranked.truncate(config.prefetch_limit);
+    ranked.into_iter().map(|(item, _)| item).collect()
+}

@@ -1,0 +1,394 @@
+//! Text helpers shared by retrieval, extraction and rendering: word tokenising, a light stemmer,
+//! stop-words, whitespace normalising, word-bounded clipping and date display.
+
+/// English function words that carry no retrieval signal.
+const STOP_WORDS: &[&str] = &[
+    "a",
+    "about",
+    "above",
+    "after",
+    "again",
+    "all",
+    "also",
+    "am",
+    "an",
+    "and",
+    "any",
+    "are",
+    "as",
+    "at",
+    "be",
+    "been",
+    "before",
+    "being",
+    "both",
+    "but",
+    "by",
+    "can",
+    "could",
+    "d",
+    "did",
+    "do",
+    "does",
+    "doing",
+    "don",
+    "down",
+    "during",
+    "each",
+    "even",
+    "few",
+    "for",
+    "from",
+    "further",
+    "get",
+    "got",
+    "had",
+    "has",
+    "have",
+    "having",
+    "he",
+    "hello",
+    "her",
+    "here",
+    "hers",
+    "herself",
+    "hey",
+    "hi",
+    "him",
+    "himself",
+    "his",
+    "how",
+    "i",
+    "if",
+    "in",
+    "into",
+    "is",
+    "it",
+    "its",
+    "itself",
+    "just",
+    "know",
+    "let",
+    "like",
+    "ll",
+    "m",
+    "many",
+    "me",
+    "more",
+    "most",
+    "much",
+    "my",
+    "myself",
+    "no",
+    "nor",
+    "not",
+    "now",
+    "of",
+    "off",
+    "oh",
+    "ok",
+    "okay",
+    "on",
+    "once",
+    "only",
+    "or",
+    "other",
+    "our",
+    "ours",
+    "ourselves",
+    "out",
+    "over",
+    "own",
+    "please",
+    "re",
+    "really",
+    "s",
+    "same",
+    "she",
+    "should",
+    "so",
+    "some",
+    "such",
+    "t",
+    "than",
+    "thank",
+    "thanks",
+    "that",
+    "the",
+    "their",
+    "theirs",
+    "them",
+    "themselves",
+    "then",
+    "there",
+    "these",
+    "they",
+    "think",
+    "this",
+    "those",
+    "through",
+    "to",
+    "too",
+    "under",
+    "until",
+    "up",
+    "ve",
+    "very",
+    "was",
+    "we",
+    "well",
+    "were",
+    "what",
+    "when",
+    "where",
+    "which",
+    "while",
+    "who",
+    "whom",
+    "why",
+    "will",
+    "with",
+    "would",
+    "yeah",
+    "yes",
+    "you",
+    "your",
+    "yours",
+    "yourself",
+    "yourselves",
+];
+
+pub fn is_stop_word(word: &str) -> bool {
+    STOP_WORDS.binary_search(&word).is_ok()
+}
+
+/// Lower-cased alphanumeric words of `text`, in order (stop-words included).
+pub fn words(text: &str) -> impl Iterator<Item = String> + '_ {
+    text.split(|c: char| !c.is_alphanumeric())
+        .filter(|word| !word.is_empty())
+        .map(str::to_lowercase)
+}
+
+/// Retrieval terms: lower-cased, stop-words removed, lightly stemmed.
+pub fn terms(text: &str) -> impl Iterator<Item = String> + '_ {
+    words(text)
+        .filter(|word| !is_stop_word(word))
+        .map(|word| stem(&word))
+        .filter(|term| !term.is_empty())
+}
+
+/// A light suffix-stripping stemmer: plurals, `-ies`/`-ied`, `-ing`, `-ed`, then a final silent
+/// `-e`. It only needs to map query and document forms onto the same key, and it is applied to
+/// both sides identically ("hike", "hikes", "hiked", "hiking" -> "hik").
+pub fn stem(word: &str) -> String {
+    if word.len() <= 3 || !word.is_ascii() {
+        return word.to_string();
+    }
+    let base = strip_inflection(word);
+    match base.strip_suffix('e') {
+        Some(shorter) if base.len() >= 4 => shorter.to_string(),
+        _ => base,
+    }
+}
+
+fn strip_inflection(w: &str) -> String {
+    if let Some(base) = w.strip_suffix("ies")
+        && base.len() >= 2
+    {
+        return format!("{base}y");
+    }
+    if let Some(base) = w.strip_suffix("ied")
+        && base.len() >= 2
+    {
+        return format!("{base}y");
+    }
+    if let Some(base) = w.strip_suffix("sses") {
+        return format!("{base}ss");
+    }
+    if let Some(base) = w.strip_suffix("ing")
+        && base.len() >= 3
+    {
+        return undouble(base);
+    }
+    if let Some(base) = w.strip_suffix("ed")
+        && base.len() >= 3
+    {
+        return undouble(base);
+    }
+    if w.ends_with("ss") || w.ends_with("us") || w.ends_with("is") {
+        return w.to_string();
+    }
+    if let Some(base) = w.strip_suffix("es")
+        && (base.ends_with("ch") || base.ends_with("sh") || base.ends_with('x'))
+    {
+        return base.to_string();
+    }
+    if let Some(base) = w.strip_suffix('s') {
+        return base.to_string();
+    }
+    w.to_string()
+}
+
+/// "running" -> "runn" -> "run"; keeps "ll"/"ss"/"zz" ("falling" -> "fall").
+fn undouble(base: &str) -> String {
+    let bytes = base.as_bytes();
+    let n = bytes.len();
+    if n >= 2 && bytes[n - 1] == bytes[n - 2] && !matches!(bytes[n - 1], b'l' | b's' | b'z') {
+        return base[..n - 1].to_string();
+    }
+    base.to_string()
+}
+
+/// Collapses every run of whitespace (newlines included) into one space and trims the ends, so
+/// a rendered memory line never spans lines.
+pub fn one_line(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for word in text.split_whitespace() {
+        if !out.is_empty() {
+            out.push(' ');
+        }
+        out.push_str(word);
+    }
+    out
+}
+
+pub fn word_count(text: &str) -> usize {
+    text.split_whitespace().count()
+}
+
+/// The first `max_words` words of `text` on one line, with an ellipsis when something was cut.
+pub fn clip_words(text: &str, max_words: usize) -> String {
+    let mut out = String::new();
+    for (taken, word) in text.split_whitespace().enumerate() {
+        if taken == max_words {
+            out.push_str(" …");
+            return out;
+        }
+        if taken > 0 {
+            out.push(' ');
+        }
+        out.push_str(word);
+    }
+    out
+}
+
+/// At most `max_chars` characters, cut at a word boundary, with an ellipsis when cut.
+pub fn clip_chars(text: &str, max_chars: usize) -> String {
+    if text.chars().count() <= max_chars {
+        return text.to_string();
+    }
+    let mut out = String::new();
+    for word in text.split_whitespace() {
+        let extra = usize::from(!out.is_empty()) + word.chars().count();
+        // Leave room for the ellipsis.
+        if out.chars().count() + extra + 1 > max_chars {
+            break;
+        }
+        if !out.is_empty() {
+            out.push(' ');
+        }
+        out.push_str(word);
+    }
+    out.push('…');
+    out
+}
+
+/// The display form of an event time: the calendar date of an RFC 3339 stamp
+/// (`2023-05-08T13:56:00Z` -> `2023-05-08`), or a preformatted date as given (one line, at most
+/// 40 characters).
+pub fn display_date(event_time: &str) -> Option<String> {
+    let trimmed = event_time.trim();
+    if trimmed.is_empty() {
+        return None;
+    }
+    let bytes = trimmed.as_bytes();
+    let looks_rfc3339 = bytes.len() >= 10
+        && bytes[..4].iter().all(u8::is_ascii_digit)
+        && bytes[4] == b'-'
+        && bytes[5..7].iter().all(u8::is_ascii_digit)
+        && bytes[7] == b'-'
+        && bytes[8..10].iter().all(u8::is_ascii_digit);
+    if looks_rfc3339 {
+        return Some(trimmed[..10].to_string());
+    }
+    Some(clip_chars(&one_line(trimmed), 40))
+}
+
+/// FNV-1a, 64-bit: a stable hash (unlike std's randomly seeded one) for chains and dedup keys.
+pub fn fnv1a(seed: u64, bytes: &[u8]) -> u64 {
+    let mut hash = if seed == 0 {
+        0xcbf2_9ce4_8422_2325
+    } else {
+        seed
+    };
+    for byte in bytes {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    hash
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_words_are_sorted_for_binary_search() {
+        let mut sorted = STOP_WORDS.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted, STOP_WORDS);
+    }
+
+    #[test]
+    fn stemming_joins_inflections() {
+        assert_eq!(stem("hiking"), stem("hikes"));
+        assert_eq!(stem("hiked"), stem("hike"));
+        assert_eq!(stem("running"), "run");
+        assert_eq!(stem("allergies"), stem("allergy"));
+        assert_eq!(stem("peanuts"), "peanut");
+        assert_eq!(stem("classes"), "class");
+        assert_eq!(stem("boxes"), "box");
+        assert_eq!(stem("falling"), "fall");
+        assert_eq!(stem("bus"), "bus");
+    }
+
+    #[test]
+    fn terms_drop_stop_words_and_stem() {
+        let got: Vec<String> = terms("I went hiking with my dogs in the Alps").collect();
+        assert_eq!(got, ["went", "hik", "dog", "alp"]);
+    }
+
+    #[test]
+    fn clipping_respects_limits() {
+        assert_eq!(clip_words("a b c d", 2), "a b …");
+        assert_eq!(clip_words("a b", 2), "a b");
+        let clipped = clip_chars("alpha beta gamma delta", 12);
+        assert!(clipped.chars().count() <= 12, "{clipped}");
+        assert!(clipped.ends_with('…'));
+    }
+
+    #[test]
+    fn dates_display_as_calendar_days() {
+        assert_eq!(
+            display_date("2023-05-08T13:56:00Z").as_deref(),
+            Some("2023-05-08")
+        );
+        assert_eq!(
+            display_date(" 1:56 pm on 8 May, 2023 ").as_deref(),
+            Some("1:56 pm on 8 May, 2023")
+        );
+        assert_eq!(display_date("  "), None);
+    }
+
+    #[test]
+    fn one_line_collapses_whitespace() {
+        assert_eq!(one_line("  a\n\n b\t c "), "a b c");
+    }
+
+    #[test]
+    fn fnv_is_stable() {
+        assert_eq!(fnv1a(0, b""), 0xcbf2_9ce4_8422_2325);
+        assert_ne!(fnv1a(0, b"a"), fnv1a(0, b"b"));
+    }
+}
