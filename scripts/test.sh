@@ -30,4 +30,4 @@ log "cargo clippy"
 cargo clippy --all-targets --locked -- -D warnings
 
 log "cargo test"
-cargo test --locked --all-targets
+cargo test --locked

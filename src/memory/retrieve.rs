@@ -167,24 +167,7 @@ pub fn retrieve(
         );
     }
 
-    // Neighbour expansion of raw hits.
-    let raw_hits: Vec<(TurnSeq, f32)> = best
-        .iter()
-        .filter_map(|(item, (relevance, _))| match item {
-            ItemRef::RawTurn(seq) => Some((*seq, *relevance)),
-            _ => None,
-        })
-        .collect();
-    for (seq, relevance) in raw_hits {
-        for neighbour in neighbours(state, seq) {
-            offer(
-                &mut best,
-                ItemRef::RawTurn(neighbour),
-                relevance * config.neighbour_weight,
-                HitSource::Neighbour,
-            );
-        }
-    }
+    expand_to_neighbours(state, &mut best, config.neighbour_weight);
 
     let mut hits: Vec<Hit> = best
         .into_iter()
@@ -271,6 +254,31 @@ fn linked_turns(
 }
 
 /// The turns just before and after `seq` in the same session.
+/// Every raw hit lends `weight` of its relevance to its session neighbours.
+fn expand_to_neighbours(
+    state: &MemoryState,
+    best: &mut BTreeMap<ItemRef, (f32, HitSource)>,
+    weight: f32,
+) {
+    let raw_hits: Vec<(TurnSeq, f32)> = best
+        .iter()
+        .filter_map(|(item, (relevance, _))| match item {
+            ItemRef::RawTurn(seq) => Some((*seq, *relevance)),
+            _ => None,
+        })
+        .collect();
+    for (seq, relevance) in raw_hits {
+        for neighbour in neighbours(state, seq) {
+            offer(
+                best,
+                ItemRef::RawTurn(neighbour),
+                relevance * weight,
+                HitSource::Neighbour,
+            );
+        }
+    }
+}
+
 pub fn neighbours(state: &MemoryState, seq: TurnSeq) -> Vec<TurnSeq> {
     const SCAN: usize = 64;
     let Some(turn) = state.raw_turns.get(seq as usize) else {
@@ -358,23 +366,7 @@ pub fn prefetch(
             }
         }
     }
-    let raw_hits: Vec<(TurnSeq, f32)> = best
-        .iter()
-        .filter_map(|(item, (relevance, _))| match item {
-            ItemRef::RawTurn(seq) => Some((*seq, *relevance)),
-            _ => None,
-        })
-        .collect();
-    for (seq, relevance) in raw_hits {
-        for neighbour in neighbours(state, seq) {
-            offer(
-                &mut best,
-                ItemRef::RawTurn(neighbour),
-                relevance * config.neighbour_weight,
-                HitSource::Neighbour,
-            );
-        }
-    }
+    expand_to_neighbours(state, &mut best, config.neighbour_weight);
     // The working set rides along at a small weight, so a terse follow-up still has context.
     let active = |tier: Tier| matches!(tier, Tier::New | Tier::Current);
     for fact in state
