@@ -411,3 +411,73 @@ async fn sigterm_lets_an_in_flight_stream_finish() {
     assert_eq!(captured.len(), 1);
     assert_eq!(captured[0]["fields"]["complete"], true);
 }
+
+#[tokio::test]
+async fn echo_mode_replies_with_what_the_upstream_received() {
+    let upstream = mock(&["--echo"]);
+    let proxy = proxy(&upstream.address, &[]);
+    let body = chat_body(false);
+    let reply = post_json(&proxy.url("/v1/chat/completions"), &body, &[]).await;
+    let content = reply.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let received: Value = serde_json::from_str(&content).unwrap();
+    assert_eq!(received, body["messages"]);
+}
+
+#[tokio::test]
+async fn a_configured_upstream_key_replaces_the_client_key_and_is_never_logged() {
+    let upstream = mock(&[]);
+    let proxy = proxy(
+        &upstream.address,
+        &[
+            ("ENGRAM_UPSTREAM__API_KEY_ENV", "ENGRAM_TEST_UPSTREAM_KEY"),
+            ("ENGRAM_TEST_UPSTREAM_KEY", "sk-very-secret-value"),
+        ],
+    );
+    let reply = post_json(
+        &proxy.url("/v1/chat/completions"),
+        &chat_body(false),
+        &[("authorization", "Bearer sk-client")],
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(
+        reply.headers["x-mock-received-authorization"],
+        "Bearer sk-very-secret-value"
+    );
+    proxy.wait_for_log("exchange captured", 1).await;
+    for line in proxy.stderr_lines() {
+        assert!(!line.contains("sk-very-secret-value"), "{line}");
+        assert!(!line.contains("sk-client"), "{line}");
+    }
+}
+
+#[tokio::test]
+async fn a_missing_key_variable_stops_the_start_with_a_clear_message() {
+    let output = std::process::Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .env(
+            "ENGRAM_UPSTREAM__API_KEY_ENV",
+            "ENGRAM_TEST_KEY_THAT_IS_NOT_SET",
+        )
+        .env_remove("ENGRAM_TEST_KEY_THAT_IS_NOT_SET")
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("upstream.api_key_env"), "{stderr}");
+    assert!(
+        stderr.contains("ENGRAM_TEST_KEY_THAT_IS_NOT_SET"),
+        "{stderr}"
+    );
+
+    let output = std::process::Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .env("ENGRAM_SERVER__LISTNE", "x")
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("listne"));
+}

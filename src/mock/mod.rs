@@ -10,6 +10,9 @@
 //!   `retry-after: 1`);
 //! - `x-mock-fault: reset | malformed | hang` — a stream that breaks its connection half-way,
 //!   sends an event that is not JSON and no `[DONE]`, or stops sending after its first chunk.
+//!
+//! Chat responses reflect the `Authorization` they received in `x-mock-received-authorization`,
+//! so tests can see which key reached the upstream.
 
 use std::convert::Infallible;
 use std::io::Write;
@@ -165,6 +168,17 @@ impl Mock {
     }
 
     async fn chat(&self, request: Request<Incoming>, knobs: Knobs) -> Response<ProxyBody> {
+        let authorization = request.headers().get(header::AUTHORIZATION).cloned();
+        let mut response = self.chat_response(request, knobs).await;
+        if let Some(authorization) = authorization {
+            response
+                .headers_mut()
+                .insert("x-mock-received-authorization", authorization);
+        }
+        response
+    }
+
+    async fn chat_response(&self, request: Request<Incoming>, knobs: Knobs) -> Response<ProxyBody> {
         let body = match Limited::new(request.into_body(), MAX_REQUEST_BYTES)
             .collect()
             .await
