@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs engram's whole test suite. Installs what the tests need when it is missing:
 # a Python venv (.venv) with the official `openai` SDK for the end-to-end SDK test.
-set -euo pipefail
+set -euo pipefail  # pipefail: a failing cargo test fails the script through tee
 cd "$(dirname "$0")/.."
 
 log() { printf '\n== %s\n' "$*"; }
@@ -30,4 +30,9 @@ log "cargo clippy"
 cargo clippy --all-targets --locked -- -D warnings
 
 log "cargo test"
-cargo test --locked
+# Doc tests are left out (the crate has none); the totals line below sums every test binary.
+results=$(mktemp)
+trap 'rm -f "$results"' EXIT
+cargo test --locked --lib --bins --tests 2>&1 | tee "$results"
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i; if ($(i+1) ~ /^ignored/) s += $i } }
+     END { printf "\n%d passed, %d failed, %d skipped\n", p, f, s }' "$results"
