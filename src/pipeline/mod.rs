@@ -7,6 +7,8 @@
 //! 5. **`MemoryLayer::record`** — after the response has streamed back (or the client left),
 //!    off the hot path, on the tracked task set that shutdown drains.
 
+pub mod identity;
+
 use std::future::Future;
 use std::pin::Pin;
 

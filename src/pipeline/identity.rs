@@ -1,0 +1,368 @@
+//! Who a request's memory belongs to (DESIGN.md §4): tenant, user and session from the
+//! `x-engram-*` headers (with the body's `user`/`safety_identifier` as a configurable fallback),
+//! the memory mode, and an optional event time for imported turns.
+//!
+//! Identifiers become parts of storage keys (`engram:{tenant:user}:…`), so they are checked
+//! strictly: a value that could break out of its key segment, or carry a header injection, is a
+//! 400, never silently rewritten into somebody else's key.
+
+use http::HeaderMap;
+use serde::Deserialize;
+
+use crate::error::Error;
+use crate::openai::ChatRequest;
+
+pub const USER_HEADER: &str = "x-engram-user";
+pub const SESSION_HEADER: &str = "x-engram-session";
+pub const TENANT_HEADER: &str = "x-engram-tenant";
+pub const MODE_HEADER: &str = "x-engram-mode";
+pub const EVENT_TIME_HEADER: &str = "x-engram-event-time";
+
+const MAX_ID_LEN: usize = 128;
+/// The session of a user who sends no `x-engram-session`.
+pub const DEFAULT_SESSION: &str = "default";
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IdentityConfig {
+    /// Tenant of requests without `x-engram-tenant`.
+    pub default_tenant: String,
+    /// Use the body's `user` (or `safety_identifier`) when `x-engram-user` is absent.
+    pub user_from_body: bool,
+}
+
+impl Default for IdentityConfig {
+    fn default() -> Self {
+        IdentityConfig {
+            default_tenant: "default".to_owned(),
+            user_from_body: true,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Mode {
+    /// Read memory, inject it, and record the exchange.
+    #[default]
+    Normal,
+    /// Inject memory but record nothing (evaluation probes, background jobs).
+    ReadOnly,
+    /// Bypass memory for this request.
+    Off,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    pub tenant: String,
+    pub user: String,
+    pub session: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestIdentity {
+    /// `None` when the request names no user: it passes through without memory.
+    pub identity: Option<Identity>,
+    pub mode: Mode,
+    /// A validated RFC 3339 timestamp for an imported turn.
+    pub event_time: Option<String>,
+}
+
+impl RequestIdentity {
+    /// Whether memory is read for this request.
+    pub fn reads_memory(&self) -> bool {
+        self.identity.is_some() && self.mode != Mode::Off
+    }
+
+    /// Whether the exchange is recorded.
+    pub fn records(&self) -> bool {
+        self.identity.is_some() && self.mode == Mode::Normal
+    }
+}
+
+/// Resolves the identity of a chat request; a malformed identity header is a 400.
+pub fn resolve(
+    headers: &HeaderMap,
+    request: &ChatRequest,
+    config: &IdentityConfig,
+) -> Result<RequestIdentity, Error> {
+    let mode = match header(headers, MODE_HEADER)? {
+        None => Mode::Normal,
+        Some(value) => match value.to_ascii_lowercase().as_str() {
+            "on" | "normal" => Mode::Normal,
+            "read-only" | "readonly" => Mode::ReadOnly,
+            "off" => Mode::Off,
+            _ => {
+                return Err(bad_header(
+                    MODE_HEADER,
+                    "must be `off`, `read-only` or `normal`",
+                ));
+            }
+        },
+    };
+    let user = match header(headers, USER_HEADER)? {
+        Some(user) => Some(checked_id(USER_HEADER, user)?),
+        None if config.user_from_body => match request.end_user() {
+            Some(user) => Some(checked_id("user", user)?),
+            None => None,
+        },
+        None => None,
+    };
+    let tenant = match header(headers, TENANT_HEADER)? {
+        Some(tenant) => checked_id(TENANT_HEADER, tenant)?,
+        None => config.default_tenant.clone(),
+    };
+    let session = match header(headers, SESSION_HEADER)? {
+        Some(session) => checked_id(SESSION_HEADER, session)?,
+        None => DEFAULT_SESSION.to_owned(),
+    };
+    let event_time = match header(headers, EVENT_TIME_HEADER)? {
+        Some(time) if is_rfc3339(time) => Some(time.to_owned()),
+        Some(_) => {
+            return Err(bad_header(
+                EVENT_TIME_HEADER,
+                "must be an RFC 3339 timestamp such as 2023-05-08T13:56:00Z",
+            ));
+        }
+        None => None,
+    };
+    Ok(RequestIdentity {
+        identity: user.map(|user| Identity {
+            tenant,
+            user,
+            session,
+        }),
+        mode,
+        event_time,
+    })
+}
+
+fn header<'a>(headers: &'a HeaderMap, name: &'static str) -> Result<Option<&'a str>, Error> {
+    let mut values = headers.get_all(name).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(bad_header(name, "must be sent once"));
+    }
+    let value = value
+        .to_str()
+        .map_err(|_| bad_header(name, "must be visible ASCII"))?
+        .trim();
+    Ok((!value.is_empty()).then_some(value))
+}
+
+/// Letters, digits and `. _ - @ +`, at most 128 bytes: safe inside a storage key segment
+/// (no `:` separator, no `{}` hash-tag braces, no whitespace or control characters).
+pub fn checked_id(name: &str, value: &str) -> Result<String, Error> {
+    let valid = !value.is_empty()
+        && value.len() <= MAX_ID_LEN
+        && value
+            .bytes()
+            .all(|byte| byte.is_ascii_alphanumeric() || b"._-@+".contains(&byte));
+    if valid {
+        Ok(value.to_owned())
+    } else {
+        Err(bad_header(
+            name,
+            "must be 1-128 characters of letters, digits and . _ - @ +",
+        ))
+    }
+}
+
+fn bad_header(name: &str, rule: &str) -> Error {
+    Error::invalid_request(format!("Invalid `{name}`: it {rule}."), Some(name))
+}
+
+/// `YYYY-MM-DDTHH:MM:SS[.frac](Z|±HH:MM)`, with calendar-plausible fields.
+pub fn is_rfc3339(text: &str) -> bool {
+    let bytes = text.as_bytes();
+    if bytes.len() < 20 {
+        return false;
+    }
+    let digits = |range: std::ops::Range<usize>| -> Option<u32> {
+        let part = text.get(range)?;
+        part.bytes()
+            .all(|b| b.is_ascii_digit())
+            .then(|| part.parse().ok())
+            .flatten()
+    };
+    let separators_ok = bytes[4] == b'-'
+        && bytes[7] == b'-'
+        && matches!(bytes[10], b'T' | b't' | b' ')
+        && bytes[13] == b':'
+        && bytes[16] == b':';
+    let (Some(_year), Some(month), Some(day), Some(hour), Some(minute), Some(second)) = (
+        digits(0..4),
+        digits(5..7),
+        digits(8..10),
+        digits(11..13),
+        digits(14..16),
+        digits(17..19),
+    ) else {
+        return false;
+    };
+    if !separators_ok
+        || !(1..=12).contains(&month)
+        || !(1..=31).contains(&day)
+        || hour > 23
+        || minute > 59
+        || second > 60
+    {
+        return false;
+    }
+    let mut rest = &text[19..];
+    if let Some(fraction) = rest.strip_prefix('.') {
+        let digits_len = fraction.bytes().take_while(u8::is_ascii_digit).count();
+        if digits_len == 0 {
+            return false;
+        }
+        rest = &fraction[digits_len..];
+    }
+    match rest.as_bytes() {
+        [b'Z' | b'z'] => true,
+        [b'+' | b'-', h1, h2, b':', m1, m2] => {
+            [h1, h2, m1, m2].iter().all(|b| b.is_ascii_digit())
+                && (*h1 - b'0') * 10 + (*h2 - b'0') <= 23
+                && (*m1 - b'0') * 10 + (*m2 - b'0') <= 59
+        }
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn request(body: serde_json::Value) -> ChatRequest {
+        ChatRequest::from_slice(body.to_string().as_bytes()).unwrap()
+    }
+
+    fn plain() -> ChatRequest {
+        request(serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+    }
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for (name, value) in pairs {
+            map.append(*name, HeaderValue::from_str(value).unwrap());
+        }
+        map
+    }
+
+    #[test]
+    fn headers_name_tenant_user_and_session() {
+        let resolved = resolve(
+            &headers(&[
+                (USER_HEADER, "alice@example.com"),
+                (TENANT_HEADER, "acme"),
+                (SESSION_HEADER, "s-1"),
+            ]),
+            &plain(),
+            &IdentityConfig::default(),
+        )
+        .unwrap();
+        assert_eq!(
+            resolved.identity,
+            Some(Identity {
+                tenant: "acme".into(),
+                user: "alice@example.com".into(),
+                session: "s-1".into(),
+            })
+        );
+        assert!(resolved.reads_memory() && resolved.records());
+    }
+
+    #[test]
+    fn defaults_and_body_fallback() {
+        let body = request(serde_json::json!({
+            "model": "m", "messages": [{"role": "user", "content": "hi"}], "user": "bob"
+        }));
+        let config = IdentityConfig::default();
+        let resolved = resolve(&HeaderMap::new(), &body, &config).unwrap();
+        let identity = resolved.identity.unwrap();
+        assert_eq!(
+            (identity.tenant.as_str(), identity.user.as_str()),
+            ("default", "bob")
+        );
+        assert_eq!(identity.session, DEFAULT_SESSION);
+
+        let config = IdentityConfig {
+            user_from_body: false,
+            ..config
+        };
+        let resolved = resolve(&HeaderMap::new(), &body, &config).unwrap();
+        assert!(resolved.identity.is_none());
+        assert!(!resolved.reads_memory() && !resolved.records());
+    }
+
+    #[test]
+    fn modes() {
+        let config = IdentityConfig::default();
+        let read_only = resolve(
+            &headers(&[(USER_HEADER, "u"), (MODE_HEADER, "read-only")]),
+            &plain(),
+            &config,
+        )
+        .unwrap();
+        assert!(read_only.reads_memory() && !read_only.records());
+        let off = resolve(
+            &headers(&[(USER_HEADER, "u"), (MODE_HEADER, "OFF")]),
+            &plain(),
+            &config,
+        )
+        .unwrap();
+        assert!(!off.reads_memory() && !off.records());
+        assert!(resolve(&headers(&[(MODE_HEADER, "maybe")]), &plain(), &config).is_err());
+    }
+
+    #[test]
+    fn ids_that_could_escape_their_key_are_rejected() {
+        let config = IdentityConfig::default();
+        for bad in ["a:b", "{x}", "a b", "../etc", "a\tb", &"x".repeat(129), "é"] {
+            let error = checked_id(USER_HEADER, bad).unwrap_err();
+            assert_eq!(error.status_code(), 400, "{bad:?}");
+        }
+        // Header values that are not visible ASCII never reach the check.
+        let mut map = HeaderMap::new();
+        map.insert(USER_HEADER, HeaderValue::from_bytes(b"al\xffice").unwrap());
+        assert!(resolve(&map, &plain(), &config).is_err());
+        // Two values for one identity header are ambiguous.
+        let twice = headers(&[(USER_HEADER, "a"), (USER_HEADER, "b")]);
+        assert!(resolve(&twice, &plain(), &config).is_err());
+        // A forged user in the body is checked as strictly as the header.
+        let body = request(serde_json::json!({
+            "model": "m", "messages": [{"role": "user", "content": "x"}], "user": "eve:alice"
+        }));
+        assert!(resolve(&HeaderMap::new(), &body, &config).is_err());
+    }
+
+    #[test]
+    fn event_times_must_be_rfc3339() {
+        for good in [
+            "2023-05-08T13:56:00Z",
+            "2023-05-08T13:56:00.123+02:00",
+            "2023-05-08t13:56:00-05:30",
+        ] {
+            assert!(is_rfc3339(good), "{good}");
+        }
+        for bad in [
+            "1:56 pm on 8 May, 2023",
+            "2023-13-08T13:56:00Z",
+            "2023-05-08T24:00:00Z",
+            "2023-05-08T13:56:00",
+            "2023-05-08T13:56:00.Z",
+            "2023-05-08T13:56:00+2:00",
+            "",
+        ] {
+            assert!(!is_rfc3339(bad), "{bad}");
+        }
+        let error = resolve(
+            &headers(&[(USER_HEADER, "u"), (EVENT_TIME_HEADER, "yesterday")]),
+            &plain(),
+            &IdentityConfig::default(),
+        )
+        .unwrap_err();
+        assert_eq!(error.status_code(), 400);
+    }
+}
