@@ -42,11 +42,10 @@ pub async fn handle(
             .get_or_insert_with(StreamOptions::default)
             .include_usage = Some(true);
     }
-    let upstream_body = match &outgoing {
+    let upstream_body = match outgoing {
         Some(rewritten) => Bytes::from(rewritten.to_vec()),
         None => body,
     };
-    drop(outgoing);
     let upstream_request = upstream_request(&state, &parts, upstream_body)?;
     let response = state.upstream.send(upstream_request).await?;
 
