@@ -7,6 +7,7 @@
 //! Keys are redb tuples beginning with `(tenant, user)`, so no escaping is needed and a user's
 //! records of one kind are one contiguous range.
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -386,7 +387,9 @@ impl Store for EmbeddedStore {
             let claimed = {
                 let queue = txn.open_table(QUEUE).map_err(db_error)?;
                 let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
-                // The oldest queued job without a live lease.
+                // The oldest queued job without a live lease whose session has no earlier job
+                // under a live lease: a session's jobs apply in order, even across consumers.
+                let mut busy_sessions: HashSet<(String, String, String)> = HashSet::new();
                 let mut found = None;
                 for row in queue.iter().map_err(db_error)? {
                     let (_, value) = row.map_err(db_error)?;
@@ -395,11 +398,18 @@ impl Store for EmbeddedStore {
                         continue;
                     };
                     let record: JobRecord = decode(guard.value())?;
-                    if record
+                    let session = (
+                        tenant.to_owned(),
+                        user.to_owned(),
+                        record.exchange.session_id.clone(),
+                    );
+                    let leased = record
                         .lease
                         .as_ref()
-                        .is_none_or(|held| held.until_ms <= now)
-                    {
+                        .is_some_and(|held| held.until_ms > now);
+                    if leased {
+                        busy_sessions.insert(session);
+                    } else if !busy_sessions.contains(&session) {
                         found = Some((
                             JobId {
                                 user: UserKey::new(tenant, user),

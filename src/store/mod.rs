@@ -180,8 +180,9 @@ pub trait Store: Send + Sync + 'static {
     /// Queues a job, once per job id.
     fn enqueue<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Enqueued>>;
 
-    /// Leases the oldest queued job that no live lease holds, for `lease`. A consumer that dies
-    /// holding a job loses it when the lease ends.
+    /// Leases the oldest queued job that no live lease holds, for `lease`, skipping jobs of a
+    /// session whose earlier job is leased (a session's jobs apply in order). A consumer that
+    /// dies holding a job loses it when the lease ends.
     fn claim<'a>(
         &'a self,
         consumer: &'a str,

@@ -33,6 +33,7 @@ macro_rules! store_suite {
             raw_log_appends_once_in_order,
             enqueue_is_idempotent_by_job_key,
             expired_lease_is_claimed_again,
+            claims_keep_each_session_in_order,
             ack_fail_and_job_state,
             queue_depth_counts_queued_and_leased,
             forget_deletes_one_user_and_counts,
@@ -72,13 +73,18 @@ pub fn state_with(lines: &[&str]) -> MemoryState {
     state
 }
 
+/// A job of session `s1`.
 pub fn job(user: &UserKey, key: &str) -> Job {
+    job_in(user, "s1", key)
+}
+
+pub fn job_in(user: &UserKey, session: &str, key: &str) -> Job {
     Job {
         id: JobId {
             user: user.clone(),
             key: key.into(),
         },
-        exchange: exchange("s1", key, &format!("message of {key}")),
+        exchange: exchange(session, key, &format!("message of {key}")),
     }
 }
 
@@ -235,8 +241,8 @@ pub async fn enqueue_is_idempotent_by_job_key(store: &dyn Store) {
 
 pub async fn expired_lease_is_claimed_again(store: &dyn Store) {
     let alice = UserKey::new("acme", "alice");
-    let first = job(&alice, "hash-1");
-    let second = job(&alice, "hash-2");
+    let first = job_in(&alice, "s1", "hash-1");
+    let second = job_in(&alice, "s2", "hash-2");
     store.enqueue(&first).await.unwrap();
     store.enqueue(&second).await.unwrap();
 
@@ -267,6 +273,35 @@ pub async fn expired_lease_is_claimed_again(store: &dyn Store) {
     assert!(store.ack(&b.job.id).await.unwrap());
     assert_eq!(store.queue_depth().await.unwrap(), 0);
     assert!(store.claim("worker-d", short).await.unwrap().is_none());
+}
+
+pub async fn claims_keep_each_session_in_order(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    let bob = UserKey::new("acme", "bob");
+    let alice_s1_first = job_in(&alice, "s1", "a1");
+    let alice_s1_second = job_in(&alice, "s1", "a2");
+    let alice_s2 = job_in(&alice, "s2", "a3");
+    let bob_s1 = job_in(&bob, "s1", "b1");
+    for queued in [&alice_s1_first, &alice_s1_second, &alice_s2, &bob_s1] {
+        store.enqueue(queued).await.unwrap();
+    }
+    let lease = Duration::from_secs(30);
+    let claim = async || {
+        store
+            .claim("worker", lease)
+            .await
+            .unwrap()
+            .map(|c| c.job.id)
+    };
+
+    // While Alice's first s1 job is leased, her second waits; other sessions go ahead.
+    assert_eq!(claim().await, Some(alice_s1_first.id.clone()));
+    assert_eq!(claim().await, Some(alice_s2.id.clone()));
+    assert_eq!(claim().await, Some(bob_s1.id.clone()));
+    assert_eq!(claim().await, None);
+
+    store.ack(&alice_s1_first.id).await.unwrap();
+    assert_eq!(claim().await, Some(alice_s1_second.id.clone()));
 }
 
 pub async fn ack_fail_and_job_state(store: &dyn Store) {
@@ -410,6 +445,7 @@ pub async fn forget_deletes_one_user_and_counts(store: &dyn Store) {
     for expected in &bob_jobs {
         let next = store.claim("worker-a", lease).await.unwrap().unwrap();
         assert_eq!(&next.job.id, expected);
+        store.ack(expected).await.unwrap();
     }
     assert!(store.claim("worker-a", lease).await.unwrap().is_none());
 
