@@ -30,10 +30,12 @@ macro_rules! store_suite {
         $crate::store_suite!(@cases $fresh;
             hot_record_reads_version_state_and_prefetched,
             save_state_detects_version_conflicts,
+            concurrent_saves_from_one_version_let_one_win,
             raw_log_appends_once_in_order,
             enqueue_is_idempotent_by_job_key,
             expired_lease_is_claimed_again,
             claims_keep_each_session_in_order,
+            concurrent_claims_never_share_a_job,
             ack_fail_and_job_state,
             queue_depth_counts_queued_and_leased,
             forget_deletes_one_user_and_counts,
@@ -190,6 +192,40 @@ pub async fn save_state_detects_version_conflicts(store: &dyn Store) {
     assert_eq!(hot.version, second.version);
 }
 
+pub async fn concurrent_saves_from_one_version_let_one_win(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    let base = state_with(&["I live in Lisbon."]);
+    store.save_state(&alice, &base, 0).await.unwrap();
+    let config = MemoryConfig::default();
+    let mut left = base.clone();
+    record_exchange(
+        &mut left,
+        &exchange("s1", "left", "I moved to Berlin."),
+        &HeuristicExtractor,
+        &config,
+    );
+    let mut right = base.clone();
+    record_exchange(
+        &mut right,
+        &exchange("s2", "right", "I moved to Madrid."),
+        &HeuristicExtractor,
+        &config,
+    );
+    let (left_saved, right_saved) = tokio::join!(
+        store.save_state(&alice, &left, base.version),
+        store.save_state(&alice, &right, base.version)
+    );
+    assert!(
+        left_saved.is_ok() != right_saved.is_ok(),
+        "exactly one save wins: {left_saved:?} {right_saved:?}"
+    );
+    let winner = if left_saved.is_ok() { &left } else { &right };
+    assert_eq!(
+        store.load_state(&alice).await.unwrap().as_ref(),
+        Some(winner)
+    );
+}
+
 pub async fn raw_log_appends_once_in_order(store: &dyn Store) {
     let alice = UserKey::new("acme", "alice");
     assert!(store.read_raw(&alice).await.unwrap().is_empty());
@@ -302,6 +338,34 @@ pub async fn claims_keep_each_session_in_order(store: &dyn Store) {
 
     store.ack(&alice_s1_first.id).await.unwrap();
     assert_eq!(claim().await, Some(alice_s1_second.id.clone()));
+}
+
+pub async fn concurrent_claims_never_share_a_job(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    for index in 0..12 {
+        let session = format!("s{index}");
+        store
+            .enqueue(&job_in(&alice, &session, &format!("hash-{index}")))
+            .await
+            .unwrap();
+    }
+    let lease = Duration::from_secs(30);
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let (a, b, c) = tokio::join!(
+            store.claim("worker-a", lease),
+            store.claim("worker-b", lease),
+            store.claim("worker-c", lease)
+        );
+        for claimed in [a, b, c] {
+            seen.push(claimed.unwrap().unwrap().job.id.key);
+        }
+    }
+    seen.sort();
+    let before = seen.len();
+    seen.dedup();
+    assert_eq!((before, seen.len()), (12, 12), "{seen:?}");
+    assert!(store.claim("worker-d", lease).await.unwrap().is_none());
 }
 
 pub async fn ack_fail_and_job_state(store: &dyn Store) {
