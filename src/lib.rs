@@ -8,4 +8,5 @@ pub mod mock;
 pub mod openai;
 pub mod pipeline;
 pub mod server;
+pub mod store;
 pub mod upstream;

@@ -5,7 +5,7 @@
 //! bad value is rejected at start naming its key path. `validate()` checks what types cannot.
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -22,7 +22,15 @@ pub struct Config {
     pub server: ServerConfig,
     pub upstream: UpstreamConfig,
     pub capture: CaptureConfig,
+    pub store: StoreConfig,
     pub logging: LoggingConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreConfig {
+    /// Directory of the embedded store's file (`engram.redb`); created if missing.
+    pub data_dir: PathBuf,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -107,6 +115,14 @@ impl Default for CaptureConfig {
         CaptureConfig {
             channel_frames: 1024,
             max_response_bytes: 4 * 1024 * 1024,
+        }
+    }
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            data_dir: PathBuf::from("data"),
         }
     }
 }
@@ -198,6 +214,9 @@ impl Config {
         }
         if self.capture.channel_frames == 0 {
             return invalid("capture.channel_frames", "must be greater than 0");
+        }
+        if self.store.data_dir.as_os_str().is_empty() {
+            return invalid("store.data_dir", "must name a directory");
         }
         if let Err(error) = tracing_subscriber::EnvFilter::try_new(&self.logging.level) {
             return invalid("logging.level", &error.to_string());
@@ -310,6 +329,18 @@ mod tests {
         assert!(error.to_string().contains("upstream.base_url"), "{error}");
         let error = Config::from_yaml("logging:\n  format: xml\n").unwrap_err();
         assert!(error.to_string().contains("logging.format"), "{error}");
+        let error = Config::from_yaml("store:\n  data_dir: ''\n").unwrap_err();
+        assert!(error.to_string().contains("store.data_dir"), "{error}");
+    }
+
+    #[test]
+    fn the_data_directory_can_come_from_the_environment() {
+        let env = vec![(
+            "ENGRAM_STORE__DATA_DIR".to_owned(),
+            "/var/lib/engram".to_owned(),
+        )];
+        let config = Config::load(None, env).unwrap();
+        assert_eq!(config.store.data_dir, PathBuf::from("/var/lib/engram"));
     }
 
     #[test]

@@ -54,6 +54,12 @@ pub enum Error {
     Io(#[from] std::io::Error),
     #[error("internal error: {0}")]
     Internal(String),
+    /// The memory store failed (I/O, corrupt record, a blocking task that died).
+    #[error("store error: {0}")]
+    Store(String),
+    /// An optimistic write lost a race: the stored memory version moved since it was read.
+    #[error("store conflict: expected memory version {expected}, found {found}")]
+    StoreConflict { expected: u64, found: u64 },
 }
 
 /// OpenAI's error envelope: `{"error":{"message","type","param","code"}}`.
@@ -91,9 +97,11 @@ impl Error {
             Error::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
             Error::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             Error::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
-            Error::Config { .. } | Error::Io(_) | Error::Internal(_) => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            Error::Config { .. }
+            | Error::Io(_)
+            | Error::Internal(_)
+            | Error::Store(_)
+            | Error::StoreConflict { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -110,7 +118,11 @@ impl Error {
             Error::RateLimited { .. } => "rate_limit_error",
             Error::UpstreamUnreachable(_) | Error::UpstreamTimeout(_) => "upstream_error",
             Error::ShuttingDown => "service_unavailable",
-            Error::Config { .. } | Error::Io(_) | Error::Internal(_) => "server_error",
+            Error::Config { .. }
+            | Error::Io(_)
+            | Error::Internal(_)
+            | Error::Store(_)
+            | Error::StoreConflict { .. } => "server_error",
         }
     }
 
@@ -128,6 +140,8 @@ impl Error {
             Error::UpstreamUnreachable(_) => "upstream_unreachable",
             Error::UpstreamTimeout(_) => "upstream_timeout",
             Error::ShuttingDown => "shutting_down",
+            Error::Store(_) => "store_error",
+            Error::StoreConflict { .. } => "store_conflict",
             Error::Config { .. } | Error::Io(_) | Error::Internal(_) => return None,
         })
     }

@@ -1,0 +1,167 @@
+//! Embedded store benchmark: one user with 2,000 recorded turns, in a redb file in a temporary
+//! directory. Prints percentiles of the hot-record read (warm: the caller holds the current
+//! version; cold: the state is decoded), of state saves and raw-log appends, and the job
+//! queue's enqueue → claim → ack throughput. Every write is a committed, synced transaction.
+//!
+//! `cargo bench --bench store`
+
+#![expect(
+    clippy::print_stdout,
+    clippy::unwrap_used,
+    reason = "a benchmark reports its figures on stdout and stops at the first failure"
+)]
+
+use std::time::{Duration, Instant};
+
+use engram::memory::{
+    ExchangeInput, HeuristicExtractor, ItemRef, MemoryConfig, MemoryState, record_exchange,
+};
+use engram::store::{EmbeddedStore, Job, JobId, Store, UserKey};
+
+const TURNS: usize = 2_000;
+
+const TOPICS: [&str; 8] = [
+    "I'm allergic to peanuts and I cook a lot of Thai food at home",
+    "My sister Ana lives in Porto and visits every summer",
+    "We are moving the billing service from Python to Rust this quarter",
+    "I run 10 km on Sundays and I'm training for the Lisbon half marathon",
+    "The deadline for the grant proposal is March 14",
+    "I prefer short answers with code examples in Rust",
+    "Our team uses PostgreSQL 16 and Redis for caching",
+    "My daughter starts school in September and needs a new laptop",
+];
+
+fn exchange(index: usize) -> ExchangeInput {
+    let topic = TOPICS[index % TOPICS.len()];
+    ExchangeInput {
+        session_id: format!("s{}", index / 100),
+        turn_id: format!("turn-{index}"),
+        user_text: format!("{topic}. Question {index}: what should I do next about it?"),
+        assistant_text: format!(
+            "Here is a plan for step {index}: first review what you told me ({topic}), then \
+             write down the next three actions, and check back tomorrow."
+        ),
+        event_time: Some("2026-11-23T10:00:00Z".into()),
+        ..ExchangeInput::default()
+    }
+}
+
+fn percentiles(mut samples: Vec<Duration>) -> String {
+    samples.sort();
+    let at = |q: f64| {
+        let index = ((samples.len() as f64 - 1.0) * q).round() as usize;
+        samples[index].as_secs_f64() * 1e3
+    };
+    format!(
+        "p50 {:.3} ms  p99 {:.3} ms  max {:.3} ms  (n={})",
+        at(0.5),
+        at(0.99),
+        at(1.0),
+        samples.len()
+    )
+}
+
+async fn timed<F: Future>(future: F) -> (F::Output, Duration) {
+    let start = Instant::now();
+    let output = future.await;
+    (output, start.elapsed())
+}
+
+async fn run() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = EmbeddedStore::open(dir.path()).unwrap();
+    let user = UserKey::new("acme", "alice");
+
+    let mut state = MemoryState::new();
+    let config = MemoryConfig::default();
+    for index in 0..TURNS {
+        record_exchange(&mut state, &exchange(index), &HeuristicExtractor, &config);
+    }
+    let state_bytes = serde_json::to_vec(&state).unwrap().len();
+    println!(
+        "state: {TURNS} turns, {} facts, {:.1} MiB as JSON",
+        state.facts.len(),
+        state_bytes as f64 / (1024.0 * 1024.0)
+    );
+
+    let mut samples = Vec::new();
+    let mut stored = 0;
+    for round in 0..20 {
+        let mut next = state.clone();
+        next.version += round + 1;
+        let (result, elapsed) = timed(store.save_state(&user, &next, stored)).await;
+        result.unwrap();
+        stored = next.version;
+        samples.push(elapsed);
+    }
+    println!("save_state        {}", percentiles(samples));
+
+    let candidates: Vec<ItemRef> = (0..32).map(ItemRef::RawTurn).collect();
+    store
+        .save_prefetched(&user, "s19", &candidates)
+        .await
+        .unwrap();
+
+    let mut samples = Vec::new();
+    for _ in 0..5_000 {
+        let (result, elapsed) = timed(store.hot_record(&user, "s19", Some(stored))).await;
+        assert!(result.unwrap().state.is_none());
+        samples.push(elapsed);
+    }
+    println!("hot_record warm   {}", percentiles(samples));
+
+    let mut samples = Vec::new();
+    for _ in 0..20 {
+        let (result, elapsed) = timed(store.hot_record(&user, "s19", None)).await;
+        assert!(result.unwrap().state.is_some());
+        samples.push(elapsed);
+    }
+    println!("hot_record cold   {}", percentiles(samples));
+
+    let mut samples = Vec::new();
+    for index in 0..500 {
+        let id = format!("x{index}");
+        let (result, elapsed) = timed(store.append_raw(&user, &id, &exchange(index))).await;
+        result.unwrap();
+        samples.push(elapsed);
+    }
+    println!("append_raw        {}", percentiles(samples));
+
+    const JOBS: usize = 1_000;
+    let start = Instant::now();
+    for index in 0..JOBS {
+        let job = Job {
+            id: JobId {
+                user: UserKey::new("acme", format!("user{}", index % 50)),
+                key: format!("job-{index}"),
+            },
+            exchange: exchange(index),
+        };
+        store.enqueue(&job).await.unwrap();
+    }
+    let enqueued = start.elapsed();
+    let start = Instant::now();
+    while let Some(claimed) = store.claim("bench", Duration::from_secs(30)).await.unwrap() {
+        store.ack(&claimed.job.id).await.unwrap();
+    }
+    let drained = start.elapsed();
+    println!(
+        "jobs: enqueue {:.0}/s, claim+ack {:.0}/s, all three {:.0} jobs/s",
+        JOBS as f64 / enqueued.as_secs_f64(),
+        JOBS as f64 / drained.as_secs_f64(),
+        JOBS as f64 / (enqueued + drained).as_secs_f64()
+    );
+}
+
+fn main() {
+    // `cargo test --all-targets` runs harness-less benches with `--test`: nothing to check here.
+    if std::env::args().any(|arg| arg == "--test") {
+        return;
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(run());
+}

@@ -1,0 +1,618 @@
+//! The default store: one redb file in the data directory, zero setup.
+//!
+//! Every write is one committed redb transaction (durability `Immediate`: fsync before commit
+//! returns), so a killed process loses nothing it reported as written. redb calls block, so
+//! each runs on tokio's blocking pool.
+//!
+//! Keys are redb tuples beginning with `(tenant, user)`, so no escaping is needed and a user's
+//! records of one kind are one contiguous range.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
+use serde::{Deserialize, Serialize};
+
+use super::{
+    Appended, ClaimedJob, Enqueued, ForgetReport, HotRecord, Job, JobId, JobState, RawEntry, Store,
+    UserKey,
+};
+use crate::error::{Error, Result};
+use crate::memory::{CandidateId, ExchangeInput, MemoryState};
+use crate::pipeline::BoxFuture;
+
+/// The file name inside the data directory.
+pub const FILE_NAME: &str = "engram.redb";
+
+/// (tenant, user) → the memory state as JSON.
+const STATES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("memory_state");
+/// (tenant, user) → memory version; kept apart so the hot path reads it without the state.
+const VERSIONS: TableDefinition<(&str, &str), u64> = TableDefinition::new("memory_version");
+/// (tenant, user, session) → prefetched candidates as JSON.
+const PREFETCHED: TableDefinition<(&str, &str, &str), &[u8]> = TableDefinition::new("prefetched");
+/// (tenant, user, seq) → raw entry as JSON.
+const RAW_LOG: TableDefinition<(&str, &str, u64), &[u8]> = TableDefinition::new("raw_log");
+/// (tenant, user, exchange id) → seq, for idempotent appends.
+const RAW_IDS: TableDefinition<(&str, &str, &str), u64> = TableDefinition::new("raw_log_ids");
+/// (tenant, user, job key) → job record as JSON.
+const JOBS: TableDefinition<(&str, &str, &str), &[u8]> = TableDefinition::new("jobs");
+/// queue position → (tenant, user, job key) of a queued job; a job leaves on ack or fail.
+const QUEUE: TableDefinition<u64, (&str, &str, &str)> = TableDefinition::new("job_queue");
+/// Named counters (the next queue position).
+const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("counters");
+
+const NEXT_QUEUE_POSITION: &str = "next_queue_position";
+
+#[derive(Debug, Serialize, Deserialize)]
+struct JobRecord {
+    queue_position: u64,
+    state: JobState,
+    /// Claims so far.
+    attempts: u32,
+    #[serde(default)]
+    lease: Option<Lease>,
+    exchange: ExchangeInput,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Lease {
+    consumer: String,
+    /// Milliseconds since the Unix epoch at which another consumer may take the job.
+    until_ms: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct EmbeddedStore {
+    db: Arc<Database>,
+    path: PathBuf,
+}
+
+impl EmbeddedStore {
+    /// Opens (or creates) `engram.redb` in `data_dir`, creating the directory if needed.
+    /// Blocking; call it at start-up.
+    pub fn open(data_dir: &Path) -> Result<EmbeddedStore> {
+        std::fs::create_dir_all(data_dir)?;
+        let path = data_dir.join(FILE_NAME);
+        let db = Database::create(&path).map_err(db_error)?;
+        // Create every table up front, so read transactions never meet a missing one.
+        let txn = db.begin_write().map_err(db_error)?;
+        txn.open_table(STATES).map_err(db_error)?;
+        txn.open_table(VERSIONS).map_err(db_error)?;
+        txn.open_table(PREFETCHED).map_err(db_error)?;
+        txn.open_table(RAW_LOG).map_err(db_error)?;
+        txn.open_table(RAW_IDS).map_err(db_error)?;
+        txn.open_table(JOBS).map_err(db_error)?;
+        txn.open_table(QUEUE).map_err(db_error)?;
+        txn.open_table(COUNTERS).map_err(db_error)?;
+        txn.commit().map_err(db_error)?;
+        Ok(EmbeddedStore {
+            db: Arc::new(db),
+            path,
+        })
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs a blocking redb operation on tokio's blocking pool.
+    fn blocking<T, F>(&self, operation: F) -> BoxFuture<'static, Result<T>>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Database) -> Result<T> + Send + 'static,
+    {
+        let db = Arc::clone(&self.db);
+        Box::pin(async move {
+            tokio::task::spawn_blocking(move || operation(&db))
+                .await
+                .map_err(|error| Error::Store(format!("store task failed: {error}")))?
+        })
+    }
+}
+
+fn db_error(error: impl Into<redb::Error>) -> Error {
+    Error::Store(error.into().to_string())
+}
+
+fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>> {
+    serde_json::to_vec(value).map_err(|error| Error::Store(format!("encode: {error}")))
+}
+
+fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T> {
+    serde_json::from_slice(bytes).map_err(|error| Error::Store(format!("decode: {error}")))
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |elapsed| {
+            u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX)
+        })
+}
+
+impl Store for EmbeddedStore {
+    fn hot_record<'a>(
+        &'a self,
+        user: &'a UserKey,
+        session_id: &'a str,
+        cached_version: Option<u64>,
+    ) -> BoxFuture<'a, Result<HotRecord>> {
+        let user = user.clone();
+        let session_id = session_id.to_owned();
+        self.blocking(move |db| {
+            let txn = db.begin_read().map_err(db_error)?;
+            let key = (user.tenant.as_str(), user.user.as_str());
+            let version = txn
+                .open_table(VERSIONS)
+                .map_err(db_error)?
+                .get(key)
+                .map_err(db_error)?
+                .map_or(0, |guard| guard.value());
+            let state = if version == 0 || cached_version == Some(version) {
+                None
+            } else {
+                match txn
+                    .open_table(STATES)
+                    .map_err(db_error)?
+                    .get(key)
+                    .map_err(db_error)?
+                {
+                    Some(guard) => Some(decode::<MemoryState>(guard.value())?),
+                    None => None,
+                }
+            };
+            let prefetched = match txn
+                .open_table(PREFETCHED)
+                .map_err(db_error)?
+                .get((key.0, key.1, session_id.as_str()))
+                .map_err(db_error)?
+            {
+                Some(guard) => decode::<Vec<CandidateId>>(guard.value())?,
+                None => Vec::new(),
+            };
+            Ok(HotRecord {
+                version,
+                state,
+                prefetched,
+            })
+        })
+    }
+
+    fn load_state<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<Option<MemoryState>>> {
+        let user = user.clone();
+        self.blocking(move |db| {
+            let txn = db.begin_read().map_err(db_error)?;
+            let table = txn.open_table(STATES).map_err(db_error)?;
+            match table
+                .get((user.tenant.as_str(), user.user.as_str()))
+                .map_err(db_error)?
+            {
+                Some(guard) => Ok(Some(decode(guard.value())?)),
+                None => Ok(None),
+            }
+        })
+    }
+
+    fn save_state<'a>(
+        &'a self,
+        user: &'a UserKey,
+        state: &'a MemoryState,
+        expected_version: u64,
+    ) -> BoxFuture<'a, Result<()>> {
+        let user = user.clone();
+        let new_version = state.version;
+        let encoded = encode(state);
+        self.blocking(move |db| {
+            let encoded = encoded?;
+            let key = (user.tenant.as_str(), user.user.as_str());
+            let txn = db.begin_write().map_err(db_error)?;
+            {
+                let mut versions = txn.open_table(VERSIONS).map_err(db_error)?;
+                let found = versions
+                    .get(key)
+                    .map_err(db_error)?
+                    .map_or(0, |guard| guard.value());
+                if found != expected_version {
+                    // Dropping the transaction aborts it: nothing is written.
+                    return Err(Error::StoreConflict {
+                        expected: expected_version,
+                        found,
+                    });
+                }
+                versions.insert(key, new_version).map_err(db_error)?;
+                txn.open_table(STATES)
+                    .map_err(db_error)?
+                    .insert(key, encoded.as_slice())
+                    .map_err(db_error)?;
+            }
+            txn.commit().map_err(db_error)
+        })
+    }
+
+    fn save_prefetched<'a>(
+        &'a self,
+        user: &'a UserKey,
+        session_id: &'a str,
+        candidates: &'a [CandidateId],
+    ) -> BoxFuture<'a, Result<()>> {
+        let user = user.clone();
+        let session_id = session_id.to_owned();
+        let encoded = encode(candidates);
+        self.blocking(move |db| {
+            let encoded = encoded?;
+            let txn = db.begin_write().map_err(db_error)?;
+            txn.open_table(PREFETCHED)
+                .map_err(db_error)?
+                .insert(
+                    (
+                        user.tenant.as_str(),
+                        user.user.as_str(),
+                        session_id.as_str(),
+                    ),
+                    encoded.as_slice(),
+                )
+                .map_err(db_error)?;
+            txn.commit().map_err(db_error)
+        })
+    }
+
+    fn append_raw<'a>(
+        &'a self,
+        user: &'a UserKey,
+        exchange_id: &'a str,
+        exchange: &'a ExchangeInput,
+    ) -> BoxFuture<'a, Result<Appended>> {
+        let user = user.clone();
+        let exchange_id = exchange_id.to_owned();
+        let exchange = exchange.clone();
+        self.blocking(move |db| {
+            let (tenant, user_id) = (user.tenant.as_str(), user.user.as_str());
+            let txn = db.begin_write().map_err(db_error)?;
+            let appended = {
+                let mut ids = txn.open_table(RAW_IDS).map_err(db_error)?;
+                let known = ids
+                    .get((tenant, user_id, exchange_id.as_str()))
+                    .map_err(db_error)?
+                    .map(|guard| guard.value());
+                if let Some(seq) = known {
+                    return Ok(Appended {
+                        seq,
+                        duplicate: true,
+                    });
+                }
+                let mut log = txn.open_table(RAW_LOG).map_err(db_error)?;
+                let seq = log
+                    .range((tenant, user_id, 0)..=(tenant, user_id, u64::MAX))
+                    .map_err(db_error)?
+                    .next_back()
+                    .transpose()
+                    .map_err(db_error)?
+                    .map_or(0, |(key, _)| key.value().2 + 1);
+                let entry = RawEntry {
+                    seq,
+                    exchange_id: exchange_id.clone(),
+                    exchange,
+                };
+                log.insert((tenant, user_id, seq), encode(&entry)?.as_slice())
+                    .map_err(db_error)?;
+                ids.insert((tenant, user_id, exchange_id.as_str()), seq)
+                    .map_err(db_error)?;
+                Appended {
+                    seq,
+                    duplicate: false,
+                }
+            };
+            txn.commit().map_err(db_error)?;
+            Ok(appended)
+        })
+    }
+
+    fn read_raw<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<Vec<RawEntry>>> {
+        let user = user.clone();
+        self.blocking(move |db| {
+            let (tenant, user_id) = (user.tenant.as_str(), user.user.as_str());
+            let txn = db.begin_read().map_err(db_error)?;
+            let log = txn.open_table(RAW_LOG).map_err(db_error)?;
+            let mut entries = Vec::new();
+            for row in log
+                .range((tenant, user_id, 0)..=(tenant, user_id, u64::MAX))
+                .map_err(db_error)?
+            {
+                let (_, value) = row.map_err(db_error)?;
+                entries.push(decode(value.value())?);
+            }
+            Ok(entries)
+        })
+    }
+
+    fn enqueue<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Enqueued>> {
+        let job = job.clone();
+        self.blocking(move |db| {
+            let id = &job.id;
+            let key = (
+                id.user.tenant.as_str(),
+                id.user.user.as_str(),
+                id.key.as_str(),
+            );
+            let txn = db.begin_write().map_err(db_error)?;
+            {
+                let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
+                let known = match jobs.get(key).map_err(db_error)? {
+                    Some(guard) => Some(decode::<JobRecord>(guard.value())?),
+                    None => None,
+                };
+                if let Some(record) = known {
+                    return Ok(Enqueued::Duplicate(record.state));
+                }
+                let mut counters = txn.open_table(COUNTERS).map_err(db_error)?;
+                let position = counters
+                    .get(NEXT_QUEUE_POSITION)
+                    .map_err(db_error)?
+                    .map_or(0, |guard| guard.value());
+                counters
+                    .insert(NEXT_QUEUE_POSITION, position + 1)
+                    .map_err(db_error)?;
+                let record = JobRecord {
+                    queue_position: position,
+                    state: JobState::Queued,
+                    attempts: 0,
+                    lease: None,
+                    exchange: job.exchange.clone(),
+                };
+                jobs.insert(key, encode(&record)?.as_slice())
+                    .map_err(db_error)?;
+                txn.open_table(QUEUE)
+                    .map_err(db_error)?
+                    .insert(position, key)
+                    .map_err(db_error)?;
+            }
+            txn.commit().map_err(db_error)?;
+            Ok(Enqueued::Queued)
+        })
+    }
+
+    fn claim<'a>(
+        &'a self,
+        consumer: &'a str,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Option<ClaimedJob>>> {
+        let consumer = consumer.to_owned();
+        self.blocking(move |db| {
+            let now = now_ms();
+            let lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
+            let txn = db.begin_write().map_err(db_error)?;
+            let claimed = {
+                let queue = txn.open_table(QUEUE).map_err(db_error)?;
+                let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
+                // The oldest queued job without a live lease whose session has no earlier job
+                // under a live lease: a session's jobs apply in order, even across consumers.
+                let mut busy_sessions: HashSet<(String, String, String)> = HashSet::new();
+                let mut found = None;
+                for row in queue.iter().map_err(db_error)? {
+                    let (_, value) = row.map_err(db_error)?;
+                    let (tenant, user, key) = value.value();
+                    let Some(guard) = jobs.get((tenant, user, key)).map_err(db_error)? else {
+                        continue;
+                    };
+                    let record: JobRecord = decode(guard.value())?;
+                    let session = (
+                        tenant.to_owned(),
+                        user.to_owned(),
+                        record.exchange.session_id.clone(),
+                    );
+                    let leased = record
+                        .lease
+                        .as_ref()
+                        .is_some_and(|held| held.until_ms > now);
+                    if leased {
+                        busy_sessions.insert(session);
+                    } else if !busy_sessions.contains(&session) {
+                        found = Some((
+                            JobId {
+                                user: UserKey::new(tenant, user),
+                                key: key.to_owned(),
+                            },
+                            record,
+                        ));
+                        break;
+                    }
+                }
+                match found {
+                    None => None,
+                    Some((id, mut record)) => {
+                        record.attempts += 1;
+                        record.lease = Some(Lease {
+                            consumer: consumer.clone(),
+                            until_ms: now.saturating_add(lease_ms),
+                        });
+                        jobs.insert(
+                            (
+                                id.user.tenant.as_str(),
+                                id.user.user.as_str(),
+                                id.key.as_str(),
+                            ),
+                            encode(&record)?.as_slice(),
+                        )
+                        .map_err(db_error)?;
+                        Some(ClaimedJob {
+                            attempt: record.attempts,
+                            job: Job {
+                                id,
+                                exchange: record.exchange,
+                            },
+                        })
+                    }
+                }
+            };
+            if claimed.is_some() {
+                txn.commit().map_err(db_error)?;
+            }
+            Ok(claimed)
+        })
+    }
+
+    fn ack<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<bool>> {
+        self.finish(job, JobState::Applied)
+    }
+
+    fn fail<'a>(&'a self, job: &'a JobId, reason: &'a str) -> BoxFuture<'a, Result<bool>> {
+        self.finish(
+            job,
+            JobState::Failed {
+                reason: reason.to_owned(),
+            },
+        )
+    }
+
+    fn job_state<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<Option<JobState>>> {
+        let id = job.clone();
+        self.blocking(move |db| {
+            let txn = db.begin_read().map_err(db_error)?;
+            let jobs = txn.open_table(JOBS).map_err(db_error)?;
+            match jobs
+                .get((
+                    id.user.tenant.as_str(),
+                    id.user.user.as_str(),
+                    id.key.as_str(),
+                ))
+                .map_err(db_error)?
+            {
+                Some(guard) => Ok(Some(decode::<JobRecord>(guard.value())?.state)),
+                None => Ok(None),
+            }
+        })
+    }
+
+    fn queue_depth(&self) -> BoxFuture<'_, Result<u64>> {
+        self.blocking(|db| {
+            let txn = db.begin_read().map_err(db_error)?;
+            txn.open_table(QUEUE)
+                .map_err(db_error)?
+                .len()
+                .map_err(db_error)
+        })
+    }
+
+    fn forget_user<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<ForgetReport>> {
+        let user = user.clone();
+        self.blocking(move |db| {
+            let (tenant, user_id) = (user.tenant.as_str(), user.user.as_str());
+            let mut report = ForgetReport::default();
+            let txn = db.begin_write().map_err(db_error)?;
+            {
+                if txn
+                    .open_table(STATES)
+                    .map_err(db_error)?
+                    .remove((tenant, user_id))
+                    .map_err(db_error)?
+                    .is_some()
+                {
+                    report.memory_states = 1;
+                }
+                txn.open_table(VERSIONS)
+                    .map_err(db_error)?
+                    .remove((tenant, user_id))
+                    .map_err(db_error)?;
+
+                let mut prefetched = txn.open_table(PREFETCHED).map_err(db_error)?;
+                for session in string_keys_of(&prefetched, &user)? {
+                    prefetched
+                        .remove((tenant, user_id, session.as_str()))
+                        .map_err(db_error)?;
+                    report.prefetched_sessions += 1;
+                }
+
+                let mut ids = txn.open_table(RAW_IDS).map_err(db_error)?;
+                for exchange_id in string_keys_of(&ids, &user)? {
+                    ids.remove((tenant, user_id, exchange_id.as_str()))
+                        .map_err(db_error)?;
+                }
+                let mut log = txn.open_table(RAW_LOG).map_err(db_error)?;
+                let removed = log
+                    .extract_from_if(
+                        (tenant, user_id, 0)..=(tenant, user_id, u64::MAX),
+                        |_, _| true,
+                    )
+                    .map_err(db_error)?
+                    .count();
+                report.raw_entries = u64::try_from(removed).unwrap_or(u64::MAX);
+
+                let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
+                let mut queue = txn.open_table(QUEUE).map_err(db_error)?;
+                for job_key in string_keys_of(&jobs, &user)? {
+                    let removed = jobs
+                        .remove((tenant, user_id, job_key.as_str()))
+                        .map_err(db_error)?;
+                    if let Some(guard) = removed {
+                        let record: JobRecord = decode(guard.value())?;
+                        if record.state == JobState::Queued {
+                            queue.remove(record.queue_position).map_err(db_error)?;
+                        }
+                    }
+                    report.jobs += 1;
+                }
+            }
+            txn.commit().map_err(db_error)?;
+            Ok(report)
+        })
+    }
+}
+
+impl EmbeddedStore {
+    /// Ends a job: records its final state and takes it off the queue.
+    fn finish<'a>(&'a self, job: &'a JobId, state: JobState) -> BoxFuture<'a, Result<bool>> {
+        let id = job.clone();
+        self.blocking(move |db| {
+            let key = (
+                id.user.tenant.as_str(),
+                id.user.user.as_str(),
+                id.key.as_str(),
+            );
+            let txn = db.begin_write().map_err(db_error)?;
+            {
+                let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
+                let known = match jobs.get(key).map_err(db_error)? {
+                    Some(guard) => Some(decode::<JobRecord>(guard.value())?),
+                    None => None,
+                };
+                let Some(mut record) = known else {
+                    return Ok(false);
+                };
+                if record.state == JobState::Queued {
+                    txn.open_table(QUEUE)
+                        .map_err(db_error)?
+                        .remove(record.queue_position)
+                        .map_err(db_error)?;
+                }
+                record.state = state;
+                record.lease = None;
+                jobs.insert(key, encode(&record)?.as_slice())
+                    .map_err(db_error)?;
+            }
+            txn.commit().map_err(db_error)?;
+            Ok(true)
+        })
+    }
+}
+
+/// The third key part of every row of a `(tenant, user, string)` table that belongs to `user`.
+fn string_keys_of<V, T>(table: &T, user: &UserKey) -> Result<Vec<String>>
+where
+    V: redb::Value + 'static,
+    T: ReadableTable<(&'static str, &'static str, &'static str), V>,
+{
+    let (tenant, user_id) = (user.tenant.as_str(), user.user.as_str());
+    let mut keys = Vec::new();
+    for row in table.range((tenant, user_id, "")..).map_err(db_error)? {
+        let (key, _) = row.map_err(db_error)?;
+        let (row_tenant, row_user, rest) = key.value();
+        if row_tenant != tenant || row_user != user_id {
+            break;
+        }
+        keys.push(rest.to_owned());
+    }
+    Ok(keys)
+}

@@ -1,0 +1,205 @@
+//! Persistence for memory: the `Store` trait and its backends.
+//!
+//! Everything is keyed by a [`UserKey`] (tenant, user): every per-user call takes one, so no
+//! call made for one user can read or change another user's records. The job queue is the one
+//! shared structure; a worker claims jobs of any user, and each job carries its own key.
+//!
+//! What is stored, per user:
+//! - the [`MemoryState`] (JSON) and its version, written with an optimistic version check;
+//!   artifacts live inside the state for now (`MemoryState::artifacts`), not in a table of
+//!   their own;
+//! - the candidates prefetched for each session after its last turn;
+//! - the immutable raw log of exchanges, append-only, idempotent by exchange id;
+//! - the jobs that recorded exchanges became (queued, applied or failed).
+//!
+//! Backends: [`embedded::EmbeddedStore`] (redb, the default). The Redis backend comes later and
+//! must pass the same suite (`tests/store_suite/`).
+
+pub mod embedded;
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::Result;
+use crate::memory::{CandidateId, ExchangeInput, MemoryState};
+use crate::pipeline::BoxFuture;
+
+pub use embedded::EmbeddedStore;
+
+/// Whose memory a record belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct UserKey {
+    pub tenant: String,
+    pub user: String,
+}
+
+impl UserKey {
+    pub fn new(tenant: impl Into<String>, user: impl Into<String>) -> UserKey {
+        UserKey {
+            tenant: tenant.into(),
+            user: user.into(),
+        }
+    }
+}
+
+/// What the hot path needs for one request, fetched in a single read.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HotRecord {
+    /// The user's memory version; 0 when nothing is stored.
+    pub version: u64,
+    /// The user's memory, unless the caller already holds `version` (its `cached_version`) or
+    /// nothing is stored. Skipping it keeps the hot path from decoding the whole state.
+    pub state: Option<MemoryState>,
+    /// Candidates the worker prefetched for this session after its last turn.
+    pub prefetched: Vec<CandidateId>,
+}
+
+/// One exchange of the raw log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RawEntry {
+    /// Position in the user's log, from 0, in append order.
+    pub seq: u64,
+    pub exchange_id: String,
+    pub exchange: ExchangeInput,
+}
+
+/// The result of a raw-log append.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Appended {
+    /// Where the exchange sits in the log (its first position if it was already there).
+    pub seq: u64,
+    /// The exchange id was already in the log; nothing was written.
+    pub duplicate: bool,
+}
+
+/// A job: one recorded exchange for the worker to apply.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct JobId {
+    pub user: UserKey,
+    /// A hash of the exchange, so a replayed exchange maps to the same job and applies once.
+    pub key: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Job {
+    pub id: JobId,
+    pub exchange: ExchangeInput,
+}
+
+/// A job leased to one consumer; if it is not acknowledged (or failed) before the lease ends,
+/// another consumer may claim it again.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClaimedJob {
+    pub job: Job,
+    /// 1 on the first claim; higher when a lease expired and the job was claimed again.
+    pub attempt: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    /// Waiting, or leased to a consumer that has not acknowledged it yet.
+    Queued,
+    Applied,
+    Failed {
+        reason: String,
+    },
+}
+
+/// The result of an enqueue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Enqueued {
+    Queued,
+    /// A job with this id exists already; nothing was written.
+    Duplicate(JobState),
+}
+
+/// Records deleted by [`Store::forget_user`], per kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct ForgetReport {
+    /// 1 when the user had a memory state.
+    pub memory_states: u64,
+    /// Sessions whose prefetched candidates were deleted.
+    pub prefetched_sessions: u64,
+    pub raw_entries: u64,
+    /// Jobs of any state; queued ones leave the queue too.
+    pub jobs: u64,
+}
+
+impl ForgetReport {
+    pub fn total(&self) -> u64 {
+        self.memory_states + self.prefetched_sessions + self.raw_entries + self.jobs
+    }
+}
+
+/// Persistent memory. Object-safe (boxed futures) so the proxy can hold an `Arc<dyn Store>`
+/// chosen by configuration.
+pub trait Store: Send + Sync + 'static {
+    /// The hot-path read, in one store operation: the user's memory version, the state unless
+    /// the caller's `cached_version` is current, and the session's prefetched candidates.
+    fn hot_record<'a>(
+        &'a self,
+        user: &'a UserKey,
+        session_id: &'a str,
+        cached_version: Option<u64>,
+    ) -> BoxFuture<'a, Result<HotRecord>>;
+
+    /// The user's memory state; `None` when nothing is stored.
+    fn load_state<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<Option<MemoryState>>>;
+
+    /// Writes the state if the stored version still equals `expected_version` (0 when nothing
+    /// was stored); otherwise fails with `Error::StoreConflict` and writes nothing. The stored
+    /// version becomes `state.version`, which the memory engine bumps on every change.
+    fn save_state<'a>(
+        &'a self,
+        user: &'a UserKey,
+        state: &'a MemoryState,
+        expected_version: u64,
+    ) -> BoxFuture<'a, Result<()>>;
+
+    /// Replaces the session's prefetched candidates (the worker computes them after a turn).
+    fn save_prefetched<'a>(
+        &'a self,
+        user: &'a UserKey,
+        session_id: &'a str,
+        candidates: &'a [CandidateId],
+    ) -> BoxFuture<'a, Result<()>>;
+
+    /// Appends an exchange to the user's raw log, once per `exchange_id`.
+    fn append_raw<'a>(
+        &'a self,
+        user: &'a UserKey,
+        exchange_id: &'a str,
+        exchange: &'a ExchangeInput,
+    ) -> BoxFuture<'a, Result<Appended>>;
+
+    /// The user's raw log in append order.
+    fn read_raw<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<Vec<RawEntry>>>;
+
+    /// Queues a job, once per job id.
+    fn enqueue<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Enqueued>>;
+
+    /// Leases the oldest queued job that no live lease holds, for `lease`, skipping jobs of a
+    /// session whose earlier job is leased (a session's jobs apply in order). A consumer that
+    /// dies holding a job loses it when the lease ends.
+    fn claim<'a>(
+        &'a self,
+        consumer: &'a str,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Option<ClaimedJob>>>;
+
+    /// Marks a job applied and removes it from the queue. False when the job is unknown.
+    fn ack<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<bool>>;
+
+    /// Marks a job failed and removes it from the queue. False when the job is unknown.
+    fn fail<'a>(&'a self, job: &'a JobId, reason: &'a str) -> BoxFuture<'a, Result<bool>>;
+
+    fn job_state<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<Option<JobState>>>;
+
+    /// Jobs queued or leased, of all users.
+    fn queue_depth(&self) -> BoxFuture<'_, Result<u64>>;
+
+    /// Deletes every record of the user: state, prefetched candidates, raw log, jobs.
+    fn forget_user<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<ForgetReport>>;
+}

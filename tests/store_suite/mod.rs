@@ -1,0 +1,596 @@
+//! The store test suite, written once for every backend. Each case takes a fresh, empty store
+//! (the job queue is shared by all users, so cases cannot share one). A backend's test file
+//! runs all of them with `store_suite!(fresh_store)`, where `fresh_store().await` returns
+//! `(store, guard)`: the guard keeps whatever the store needs (a temporary directory, a
+//! Redis database) alive for the case.
+
+#![allow(
+    dead_code,
+    reason = "each backend's test binary uses the suite through its macro"
+)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test suite: a failure should fail the test loudly"
+)]
+
+use std::time::Duration;
+
+use engram::error::Error;
+use engram::memory::{
+    ExchangeInput, HeuristicExtractor, ItemRef, MemoryConfig, MemoryState, record_exchange,
+};
+use engram::store::{Enqueued, ForgetReport, Job, JobId, JobState, Store, UserKey};
+
+/// Generates one `#[tokio::test]` per suite case against `$fresh().await`.
+#[macro_export]
+macro_rules! store_suite {
+    ($fresh:path) => {
+        $crate::store_suite!(@cases $fresh;
+            hot_record_reads_version_state_and_prefetched,
+            save_state_detects_version_conflicts,
+            concurrent_saves_from_one_version_let_one_win,
+            raw_log_appends_once_in_order,
+            enqueue_is_idempotent_by_job_key,
+            expired_lease_is_claimed_again,
+            claims_keep_each_session_in_order,
+            concurrent_claims_never_share_a_job,
+            ack_fail_and_job_state,
+            queue_depth_counts_queued_and_leased,
+            forget_deletes_one_user_and_counts,
+            tenants_and_users_are_isolated
+        );
+    };
+    (@cases $fresh:path; $($case:ident),+) => {
+        $(
+            #[tokio::test]
+            async fn $case() {
+                let (store, _guard) = $fresh().await;
+                store_suite::$case(&store).await;
+            }
+        )+
+    };
+}
+
+pub fn exchange(session: &str, turn: &str, user_text: &str) -> ExchangeInput {
+    ExchangeInput {
+        session_id: session.into(),
+        turn_id: turn.into(),
+        user_text: user_text.into(),
+        assistant_text: format!("Noted: {user_text}"),
+        event_time: Some("2026-11-23T10:00:00Z".into()),
+        ..ExchangeInput::default()
+    }
+}
+
+/// A state built by the memory engine from a few exchanges, so it is realistic.
+pub fn state_with(lines: &[&str]) -> MemoryState {
+    let mut state = MemoryState::new();
+    let config = MemoryConfig::default();
+    for (index, line) in lines.iter().enumerate() {
+        let input = exchange("s1", &format!("turn-{index}"), line);
+        record_exchange(&mut state, &input, &HeuristicExtractor, &config);
+    }
+    state
+}
+
+/// A job of session `s1`.
+pub fn job(user: &UserKey, key: &str) -> Job {
+    job_in(user, "s1", key)
+}
+
+pub fn job_in(user: &UserKey, session: &str, key: &str) -> Job {
+    Job {
+        id: JobId {
+            user: user.clone(),
+            key: key.into(),
+        },
+        exchange: exchange(session, key, &format!("message of {key}")),
+    }
+}
+
+pub async fn hot_record_reads_version_state_and_prefetched(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    let empty = store.hot_record(&alice, "s1", None).await.unwrap();
+    assert_eq!(empty.version, 0);
+    assert!(empty.state.is_none());
+    assert!(empty.prefetched.is_empty());
+
+    let state = state_with(&["I'm allergic to peanuts.", "My name is Alice."]);
+    assert!(state.version > 0);
+    store.save_state(&alice, &state, 0).await.unwrap();
+    let candidates = vec![ItemRef::Fact(0), ItemRef::RawTurn(1), ItemRef::Summary(0)];
+    store
+        .save_prefetched(&alice, "s1", &candidates)
+        .await
+        .unwrap();
+
+    let cold = store.hot_record(&alice, "s1", None).await.unwrap();
+    assert_eq!(cold.version, state.version);
+    assert_eq!(cold.state.as_ref(), Some(&state));
+    assert_eq!(cold.prefetched, candidates);
+
+    // A caller that holds the current version does not get the state again.
+    let warm = store
+        .hot_record(&alice, "s1", Some(state.version))
+        .await
+        .unwrap();
+    assert_eq!(warm.version, state.version);
+    assert!(warm.state.is_none());
+    assert_eq!(warm.prefetched, candidates);
+
+    // A stale cached version gets the state.
+    let stale = store
+        .hot_record(&alice, "s1", Some(state.version - 1))
+        .await
+        .unwrap();
+    assert_eq!(stale.state.as_ref(), Some(&state));
+
+    // Prefetched candidates are per session.
+    let other_session = store.hot_record(&alice, "s2", None).await.unwrap();
+    assert!(other_session.prefetched.is_empty());
+    assert_eq!(other_session.version, state.version);
+
+    // Replacing the candidates replaces them.
+    store
+        .save_prefetched(&alice, "s1", &[ItemRef::Identity])
+        .await
+        .unwrap();
+    let replaced = store.hot_record(&alice, "s1", None).await.unwrap();
+    assert_eq!(replaced.prefetched, vec![ItemRef::Identity]);
+}
+
+pub async fn save_state_detects_version_conflicts(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    assert_eq!(store.load_state(&alice).await.unwrap(), None);
+
+    let first = state_with(&["I live in Lisbon."]);
+    store.save_state(&alice, &first, 0).await.unwrap();
+    assert_eq!(
+        store.load_state(&alice).await.unwrap().as_ref(),
+        Some(&first)
+    );
+
+    // A writer that read "nothing stored" lost the race.
+    let racing = state_with(&["I live in Porto."]);
+    let error = store.save_state(&alice, &racing, 0).await.unwrap_err();
+    assert!(
+        matches!(error, Error::StoreConflict { expected: 0, found } if found == first.version),
+        "{error}"
+    );
+    assert_eq!(
+        store.load_state(&alice).await.unwrap().as_ref(),
+        Some(&first)
+    );
+
+    // The winner's successor, read at the stored version, goes through.
+    let mut second = first.clone();
+    record_exchange(
+        &mut second,
+        &exchange("s1", "turn-next", "I moved to Berlin."),
+        &HeuristicExtractor,
+        &MemoryConfig::default(),
+    );
+    assert!(second.version > first.version);
+    store
+        .save_state(&alice, &second, first.version)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.load_state(&alice).await.unwrap().as_ref(),
+        Some(&second)
+    );
+
+    // A stale expected version fails and leaves the stored state alone.
+    let error = store
+        .save_state(&alice, &first, first.version)
+        .await
+        .unwrap_err();
+    assert!(matches!(error, Error::StoreConflict { .. }), "{error}");
+    let hot = store.hot_record(&alice, "s1", None).await.unwrap();
+    assert_eq!(hot.version, second.version);
+}
+
+pub async fn concurrent_saves_from_one_version_let_one_win(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    let base = state_with(&["I live in Lisbon."]);
+    store.save_state(&alice, &base, 0).await.unwrap();
+    let config = MemoryConfig::default();
+    let mut left = base.clone();
+    record_exchange(
+        &mut left,
+        &exchange("s1", "left", "I moved to Berlin."),
+        &HeuristicExtractor,
+        &config,
+    );
+    let mut right = base.clone();
+    record_exchange(
+        &mut right,
+        &exchange("s2", "right", "I moved to Madrid."),
+        &HeuristicExtractor,
+        &config,
+    );
+    let (left_saved, right_saved) = tokio::join!(
+        store.save_state(&alice, &left, base.version),
+        store.save_state(&alice, &right, base.version)
+    );
+    assert!(
+        left_saved.is_ok() != right_saved.is_ok(),
+        "exactly one save wins: {left_saved:?} {right_saved:?}"
+    );
+    let winner = if left_saved.is_ok() { &left } else { &right };
+    assert_eq!(
+        store.load_state(&alice).await.unwrap().as_ref(),
+        Some(winner)
+    );
+}
+
+pub async fn raw_log_appends_once_in_order(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    assert!(store.read_raw(&alice).await.unwrap().is_empty());
+
+    let first = exchange("s1", "t1", "first");
+    let second = exchange("s2", "t2", "second");
+    let third = exchange("s1", "t3", "third");
+    let a = store.append_raw(&alice, "x1", &first).await.unwrap();
+    let b = store.append_raw(&alice, "x2", &second).await.unwrap();
+    let replay = store.append_raw(&alice, "x1", &first).await.unwrap();
+    let c = store.append_raw(&alice, "x3", &third).await.unwrap();
+    assert_eq!((a.seq, a.duplicate), (0, false));
+    assert_eq!((b.seq, b.duplicate), (1, false));
+    assert_eq!((replay.seq, replay.duplicate), (0, true));
+    assert_eq!((c.seq, c.duplicate), (2, false));
+
+    let log = store.read_raw(&alice).await.unwrap();
+    let ids: Vec<&str> = log.iter().map(|entry| entry.exchange_id.as_str()).collect();
+    assert_eq!(ids, ["x1", "x2", "x3"]);
+    let seqs: Vec<u64> = log.iter().map(|entry| entry.seq).collect();
+    assert_eq!(seqs, [0, 1, 2]);
+    assert_eq!(log[1].exchange, second);
+}
+
+pub async fn enqueue_is_idempotent_by_job_key(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    let first = job(&alice, "hash-1");
+    assert_eq!(store.enqueue(&first).await.unwrap(), Enqueued::Queued);
+    assert_eq!(
+        store.enqueue(&first).await.unwrap(),
+        Enqueued::Duplicate(JobState::Queued)
+    );
+    assert_eq!(store.queue_depth().await.unwrap(), 1);
+
+    // Applied jobs stay known: a replay after the apply is still a duplicate.
+    let claimed = store
+        .claim("worker-a", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(claimed.job, first);
+    assert!(store.ack(&first.id).await.unwrap());
+    assert_eq!(
+        store.enqueue(&first).await.unwrap(),
+        Enqueued::Duplicate(JobState::Applied)
+    );
+    assert_eq!(store.queue_depth().await.unwrap(), 0);
+}
+
+pub async fn expired_lease_is_claimed_again(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    let first = job_in(&alice, "s1", "hash-1");
+    let second = job_in(&alice, "s2", "hash-2");
+    store.enqueue(&first).await.unwrap();
+    store.enqueue(&second).await.unwrap();
+
+    // Oldest first; a leased job is not handed out twice.
+    let short = Duration::from_millis(300);
+    let a = store.claim("worker-a", short).await.unwrap().unwrap();
+    assert_eq!((a.job.id.clone(), a.attempt), (first.id.clone(), 1));
+    let b = store
+        .claim("worker-b", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((b.job.id.clone(), b.attempt), (second.id.clone(), 1));
+    assert!(store.claim("worker-c", short).await.unwrap().is_none());
+
+    // worker-a "crashed": once its lease ends, another consumer gets the job again.
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let again = store
+        .claim("worker-c", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(again.job, first);
+    assert_eq!(again.attempt, 2);
+    assert!(store.claim("worker-d", short).await.unwrap().is_none());
+
+    assert!(store.ack(&again.job.id).await.unwrap());
+    assert!(store.ack(&b.job.id).await.unwrap());
+    assert_eq!(store.queue_depth().await.unwrap(), 0);
+    assert!(store.claim("worker-d", short).await.unwrap().is_none());
+}
+
+pub async fn claims_keep_each_session_in_order(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    let bob = UserKey::new("acme", "bob");
+    let alice_s1_first = job_in(&alice, "s1", "a1");
+    let alice_s1_second = job_in(&alice, "s1", "a2");
+    let alice_s2 = job_in(&alice, "s2", "a3");
+    let bob_s1 = job_in(&bob, "s1", "b1");
+    for queued in [&alice_s1_first, &alice_s1_second, &alice_s2, &bob_s1] {
+        store.enqueue(queued).await.unwrap();
+    }
+    let lease = Duration::from_secs(30);
+    let claim = async || {
+        store
+            .claim("worker", lease)
+            .await
+            .unwrap()
+            .map(|c| c.job.id)
+    };
+
+    // While Alice's first s1 job is leased, her second waits; other sessions go ahead.
+    assert_eq!(claim().await, Some(alice_s1_first.id.clone()));
+    assert_eq!(claim().await, Some(alice_s2.id.clone()));
+    assert_eq!(claim().await, Some(bob_s1.id.clone()));
+    assert_eq!(claim().await, None);
+
+    store.ack(&alice_s1_first.id).await.unwrap();
+    assert_eq!(claim().await, Some(alice_s1_second.id.clone()));
+}
+
+pub async fn concurrent_claims_never_share_a_job(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    for index in 0..12 {
+        let session = format!("s{index}");
+        store
+            .enqueue(&job_in(&alice, &session, &format!("hash-{index}")))
+            .await
+            .unwrap();
+    }
+    let lease = Duration::from_secs(30);
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let (a, b, c) = tokio::join!(
+            store.claim("worker-a", lease),
+            store.claim("worker-b", lease),
+            store.claim("worker-c", lease)
+        );
+        for claimed in [a, b, c] {
+            seen.push(claimed.unwrap().unwrap().job.id.key);
+        }
+    }
+    seen.sort();
+    let before = seen.len();
+    seen.dedup();
+    assert_eq!((before, seen.len()), (12, 12), "{seen:?}");
+    assert!(store.claim("worker-d", lease).await.unwrap().is_none());
+}
+
+pub async fn ack_fail_and_job_state(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    let first = job(&alice, "hash-1");
+    let second = job(&alice, "hash-2");
+    let unknown = JobId {
+        user: alice.clone(),
+        key: "never-queued".into(),
+    };
+    assert_eq!(store.job_state(&unknown).await.unwrap(), None);
+    assert!(!store.ack(&unknown).await.unwrap());
+    assert!(!store.fail(&unknown, "nope").await.unwrap());
+
+    store.enqueue(&first).await.unwrap();
+    store.enqueue(&second).await.unwrap();
+    assert_eq!(
+        store.job_state(&first.id).await.unwrap(),
+        Some(JobState::Queued)
+    );
+
+    let lease = Duration::from_secs(30);
+    let claimed = store.claim("worker-a", lease).await.unwrap().unwrap();
+    assert_eq!(claimed.job.id, first.id);
+    // Leased but not acknowledged is still queued.
+    assert_eq!(
+        store.job_state(&first.id).await.unwrap(),
+        Some(JobState::Queued)
+    );
+    assert!(store.ack(&first.id).await.unwrap());
+    assert_eq!(
+        store.job_state(&first.id).await.unwrap(),
+        Some(JobState::Applied)
+    );
+    // A second ack (a slow duplicate worker) is harmless.
+    assert!(store.ack(&first.id).await.unwrap());
+
+    store.claim("worker-a", lease).await.unwrap().unwrap();
+    assert!(store.fail(&second.id, "summarizer gave up").await.unwrap());
+    assert_eq!(
+        store.job_state(&second.id).await.unwrap(),
+        Some(JobState::Failed {
+            reason: "summarizer gave up".into()
+        })
+    );
+    assert_eq!(store.queue_depth().await.unwrap(), 0);
+    assert!(store.claim("worker-a", lease).await.unwrap().is_none());
+}
+
+pub async fn queue_depth_counts_queued_and_leased(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    let bob = UserKey::new("acme", "bob");
+    assert_eq!(store.queue_depth().await.unwrap(), 0);
+    for (user, key) in [(&alice, "a1"), (&alice, "a2"), (&bob, "b1")] {
+        store.enqueue(&job(user, key)).await.unwrap();
+    }
+    assert_eq!(store.queue_depth().await.unwrap(), 3);
+    let claimed = store
+        .claim("worker-a", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(store.queue_depth().await.unwrap(), 3);
+    store.ack(&claimed.job.id).await.unwrap();
+    assert_eq!(store.queue_depth().await.unwrap(), 2);
+}
+
+/// Gives a user one of every kind of record; returns its jobs' ids.
+async fn populate(store: &dyn Store, user: &UserKey, tag: &str) -> Vec<JobId> {
+    let state = state_with(&[&format!("My name is {tag}.")]);
+    store.save_state(user, &state, 0).await.unwrap();
+    for session in ["s1", "s2"] {
+        store
+            .save_prefetched(user, session, &[ItemRef::Fact(0)])
+            .await
+            .unwrap();
+    }
+    for index in 0..3 {
+        let id = format!("{tag}-x{index}");
+        store
+            .append_raw(user, &id, &exchange("s1", &id, tag))
+            .await
+            .unwrap();
+    }
+    let mut ids = Vec::new();
+    for index in 0..2 {
+        let queued = job(user, &format!("{tag}-job{index}"));
+        store.enqueue(&queued).await.unwrap();
+        ids.push(queued.id);
+    }
+    ids
+}
+
+pub async fn forget_deletes_one_user_and_counts(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    let bob = UserKey::new("acme", "bob");
+    let alice_jobs = populate(store, &alice, "alice").await;
+    let bob_jobs = populate(store, &bob, "bob").await;
+    // One of Alice's jobs is applied, the other still queued.
+    let claimed = store
+        .claim("worker-a", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(claimed.job.id, alice_jobs[0]);
+    store.ack(&alice_jobs[0]).await.unwrap();
+    assert_eq!(store.queue_depth().await.unwrap(), 3);
+
+    let report = store.forget_user(&alice).await.unwrap();
+    assert_eq!(
+        report,
+        ForgetReport {
+            memory_states: 1,
+            prefetched_sessions: 2,
+            raw_entries: 3,
+            jobs: 2,
+        }
+    );
+    assert_eq!(report.total(), 8);
+
+    // Nothing of Alice is left.
+    let hot = store.hot_record(&alice, "s1", None).await.unwrap();
+    assert_eq!((hot.version, hot.state, hot.prefetched.len()), (0, None, 0));
+    assert_eq!(store.load_state(&alice).await.unwrap(), None);
+    assert!(store.read_raw(&alice).await.unwrap().is_empty());
+    for id in &alice_jobs {
+        assert_eq!(store.job_state(id).await.unwrap(), None);
+    }
+    assert_eq!(
+        store.forget_user(&alice).await.unwrap(),
+        ForgetReport::default()
+    );
+
+    // Bob is untouched, and only his jobs remain queued.
+    let hot = store.hot_record(&bob, "s2", None).await.unwrap();
+    assert!(hot.version > 0 && hot.state.is_some());
+    assert_eq!(hot.prefetched, vec![ItemRef::Fact(0)]);
+    assert_eq!(store.read_raw(&bob).await.unwrap().len(), 3);
+    assert_eq!(store.queue_depth().await.unwrap(), 2);
+    let lease = Duration::from_secs(30);
+    for expected in &bob_jobs {
+        let next = store.claim("worker-a", lease).await.unwrap().unwrap();
+        assert_eq!(&next.job.id, expected);
+        store.ack(expected).await.unwrap();
+    }
+    assert!(store.claim("worker-a", lease).await.unwrap().is_none());
+
+    // A forgotten user starts over cleanly.
+    let fresh = state_with(&["I'm new here."]);
+    store.save_state(&alice, &fresh, 0).await.unwrap();
+    let appended = store
+        .append_raw(&alice, "alice-x0", &exchange("s1", "alice-x0", "again"))
+        .await
+        .unwrap();
+    assert_eq!((appended.seq, appended.duplicate), (0, false));
+}
+
+pub async fn tenants_and_users_are_isolated(store: &dyn Store) {
+    // Includes keys whose concatenations collide, so a backend that joins them naively fails.
+    let users = [
+        UserKey::new("t1", "u"),
+        UserKey::new("t2", "u"),
+        UserKey::new("t1", "u2"),
+        UserKey::new("t1:u", "x"),
+        UserKey::new("t1", "u:x"),
+        UserKey::new("t1", "u\u{0}x"),
+    ];
+    for (index, user) in users.iter().enumerate() {
+        let tag = format!("user{index}");
+        let state = state_with(&[&format!("My name is {tag}.")]);
+        store.save_state(user, &state, 0).await.unwrap();
+        let index = u32::try_from(index).unwrap();
+        store
+            .save_prefetched(user, "s", &[ItemRef::Fact(index)])
+            .await
+            .unwrap();
+        store
+            .append_raw(user, "same-id", &exchange("s", "same-id", &tag))
+            .await
+            .unwrap();
+        assert_eq!(
+            store.enqueue(&job(user, "same-key")).await.unwrap(),
+            Enqueued::Queued
+        );
+    }
+    assert_eq!(
+        store.queue_depth().await.unwrap(),
+        u64::try_from(users.len()).unwrap()
+    );
+
+    for (index, user) in users.iter().enumerate() {
+        let tag = format!("user{index}");
+        let hot = store.hot_record(user, "s", None).await.unwrap();
+        assert_eq!(
+            hot.state,
+            Some(state_with(&[&format!("My name is {tag}.")]))
+        );
+        assert_eq!(
+            hot.prefetched,
+            vec![ItemRef::Fact(u32::try_from(index).unwrap())]
+        );
+        let log = store.read_raw(user).await.unwrap();
+        assert_eq!(log.len(), 1, "{user:?}");
+        assert_eq!(log[0].exchange.user_text, tag);
+    }
+
+    // Acknowledging one user's job leaves the same key of every other user queued.
+    let first = JobId {
+        user: users[0].clone(),
+        key: "same-key".into(),
+    };
+    store.ack(&first).await.unwrap();
+    for user in &users[1..] {
+        let id = JobId {
+            user: user.clone(),
+            key: "same-key".into(),
+        };
+        assert_eq!(store.job_state(&id).await.unwrap(), Some(JobState::Queued));
+    }
+
+    // Forgetting one user leaves every other one whole.
+    let report = store.forget_user(&users[0]).await.unwrap();
+    assert_eq!(report.raw_entries, 1);
+    for user in &users[1..] {
+        assert_eq!(store.read_raw(user).await.unwrap().len(), 1, "{user:?}");
+        assert!(store.load_state(user).await.unwrap().is_some(), "{user:?}");
+    }
+}
