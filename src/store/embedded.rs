@@ -121,6 +121,19 @@ fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>> {
     serde_json::to_vec(value).map_err(|error| Error::Store(format!("encode: {error}")))
 }
 
+/// The jobs table key of a job.
+fn job_key(id: &JobId) -> (&str, &str, &str) {
+    (
+        id.user.tenant.as_str(),
+        id.user.user.as_str(),
+        id.key.as_str(),
+    )
+}
+
+fn decode_job(guard: Option<redb::AccessGuard<'_, &'static [u8]>>) -> Result<Option<JobRecord>> {
+    guard.map(|guard| decode(guard.value())).transpose()
+}
+
 fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T> {
     serde_json::from_slice(bytes).map_err(|error| Error::Store(format!("decode: {error}")))
 }
@@ -332,18 +345,11 @@ impl Store for EmbeddedStore {
         let job = job.clone();
         self.blocking(move |db| {
             let id = &job.id;
-            let key = (
-                id.user.tenant.as_str(),
-                id.user.user.as_str(),
-                id.key.as_str(),
-            );
+            let key = job_key(id);
             let txn = db.begin_write().map_err(db_error)?;
             {
                 let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
-                let known = match jobs.get(key).map_err(db_error)? {
-                    Some(guard) => Some(decode::<JobRecord>(guard.value())?),
-                    None => None,
-                };
+                let known = decode_job(jobs.get(key).map_err(db_error)?)?;
                 if let Some(record) = known {
                     return Ok(Enqueued::Duplicate(record.state));
                 }
@@ -428,15 +434,8 @@ impl Store for EmbeddedStore {
                             consumer: consumer.clone(),
                             until_ms: now.saturating_add(lease_ms),
                         });
-                        jobs.insert(
-                            (
-                                id.user.tenant.as_str(),
-                                id.user.user.as_str(),
-                                id.key.as_str(),
-                            ),
-                            encode(&record)?.as_slice(),
-                        )
-                        .map_err(db_error)?;
+                        jobs.insert(job_key(&id), encode(&record)?.as_slice())
+                            .map_err(db_error)?;
                         Some(ClaimedJob {
                             attempt: record.attempts,
                             job: Job {
@@ -472,17 +471,8 @@ impl Store for EmbeddedStore {
         self.blocking(move |db| {
             let txn = db.begin_read().map_err(db_error)?;
             let jobs = txn.open_table(JOBS).map_err(db_error)?;
-            match jobs
-                .get((
-                    id.user.tenant.as_str(),
-                    id.user.user.as_str(),
-                    id.key.as_str(),
-                ))
-                .map_err(db_error)?
-            {
-                Some(guard) => Ok(Some(decode::<JobRecord>(guard.value())?.state)),
-                None => Ok(None),
-            }
+            let record = decode_job(jobs.get(job_key(&id)).map_err(db_error)?)?;
+            Ok(record.map(|record| record.state))
         })
     }
 
@@ -542,9 +532,9 @@ impl Store for EmbeddedStore {
 
                 let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
                 let mut queue = txn.open_table(QUEUE).map_err(db_error)?;
-                for job_key in string_keys_of(&jobs, &user)? {
+                for key in string_keys_of(&jobs, &user)? {
                     let removed = jobs
-                        .remove((tenant, user_id, job_key.as_str()))
+                        .remove((tenant, user_id, key.as_str()))
                         .map_err(db_error)?;
                     if let Some(guard) = removed {
                         let record: JobRecord = decode(guard.value())?;
@@ -566,18 +556,11 @@ impl EmbeddedStore {
     fn finish<'a>(&'a self, job: &'a JobId, state: JobState) -> BoxFuture<'a, Result<bool>> {
         let id = job.clone();
         self.blocking(move |db| {
-            let key = (
-                id.user.tenant.as_str(),
-                id.user.user.as_str(),
-                id.key.as_str(),
-            );
+            let key = job_key(&id);
             let txn = db.begin_write().map_err(db_error)?;
             {
                 let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
-                let known = match jobs.get(key).map_err(db_error)? {
-                    Some(guard) => Some(decode::<JobRecord>(guard.value())?),
-                    None => None,
-                };
+                let known = decode_job(jobs.get(key).map_err(db_error)?)?;
                 let Some(mut record) = known else {
                     return Ok(false);
                 };
