@@ -64,12 +64,17 @@ async fn fresh_store() -> Option<(RedisStore, RedisServer)> {
         .unwrap();
     let server = RedisServer { child };
     let url = format!("redis://127.0.0.1:{port}");
-    // The server takes a moment to listen.
-    for _ in 0..100 {
-        if let Ok(store) = RedisStore::connect(&url, "engram-test").await {
+    // The server takes a moment to listen; poll the port (the client's own reconnects back
+    // off for seconds).
+    for _ in 0..200 {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+        {
+            let store = RedisStore::connect(&url, "engram-test").await.unwrap();
             return Some((store, server));
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(25)).await;
     }
     panic!("redis-server on port {port} did not accept connections within 5s");
 }
