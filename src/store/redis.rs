@@ -87,22 +87,30 @@ return false
 const CLAIM: &str = r"
 local now = tonumber(ARGV[1])
 local busy = {}
-for _, member in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
-  local session = redis.call('HGET', KEYS[4], member) or member
-  local until_ms = tonumber(redis.call('HGET', KEYS[2], member) or '0')
-  if until_ms > now then
-    busy[session] = true
-  elseif not busy[session] then
-    redis.call('HSET', KEYS[2], member, now + tonumber(ARGV[2]))
-    local attempt = redis.call('HINCRBY', KEYS[3], member, 1)
-    local space = string.find(member, ' ', 1, true)
-    local tag = string.sub(member, 1, space - 1)
-    local key = string.sub(member, space + 1)
-    local exchange = redis.call('HGET', ARGV[3] .. ':{' .. tag .. '}:jobs', key)
-    return {member, attempt, exchange}
+-- In pages, so a claim near the head of a long queue does not read all of it.
+local start = 0
+while true do
+  local members = redis.call('ZRANGE', KEYS[1], start, start + 99)
+  if #members == 0 then
+    return false
   end
+  for _, member in ipairs(members) do
+    local session = redis.call('HGET', KEYS[4], member) or member
+    local until_ms = tonumber(redis.call('HGET', KEYS[2], member) or '0')
+    if until_ms > now then
+      busy[session] = true
+    elseif not busy[session] then
+      redis.call('HSET', KEYS[2], member, now + tonumber(ARGV[2]))
+      local attempt = redis.call('HINCRBY', KEYS[3], member, 1)
+      local space = string.find(member, ' ', 1, true)
+      local tag = string.sub(member, 1, space - 1)
+      local key = string.sub(member, space + 1)
+      local exchange = redis.call('HGET', ARGV[3] .. ':{' .. tag .. '}:jobs', key)
+      return {member, attempt, exchange}
+    end
+  end
+  start = start + 100
 end
-return false
 ";
 
 /// Records a job's final state and takes it off the queue; 0 when the job is unknown.
@@ -248,6 +256,9 @@ fn hex(text: &str) -> String {
 }
 
 fn unhex(text: &str) -> Option<String> {
+    if !text.len().is_multiple_of(2) {
+        return None;
+    }
     let bytes = text
         .as_bytes()
         .chunks(2)
@@ -557,5 +568,38 @@ impl Store for RedisStore {
                 jobs,
             })
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+
+    use super::*;
+
+    #[test]
+    fn job_refs_round_trip_any_bytes() {
+        for (tenant, user, key) in [
+            ("acme", "alice", "hash-1"),
+            ("t1:u", "x", "k"),
+            ("t1", "u:x", "k"),
+            ("", "", ""),
+            ("t\u{0}}{", "ü ser", "key with spaces"),
+        ] {
+            let id = JobId {
+                user: UserKey::new(tenant, user),
+                key: key.to_owned(),
+            };
+            assert_eq!(parse_job_ref(&job_ref(&id)).unwrap(), id);
+        }
+    }
+
+    #[test]
+    fn tags_keep_colons_inside_tenant_and_user_apart() {
+        let left = user_tag(&UserKey::new("t1:u", "x"));
+        let right = user_tag(&UserKey::new("t1", "u:x"));
+        assert_ne!(left, right);
+        assert!(!left.contains(['{', '}', ' ']));
+        assert_eq!(unhex("abc"), None);
     }
 }
