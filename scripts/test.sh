@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs engram's whole test suite. Installs what the tests need when it is missing:
-# a Python venv (.venv) with the official `openai` SDK for the end-to-end SDK test.
+# a Python venv (.venv) with the official `openai` SDK for the end-to-end SDK test, and
+# redis-server for the Redis store tests (they start their own servers; none is started here).
 set -euo pipefail  # pipefail: a failing cargo test fails the script through tee
 cd "$(dirname "$0")/.."
 
@@ -22,6 +23,12 @@ if ! "$VENV/bin/python" -c "import openai" 2>/dev/null; then
   "$VENV/bin/pip" install --quiet --disable-pip-version-check openai
 fi
 export ENGRAM_TEST_PYTHON="$PWD/$VENV/bin/python"
+
+# redis-server for tests/store_redis.rs; requiring it makes a missing server fail, not skip.
+if ! command -v redis-server >/dev/null; then
+  apt_install redis-server
+fi
+export ENGRAM_REQUIRE_REDIS=1
 
 log "cargo fmt --check"
 cargo fmt --all -- --check

@@ -29,8 +29,22 @@ pub struct Config {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StoreConfig {
+    /// Which backend holds memory.
+    pub backend: StoreBackend,
     /// Directory of the embedded store's file (`engram.redb`); created if missing.
     pub data_dir: PathBuf,
+    /// The Redis server of the `redis` backend.
+    pub redis_url: String,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StoreBackend {
+    /// One redb file in `data_dir`, zero setup.
+    #[default]
+    Embedded,
+    /// A Redis server at `redis_url`, shared by several proxies and workers.
+    Redis,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -122,7 +136,9 @@ impl Default for CaptureConfig {
 impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
+            backend: StoreBackend::Embedded,
             data_dir: PathBuf::from("data"),
+            redis_url: "redis://127.0.0.1:6379".to_owned(),
         }
     }
 }
@@ -217,6 +233,15 @@ impl Config {
         }
         if self.store.data_dir.as_os_str().is_empty() {
             return invalid("store.data_dir", "must name a directory");
+        }
+        if !self.store.redis_url.starts_with("redis://")
+            && !self.store.redis_url.starts_with("rediss://")
+            && !self.store.redis_url.starts_with("unix://")
+        {
+            return invalid(
+                "store.redis_url",
+                "must be a redis://, rediss:// or unix:// URL",
+            );
         }
         if let Err(error) = tracing_subscriber::EnvFilter::try_new(&self.logging.level) {
             return invalid("logging.level", &error.to_string());
@@ -331,6 +356,24 @@ mod tests {
         assert!(error.to_string().contains("logging.format"), "{error}");
         let error = Config::from_yaml("store:\n  data_dir: ''\n").unwrap_err();
         assert!(error.to_string().contains("store.data_dir"), "{error}");
+        let error = Config::from_yaml("store:\n  backend: postgres\n").unwrap_err();
+        assert!(error.to_string().contains("store.backend"), "{error}");
+        let error = Config::from_yaml("store:\n  redis_url: localhost:6379\n").unwrap_err();
+        assert!(error.to_string().contains("store.redis_url"), "{error}");
+    }
+
+    #[test]
+    fn the_redis_backend_can_be_chosen_from_the_environment() {
+        let env = vec![
+            ("ENGRAM_STORE__BACKEND".to_owned(), "redis".to_owned()),
+            (
+                "ENGRAM_STORE__REDIS_URL".to_owned(),
+                "redis://cache:6380".to_owned(),
+            ),
+        ];
+        let config = Config::load(None, env).unwrap();
+        assert_eq!(config.store.backend, StoreBackend::Redis);
+        assert_eq!(config.store.redis_url, "redis://cache:6380");
     }
 
     #[test]

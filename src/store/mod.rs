@@ -12,10 +12,11 @@
 //! - the immutable raw log of exchanges, append-only, idempotent by exchange id;
 //! - the jobs that recorded exchanges became (queued, applied or failed).
 //!
-//! Backends: [`embedded::EmbeddedStore`] (redb, the default). The Redis backend comes later and
-//! must pass the same suite (`tests/store_suite/`).
+//! Backends: [`embedded::EmbeddedStore`] (redb, the default) and [`redis::RedisStore`]; both
+//! pass the same suite (`tests/store_suite/`).
 
 pub mod embedded;
+pub mod redis;
 
 use std::time::Duration;
 
@@ -25,6 +26,7 @@ use crate::error::Result;
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
 use crate::pipeline::BoxFuture;
 
+pub use self::redis::RedisStore;
 pub use embedded::EmbeddedStore;
 
 /// Whose memory a record belongs to.
