@@ -10,14 +10,14 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
 use serde::{Deserialize, Serialize};
 
 use super::{
     Appended, ClaimedJob, Enqueued, ForgetReport, HotRecord, Job, JobId, JobState, RawEntry, Store,
-    UserKey,
+    UserKey, decode, now_ms,
 };
 use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
@@ -132,18 +132,6 @@ fn job_key(id: &JobId) -> (&str, &str, &str) {
 
 fn decode_job(guard: Option<redb::AccessGuard<'_, &'static [u8]>>) -> Result<Option<JobRecord>> {
     guard.map(|guard| decode(guard.value())).transpose()
-}
-
-fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T> {
-    serde_json::from_slice(bytes).map_err(|error| Error::Store(format!("decode: {error}")))
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |elapsed| {
-            u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX)
-        })
 }
 
 impl Store for EmbeddedStore {

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
 use crate::pipeline::BoxFuture;
 
@@ -204,4 +204,18 @@ pub trait Store: Send + Sync + 'static {
 
     /// Deletes every record of the user: state, prefetched candidates, raw log, jobs.
     fn forget_user<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<ForgetReport>>;
+}
+
+/// Reads a stored JSON record; a record that does not decode is a store error, not a panic.
+fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T> {
+    serde_json::from_slice(bytes).map_err(|error| Error::Store(format!("decode: {error}")))
+}
+
+/// Wall-clock milliseconds, for job leases.
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |elapsed| {
+            u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX)
+        })
 }

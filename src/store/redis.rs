@@ -11,7 +11,7 @@
 //! touch both the queue keys and the user's keys, which a Redis Cluster would reject as
 //! cross-slot; cluster mode is for the scale-out work (see docs/storage.md).
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use redis::aio::ConnectionManager;
 use redis::{AsyncCommands, Script};
@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     Appended, ClaimedJob, Enqueued, ForgetReport, HotRecord, Job, JobId, JobState, RawEntry, Store,
-    UserKey,
+    UserKey, decode, now_ms,
 };
 use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
@@ -279,21 +279,9 @@ fn encode<T: Serialize + ?Sized>(value: &T) -> Result<String> {
     serde_json::to_string(value).map_err(|error| Error::Store(format!("encode: {error}")))
 }
 
-fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T> {
-    serde_json::from_slice(bytes).map_err(|error| Error::Store(format!("decode: {error}")))
-}
-
 fn parse_version(text: &str) -> Result<u64> {
     text.parse()
         .map_err(|_| Error::Store(format!("stored version is not a number: {text:?}")))
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |elapsed| {
-            u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX)
-        })
 }
 
 impl Store for RedisStore {
