@@ -441,17 +441,31 @@ impl Store for EmbeddedStore {
         })
     }
 
-    fn ack<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<bool>> {
-        self.finish(job, JobState::Applied)
-    }
-
-    fn fail<'a>(&'a self, job: &'a JobId, reason: &'a str) -> BoxFuture<'a, Result<bool>> {
-        self.finish(
-            job,
-            JobState::Failed {
-                reason: reason.to_owned(),
-            },
-        )
+    fn finish<'a>(&'a self, job: &'a JobId, state: JobState) -> BoxFuture<'a, Result<bool>> {
+        let id = job.clone();
+        self.blocking(move |db| {
+            let key = job_key(&id);
+            let txn = db.begin_write().map_err(db_error)?;
+            {
+                let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
+                let known = decode_job(jobs.get(key).map_err(db_error)?)?;
+                let Some(mut record) = known else {
+                    return Ok(false);
+                };
+                if record.state == JobState::Queued {
+                    txn.open_table(QUEUE)
+                        .map_err(db_error)?
+                        .remove(record.queue_position)
+                        .map_err(db_error)?;
+                }
+                record.state = state;
+                record.lease = None;
+                jobs.insert(key, encode(&record)?.as_slice())
+                    .map_err(db_error)?;
+            }
+            txn.commit().map_err(db_error)?;
+            Ok(true)
+        })
     }
 
     fn job_state<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<Option<JobState>>> {
@@ -535,36 +549,6 @@ impl Store for EmbeddedStore {
             }
             txn.commit().map_err(db_error)?;
             Ok(report)
-        })
-    }
-}
-
-impl EmbeddedStore {
-    /// Ends a job: records its final state and takes it off the queue.
-    fn finish<'a>(&'a self, job: &'a JobId, state: JobState) -> BoxFuture<'a, Result<bool>> {
-        let id = job.clone();
-        self.blocking(move |db| {
-            let key = job_key(&id);
-            let txn = db.begin_write().map_err(db_error)?;
-            {
-                let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
-                let known = decode_job(jobs.get(key).map_err(db_error)?)?;
-                let Some(mut record) = known else {
-                    return Ok(false);
-                };
-                if record.state == JobState::Queued {
-                    txn.open_table(QUEUE)
-                        .map_err(db_error)?
-                        .remove(record.queue_position)
-                        .map_err(db_error)?;
-                }
-                record.state = state;
-                record.lease = None;
-                jobs.insert(key, encode(&record)?.as_slice())
-                    .map_err(db_error)?;
-            }
-            txn.commit().map_err(db_error)?;
-            Ok(true)
         })
     }
 }

@@ -191,11 +191,24 @@ pub trait Store: Send + Sync + 'static {
         lease: Duration,
     ) -> BoxFuture<'a, Result<Option<ClaimedJob>>>;
 
+    /// Ends a job: records its final state and takes it off the queue. False when the job is
+    /// unknown.
+    fn finish<'a>(&'a self, job: &'a JobId, state: JobState) -> BoxFuture<'a, Result<bool>>;
+
     /// Marks a job applied and removes it from the queue. False when the job is unknown.
-    fn ack<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<bool>>;
+    fn ack<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<bool>> {
+        self.finish(job, JobState::Applied)
+    }
 
     /// Marks a job failed and removes it from the queue. False when the job is unknown.
-    fn fail<'a>(&'a self, job: &'a JobId, reason: &'a str) -> BoxFuture<'a, Result<bool>>;
+    fn fail<'a>(&'a self, job: &'a JobId, reason: &'a str) -> BoxFuture<'a, Result<bool>> {
+        self.finish(
+            job,
+            JobState::Failed {
+                reason: reason.to_owned(),
+            },
+        )
+    }
 
     fn job_state<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<Option<JobState>>>;
 

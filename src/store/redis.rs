@@ -205,27 +205,6 @@ impl RedisStore {
     fn connection(&self) -> ConnectionManager {
         self.connection.clone()
     }
-
-    fn finish<'a>(&'a self, job: &'a JobId, state: JobState) -> BoxFuture<'a, Result<bool>> {
-        Box::pin(async move {
-            let [queue, leases, attempts, sessions] = self.queue_keys();
-            let finished: i64 = self
-                .scripts
-                .finish
-                .key(self.user_key(&job.user, "job_states"))
-                .key(queue)
-                .key(leases)
-                .key(attempts)
-                .key(sessions)
-                .arg(&job.key)
-                .arg(job_ref(job))
-                .arg(encode(&state)?)
-                .invoke_async(&mut self.connection())
-                .await
-                .map_err(redis_error)?;
-            Ok(finished == 1)
-        })
-    }
 }
 
 /// The hash-tag content of a user: hex tenant, `:`, hex user.
@@ -491,17 +470,25 @@ impl Store for RedisStore {
         })
     }
 
-    fn ack<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<bool>> {
-        self.finish(job, JobState::Applied)
-    }
-
-    fn fail<'a>(&'a self, job: &'a JobId, reason: &'a str) -> BoxFuture<'a, Result<bool>> {
-        self.finish(
-            job,
-            JobState::Failed {
-                reason: reason.to_owned(),
-            },
-        )
+    fn finish<'a>(&'a self, job: &'a JobId, state: JobState) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let [queue, leases, attempts, sessions] = self.queue_keys();
+            let finished: i64 = self
+                .scripts
+                .finish
+                .key(self.user_key(&job.user, "job_states"))
+                .key(queue)
+                .key(leases)
+                .key(attempts)
+                .key(sessions)
+                .arg(&job.key)
+                .arg(job_ref(job))
+                .arg(encode(&state)?)
+                .invoke_async(&mut self.connection())
+                .await
+                .map_err(redis_error)?;
+            Ok(finished == 1)
+        })
     }
 
     fn job_state<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<Option<JobState>>> {

@@ -24,28 +24,19 @@ use engram::memory::{
 use engram::store::{Enqueued, ForgetReport, Job, JobId, JobState, Store, UserKey};
 
 /// Generates one `#[tokio::test]` per suite case against `$fresh().await`.
+/// `store_suite!(optional $fresh)`: `$fresh().await` returns `Option<(store, guard)>`, and
+/// `None` skips the case (a backend whose server is not installed).
 #[macro_export]
 macro_rules! store_suite {
     ($fresh:path) => {
-        $crate::store_suite!(@cases $fresh;
-            hot_record_reads_version_state_and_prefetched,
-            save_state_detects_version_conflicts,
-            concurrent_saves_from_one_version_let_one_win,
-            raw_log_appends_once_in_order,
-            enqueue_is_idempotent_by_job_key,
-            expired_lease_is_claimed_again,
-            claims_keep_each_session_in_order,
-            concurrent_claims_never_share_a_job,
-            ack_fail_and_job_state,
-            queue_depth_counts_queued_and_leased,
-            forget_deletes_one_user_and_counts,
-            tenants_and_users_are_isolated
-        );
+        $crate::store_suite!(@list required $fresh);
     };
-    // `$fresh().await` returns `Option<(store, guard)>`; `None` skips the case (a backend
-    // whose server is not installed).
     (optional $fresh:path) => {
-        $crate::store_suite!(@optional_cases $fresh;
+        $crate::store_suite!(@list optional $fresh);
+    };
+    // The one list of cases, for both forms.
+    (@list $form:ident $fresh:path) => {
+        $crate::store_suite!(@ $form $fresh;
             hot_record_reads_version_state_and_prefetched,
             save_state_detects_version_conflicts,
             concurrent_saves_from_one_version_let_one_win,
@@ -60,7 +51,7 @@ macro_rules! store_suite {
             tenants_and_users_are_isolated
         );
     };
-    (@optional_cases $fresh:path; $($case:ident),+) => {
+    (@optional $fresh:path; $($case:ident),+) => {
         $(
             #[tokio::test]
             async fn $case() {
@@ -71,7 +62,7 @@ macro_rules! store_suite {
             }
         )+
     };
-    (@cases $fresh:path; $($case:ident),+) => {
+    (@required $fresh:path; $($case:ident),+) => {
         $(
             #[tokio::test]
             async fn $case() {
