@@ -1,5 +1,7 @@
 //! engram: an OpenAI-compatible sidecar proxy that gives LLM applications long-term memory.
 
+pub mod admin;
+pub mod app;
 pub mod cli;
 pub mod config;
 pub mod error;
@@ -10,3 +12,4 @@ pub mod pipeline;
 pub mod server;
 pub mod store;
 pub mod upstream;
+pub mod worker;

@@ -2,17 +2,15 @@
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
+use engram::app::Engram;
 use engram::cli::{Cli, Command, MockArgs, ServeArgs};
 use engram::config::{Config, LogFormat};
 use engram::error::Error;
 use engram::mock::{MockOptions, MockServer};
-use engram::pipeline::NoMemory;
-use engram::server::{AppState, Server, shutdown_signal};
-use engram::upstream::Upstream;
+use engram::server::shutdown_signal;
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
@@ -74,17 +72,18 @@ fn serve(args: ServeArgs) -> Result<(), Error> {
         })?),
         None => None,
     };
+    let admin_token = std::env::var(engram::admin::TOKEN_ENV).ok();
     runtime(config.server.worker_threads)?.block_on(async move {
-        let upstream = Upstream::new(&config.upstream, api_key)?;
         let base_url = config.upstream.base_url.clone();
-        let state = AppState::new(config, upstream, Arc::new(NoMemory));
-        let server = Server::bind(state).await?;
-        let address = server.local_addr()?;
-        tracing::info!(%address, upstream = %base_url, "engram listening");
+        let backend = config.store.backend;
+        let admin_api = admin_token.is_some();
+        let engram = Engram::build(config, api_key, admin_token).await?;
+        let address = engram.local_addr()?;
+        tracing::info!(%address, upstream = %base_url, store = ?backend, admin_api, "engram listening");
         // Tests and scripts read this line to find the port.
         let _ = writeln!(std::io::stdout(), "engram listening on http://{address}");
         let _ = std::io::stdout().flush();
-        server.run(shutdown_signal()).await
+        engram.run(shutdown_signal()).await
     })
 }
 

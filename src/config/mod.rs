@@ -12,6 +12,8 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use crate::error::Error;
+use crate::memory::MemoryConfig;
+use crate::pipeline::identity::IdentityConfig;
 
 const ENV_PREFIX: &str = "ENGRAM_";
 const ENV_SEPARATOR: &str = "__";
@@ -22,8 +24,44 @@ pub struct Config {
     pub server: ServerConfig,
     pub upstream: UpstreamConfig,
     pub capture: CaptureConfig,
+    pub identity: IdentityConfig,
+    pub memory: MemoryConfig,
     pub store: StoreConfig,
+    pub worker: WorkerConfig,
     pub logging: LoggingConfig,
+}
+
+/// The update path: the in-process worker that applies recorded exchanges to memory.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerConfig {
+    /// Run the worker in this process. Off for a proxy that only records (another process, or
+    /// another replica on the same Redis, applies the jobs).
+    pub enabled: bool,
+    /// Jobs applied at once (different sessions; one session's jobs always apply in order).
+    pub concurrency: usize,
+    /// How long a claimed job stays leased; a worker that dies holding it loses it after this.
+    pub lease_ms: u64,
+    /// How often an idle worker looks for jobs recorded by other processes. Jobs recorded by
+    /// this process wake it at once.
+    pub poll_interval_ms: u64,
+    /// Claims of one job before it is marked failed.
+    pub max_attempts: u32,
+    /// Users whose memory and search index stay cached in this process.
+    pub cache_users: usize,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig {
+            enabled: true,
+            concurrency: 4,
+            lease_ms: 30_000,
+            poll_interval_ms: 100,
+            max_attempts: 5,
+            cache_users: 4096,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -35,6 +73,11 @@ pub struct StoreConfig {
     pub data_dir: PathBuf,
     /// The Redis server of the `redis` backend.
     pub redis_url: String,
+    /// Prefix of every Redis key.
+    pub redis_prefix: String,
+    /// The hot path's store read must answer within this; past it (or on an error) the request
+    /// goes upstream without memory (fail open).
+    pub hot_path_deadline_ms: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -139,6 +182,8 @@ impl Default for StoreConfig {
             backend: StoreBackend::Embedded,
             data_dir: PathBuf::from("data"),
             redis_url: "redis://127.0.0.1:6379".to_owned(),
+            redis_prefix: crate::store::redis::DEFAULT_PREFIX.to_owned(),
+            hot_path_deadline_ms: 20,
         }
     }
 }
@@ -243,10 +288,43 @@ impl Config {
                 "must be a redis://, rediss:// or unix:// URL",
             );
         }
+        if self.store.redis_prefix.is_empty() || self.store.redis_prefix.contains(['{', '}', ' ']) {
+            return invalid(
+                "store.redis_prefix",
+                "must be non-empty, without braces or spaces",
+            );
+        }
+        if self.store.hot_path_deadline_ms == 0 {
+            return invalid("store.hot_path_deadline_ms", "must be greater than 0");
+        }
+        if let Err(error) = crate::pipeline::identity::checked_id(
+            "identity.default_tenant",
+            &self.identity.default_tenant,
+        ) {
+            return invalid("identity.default_tenant", &error.to_string());
+        }
+        if let Err((path, message)) = self.memory.validate() {
+            return invalid(&format!("memory.{path}"), &message);
+        }
+        for (path, value) in [
+            ("worker.concurrency", self.worker.concurrency as u64),
+            ("worker.lease_ms", self.worker.lease_ms),
+            ("worker.poll_interval_ms", self.worker.poll_interval_ms),
+            ("worker.max_attempts", u64::from(self.worker.max_attempts)),
+            ("worker.cache_users", self.worker.cache_users as u64),
+        ] {
+            if value == 0 {
+                return invalid(path, "must be greater than 0");
+            }
+        }
         if let Err(error) = tracing_subscriber::EnvFilter::try_new(&self.logging.level) {
             return invalid("logging.level", &error.to_string());
         }
         Ok(())
+    }
+
+    pub fn hot_path_deadline(&self) -> Duration {
+        Duration::from_millis(self.store.hot_path_deadline_ms)
     }
 
     pub fn drain_timeout(&self) -> Duration {
@@ -360,6 +438,17 @@ mod tests {
         assert!(error.to_string().contains("store.backend"), "{error}");
         let error = Config::from_yaml("store:\n  redis_url: localhost:6379\n").unwrap_err();
         assert!(error.to_string().contains("store.redis_url"), "{error}");
+        let error = Config::from_yaml("memory:\n  new_fraction: 1.5\n").unwrap_err();
+        assert!(error.to_string().contains("memory.new_fraction"), "{error}");
+        let error = Config::from_yaml("memory:\n  weights:\n    recnecy: 1\n").unwrap_err();
+        assert!(error.to_string().contains("memory.weights"), "{error}");
+        let error = Config::from_yaml("worker:\n  concurrency: 0\n").unwrap_err();
+        assert!(error.to_string().contains("worker.concurrency"), "{error}");
+        let error = Config::from_yaml("identity:\n  default_tenant: 'a b'\n").unwrap_err();
+        assert!(
+            error.to_string().contains("identity.default_tenant"),
+            "{error}"
+        );
     }
 
     #[test]

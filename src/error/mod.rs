@@ -36,6 +36,9 @@ pub enum Error {
     PayloadTooLarge { limit: u64 },
     #[error("Unknown route: {method} {path}")]
     NotFound { method: String, path: String },
+    /// A route that exists, naming a record that does not (an unknown job, say).
+    #[error("{0}")]
+    ResourceNotFound(String),
     #[error("Method {method} is not allowed on {path}.")]
     MethodNotAllowed { method: String, path: String },
     #[error("Missing or invalid bearer token.")]
@@ -90,7 +93,7 @@ impl Error {
             Error::InvalidJson { .. } | Error::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
             Error::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Error::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Error::NotFound { .. } => StatusCode::NOT_FOUND,
+            Error::NotFound { .. } | Error::ResourceNotFound(_) => StatusCode::NOT_FOUND,
             Error::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             Error::Unauthorized => StatusCode::UNAUTHORIZED,
             Error::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
@@ -113,6 +116,7 @@ impl Error {
             | Error::UnsupportedMediaType(_)
             | Error::PayloadTooLarge { .. }
             | Error::NotFound { .. }
+            | Error::ResourceNotFound(_)
             | Error::MethodNotAllowed { .. } => "invalid_request_error",
             Error::Unauthorized => "authentication_error",
             Error::RateLimited { .. } => "rate_limit_error",
@@ -133,7 +137,7 @@ impl Error {
             Error::InvalidRequest { .. } => return None,
             Error::UnsupportedMediaType(_) => "unsupported_media_type",
             Error::PayloadTooLarge { .. } => "request_too_large",
-            Error::NotFound { .. } => "not_found",
+            Error::NotFound { .. } | Error::ResourceNotFound(_) => "not_found",
             Error::MethodNotAllowed { .. } => "method_not_allowed",
             Error::Unauthorized => "invalid_api_key",
             Error::RateLimited { .. } => "rate_limit_exceeded",

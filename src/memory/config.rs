@@ -69,6 +69,55 @@ impl Default for MemoryConfig {
     }
 }
 
+impl MemoryConfig {
+    /// Checks what the types cannot; the error names the offending key (relative to the
+    /// section) and why.
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        let fail = |key: &str, why: &str| Err((key.to_owned(), why.to_owned()));
+        if self.budget_tokens == 0 {
+            return fail("budget_tokens", "must be greater than 0");
+        }
+        for (key, value) in [
+            ("new_fraction", self.new_fraction),
+            ("current_fraction", self.current_fraction),
+            ("core_fact_share", self.core_fact_share),
+            (
+                "retrieval.neighbour_weight",
+                self.retrieval.neighbour_weight,
+            ),
+            (
+                "retrieval.escalate_below_coverage",
+                self.retrieval.escalate_below_coverage,
+            ),
+            (
+                "retrieval.min_relative_score",
+                self.retrieval.min_relative_score,
+            ),
+            (
+                "episodes.min_topic_overlap",
+                self.episodes.min_topic_overlap,
+            ),
+        ] {
+            if !(0.0..=1.0).contains(&value) {
+                return fail(key, "must be between 0 and 1");
+            }
+        }
+        if self.new_fraction + self.current_fraction > 1.0 {
+            return fail(
+                "current_fraction",
+                "new_fraction + current_fraction must not exceed 1",
+            );
+        }
+        if self.depth.short_words > self.depth.long_words {
+            return fail("depth.short_words", "must not exceed depth.long_words");
+        }
+        if self.episodes.max_turns == 0 {
+            return fail("episodes.max_turns", "must be greater than 0");
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Placement {

@@ -7,7 +7,9 @@
 //! 5. **`MemoryLayer::record`** — after the response has streamed back (or the client left),
 //!    off the hot path, on the tracked task set that shutdown drains.
 
+pub mod cache;
 pub mod identity;
+pub mod store_memory;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -15,7 +17,9 @@ use std::pin::Pin;
 use http::HeaderMap;
 use serde::Serialize;
 
+use crate::error::Error;
 use crate::openai::{AssistantMessage, ChatRequest};
+use crate::store::{JobId, UserKey};
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -27,7 +31,27 @@ pub struct Rewrite {
     pub request: Option<ChatRequest>,
     pub injected_tokens: u32,
     pub injected_items: u32,
-    pub turn_id: Option<String>,
+    /// Why memory was skipped or degraded (`x-engram-memory-reason`).
+    pub reason: Option<&'static str>,
+    /// Identity, hard constraints and pinned items alone exceeded the budget.
+    pub reserved_over_budget: bool,
+    /// How the exchange will be recorded; `None` records nothing (no user, `off`, `read-only`).
+    pub record: Option<RecordPlan>,
+}
+
+/// Everything the recorder needs that the hot path already resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecordPlan {
+    pub user: UserKey,
+    pub session: String,
+    /// The exchange's id, returned to the client as `x-engram-turn-id`.
+    pub turn_id: String,
+    /// The job the exchange becomes; its key hashes the exchange's identity, so a replayed
+    /// exchange maps to the same job and applies once.
+    pub job: JobId,
+    pub event_time: Option<String>,
+    /// The chain link of the conversation the client sent (full-history clients).
+    pub prior_chain: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -84,18 +108,18 @@ pub struct Exchange {
     pub request: ChatRequest,
     pub client_headers: HeaderMap,
     pub capture: Capture,
-    pub turn_id: Option<String>,
+    pub record: Option<RecordPlan>,
 }
 
 /// The memory behaviour of the proxy. The pass-through proxy uses [`NoMemory`].
 pub trait MemoryLayer: Send + Sync + 'static {
-    /// Rewrites the request on the hot path. Must not fail the request: on any trouble it
-    /// returns a `Degraded` outcome without a rewritten request.
+    /// Rewrites the request on the hot path. Fails only for bad client input (a malformed
+    /// identity header); store trouble gives a `Degraded` outcome without a rewritten request.
     fn rewrite<'a>(
         &'a self,
         client_headers: &'a HeaderMap,
         request: &'a ChatRequest,
-    ) -> BoxFuture<'a, Rewrite>;
+    ) -> BoxFuture<'a, Result<Rewrite, Error>>;
 
     /// Records a finished exchange; runs after the response, off the hot path.
     fn record(&self, exchange: Exchange) -> BoxFuture<'static, ()>;
@@ -110,8 +134,11 @@ impl MemoryLayer for NoMemory {
         &'a self,
         _client_headers: &'a HeaderMap,
         _request: &'a ChatRequest,
-    ) -> BoxFuture<'a, Rewrite> {
-        Box::pin(std::future::ready(Rewrite::default()))
+    ) -> BoxFuture<'a, Result<Rewrite, Error>> {
+        Box::pin(std::future::ready(Ok(Rewrite {
+            reason: Some("disabled"),
+            ..Rewrite::default()
+        })))
     }
 
     fn record(&self, exchange: Exchange) -> BoxFuture<'static, ()> {

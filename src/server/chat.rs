@@ -30,7 +30,7 @@ pub async fn handle(
     let original = ChatRequest::from_slice(&body)?;
 
     // Phase 2: memory rewrite.
-    let mut rewrite = state.memory.rewrite(&parts.headers, &original).await;
+    let mut rewrite = state.memory.rewrite(&parts.headers, &original).await?;
 
     // Phase 3: upstream request. Ask for usage on streams so the recorder sees token counts.
     let mut outgoing = rewrite.request.take();
@@ -57,8 +57,28 @@ pub async fn handle(
         let body = upstream_body.map_err(BodyError::from).boxed();
         return Ok(Response::from_parts(response_parts, body));
     }
+    if let Some(job) = rewrite
+        .record
+        .as_ref()
+        .and_then(|plan| HeaderValue::from_str(&plan.job.key).ok())
+    {
+        // Only an answered request is recorded, so only it names a job.
+        response_parts.headers.insert("x-engram-job-id", job);
+    }
     let event_stream = is_event_stream(&response_parts.headers);
-    if strip_usage && event_stream {
+    // The write receipt of a stream: an SSE comment after the last frame, which SSE clients
+    // ignore and a client that wants to read its own writes can parse.
+    let trailer = rewrite
+        .record
+        .as_ref()
+        .filter(|_| event_stream)
+        .map(|plan| {
+            Bytes::from(format!(
+                ": engram turn={} job={} state=recording\n\n",
+                plan.turn_id, plan.job.key
+            ))
+        });
+    if (strip_usage || trailer.is_some()) && event_stream {
         response_parts.headers.remove(header::CONTENT_LENGTH);
     }
 
@@ -72,18 +92,19 @@ pub async fn handle(
             idle_timeout: state.upstream.read_timeout(),
             event_stream,
             strip_usage: strip_usage && event_stream,
+            trailer,
         },
     );
     let memory = state.memory.clone();
     let client_headers = parts.headers;
-    let turn_id = rewrite.turn_id;
+    let record = rewrite.record;
     state.tasks.spawn(async move {
         let capture = tee::collect(copies, tee_state, event_stream).await;
         let exchange = Exchange {
             request: original,
             client_headers,
             capture,
-            turn_id,
+            record,
         };
         memory.record(exchange).await;
     });
@@ -172,6 +193,15 @@ fn add_memory_headers(headers: &mut HeaderMap, rewrite: &Rewrite) {
         "x-engram-memory",
         HeaderValue::from_static(rewrite.outcome.as_str()),
     );
+    if let Some(reason) = rewrite.reason {
+        headers.insert("x-engram-memory-reason", HeaderValue::from_static(reason));
+    }
+    if rewrite.reserved_over_budget {
+        headers.insert(
+            "x-engram-memory-over-budget",
+            HeaderValue::from_static("reserved"),
+        );
+    }
     if rewrite.injected_items > 0 {
         headers.insert(
             "x-engram-memory-tokens",
@@ -182,11 +212,10 @@ fn add_memory_headers(headers: &mut HeaderMap, rewrite: &Rewrite) {
             HeaderValue::from(rewrite.injected_items),
         );
     }
-    if let Some(turn_id) = rewrite
-        .turn_id
-        .as_deref()
-        .and_then(|id| HeaderValue::from_str(id).ok())
-    {
-        headers.insert("x-engram-turn-id", turn_id);
+    if let Some(plan) = &rewrite.record {
+        // Both are built from hex and ASCII, always valid header values.
+        if let Ok(turn_id) = HeaderValue::from_str(&plan.turn_id) {
+            headers.insert("x-engram-turn-id", turn_id);
+        }
     }
 }

@@ -20,6 +20,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
+use crate::admin::AdminApi;
 use crate::config::Config;
 use crate::error::Error;
 use crate::pipeline::MemoryLayer;
@@ -30,6 +31,8 @@ pub struct AppState {
     pub config: Config,
     pub upstream: Upstream,
     pub memory: Arc<dyn MemoryLayer>,
+    /// The management API; `None` serves 404 under `/engram/`.
+    pub admin: Option<Arc<AdminApi>>,
     /// Connections, recorders and any other background work; shutdown waits for all of it.
     pub tasks: TaskTracker,
     draining: AtomicBool,
@@ -41,9 +44,15 @@ impl AppState {
             config,
             upstream,
             memory,
+            admin: None,
             tasks: TaskTracker::new(),
             draining: AtomicBool::new(false),
         }
+    }
+
+    pub fn with_admin(mut self, admin: Arc<AdminApi>) -> Self {
+        self.admin = Some(admin);
+        self
     }
 
     pub fn is_draining(&self) -> bool {

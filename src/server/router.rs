@@ -17,6 +17,13 @@ pub async fn route(state: Arc<AppState>, request: Request<Incoming>) -> Response
             path: path.to_owned(),
         }),
         (_, path) if path.starts_with("/v1/") => passthrough::handle(state, request).await,
+        (_, path) if path.starts_with(crate::admin::PREFIX) => match state.admin.clone() {
+            Some(admin) => admin.handle(request).await,
+            None => Err(Error::NotFound {
+                method: request.method().to_string(),
+                path: path.to_owned(),
+            }),
+        },
         (&Method::GET | &Method::HEAD, "/healthz") => {
             Ok(json(StatusCode::OK, r#"{"status":"ok"}"#))
         }

@@ -64,6 +64,8 @@ pub struct TeeBody {
     event_stream: bool,
     tapped_bytes: usize,
     max_tapped_bytes: usize,
+    /// Sent after the upstream's last frame (the write receipt comment of a stream).
+    trailer: Option<Bytes>,
     ended: bool,
 }
 
@@ -74,6 +76,8 @@ pub struct TeeOptions {
     pub event_stream: bool,
     /// Remove the usage chunk the proxy requested but the client did not.
     pub strip_usage: bool,
+    /// Bytes to send after the upstream body ended whole.
+    pub trailer: Option<Bytes>,
 }
 
 impl TeeBody {
@@ -94,6 +98,7 @@ impl TeeBody {
             event_stream: options.event_stream,
             tapped_bytes: 0,
             max_tapped_bytes: options.max_tapped_bytes,
+            trailer: options.trailer,
             ended: false,
         };
         (body, receiver, state)
@@ -119,10 +124,16 @@ impl TeeBody {
     fn end(&mut self) -> Bytes {
         self.ended = true;
         self.tap = None;
-        self.stripper
+        let tail = self
+            .stripper
             .as_mut()
             .map(UsageStripper::finish)
-            .unwrap_or_default()
+            .unwrap_or_default();
+        match self.trailer.take() {
+            Some(trailer) if tail.is_empty() => trailer,
+            Some(trailer) => [tail, trailer].concat().into(),
+            None => tail,
+        }
     }
 
     /// Ends the body after an upstream failure: an error event for SSE, an error otherwise.
@@ -211,10 +222,12 @@ impl Body for TeeBody {
     }
 
     fn size_hint(&self) -> SizeHint {
-        match (&self.stripper, self.ended) {
-            (_, true) => SizeHint::with_exact(0),
-            (None, false) => self.upstream.size_hint(),
-            (Some(_), false) => SizeHint::default(),
+        if self.ended {
+            SizeHint::with_exact(0)
+        } else if self.stripper.is_none() && self.trailer.is_none() {
+            self.upstream.size_hint()
+        } else {
+            SizeHint::default()
         }
     }
 }

@@ -12,7 +12,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
+use redb::{
+    Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
+    WriteTransaction,
+};
 use serde::{Deserialize, Serialize};
 
 use super::{
@@ -208,27 +211,9 @@ impl Store for EmbeddedStore {
         let encoded = encode(state);
         self.blocking(move |db| {
             let encoded = encoded?;
-            let key = (user.tenant.as_str(), user.user.as_str());
             let txn = db.begin_write().map_err(db_error)?;
-            {
-                let mut versions = txn.open_table(VERSIONS).map_err(db_error)?;
-                let found = versions
-                    .get(key)
-                    .map_err(db_error)?
-                    .map_or(0, |guard| guard.value());
-                if found != expected_version {
-                    // Dropping the transaction aborts it: nothing is written.
-                    return Err(Error::StoreConflict {
-                        expected: expected_version,
-                        found,
-                    });
-                }
-                versions.insert(key, new_version).map_err(db_error)?;
-                txn.open_table(STATES)
-                    .map_err(db_error)?
-                    .insert(key, encoded.as_slice())
-                    .map_err(db_error)?;
-            }
+            // On a conflict the transaction is dropped, which aborts it: nothing is written.
+            write_state(&txn, &user, &encoded, new_version, expected_version)?;
             txn.commit().map_err(db_error)
         })
     }
@@ -245,17 +230,7 @@ impl Store for EmbeddedStore {
         self.blocking(move |db| {
             let encoded = encoded?;
             let txn = db.begin_write().map_err(db_error)?;
-            txn.open_table(PREFETCHED)
-                .map_err(db_error)?
-                .insert(
-                    (
-                        user.tenant.as_str(),
-                        user.user.as_str(),
-                        session_id.as_str(),
-                    ),
-                    encoded.as_slice(),
-                )
-                .map_err(db_error)?;
+            write_prefetched(&txn, &user, &session_id, &encoded)?;
             txn.commit().map_err(db_error)
         })
     }
@@ -270,43 +245,11 @@ impl Store for EmbeddedStore {
         let exchange_id = exchange_id.to_owned();
         let exchange = exchange.clone();
         self.blocking(move |db| {
-            let (tenant, user_id) = (user.tenant.as_str(), user.user.as_str());
             let txn = db.begin_write().map_err(db_error)?;
-            let appended = {
-                let mut ids = txn.open_table(RAW_IDS).map_err(db_error)?;
-                let known = ids
-                    .get((tenant, user_id, exchange_id.as_str()))
-                    .map_err(db_error)?
-                    .map(|guard| guard.value());
-                if let Some(seq) = known {
-                    return Ok(Appended {
-                        seq,
-                        duplicate: true,
-                    });
-                }
-                let mut log = txn.open_table(RAW_LOG).map_err(db_error)?;
-                let seq = log
-                    .range((tenant, user_id, 0)..=(tenant, user_id, u64::MAX))
-                    .map_err(db_error)?
-                    .next_back()
-                    .transpose()
-                    .map_err(db_error)?
-                    .map_or(0, |(key, _)| key.value().2 + 1);
-                let entry = RawEntry {
-                    seq,
-                    exchange_id: exchange_id.clone(),
-                    exchange,
-                };
-                log.insert((tenant, user_id, seq), encode(&entry)?.as_slice())
-                    .map_err(db_error)?;
-                ids.insert((tenant, user_id, exchange_id.as_str()), seq)
-                    .map_err(db_error)?;
-                Appended {
-                    seq,
-                    duplicate: false,
-                }
-            };
-            txn.commit().map_err(db_error)?;
+            let appended = write_raw(&txn, &user, &exchange_id, exchange)?;
+            if !appended.duplicate {
+                txn.commit().map_err(db_error)?;
+            }
             Ok(appended)
         })
     }
@@ -444,27 +387,38 @@ impl Store for EmbeddedStore {
     fn finish<'a>(&'a self, job: &'a JobId, state: JobState) -> BoxFuture<'a, Result<bool>> {
         let id = job.clone();
         self.blocking(move |db| {
-            let key = job_key(&id);
             let txn = db.begin_write().map_err(db_error)?;
-            {
-                let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
-                let known = decode_job(jobs.get(key).map_err(db_error)?)?;
-                let Some(mut record) = known else {
-                    return Ok(false);
-                };
-                if record.state == JobState::Queued {
-                    txn.open_table(QUEUE)
-                        .map_err(db_error)?
-                        .remove(record.queue_position)
-                        .map_err(db_error)?;
-                }
-                record.state = state;
-                record.lease = None;
-                jobs.insert(key, encode(&record)?.as_slice())
-                    .map_err(db_error)?;
+            if !write_finish(&txn, &id, state)? {
+                return Ok(false);
             }
             txn.commit().map_err(db_error)?;
             Ok(true)
+        })
+    }
+
+    fn commit_job<'a>(
+        &'a self,
+        job: &'a JobId,
+        exchange: &'a ExchangeInput,
+        state: &'a MemoryState,
+        expected_version: u64,
+        prefetched: &'a [CandidateId],
+    ) -> BoxFuture<'a, Result<()>> {
+        let id = job.clone();
+        let exchange = exchange.clone();
+        let new_version = state.version;
+        let encoded = encode(state).and_then(|state| Ok((state, encode(prefetched)?)));
+        self.blocking(move |db| {
+            let (encoded_state, encoded_prefetched) = encoded?;
+            let user = &id.user;
+            // One transaction, one fsync: the worker's whole write for a job.
+            let txn = db.begin_write().map_err(db_error)?;
+            let session_id = exchange.session_id.clone();
+            write_raw(&txn, user, &id.key, exchange)?;
+            write_state(&txn, user, &encoded_state, new_version, expected_version)?;
+            write_prefetched(&txn, user, &session_id, &encoded_prefetched)?;
+            write_finish(&txn, &id, JobState::Applied)?;
+            txn.commit().map_err(db_error)
         })
     }
 
@@ -551,6 +505,110 @@ impl Store for EmbeddedStore {
             Ok(report)
         })
     }
+}
+
+/// Writes state and version if the stored version is `expected`; else `StoreConflict`.
+fn write_state(
+    txn: &WriteTransaction,
+    user: &UserKey,
+    encoded: &[u8],
+    new_version: u64,
+    expected: u64,
+) -> Result<()> {
+    let key = (user.tenant.as_str(), user.user.as_str());
+    let mut versions = txn.open_table(VERSIONS).map_err(db_error)?;
+    let found = versions
+        .get(key)
+        .map_err(db_error)?
+        .map_or(0, |guard| guard.value());
+    if found != expected {
+        return Err(Error::StoreConflict { expected, found });
+    }
+    versions.insert(key, new_version).map_err(db_error)?;
+    txn.open_table(STATES)
+        .map_err(db_error)?
+        .insert(key, encoded)
+        .map_err(db_error)?;
+    Ok(())
+}
+
+fn write_prefetched(
+    txn: &WriteTransaction,
+    user: &UserKey,
+    session_id: &str,
+    encoded: &[u8],
+) -> Result<()> {
+    txn.open_table(PREFETCHED)
+        .map_err(db_error)?
+        .insert(
+            (user.tenant.as_str(), user.user.as_str(), session_id),
+            encoded,
+        )
+        .map_err(db_error)?;
+    Ok(())
+}
+
+/// Appends once per exchange id; a duplicate writes nothing.
+fn write_raw(
+    txn: &WriteTransaction,
+    user: &UserKey,
+    exchange_id: &str,
+    exchange: ExchangeInput,
+) -> Result<Appended> {
+    let (tenant, user_id) = (user.tenant.as_str(), user.user.as_str());
+    let mut ids = txn.open_table(RAW_IDS).map_err(db_error)?;
+    let known = ids
+        .get((tenant, user_id, exchange_id))
+        .map_err(db_error)?
+        .map(|guard| guard.value());
+    if let Some(seq) = known {
+        return Ok(Appended {
+            seq,
+            duplicate: true,
+        });
+    }
+    let mut log = txn.open_table(RAW_LOG).map_err(db_error)?;
+    let seq = log
+        .range((tenant, user_id, 0)..=(tenant, user_id, u64::MAX))
+        .map_err(db_error)?
+        .next_back()
+        .transpose()
+        .map_err(db_error)?
+        .map_or(0, |(key, _)| key.value().2 + 1);
+    let entry = RawEntry {
+        seq,
+        exchange_id: exchange_id.to_owned(),
+        exchange,
+    };
+    log.insert((tenant, user_id, seq), encode(&entry)?.as_slice())
+        .map_err(db_error)?;
+    ids.insert((tenant, user_id, exchange_id), seq)
+        .map_err(db_error)?;
+    Ok(Appended {
+        seq,
+        duplicate: false,
+    })
+}
+
+/// Records a job's final state and takes it off the queue; false when the job is unknown.
+fn write_finish(txn: &WriteTransaction, id: &JobId, state: JobState) -> Result<bool> {
+    let key = job_key(id);
+    let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
+    let known = decode_job(jobs.get(key).map_err(db_error)?)?;
+    let Some(mut record) = known else {
+        return Ok(false);
+    };
+    if record.state == JobState::Queued {
+        txn.open_table(QUEUE)
+            .map_err(db_error)?
+            .remove(record.queue_position)
+            .map_err(db_error)?;
+    }
+    record.state = state;
+    record.lease = None;
+    jobs.insert(key, encode(&record)?.as_slice())
+        .map_err(db_error)?;
+    Ok(true)
 }
 
 /// The third key part of every row of a `(tenant, user, string)` table that belongs to `user`.

@@ -210,6 +210,29 @@ pub trait Store: Send + Sync + 'static {
         )
     }
 
+    /// The worker's whole write for an applied job: the raw-log append, the state (with the
+    /// version check of `save_state`), the session's prefetched candidates, and the job marked
+    /// applied. Backends that can do it in one atomic step override this sequence; in the
+    /// sequence every step is idempotent, so a worker that dies half-way and a re-claim that
+    /// repeats it apply the job once.
+    fn commit_job<'a>(
+        &'a self,
+        job: &'a JobId,
+        exchange: &'a ExchangeInput,
+        state: &'a MemoryState,
+        expected_version: u64,
+        prefetched: &'a [CandidateId],
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            self.append_raw(&job.user, &job.key, exchange).await?;
+            self.save_state(&job.user, state, expected_version).await?;
+            self.save_prefetched(&job.user, &exchange.session_id, prefetched)
+                .await?;
+            self.ack(job).await?;
+            Ok(())
+        })
+    }
+
     fn job_state<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<Option<JobState>>>;
 
     /// Jobs queued or leased, of all users.

@@ -33,7 +33,12 @@ pub struct Process {
     child: Child,
     pub address: String,
     stderr: Arc<Mutex<Vec<String>>>,
+    /// The proxy's own data directory, removed with the process, unless the test chose one.
+    data_dir: Option<tempfile::TempDir>,
 }
+
+/// The admin token every test proxy gets, unless the test sets another.
+pub const ADMIN_TOKEN: &str = "test-admin-token";
 
 impl Process {
     fn spawn(args: &[&str], env: &[(&str, &str)], prefix: &str) -> Process {
@@ -73,6 +78,7 @@ impl Process {
             child,
             address,
             stderr,
+            data_dir: None,
         }
     }
 
@@ -144,19 +150,27 @@ pub fn mock(args: &[&str]) -> Process {
     Process::spawn(&all, &[], "mock-upstream listening on ")
 }
 
-/// Starts the proxy in front of `upstream` (a process address) with extra env settings.
+/// Starts the proxy in front of `upstream` (a process address) with extra env settings. It
+/// gets a fresh embedded store (unless `env` names `ENGRAM_STORE__DATA_DIR`) and the admin API
+/// with [`ADMIN_TOKEN`] (unless `env` sets `ENGRAM_ADMIN_TOKEN`).
 pub fn proxy(upstream: &str, env: &[(&str, &str)]) -> Process {
     let base = format!("{upstream}/v1");
+    let data_dir = tempfile::tempdir().unwrap();
+    let data_path = data_dir.path().display().to_string();
     let mut all_env = vec![
         ("ENGRAM_LOGGING__FORMAT", "json"),
         ("ENGRAM_LOGGING__LEVEL", "engram=debug,info"),
+        ("ENGRAM_STORE__DATA_DIR", data_path.as_str()),
+        ("ENGRAM_ADMIN_TOKEN", ADMIN_TOKEN),
     ];
     all_env.extend_from_slice(env);
-    Process::spawn(
+    let mut process = Process::spawn(
         &["serve", "--listen", "127.0.0.1:0", "--upstream", &base],
         &all_env,
         "engram listening on ",
-    )
+    );
+    process.data_dir = Some(data_dir);
+    process
 }
 
 pub fn temp_path(name: &str) -> PathBuf {

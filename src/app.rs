@@ -1,0 +1,148 @@
+//! Assembles a running engram from its configuration: the store, the memory layer on the hot
+//! path, the recorder's outbox, the worker, the management API and the HTTP server; and shuts
+//! them down in order (stop accepting → drain requests and recorders → stop the worker).
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::admin::AdminApi;
+use crate::config::{Config, StoreBackend, StoreConfig};
+use crate::error::{Error, Result};
+use crate::pipeline::cache::MemoryCache;
+use crate::pipeline::store_memory::StoreMemory;
+use crate::server::{AppState, Server};
+use crate::store::{EmbeddedStore, RedisStore, Store};
+use crate::upstream::Upstream;
+use crate::worker::{Outbox, Worker};
+
+/// The directory, inside `store.data_dir`, of the Redis backend's local spool.
+pub const SPOOL_DIR: &str = "spool";
+
+pub struct Engram {
+    server: Server,
+    worker: Option<Arc<Worker>>,
+    outbox: Arc<Outbox>,
+    background: TaskTracker,
+    cancel: CancellationToken,
+}
+
+impl Engram {
+    /// Opens the store and binds the listener; nothing runs until [`Engram::run`].
+    pub async fn build(
+        config: Config,
+        upstream_key: Option<String>,
+        admin_token: Option<String>,
+    ) -> Result<Engram> {
+        let upstream = Upstream::new(&config.upstream, upstream_key)?;
+        let (store, spool) = open_store(&config.store).await?;
+        let cache = Arc::new(MemoryCache::new(config.worker.cache_users));
+        let wake = Arc::new(Notify::new());
+        let outbox = Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::clone(&wake)).await);
+        let memory_config = Arc::new(config.memory.clone());
+        let worker = config.worker.enabled.then(|| {
+            Arc::new(Worker::new(
+                Arc::clone(&store),
+                Arc::clone(&cache),
+                Arc::clone(&memory_config),
+                config.worker.clone(),
+                wake,
+            ))
+        });
+        let memory = StoreMemory::new(
+            Arc::clone(&store),
+            cache,
+            Arc::clone(&outbox),
+            memory_config,
+            config.identity.clone(),
+            config.hot_path_deadline(),
+        );
+        let admin = AdminApi::new(
+            admin_token,
+            store,
+            Arc::clone(&outbox),
+            worker.clone(),
+            config.identity.clone(),
+        );
+        let state = AppState::new(config, upstream, Arc::new(memory)).with_admin(Arc::new(admin));
+        let server = Server::bind(state).await?;
+        Ok(Engram {
+            server,
+            worker,
+            outbox,
+            background: TaskTracker::new(),
+            cancel: CancellationToken::new(),
+        })
+    }
+
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        self.server.local_addr()
+    }
+
+    /// Serves until `shutdown`, drains, then stops the worker after the job in hand.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<()> {
+        let Engram {
+            server,
+            worker,
+            outbox,
+            background,
+            cancel,
+        } = self;
+        if let Some(worker) = &worker {
+            worker.start(&background, &cancel);
+        }
+        background.spawn(Arc::clone(&outbox).forward(cancel.clone()));
+        let drain = server.state().config.drain_timeout();
+        let started = tokio::time::Instant::now();
+        let served = server.run(shutdown).await;
+        // Recorders have finished (the server waited for them): every job is queued or spooled.
+        cancel.cancel();
+        background.close();
+        let left = drain
+            .saturating_sub(started.elapsed())
+            .max(Duration::from_secs(1));
+        if tokio::time::timeout(left, background.wait()).await.is_err() {
+            tracing::warn!(
+                "the worker did not stop in time; its leased jobs will be claimed again"
+            );
+        }
+        served
+    }
+}
+
+/// The configured store and, for Redis, the local spool that keeps recorded exchanges while
+/// Redis is unreachable.
+pub async fn open_store(config: &StoreConfig) -> Result<(Arc<dyn Store>, Option<Arc<dyn Store>>)> {
+    match config.backend {
+        StoreBackend::Embedded => {
+            let store = open_embedded(config.data_dir.clone(), "store.data_dir").await?;
+            Ok((Arc::new(store), None))
+        }
+        StoreBackend::Redis => {
+            let store = RedisStore::connect(&config.redis_url, &config.redis_prefix)
+                .await
+                .map_err(|error| Error::Config {
+                    path: "store.redis_url".into(),
+                    message: format!("cannot connect to Redis: {error}"),
+                })?;
+            let spool = open_embedded(config.data_dir.join(SPOOL_DIR), "store.data_dir").await?;
+            Ok((Arc::new(store), Some(Arc::new(spool))))
+        }
+    }
+}
+
+async fn open_embedded(dir: std::path::PathBuf, key: &str) -> Result<EmbeddedStore> {
+    let shown = dir.display().to_string();
+    tokio::task::spawn_blocking(move || EmbeddedStore::open(&dir))
+        .await
+        .map_err(|error| Error::Internal(format!("opening the store: {error}")))?
+        .map_err(|error| Error::Config {
+            path: key.to_owned(),
+            message: format!("cannot open the embedded store in {shown}: {error}"),
+        })
+}

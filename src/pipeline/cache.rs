@@ -1,0 +1,186 @@
+//! Each user's memory and its search index, kept in process so the hot path does not decode the
+//! state and rebuild the index on every request. An entry is valid for one memory version: the
+//! hot path's store read returns the stored version, and only a different one brings the state.
+//!
+//! Versions never repeat for a user (a new memory starts at its creation time in microseconds,
+//! see [`first_version`]), so an entry cached before a `forget` cannot match the memory that
+//! replaces it.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use crate::memory::{MemoryIndex, MemoryState};
+use crate::store::UserKey;
+
+/// One user's memory at one version, with its index.
+#[derive(Debug)]
+pub struct CachedMemory {
+    pub state: MemoryState,
+    pub index: MemoryIndex,
+}
+
+impl CachedMemory {
+    pub fn new(state: MemoryState) -> CachedMemory {
+        let index = MemoryIndex::build(&state);
+        CachedMemory { state, index }
+    }
+
+    /// Builds on `previous` (its index is refreshed, not rebuilt) when there is one.
+    pub fn after(previous: Option<&CachedMemory>, state: MemoryState) -> CachedMemory {
+        match previous {
+            Some(previous) => {
+                let mut index = previous.index.clone();
+                index.refresh(&state);
+                CachedMemory { state, index }
+            }
+            None => CachedMemory::new(state),
+        }
+    }
+
+    pub fn version(&self) -> u64 {
+        self.state.version
+    }
+}
+
+/// Bounded map of users to their cached memory; the least recently used go first.
+#[derive(Debug)]
+pub struct MemoryCache {
+    entries: Mutex<HashMap<UserKey, Entry>>,
+    capacity: usize,
+    clock: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Entry {
+    memory: Arc<CachedMemory>,
+    last_used: u64,
+}
+
+impl MemoryCache {
+    pub fn new(capacity: usize) -> MemoryCache {
+        MemoryCache {
+            entries: Mutex::new(HashMap::new()),
+            capacity: capacity.max(1),
+            clock: AtomicU64::new(0),
+        }
+    }
+
+    pub fn get(&self, user: &UserKey) -> Option<Arc<CachedMemory>> {
+        let tick = self.clock.fetch_add(1, Ordering::Relaxed);
+        let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
+        let entry = entries.get_mut(user)?;
+        entry.last_used = tick;
+        Some(Arc::clone(&entry.memory))
+    }
+
+    /// Caches `memory` unless a newer version of the user's memory is cached already (a
+    /// request and the worker may race to cache the same user).
+    pub fn put(&self, user: &UserKey, memory: Arc<CachedMemory>) {
+        let tick = self.clock.fetch_add(1, Ordering::Relaxed);
+        let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(entry) = entries.get_mut(user) {
+            if entry.memory.version() <= memory.version() {
+                entry.memory = memory;
+            }
+            entry.last_used = tick;
+            return;
+        }
+        if entries.len() >= self.capacity {
+            evict(&mut entries, self.capacity);
+        }
+        entries.insert(
+            user.clone(),
+            Entry {
+                memory,
+                last_used: tick,
+            },
+        );
+    }
+
+    pub fn remove(&self, user: &UserKey) {
+        self.entries
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(user);
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Drops the least recently used eighth, so eviction's scan is paid once per many inserts.
+fn evict(entries: &mut HashMap<UserKey, Entry>, capacity: usize) {
+    let mut ages: Vec<u64> = entries.values().map(|entry| entry.last_used).collect();
+    let drop = (capacity / 8).max(1).min(ages.len());
+    let (_, cutoff, _) = ages.select_nth_unstable(drop - 1);
+    let cutoff = *cutoff;
+    entries.retain(|_, entry| entry.last_used > cutoff);
+}
+
+/// The version a user's first memory starts from: the current time in microseconds. Versions
+/// then grow by one per change, so a memory created after a `forget` never reuses a version of
+/// the forgotten one (which would let a cache serve forgotten memory).
+pub fn first_version() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |elapsed| {
+            u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX / 2)
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn memory(version: u64) -> Arc<CachedMemory> {
+        let mut state = MemoryState::new();
+        state.version = version;
+        Arc::new(CachedMemory::new(state))
+    }
+
+    #[test]
+    fn a_newer_version_replaces_an_older_one_but_not_the_reverse() {
+        let cache = MemoryCache::new(8);
+        let user = UserKey::new("t", "u");
+        cache.put(&user, memory(5));
+        cache.put(&user, memory(3));
+        assert_eq!(cache.get(&user).map(|m| m.version()), Some(5));
+        cache.put(&user, memory(7));
+        assert_eq!(cache.get(&user).map(|m| m.version()), Some(7));
+    }
+
+    #[test]
+    fn users_are_kept_apart_and_the_least_recently_used_go_first() {
+        let cache = MemoryCache::new(4);
+        for n in 0..4 {
+            cache.put(&UserKey::new("t", format!("u{n}")), memory(n + 1));
+        }
+        // u0 is used again, so u1 is now the least recently used.
+        assert!(cache.get(&UserKey::new("t", "u0")).is_some());
+        cache.put(&UserKey::new("t", "u4"), memory(9));
+        assert_eq!(cache.len(), 4);
+        assert!(cache.get(&UserKey::new("t", "u1")).is_none());
+        assert!(cache.get(&UserKey::new("t", "u0")).is_some());
+        assert_eq!(
+            cache.get(&UserKey::new("t", "u4")).map(|m| m.version()),
+            Some(9)
+        );
+        assert!(cache.get(&UserKey::new("other", "u0")).is_none());
+    }
+
+    #[test]
+    fn first_versions_grow_with_time() {
+        let a = first_version();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        assert!(first_version() > a);
+    }
+}

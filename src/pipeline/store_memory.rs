@@ -1,0 +1,324 @@
+//! The memory layer over a [`Store`]: the hot-path rewrite and the recorder.
+//!
+//! Hot path: resolve identity → one store read (the hot record), bounded by the hot-path
+//! deadline → the user's cached memory and index (rebuilt only when the version moved) →
+//! `memory::compose`. Any store trouble sends the request upstream without memory (fail open).
+//!
+//! Recorder: the captured exchange becomes a durable job through the [`Outbox`]; the worker
+//! applies it later.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use http::HeaderMap;
+
+use super::cache::{CachedMemory, MemoryCache};
+use super::identity::{self, IdentityConfig, RequestIdentity};
+use super::{BoxFuture, Exchange, MemoryLayer, MemoryOutcome, RecordPlan, Rewrite, log_capture};
+use crate::error::Error;
+use crate::memory::{self, ComposeRequest, ExchangeInput, MemoryConfig, MemoryState};
+use crate::openai::ChatRequest;
+use crate::store::{Job, JobId, Store, UserKey};
+use crate::worker::Outbox;
+
+pub struct StoreMemory {
+    store: Arc<dyn Store>,
+    cache: Arc<MemoryCache>,
+    outbox: Arc<Outbox>,
+    config: Arc<MemoryConfig>,
+    identity: IdentityConfig,
+    deadline: Duration,
+    /// Memory of a user with nothing stored yet (a full-history client's turns still chain).
+    empty: Arc<CachedMemory>,
+    turn_ids: TurnIds,
+}
+
+impl StoreMemory {
+    pub fn new(
+        store: Arc<dyn Store>,
+        cache: Arc<MemoryCache>,
+        outbox: Arc<Outbox>,
+        config: Arc<MemoryConfig>,
+        identity: IdentityConfig,
+        deadline: Duration,
+    ) -> StoreMemory {
+        StoreMemory {
+            store,
+            cache,
+            outbox,
+            config,
+            identity,
+            deadline,
+            empty: Arc::new(CachedMemory::new(MemoryState::new())),
+            turn_ids: TurnIds::new(),
+        }
+    }
+
+    async fn rewrite_for(
+        &self,
+        resolved: RequestIdentity,
+        request: &ChatRequest,
+    ) -> Result<Rewrite, Error> {
+        let Some(identity) = resolved.identity.clone() else {
+            return Ok(skipped("no_user", None));
+        };
+        if !resolved.reads_memory() {
+            return Ok(skipped("mode_off", None));
+        }
+        let user = UserKey::new(identity.tenant, identity.user);
+        let session = identity.session;
+        let plan = resolved.records().then(|| {
+            let turn_id = self.turn_ids.next();
+            RecordPlan {
+                job: JobId {
+                    key: job_key(&user, &session, &turn_id),
+                    user: user.clone(),
+                },
+                user: user.clone(),
+                session: session.clone(),
+                turn_id,
+                event_time: resolved.event_time.clone(),
+                prior_chain: None,
+            }
+        });
+
+        let cached = self.cache.get(&user);
+        let read = tokio::time::timeout(
+            self.deadline,
+            self.store
+                .hot_record(&user, &session, cached.as_ref().map(|m| m.version())),
+        )
+        .await;
+        let record = match read {
+            Ok(Ok(record)) => record,
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "memory read failed; answering without memory");
+                return Ok(degraded("store_error", plan));
+            }
+            Err(_) => {
+                tracing::warn!(
+                    deadline_ms = self.deadline.as_millis() as u64,
+                    "memory read missed the hot-path deadline; answering without memory"
+                );
+                return Ok(degraded("store_timeout", plan));
+            }
+        };
+        let memory = match (record.version, record.state, cached) {
+            (0, _, cached) => {
+                if cached.is_some() {
+                    // Forgotten since it was cached.
+                    self.cache.remove(&user);
+                }
+                Arc::clone(&self.empty)
+            }
+            (version, None, Some(cached)) if cached.version() == version => cached,
+            (_, Some(state), cached) => {
+                let fresh = Arc::new(CachedMemory::after(cached.as_deref(), state));
+                self.cache.put(&user, Arc::clone(&fresh));
+                fresh
+            }
+            (version, None, _) => {
+                // The version moved between the cache check and the read; rare, not worth a
+                // second round trip on the hot path.
+                tracing::debug!(
+                    version,
+                    "memory changed during the read; answering without it"
+                );
+                return Ok(degraded("store_race", plan));
+            }
+        };
+
+        let composition = memory::compose(
+            &memory.state,
+            &memory.index,
+            &record.prefetched,
+            &ComposeRequest {
+                session_id: &session,
+                messages: &request.messages,
+                model: &request.model,
+            },
+            &self.config,
+        );
+        let plan = plan.map(|plan| RecordPlan {
+            prior_chain: Some(composition.prior_chain),
+            ..plan
+        });
+        if composition.outcome == memory::MemoryOutcome::Empty {
+            return Ok(Rewrite {
+                reason: Some("empty"),
+                ..skipped_with(plan)
+            });
+        }
+        let rewritten = ChatRequest {
+            messages: composition.messages,
+            ..request.clone()
+        };
+        Ok(Rewrite {
+            outcome: MemoryOutcome::Injected,
+            request: Some(rewritten),
+            injected_tokens: composition.tokens.total,
+            injected_items: u32::try_from(composition.items).unwrap_or(u32::MAX),
+            reason: None,
+            reserved_over_budget: composition.outcome == memory::MemoryOutcome::ReservedOverBudget,
+            record: plan,
+        })
+    }
+}
+
+impl MemoryLayer for StoreMemory {
+    fn rewrite<'a>(
+        &'a self,
+        client_headers: &'a HeaderMap,
+        request: &'a ChatRequest,
+    ) -> BoxFuture<'a, Result<Rewrite, Error>> {
+        Box::pin(async move {
+            let resolved = identity::resolve(client_headers, request, &self.identity)?;
+            self.rewrite_for(resolved, request).await
+        })
+    }
+
+    fn record(&self, exchange: Exchange) -> BoxFuture<'static, ()> {
+        log_capture(&exchange);
+        let outbox = Arc::clone(&self.outbox);
+        Box::pin(async move {
+            let Some(plan) = exchange.record else {
+                return;
+            };
+            let user_text = exchange
+                .request
+                .last_user_message()
+                .map(|message| message.text())
+                .unwrap_or_default();
+            let assistant_text = exchange.capture.message.content;
+            if user_text.trim().is_empty() && assistant_text.trim().is_empty() {
+                return;
+            }
+            let job = Job {
+                id: plan.job,
+                exchange: ExchangeInput {
+                    session_id: plan.session,
+                    turn_id: plan.turn_id,
+                    user_text,
+                    assistant_text,
+                    event_time: plan.event_time,
+                    prior_chain: plan.prior_chain,
+                    incomplete: exchange.capture.incomplete.is_some(),
+                },
+            };
+            outbox.submit(job).await;
+        })
+    }
+}
+
+fn skipped(reason: &'static str, plan: Option<RecordPlan>) -> Rewrite {
+    Rewrite {
+        reason: Some(reason),
+        ..skipped_with(plan)
+    }
+}
+
+fn skipped_with(plan: Option<RecordPlan>) -> Rewrite {
+    Rewrite {
+        outcome: MemoryOutcome::Skipped,
+        record: plan,
+        ..Rewrite::default()
+    }
+}
+
+/// The store failed or was slow: no memory now, but the exchange is still recorded.
+fn degraded(reason: &'static str, plan: Option<RecordPlan>) -> Rewrite {
+    Rewrite {
+        outcome: MemoryOutcome::Degraded,
+        reason: Some(reason),
+        record: plan,
+        ..Rewrite::default()
+    }
+}
+
+/// The job key of an exchange: a hash of what identifies it (tenant, user, session, turn id),
+/// so recording the same exchange twice queues one job.
+pub fn job_key(user: &UserKey, session: &str, turn_id: &str) -> String {
+    let fields = [user.tenant.as_str(), user.user.as_str(), session, turn_id];
+    let mut high = FNV_OFFSET;
+    let mut low = FNV_OFFSET ^ 0x9e37_79b9_7f4a_7c15;
+    for field in fields {
+        // Length-prefixed, so ("ab", "c") and ("a", "bc") differ.
+        for bytes in [&(field.len() as u64).to_le_bytes()[..], field.as_bytes()] {
+            high = fnv1a(high, bytes);
+            low = fnv1a(low, bytes);
+        }
+        low = low.rotate_left(17);
+    }
+    format!("{high:016x}{low:016x}")
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+fn fnv1a(mut hash: u64, bytes: &[u8]) -> u64 {
+    for &byte in bytes {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    hash
+}
+
+/// Turn ids unique across processes and restarts: start time, a per-process nonce and a
+/// counter (`t<micros>-<nonce>-<n>`), all in hex.
+struct TurnIds {
+    nonce: u32,
+    counter: AtomicU64,
+}
+
+impl TurnIds {
+    fn new() -> TurnIds {
+        let started = super::cache::first_version();
+        let nonce = fnv1a(
+            FNV_OFFSET,
+            format!("{}:{started}", std::process::id()).as_bytes(),
+        );
+        TurnIds {
+            nonce: (nonce >> 32) as u32 ^ nonce as u32,
+            counter: AtomicU64::new(0),
+        }
+    }
+
+    fn next(&self) -> String {
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        format!(
+            "t{:x}-{:08x}-{n:x}",
+            super::cache::first_version(),
+            self.nonce
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn job_keys_depend_on_every_field_and_their_boundaries() {
+        let user = UserKey::new("t", "u");
+        let base = job_key(&user, "s", "turn");
+        assert_eq!(base, job_key(&user, "s", "turn"));
+        assert_eq!(base.len(), 32);
+        assert_ne!(base, job_key(&UserKey::new("t2", "u"), "s", "turn"));
+        assert_ne!(base, job_key(&UserKey::new("t", "u2"), "s", "turn"));
+        assert_ne!(base, job_key(&user, "s2", "turn"));
+        assert_ne!(base, job_key(&user, "s", "turn2"));
+        assert_ne!(
+            job_key(&UserKey::new("ab", "c"), "s", "t"),
+            job_key(&UserKey::new("a", "bc"), "s", "t")
+        );
+    }
+
+    #[test]
+    fn turn_ids_do_not_repeat() {
+        let ids = TurnIds::new();
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..1000 {
+            assert!(seen.insert(ids.next()));
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! Recorder → job. A recorded exchange must not be lost because the store is briefly down, so
+//! the outbox retries the enqueue and, when the store stays unreachable, keeps the job in a
+//! local spool (an embedded store in the data directory) and forwards it once the store is
+//! back. While anything is spooled, new jobs go to the spool too, so a session's jobs reach
+//! the store in the order they were recorded.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::store::{Job, Store};
+
+/// Enqueue attempts before a job goes to the spool.
+const ATTEMPTS: u32 = 3;
+const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
+const FIRST_BACKOFF: Duration = Duration::from_millis(50);
+/// The spool lease: a forwarder that dies mid-forward leaves the job for the next start.
+const SPOOL_LEASE: Duration = Duration::from_secs(10);
+const FORWARD_RETRY: Duration = Duration::from_millis(500);
+
+pub struct Outbox {
+    store: Arc<dyn Store>,
+    spool: Option<Arc<dyn Store>>,
+    /// Jobs in the spool, not yet forwarded.
+    spooled: AtomicU64,
+    /// Wakes the local worker when a job was queued.
+    queued: Arc<Notify>,
+    /// Wakes the forwarder when a job was spooled.
+    spooled_signal: Notify,
+    stats: OutboxStats,
+}
+
+#[derive(Debug, Default)]
+pub struct OutboxStats {
+    pub queued: AtomicU64,
+    pub spooled: AtomicU64,
+    pub forwarded: AtomicU64,
+    pub lost: AtomicU64,
+}
+
+impl Outbox {
+    /// `spool` holds jobs the store would not take; `None` retries in memory only (for the
+    /// embedded store, where the spool would be the failing store itself).
+    pub async fn new(
+        store: Arc<dyn Store>,
+        spool: Option<Arc<dyn Store>>,
+        queued: Arc<Notify>,
+    ) -> Outbox {
+        let already = match &spool {
+            Some(spool) => spool.queue_depth().await.unwrap_or(0),
+            None => 0,
+        };
+        Outbox {
+            store,
+            spool,
+            spooled: AtomicU64::new(already),
+            queued,
+            spooled_signal: Notify::new(),
+            stats: OutboxStats::default(),
+        }
+    }
+
+    pub fn stats(&self) -> &OutboxStats {
+        &self.stats
+    }
+
+    /// Jobs waiting in the local spool.
+    pub fn spooled(&self) -> u64 {
+        self.spooled.load(Ordering::Acquire)
+    }
+
+    /// Makes the job durable: in the store, or else in the spool. Logs (never panics) if
+    /// neither takes it.
+    pub async fn submit(&self, job: Job) {
+        if self.spooled() == 0 && self.enqueue_with_retry(&job).await {
+            self.stats.queued.fetch_add(1, Ordering::Relaxed);
+            self.queued.notify_one();
+            return;
+        }
+        let Some(spool) = &self.spool else {
+            self.stats.lost.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(
+                job = %job.id.key,
+                "the store did not take a recorded exchange; it is lost"
+            );
+            return;
+        };
+        match spool.enqueue(&job).await {
+            Ok(_) => {
+                self.spooled.fetch_add(1, Ordering::AcqRel);
+                self.stats.spooled.fetch_add(1, Ordering::Relaxed);
+                self.spooled_signal.notify_one();
+                tracing::warn!(job = %job.id.key, "store unreachable; exchange kept in the local spool");
+            }
+            Err(error) => {
+                self.stats.lost.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(
+                    %error,
+                    job = %job.id.key,
+                    "neither the store nor the local spool took a recorded exchange; it is lost"
+                );
+            }
+        }
+    }
+
+    async fn enqueue_with_retry(&self, job: &Job) -> bool {
+        let mut backoff = FIRST_BACKOFF;
+        for attempt in 1..=ATTEMPTS {
+            match tokio::time::timeout(ATTEMPT_TIMEOUT, self.store.enqueue(job)).await {
+                Ok(Ok(_)) => return true,
+                Ok(Err(error)) => {
+                    tracing::debug!(%error, attempt, "enqueue failed");
+                }
+                Err(_) => tracing::debug!(attempt, "enqueue timed out"),
+            }
+            if attempt < ATTEMPTS {
+                tokio::time::sleep(backoff).await;
+                backoff *= 4;
+            }
+        }
+        false
+    }
+
+    /// Moves spooled jobs to the store, oldest first, until cancelled. Runs only with a spool.
+    pub async fn forward(self: Arc<Self>, cancel: CancellationToken) {
+        let Some(spool) = self.spool.clone() else {
+            return;
+        };
+        let consumer = format!("forwarder-{}", std::process::id());
+        loop {
+            if cancel.is_cancelled() {
+                return;
+            }
+            let claimed = match spool.claim(&consumer, SPOOL_LEASE).await {
+                Ok(claimed) => claimed,
+                Err(error) => {
+                    tracing::warn!(%error, "reading the spool failed");
+                    None
+                }
+            };
+            let Some(claimed) = claimed else {
+                tokio::select! {
+                    () = self.spooled_signal.notified() => {}
+                    () = tokio::time::sleep(Duration::from_secs(5)) => {}
+                    () = cancel.cancelled() => return,
+                }
+                continue;
+            };
+            let job = claimed.job;
+            // Keep trying this job before any later one, so order is kept.
+            loop {
+                match self.store.enqueue(&job).await {
+                    Ok(_) => {
+                        if let Err(error) = spool.ack(&job.id).await {
+                            // Forwarded twice at worst; the store queues a job id once.
+                            tracing::warn!(%error, "could not clear a forwarded job from the spool");
+                        }
+                        let _ =
+                            self.spooled
+                                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                                    Some(n.saturating_sub(1))
+                                });
+                        self.stats.forwarded.fetch_add(1, Ordering::Relaxed);
+                        self.queued.notify_one();
+                        break;
+                    }
+                    Err(error) => {
+                        tracing::debug!(%error, "store still unreachable; spool kept");
+                        tokio::select! {
+                            () = tokio::time::sleep(FORWARD_RETRY) => {}
+                            () = cancel.cancelled() => return,
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
