@@ -9,4 +9,5 @@ pub mod openai;
 pub mod pipeline;
 pub mod server;
 pub mod store;
+pub mod summarizer;
 pub mod upstream;
