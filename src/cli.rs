@@ -62,6 +62,9 @@ pub struct MockArgs {
     /// Append every received chat request to this JSON-lines file.
     #[arg(long)]
     pub record: Option<PathBuf>,
+    /// Answer every chat completion (streamed or not) with exactly this content.
+    #[arg(long)]
+    pub reply: Option<String>,
     /// Tokio worker threads; 0 means one per core.
     #[arg(long, default_value_t = 0)]
     pub worker_threads: usize,

@@ -11,5 +11,6 @@ pub mod openai;
 pub mod pipeline;
 pub mod server;
 pub mod store;
+pub mod summarizer;
 pub mod upstream;
 pub mod worker;

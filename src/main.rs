@@ -97,6 +97,7 @@ fn mock_upstream(args: MockArgs) -> Result<(), Error> {
         chunk_delay: Duration::from_millis(args.chunk_delay_ms),
         echo: args.echo,
         record: args.record,
+        reply: args.reply,
     };
     runtime(args.worker_threads)?.block_on(async move {
         let server = MockServer::bind(options).await?;

@@ -11,6 +11,9 @@
 //! - `x-mock-fault: reset | malformed | hang` — a stream that breaks its connection half-way,
 //!   sends an event that is not JSON and no `[DONE]`, or stops sending after its first chunk.
 //!
+//! `MockOptions::reply` (`--reply TEXT`) makes every chat completion, streamed or not, answer
+//! with exactly that content (summarizer tests script a model's JSON this way).
+//!
 //! Chat responses reflect the `Authorization` they received in `x-mock-received-authorization`,
 //! so tests can see which key reached the upstream.
 
@@ -53,6 +56,8 @@ pub struct MockOptions {
     pub echo: bool,
     /// Append every received chat request to this JSON-lines file.
     pub record: Option<PathBuf>,
+    /// Answer every chat completion with exactly this content (overrides `echo`).
+    pub reply: Option<String>,
 }
 
 impl Default for MockOptions {
@@ -65,6 +70,7 @@ impl Default for MockOptions {
             chunk_delay: Duration::ZERO,
             echo: false,
             record: None,
+            reply: None,
         }
     }
 }
@@ -204,7 +210,9 @@ impl Mock {
             .unwrap_or("mock-model")
             .to_owned();
         let messages = parsed.get("messages").cloned().unwrap_or(Value::Null);
-        let content = if self.options.echo {
+        let content = if let Some(reply) = &self.options.reply {
+            reply.clone()
+        } else if self.options.echo {
             messages.to_string()
         } else {
             filler(knobs.chunks * self.options.chunk_size)
