@@ -18,6 +18,7 @@ use crate::pipeline::cache::MemoryCache;
 use crate::pipeline::store_memory::StoreMemory;
 use crate::server::{AppState, Server};
 use crate::store::{EmbeddedStore, RedisStore, Store};
+use crate::summarizer::Summarizer;
 use crate::upstream::Upstream;
 use crate::worker::{Outbox, Worker};
 
@@ -45,15 +46,24 @@ impl Engram {
         let wake = Arc::new(Notify::new());
         let outbox = Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::clone(&wake)).await);
         let memory_config = Arc::new(config.memory.clone());
-        let worker = config.worker.enabled.then(|| {
-            Arc::new(Worker::new(
+        let background = TaskTracker::new();
+        let cancel = CancellationToken::new();
+        let worker = if config.worker.enabled {
+            let summarizer = Summarizer::from_config(&config.summarizer)?
+                .with_depth(config.memory.depth.clone());
+            Some(Arc::new(Worker::new(
                 Arc::clone(&store),
                 Arc::clone(&cache),
                 Arc::clone(&memory_config),
                 config.worker.clone(),
+                Arc::new(summarizer),
                 wake,
-            ))
-        });
+                background.clone(),
+                cancel.clone(),
+            )))
+        } else {
+            None
+        };
         let memory = StoreMemory::new(
             Arc::clone(&store),
             cache,
@@ -75,8 +85,8 @@ impl Engram {
             server,
             worker,
             outbox,
-            background: TaskTracker::new(),
-            cancel: CancellationToken::new(),
+            background,
+            cancel,
         })
     }
 
@@ -94,7 +104,7 @@ impl Engram {
             cancel,
         } = self;
         if let Some(worker) = &worker {
-            worker.start(&background, &cancel);
+            worker.start();
         }
         background.spawn(Arc::clone(&outbox).forward(cancel.clone()));
         let drain = server.state().config.drain_timeout();

@@ -122,6 +122,8 @@ impl AdminApi {
                 "conflicts": stats.conflicts.load(Ordering::Relaxed),
                 "errors": stats.errors.load(Ordering::Relaxed),
                 "failed": stats.failed.load(Ordering::Relaxed),
+                "summarizer_fallbacks": stats.summarizer_fallbacks.load(Ordering::Relaxed),
+                "summarizer_refined": worker.refined(),
             });
         }
         Ok(json_response(StatusCode::OK, &body))

@@ -14,6 +14,7 @@ use serde_json::{Map, Value};
 use crate::error::Error;
 use crate::memory::MemoryConfig;
 use crate::pipeline::identity::IdentityConfig;
+use crate::summarizer::SummarizerConfig;
 
 const ENV_PREFIX: &str = "ENGRAM_";
 const ENV_SEPARATOR: &str = "__";
@@ -28,6 +29,7 @@ pub struct Config {
     pub memory: MemoryConfig,
     pub store: StoreConfig,
     pub worker: WorkerConfig,
+    pub summarizer: SummarizerConfig,
     pub logging: LoggingConfig,
 }
 
@@ -317,6 +319,13 @@ impl Config {
                 return invalid(path, "must be greater than 0");
             }
         }
+        if let Err(message) = self.summarizer.validate() {
+            let key = message.split(':').next().unwrap_or_default();
+            let why = message
+                .split_once(':')
+                .map_or(message.as_str(), |(_, why)| why.trim());
+            return invalid(&format!("summarizer.{key}"), why);
+        }
         if let Err(error) = tracing_subscriber::EnvFilter::try_new(&self.logging.level) {
             return invalid("logging.level", &error.to_string());
         }
@@ -442,6 +451,8 @@ mod tests {
         assert!(error.to_string().contains("memory.new_fraction"), "{error}");
         let error = Config::from_yaml("memory:\n  weights:\n    recnecy: 1\n").unwrap_err();
         assert!(error.to_string().contains("memory.weights"), "{error}");
+        let error = Config::from_yaml("summarizer:\n  base_url: nowhere\n").unwrap_err();
+        assert!(error.to_string().contains("summarizer.base_url"), "{error}");
         let error = Config::from_yaml("worker:\n  concurrency: 0\n").unwrap_err();
         assert!(error.to_string().contains("worker.concurrency"), "{error}");
         let error = Config::from_yaml("identity:\n  default_tenant: 'a b'\n").unwrap_err();

@@ -9,10 +9,12 @@
 
 pub mod cache;
 pub mod identity;
+pub mod order;
 pub mod store_memory;
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use http::HeaderMap;
 use serde::Serialize;
@@ -52,6 +54,8 @@ pub struct RecordPlan {
     pub event_time: Option<String>,
     /// The chain link of the conversation the client sent (full-history clients).
     pub prior_chain: Option<u64>,
+    /// The request's place in its session's order; the recorder enqueues in that order.
+    pub ticket: Option<Arc<order::Ticket>>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]

@@ -15,6 +15,7 @@ use http::HeaderMap;
 
 use super::cache::{CachedMemory, MemoryCache};
 use super::identity::{self, IdentityConfig, RequestIdentity};
+use super::order::SessionOrder;
 use super::{BoxFuture, Exchange, MemoryLayer, MemoryOutcome, RecordPlan, Rewrite, log_capture};
 use crate::error::Error;
 use crate::memory::{self, ComposeRequest, ExchangeInput, MemoryConfig, MemoryState};
@@ -32,6 +33,7 @@ pub struct StoreMemory {
     /// Memory of a user with nothing stored yet (a full-history client's turns still chain).
     empty: Arc<CachedMemory>,
     turn_ids: TurnIds,
+    order: Arc<SessionOrder>,
 }
 
 impl StoreMemory {
@@ -52,6 +54,7 @@ impl StoreMemory {
             deadline,
             empty: Arc::new(CachedMemory::new(MemoryState::new())),
             turn_ids: TurnIds::new(),
+            order: SessionOrder::new(),
         }
     }
 
@@ -80,6 +83,10 @@ impl StoreMemory {
                 turn_id,
                 event_time: resolved.event_time.clone(),
                 prior_chain: None,
+                ticket: Some(Arc::new(
+                    self.order
+                        .ticket(format!("{}\u{0}{}\u{0}{session}", user.tenant, user.user)),
+                )),
             }
         });
 
@@ -182,9 +189,17 @@ impl MemoryLayer for StoreMemory {
         log_capture(&exchange);
         let outbox = Arc::clone(&self.outbox);
         Box::pin(async move {
-            let Some(plan) = exchange.record else {
+            let Some(mut plan) = exchange.record else {
                 return;
             };
+            // Released (dropped) only after the enqueue, so the session's next recording
+            // queues after this one.
+            let ticket = plan.ticket.take();
+            if let Some(ticket) = &ticket
+                && !ticket.wait_turn().await
+            {
+                tracing::warn!("an earlier recording of this session is stuck; queueing anyway");
+            }
             let user_text = exchange
                 .request
                 .last_user_message()
@@ -207,6 +222,7 @@ impl MemoryLayer for StoreMemory {
                 },
             };
             outbox.submit(job).await;
+            drop(ticket);
         })
     }
 }

@@ -1,7 +1,8 @@
 //! The update path: claims recorded exchanges from the store's job queue and applies them to
 //! the user's memory, off the hot path.
 //!
-//! Per job: extract (summarizer or heuristic) → `memory::record_exchange` on the latest state
+//! Per job: extract (the LLM summarizer, or the heuristic extractor) → `memory::record_exchange`
+//! on the latest state
 //! (turn log, base-truth diff, tiers, consolidation every N turns) → index refresh → prefetch of
 //! the session's next-turn candidates → one `Store::commit_job` (raw log, state with its version
 //! check, prefetched, job applied). A version conflict (another worker changed the user's
@@ -10,6 +11,11 @@
 //!
 //! Exactly once: the raw log is idempotent by job key and the state by turn id, so a job
 //! re-claimed after a worker died (before or after its commit) applies once.
+//!
+//! When the summarizer fell back for a transient reason (timeout, rate limit, upstream down),
+//! the turn is recorded with the heuristic extraction now and the summarizer is asked again
+//! after `background_retry_delay_ms`; its grounded diff is then applied to the turn. That retry
+//! lives in memory only: if the process stops first, the heuristic extraction stands.
 
 pub mod outbox;
 
@@ -23,9 +29,10 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::WorkerConfig;
 use crate::error::{Error, Result};
-use crate::memory::{self, HeuristicExtractor, MemoryConfig, MemoryState};
+use crate::memory::{self, MemoryConfig, MemoryState, Precomputed};
 use crate::pipeline::cache::{CachedMemory, MemoryCache, first_version};
-use crate::store::{ClaimedJob, Job, Store};
+use crate::store::{ClaimedJob, Job, Store, UserKey};
+use crate::summarizer::{Summarizer, SummarySource};
 
 pub use outbox::Outbox;
 
@@ -38,10 +45,16 @@ pub struct Worker {
     cache: Arc<MemoryCache>,
     memory: Arc<MemoryConfig>,
     config: WorkerConfig,
+    summarizer: Arc<Summarizer>,
     /// Signalled when this process queued a job.
     wake: Arc<Notify>,
     consumer: String,
     stats: WorkerStats,
+    /// The claim loops and background summarizer retries.
+    tasks: TaskTracker,
+    cancel: CancellationToken,
+    /// Background summarizer retries whose diff was applied (shared with their tasks).
+    refined: Arc<AtomicU64>,
 }
 
 #[derive(Debug, Default)]
@@ -52,6 +65,8 @@ pub struct WorkerStats {
     pub conflicts: AtomicU64,
     pub errors: AtomicU64,
     pub failed: AtomicU64,
+    /// Turns recorded with the heuristic extraction because the summarizer failed.
+    pub summarizer_fallbacks: AtomicU64,
 }
 
 /// What applying one job did.
@@ -62,12 +77,20 @@ pub enum Applied {
 }
 
 impl Worker {
+    /// `tasks` runs the claim loops and background retries; `cancel` stops them.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the worker's dependencies, wired once at start-up"
+    )]
     pub fn new(
         store: Arc<dyn Store>,
         cache: Arc<MemoryCache>,
         memory: Arc<MemoryConfig>,
         config: WorkerConfig,
+        summarizer: Arc<Summarizer>,
         wake: Arc<Notify>,
+        tasks: TaskTracker,
+        cancel: CancellationToken,
     ) -> Worker {
         let consumer = format!(
             "{}-{}-{:x}",
@@ -80,9 +103,13 @@ impl Worker {
             cache,
             memory,
             config,
+            summarizer,
             wake,
             consumer,
             stats: WorkerStats::default(),
+            tasks,
+            cancel,
+            refined: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -90,13 +117,19 @@ impl Worker {
         &self.stats
     }
 
-    /// Starts `concurrency` claim loops on `tasks`; they stop when `cancel` fires, each after
+    /// Background summarizer retries whose diff was applied.
+    pub fn refined(&self) -> u64 {
+        self.refined.load(Ordering::Relaxed)
+    }
+
+    /// Starts `concurrency` claim loops; they stop when the cancel token fires, each after
     /// finishing the job in hand.
-    pub fn start(self: &Arc<Self>, tasks: &TaskTracker, cancel: &CancellationToken) {
+    pub fn start(self: &Arc<Self>) {
         for slot in 0..self.config.concurrency {
             let worker = Arc::clone(self);
-            let cancel = cancel.clone();
-            tasks.spawn(async move { worker.run(slot, cancel).await });
+            let cancel = self.cancel.clone();
+            self.tasks
+                .spawn(async move { worker.run(slot, cancel).await });
         }
     }
 
@@ -156,6 +189,63 @@ impl Worker {
 
     /// Applies one job to the user's memory and commits it.
     pub async fn apply(&self, job: &Job) -> Result<Applied> {
+        let exchange = &job.exchange;
+        let summary = self
+            .summarizer
+            .extract(&exchange.user_text, &exchange.assistant_text)
+            .await;
+        if let SummarySource::Fallback { reason } = &summary.source {
+            self.stats
+                .summarizer_fallbacks
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::info!(job = %job.id.key, reason = reason.as_str(), "summarizer fell back to the heuristic extractor");
+        }
+        let retry_later = summary.retry_later;
+        let applied = self
+            .apply_with(job, &Precomputed(summary.extraction))
+            .await?;
+        if retry_later && matches!(applied, Applied::Recorded { .. }) {
+            self.schedule_refinement(job.clone());
+        }
+        Ok(applied)
+    }
+
+    /// Asks the summarizer again later and applies its diff to the recorded turn.
+    fn schedule_refinement(&self, job: Job) {
+        let delay = self.summarizer.background_retry_delay();
+        let summarizer = Arc::clone(&self.summarizer);
+        let store = Arc::clone(&self.store);
+        let cache = Arc::clone(&self.cache);
+        let cancel = self.cancel.clone();
+        let refined = Arc::clone(&self.refined);
+        self.tasks.spawn(async move {
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                () = cancel.cancelled() => return,
+            }
+            let exchange = &job.exchange;
+            let summary = match summarizer
+                .extract_llm(&exchange.user_text, &exchange.assistant_text)
+                .await
+            {
+                Ok(summary) => summary,
+                Err(reason) => {
+                    tracing::info!(job = %job.id.key, reason = reason.as_str(), "summarizer retry failed; the heuristic extraction stands");
+                    return;
+                }
+            };
+            match refine(&*store, &cache, &job.id.user, &exchange.turn_id, &summary.extraction.diff).await {
+                Ok(true) => {
+                    refined.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(job = %job.id.key, "summarizer retry applied");
+                }
+                Ok(false) => {}
+                Err(error) => tracing::warn!(%error, job = %job.id.key, "applying the summarizer retry failed"),
+            }
+        });
+    }
+
+    async fn apply_with(&self, job: &Job, extractor: &Precomputed) -> Result<Applied> {
         let user = &job.id.user;
         let exchange = &job.exchange;
         for _ in 0..CONFLICT_RETRIES {
@@ -188,8 +278,7 @@ impl Worker {
             } else {
                 state.version
             };
-            let outcome =
-                memory::record_exchange(&mut state, exchange, &HeuristicExtractor, &self.memory);
+            let outcome = memory::record_exchange(&mut state, exchange, extractor, &self.memory);
             if outcome.duplicate {
                 // The state has it; make sure the raw log and the job say so too.
                 self.store.append_raw(user, &job.id.key, exchange).await?;
@@ -223,6 +312,46 @@ impl Worker {
             "memory kept changing: {CONFLICT_RETRIES} version conflicts in a row"
         )))
     }
+}
+
+/// Applies a later, better diff to an already recorded turn (found by its turn id), with the
+/// same version check as a job. False when the turn is gone (forgotten) or nothing changed.
+async fn refine(
+    store: &dyn Store,
+    cache: &MemoryCache,
+    user: &UserKey,
+    turn_id: &str,
+    diff: &memory::FactDiff,
+) -> Result<bool> {
+    for _ in 0..CONFLICT_RETRIES {
+        let Some(mut state) = store.load_state(user).await? else {
+            return Ok(false);
+        };
+        let Some(seq) = state.raw_turns.iter().position(|turn| turn.id == turn_id) else {
+            return Ok(false);
+        };
+        let expected = state.version;
+        let source = memory::model::TurnSeq::try_from(seq).ok();
+        memory::apply_diff(&mut state, diff, source);
+        if state.version == expected {
+            return Ok(false);
+        }
+        match store.save_state(user, &state, expected).await {
+            Ok(()) => {
+                let previous = cache.get(user);
+                cache.put(
+                    user,
+                    Arc::new(CachedMemory::after(previous.as_deref(), state)),
+                );
+                return Ok(true);
+            }
+            Err(Error::StoreConflict { .. }) => continue,
+            Err(error) => return Err(error),
+        }
+    }
+    Err(Error::Store(format!(
+        "memory kept changing: {CONFLICT_RETRIES} version conflicts in a row"
+    )))
 }
 
 fn hostname() -> String {

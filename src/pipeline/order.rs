@@ -1,0 +1,169 @@
+//! Keeps a session's jobs in the order its requests arrived. A recorder enqueues only after the
+//! answer has streamed back, so a fast answer to a later request could otherwise overtake a
+//! slow earlier one. Each memory request takes a numbered ticket at rewrite time; the recorder
+//! waits for the session's earlier tickets to be released before it enqueues. A ticket is
+//! released when dropped, so a request that ends without a recording (an upstream error, a
+//! client gone before the headers) never holds up the ones behind it.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+/// Longest a recorder waits for an earlier one of its session; past it, it goes ahead (and
+/// says so), rather than hold a recording back forever.
+const MAX_WAIT: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Default)]
+pub struct SessionOrder {
+    sessions: Mutex<HashMap<String, Turnstile>>,
+}
+
+#[derive(Debug)]
+struct Turnstile {
+    issued: u64,
+    /// The ticket allowed to go now.
+    next: u64,
+    /// Tickets released ahead of `next`.
+    released: BTreeSet<u64>,
+    notify: Arc<Notify>,
+}
+
+impl SessionOrder {
+    pub fn new() -> Arc<SessionOrder> {
+        Arc::new(SessionOrder::default())
+    }
+
+    /// The next ticket of `session` (any key that names one session of one user).
+    pub fn ticket(self: &Arc<Self>, session: String) -> Ticket {
+        let mut sessions = self.sessions.lock().unwrap_or_else(PoisonError::into_inner);
+        let turnstile = sessions
+            .entry(session.clone())
+            .or_insert_with(|| Turnstile {
+                issued: 0,
+                next: 0,
+                released: BTreeSet::new(),
+                notify: Arc::new(Notify::new()),
+            });
+        let number = turnstile.issued;
+        turnstile.issued += 1;
+        Ticket {
+            order: Arc::clone(self),
+            session,
+            number,
+            notify: Arc::clone(&turnstile.notify),
+        }
+    }
+
+    fn is_turn(&self, session: &str, number: u64) -> bool {
+        let sessions = self.sessions.lock().unwrap_or_else(PoisonError::into_inner);
+        sessions
+            .get(session)
+            .is_none_or(|turnstile| turnstile.next >= number)
+    }
+
+    fn release(&self, session: &str, number: u64) {
+        let mut sessions = self.sessions.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(turnstile) = sessions.get_mut(session) else {
+            return;
+        };
+        if number != turnstile.next {
+            turnstile.released.insert(number);
+            return;
+        }
+        turnstile.next += 1;
+        while turnstile.released.remove(&turnstile.next) {
+            turnstile.next += 1;
+        }
+        turnstile.notify.notify_waiters();
+        if turnstile.next == turnstile.issued {
+            sessions.remove(session);
+        }
+    }
+
+    /// Sessions with tickets outstanding.
+    pub fn len(&self) -> usize {
+        self.sessions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A place in a session's order; dropping it lets the next one go.
+#[derive(Debug)]
+pub struct Ticket {
+    order: Arc<SessionOrder>,
+    session: String,
+    number: u64,
+    notify: Arc<Notify>,
+}
+
+impl Ticket {
+    /// Waits until every earlier ticket of the session was released. False if it gave up
+    /// after the longest wait.
+    pub async fn wait_turn(&self) -> bool {
+        let waited = tokio::time::timeout(MAX_WAIT, async {
+            loop {
+                let notified = self.notify.notified();
+                tokio::pin!(notified);
+                // Registered before the check, so a release in between is not missed.
+                notified.as_mut().enable();
+                if self.order.is_turn(&self.session, self.number) {
+                    return;
+                }
+                notified.await;
+            }
+        })
+        .await;
+        waited.is_ok()
+    }
+}
+
+impl PartialEq for Ticket {
+    fn eq(&self, other: &Ticket) -> bool {
+        self.session == other.session && self.number == other.number
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.order.release(&self.session, self.number);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn later_tickets_wait_for_earlier_ones_and_dropped_ones_do_not_block() {
+        let order = SessionOrder::new();
+        let first = order.ticket("s".into());
+        let second = order.ticket("s".into());
+        let third = order.ticket("s".into());
+        let other = order.ticket("other".into());
+        assert!(first.wait_turn().await);
+        assert!(other.wait_turn().await);
+        let waiting = tokio::spawn(async move {
+            let ok = third.wait_turn().await;
+            drop(third);
+            ok
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiting.is_finished());
+        // The second never records (say, the upstream failed): released out of order.
+        drop(second);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiting.is_finished());
+        drop(first);
+        assert!(waiting.await.unwrap());
+        drop(other);
+        assert!(order.is_empty());
+    }
+}

@@ -1,0 +1,491 @@
+//! Memory through the real binary: the hot-path rewrite, the recorder, the worker and the
+//! store, end to end against the mock upstream (which records the prompts it receives).
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "tests: a failure should fail the test loudly"
+)]
+
+mod common;
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{ADMIN_TOKEN, Process, Reply, mock, post_json, proxy, send, temp_path};
+use serde_json::{Value, json};
+
+/// One chat turn as a stateless client: only the new user message.
+async fn say(proxy: &Process, tenant: &str, user: &str, session: &str, text: &str) -> Reply {
+    let body = json!({
+        "model": "gpt-test",
+        "messages": [{"role": "user", "content": text}],
+    });
+    let reply = post_json(
+        &proxy.url("/v1/chat/completions"),
+        &body,
+        &[
+            ("x-engram-tenant", tenant),
+            ("x-engram-user", user),
+            ("x-engram-session", session),
+        ],
+    )
+    .await;
+    assert_eq!(
+        reply.status.as_u16(),
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    reply
+}
+
+async fn admin(proxy: &Process, path: &str, tenant: &str) -> Reply {
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    send(
+        "GET",
+        &proxy.url(path),
+        &[
+            ("authorization", auth.as_str()),
+            ("x-engram-tenant", tenant),
+        ],
+        "",
+    )
+    .await
+}
+
+fn header<'a>(reply: &'a Reply, name: &str) -> &'a str {
+    reply
+        .headers
+        .get(name)
+        .unwrap_or_else(|| panic!("no {name} header"))
+        .to_str()
+        .unwrap()
+}
+
+/// Waits until the job the reply names is applied.
+async fn wait_applied(proxy: &Process, tenant: &str, user: &str, reply: &Reply) {
+    let job = header(reply, "x-engram-job-id").to_owned();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let state = admin(
+            proxy,
+            &format!("/engram/v1/users/{user}/jobs/{job}"),
+            tenant,
+        )
+        .await;
+        if state.status == 200 && state.json()["state"] == "applied" {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "job {job} not applied: {}",
+            String::from_utf8_lossy(&state.body)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits until the queue is empty and the local spool too.
+async fn wait_drained(proxy: &Process, within: Duration) -> Value {
+    let deadline = Instant::now() + within;
+    loop {
+        let queue = admin(proxy, "/engram/v1/queue", "default").await;
+        if queue.status == 200 {
+            let body = queue.json();
+            if body["depth"] == 0 && body["spooled"] == 0 {
+                return body;
+            }
+            assert!(Instant::now() < deadline, "queue not drained: {body}");
+        } else {
+            assert!(
+                Instant::now() < deadline,
+                "queue endpoint: {}",
+                queue.status
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn export(proxy: &Process, tenant: &str, user: &str) -> Value {
+    let reply = admin(proxy, &format!("/engram/v1/users/{user}/memory"), tenant).await;
+    assert_eq!(reply.status.as_u16(), 200);
+    reply.json()
+}
+
+/// The requests the mock recorded, in arrival order.
+fn recorded(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect()
+}
+
+/// Every message of a recorded prompt except the last one (the client's own new message).
+fn memory_part(prompt: &Value) -> String {
+    let messages = prompt["messages"].as_array().unwrap();
+    messages[..messages.len() - 1]
+        .iter()
+        .map(|message| message["content"].as_str().unwrap_or_default())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[tokio::test]
+async fn a_constraint_from_session_one_reaches_the_upstream_thirty_turns_later_in_session_two() {
+    let record = temp_path("allergy.jsonl");
+    let upstream = mock(&["--record", record.to_str().unwrap()]);
+    let proxy = proxy(&upstream.address, &[]);
+
+    let first = say(&proxy, "acme", "alice", "s1", "I'm allergic to peanuts.").await;
+    assert_eq!(header(&first, "x-engram-memory"), "skipped");
+    assert_eq!(header(&first, "x-engram-memory-reason"), "empty");
+    wait_applied(&proxy, "acme", "alice", &first).await;
+
+    let topics = [
+        "the weather in Lisbon",
+        "how tides work",
+        "a good name for a cat",
+        "the history of the bicycle",
+        "why the sky is blue",
+    ];
+    let mut last = None;
+    for turn in 0..30 {
+        let text = format!("Tell me about {} (question {turn}).", topics[turn % 5]);
+        last = Some(say(&proxy, "acme", "alice", "s2", &text).await);
+    }
+    let last = last.unwrap();
+    wait_applied(&proxy, "acme", "alice", &last).await;
+
+    let reply = say(
+        &proxy,
+        "acme",
+        "alice",
+        "s2",
+        "Suggest a snack for my hike.",
+    )
+    .await;
+    assert_eq!(header(&reply, "x-engram-memory"), "injected");
+    let tokens: u32 = header(&reply, "x-engram-memory-tokens").parse().unwrap();
+    assert!(tokens > 0 && tokens <= 2048, "{tokens}");
+    let prompts = recorded(&record);
+    assert_eq!(prompts.len(), 32);
+    let prompt = prompts.last().unwrap();
+    let memory = memory_part(prompt).to_lowercase();
+    assert!(
+        memory.contains("peanut"),
+        "constraint missing from: {memory}"
+    );
+    assert!(memory.contains("<engram-memory"), "{memory}");
+    // The client's own message arrives last and unchanged.
+    let messages = prompt["messages"].as_array().unwrap();
+    assert_eq!(
+        messages.last().unwrap()["content"],
+        "Suggest a snack for my hike."
+    );
+    // Another user of the same tenant sees none of it.
+    let stranger = say(&proxy, "acme", "bob", "s1", "Suggest a snack for my hike.").await;
+    assert_ne!(header(&stranger, "x-engram-memory"), "injected");
+    let prompts = recorded(&record);
+    assert!(!memory_part(prompts.last().unwrap()).contains("peanut"));
+}
+
+#[tokio::test]
+async fn receipts_name_the_turn_and_job_and_the_admin_api_reports_the_job() {
+    let upstream = mock(&[]);
+    let proxy = proxy(&upstream.address, &[]);
+
+    let reply = say(&proxy, "default", "carol", "s", "My name is Carol.").await;
+    let turn = header(&reply, "x-engram-turn-id").to_owned();
+    let job = header(&reply, "x-engram-job-id").to_owned();
+    assert!(turn.starts_with('t'), "{turn}");
+    assert_eq!(job.len(), 32);
+    wait_applied(&proxy, "default", "carol", &reply).await;
+
+    // A stream ends with the receipt comment, after the upstream's last frame.
+    let body = json!({
+        "model": "gpt-test",
+        "messages": [{"role": "user", "content": "And I live in Oslo."}],
+        "stream": true,
+    });
+    let streamed = post_json(
+        &proxy.url("/v1/chat/completions"),
+        &body,
+        &[("x-engram-user", "carol"), ("x-engram-session", "s")],
+    )
+    .await;
+    let text = String::from_utf8(streamed.body.to_vec()).unwrap();
+    let stream_job = header(&streamed, "x-engram-job-id").to_owned();
+    let receipt = text.lines().rev().find(|line| !line.is_empty()).unwrap();
+    assert_eq!(
+        receipt,
+        format!(
+            ": engram turn={} job={stream_job} state=recording",
+            header(&streamed, "x-engram-turn-id")
+        )
+    );
+    assert!(
+        text.find("data: [DONE]").unwrap() < text.find(": engram").unwrap(),
+        "{text}"
+    );
+    wait_applied(&proxy, "default", "carol", &streamed).await;
+
+    // Unknown jobs, other users' jobs and bad tokens.
+    let missing = admin(&proxy, "/engram/v1/users/carol/jobs/ffff", "default").await;
+    common::assert_openai_error(&missing, 404);
+    let other = admin(
+        &proxy,
+        &format!("/engram/v1/users/dave/jobs/{job}"),
+        "default",
+    )
+    .await;
+    common::assert_openai_error(&other, 404);
+    let other_tenant = admin(&proxy, &format!("/engram/v1/users/carol/jobs/{job}"), "t2").await;
+    common::assert_openai_error(&other_tenant, 404);
+    let unauthorized = send(
+        "GET",
+        &proxy.url(&format!("/engram/v1/users/carol/jobs/{job}")),
+        &[("authorization", "Bearer wrong")],
+        "",
+    )
+    .await;
+    common::assert_openai_error(&unauthorized, 401);
+    let anonymous = send("GET", &proxy.url("/engram/v1/queue"), &[], "").await;
+    common::assert_openai_error(&anonymous, 401);
+
+    let memory = export(&proxy, "default", "carol").await;
+    assert_eq!(memory["raw_log"].as_array().unwrap().len(), 2);
+    assert_eq!(memory["raw_log"][0]["exchange"]["turn_id"], turn.as_str());
+}
+
+#[tokio::test]
+async fn read_only_and_off_modes_record_nothing_and_bad_identity_headers_are_rejected() {
+    let record = temp_path("modes.jsonl");
+    let upstream = mock(&["--record", record.to_str().unwrap()]);
+    let proxy = proxy(&upstream.address, &[]);
+    let first = say(&proxy, "default", "erin", "s", "I work as a pilot.").await;
+    wait_applied(&proxy, "default", "erin", &first).await;
+
+    let body = json!({
+        "model": "gpt-test",
+        "messages": [{"role": "user", "content": "What do I do for work?"}],
+    });
+    let probe = post_json(
+        &proxy.url("/v1/chat/completions"),
+        &body,
+        &[("x-engram-user", "erin"), ("x-engram-mode", "read-only")],
+    )
+    .await;
+    assert_eq!(header(&probe, "x-engram-memory"), "injected");
+    assert!(probe.headers.get("x-engram-job-id").is_none());
+    assert!(memory_part(recorded(&record).last().unwrap()).contains("pilot"));
+
+    let off = post_json(
+        &proxy.url("/v1/chat/completions"),
+        &body,
+        &[("x-engram-user", "erin"), ("x-engram-mode", "off")],
+    )
+    .await;
+    assert_eq!(header(&off, "x-engram-memory"), "skipped");
+    assert_eq!(header(&off, "x-engram-memory-reason"), "mode_off");
+    let prompts = recorded(&record);
+    assert_eq!(
+        prompts.last().unwrap()["messages"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+
+    let anonymous = post_json(&proxy.url("/v1/chat/completions"), &body, &[]).await;
+    assert_eq!(header(&anonymous, "x-engram-memory-reason"), "no_user");
+
+    wait_drained(&proxy, Duration::from_secs(10)).await;
+    let memory = export(&proxy, "default", "erin").await;
+    assert_eq!(memory["raw_log"].as_array().unwrap().len(), 1);
+
+    for (name, value) in [
+        ("x-engram-user", "../etc/passwd"),
+        ("x-engram-user", "a b"),
+        ("x-engram-mode", "sometimes"),
+        ("x-engram-event-time", "yesterday"),
+    ] {
+        let reply = post_json(&proxy.url("/v1/chat/completions"), &body, &[(name, value)]).await;
+        let error = common::assert_openai_error(&reply, 400);
+        assert!(
+            error["error"]["message"].as_str().unwrap().contains(name),
+            "{error}"
+        );
+    }
+}
+
+const IDENTITIES: [(&str, &str); 4] = [("t1", "u1"), ("t1", "u2"), ("t2", "u1"), ("t2", "u2")];
+
+fn secret(tenant: &str, user: &str) -> String {
+    format!("zq{tenant}x{user}secret")
+}
+
+/// Every identity sends `turns` messages at once with the others (streams and not).
+async fn hammer(proxy: &Process, turns: usize, round: &str) {
+    let mut tasks = Vec::new();
+    for (tenant, user) in IDENTITIES {
+        let url = proxy.url("/v1/chat/completions");
+        let round = round.to_owned();
+        tasks.push(tokio::spawn(async move {
+            for turn in 0..turns {
+                let text = format!(
+                    "[{tenant}/{user}] My favourite word is {}. {round} turn {turn}.",
+                    secret(tenant, user)
+                );
+                let body = json!({
+                    "model": "gpt-test",
+                    "messages": [{"role": "user", "content": text}],
+                    "stream": turn % 2 == 0,
+                });
+                let headers = [
+                    ("x-engram-tenant", tenant),
+                    ("x-engram-user", user),
+                    ("x-engram-session", "s"),
+                ];
+                let reply = post_json(&url, &body, &headers).await;
+                assert_eq!(reply.status.as_u16(), 200);
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+}
+
+/// Checks that no recorded prompt carries another identity's secret; returns how many carried
+/// memory at all.
+fn assert_no_crossing(prompts: &[Value]) -> usize {
+    let mut injected = 0;
+    for prompt in prompts {
+        let messages = prompt["messages"].as_array().unwrap();
+        let own = messages.last().unwrap()["content"].as_str().unwrap();
+        let (tenant, user) = IDENTITIES
+            .iter()
+            .copied()
+            .find(|(tenant, user)| own.starts_with(&format!("[{tenant}/{user}]")))
+            .unwrap();
+        let memory = memory_part(prompt);
+        if memory.contains(&secret(tenant, user)) {
+            injected += 1;
+        }
+        for (other_tenant, other_user) in IDENTITIES {
+            if (other_tenant, other_user) != (tenant, user) {
+                assert!(
+                    !memory.contains(&secret(other_tenant, other_user)),
+                    "{tenant}/{user} saw {other_tenant}/{other_user}: {memory}"
+                );
+            }
+        }
+    }
+    injected
+}
+
+#[tokio::test]
+async fn two_tenants_and_two_users_hammered_at_once_never_see_each_others_items() {
+    let record = temp_path("isolation.jsonl");
+    let upstream = mock(&["--record", record.to_str().unwrap()]);
+    let proxy = proxy(&upstream.address, &[]);
+
+    // Writes and reads interleaved while the worker applies the jobs behind them.
+    hammer(&proxy, 12, "first").await;
+    wait_drained(&proxy, Duration::from_secs(30)).await;
+    let prompts = recorded(&record);
+    assert_eq!(prompts.len(), 48);
+    assert_no_crossing(&prompts);
+
+    // Now every identity has memory: each prompt carries its own and only its own.
+    hammer(&proxy, 6, "second").await;
+    let prompts = recorded(&record);
+    assert_eq!(assert_no_crossing(&prompts[48..]), 24);
+    wait_drained(&proxy, Duration::from_secs(30)).await;
+
+    for (tenant, user) in IDENTITIES {
+        let memory = export(&proxy, tenant, user).await;
+        assert_eq!(
+            memory["raw_log"].as_array().unwrap().len(),
+            18,
+            "{tenant}/{user}"
+        );
+        let text = memory.to_string();
+        assert!(text.contains(&secret(tenant, user)));
+        for (other_tenant, other_user) in IDENTITIES {
+            if (other_tenant, other_user) != (tenant, user) {
+                assert!(!text.contains(&secret(other_tenant, other_user)));
+            }
+        }
+    }
+}
+
+/// Replies with a valid summarizer diff, slowly, so the worker is mid-job when it is killed.
+const SLOW_SUMMARY: &str = r#"{"user_summary":"The user shared a number.","assistant_summary":"The assistant acknowledged it.","add":[],"update":[],"remove":[]}"#;
+
+#[tokio::test]
+async fn a_worker_killed_mid_job_applies_every_recorded_turn_exactly_once_after_restart() {
+    let upstream = mock(&[]);
+    let summarizer = mock(&["--reply", SLOW_SUMMARY, "--latency-ms", "150"]);
+    let data = tempfile::tempdir().unwrap();
+    let data_dir = data.path().display().to_string();
+    let summarizer_url = format!("{}/v1", summarizer.address);
+    let env = [
+        ("ENGRAM_STORE__DATA_DIR", data_dir.as_str()),
+        ("ENGRAM_SUMMARIZER__BASE_URL", summarizer_url.as_str()),
+        ("ENGRAM_WORKER__CONCURRENCY", "1"),
+        ("ENGRAM_WORKER__LEASE_MS", "1500"),
+    ];
+    let mut first = proxy(&upstream.address, &env);
+    let turns = 24;
+    let mut turn_ids = Vec::new();
+    for turn in 0..turns {
+        let reply = say(
+            &first,
+            "default",
+            "kim",
+            "s",
+            &format!("Remember number {turn}."),
+        )
+        .await;
+        turn_ids.push(header(&reply, "x-engram-turn-id").to_owned());
+    }
+    // Every exchange is queued (the outbox counts them) and some, not all, are applied.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let queue = admin(&first, "/engram/v1/queue", "default").await.json();
+        if queue["recorded"]["queued"] == turns && queue["worker"]["applied"].as_u64() >= Some(2) {
+            assert!(queue["depth"].as_u64().unwrap() > 0, "{queue}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "{queue}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    first.signal("KILL");
+    assert!(first.wait_exit(Duration::from_secs(5)).is_some());
+
+    let second = proxy(&upstream.address, &env);
+    wait_drained(&second, Duration::from_secs(60)).await;
+    let memory = export(&second, "default", "kim").await;
+    let raw: Vec<&str> = memory["raw_log"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|entry| entry["exchange"]["turn_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(raw, turn_ids, "raw log: each turn once, in order");
+    let applied: Vec<&str> = memory["memory"]["raw_turns"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|turn| turn["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(applied.len(), turns);
+    assert_eq!(applied.iter().collect::<HashSet<_>>().len(), turns);
+    assert_eq!(applied, turn_ids, "memory: each turn once, in order");
+}
