@@ -44,6 +44,8 @@ macro_rules! store_suite {
             enqueue_is_idempotent_by_job_key,
             expired_lease_is_claimed_again,
             claims_keep_each_session_in_order,
+            expired_head_is_claimed_before_its_successor,
+            finishing_any_job_keeps_its_session_in_order,
             concurrent_claims_never_share_a_job,
             ack_fail_and_job_state,
             queue_depth_counts_queued_and_leased,
@@ -358,6 +360,70 @@ pub async fn claims_keep_each_session_in_order(store: &dyn Store) {
 
     store.ack(&alice_s1_first.id).await.unwrap();
     assert_eq!(claim().await, Some(alice_s1_second.id.clone()));
+}
+
+pub async fn expired_head_is_claimed_before_its_successor(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    let first = job_in(&alice, "s1", "a1");
+    let second = job_in(&alice, "s1", "a2");
+    store.enqueue(&first).await.unwrap();
+    store.enqueue(&second).await.unwrap();
+
+    let short = Duration::from_millis(300);
+    let claimed = store.claim("worker-a", short).await.unwrap().unwrap();
+    assert_eq!(claimed.job.id, first.id);
+    assert!(store.claim("worker-b", short).await.unwrap().is_none());
+
+    // worker-a died: its job comes back, still ahead of the session's next one.
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let lease = Duration::from_secs(30);
+    let again = store.claim("worker-b", lease).await.unwrap().unwrap();
+    assert_eq!((again.job.id.clone(), again.attempt), (first.id.clone(), 2));
+    assert!(store.claim("worker-c", lease).await.unwrap().is_none());
+    store.ack(&first.id).await.unwrap();
+    let next = store.claim("worker-c", lease).await.unwrap().unwrap();
+    assert_eq!((next.job.id, next.attempt), (second.id, 1));
+}
+
+pub async fn finishing_any_job_keeps_its_session_in_order(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    let jobs: Vec<Job> = ["a1", "a2", "a3", "a4"]
+        .into_iter()
+        .map(|key| job_in(&alice, "s1", key))
+        .collect();
+    for queued in &jobs {
+        store.enqueue(queued).await.unwrap();
+    }
+    let lease = Duration::from_secs(30);
+    let claim = async || {
+        store
+            .claim("worker", lease)
+            .await
+            .unwrap()
+            .map(|c| c.job.id)
+    };
+
+    // Failing a job that waits behind a leased one takes it out without releasing anything.
+    assert_eq!(claim().await, Some(jobs[0].id.clone()));
+    assert!(store.fail(&jobs[1].id, "cancelled").await.unwrap());
+    assert_eq!(claim().await, None);
+    assert_eq!(store.queue_depth().await.unwrap(), 3);
+
+    // Acknowledging the head releases the next unfinished job, past the failed one.
+    store.ack(&jobs[0].id).await.unwrap();
+    assert_eq!(claim().await, Some(jobs[2].id.clone()));
+
+    // A job can be finished before anyone claimed it; the session moves on.
+    store.ack(&jobs[2].id).await.unwrap();
+    store.ack(&jobs[3].id).await.unwrap();
+    assert_eq!(claim().await, None);
+    assert_eq!(store.queue_depth().await.unwrap(), 0);
+    assert_eq!(
+        store.job_state(&jobs[1].id).await.unwrap(),
+        Some(JobState::Failed {
+            reason: "cancelled".into()
+        })
+    );
 }
 
 pub async fn concurrent_claims_never_share_a_job(store: &dyn Store) {
