@@ -26,7 +26,7 @@ use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
 use crate::pipeline::BoxFuture;
 
-pub use self::redis::RedisStore;
+pub use self::redis::{RedisOptions, RedisStore};
 pub use embedded::EmbeddedStore;
 
 /// Whose memory a record belongs to.
@@ -184,7 +184,9 @@ pub trait Store: Send + Sync + 'static {
 
     /// Leases the oldest queued job that no live lease holds, for `lease`, skipping jobs of a
     /// session whose earlier job is leased (a session's jobs apply in order). A consumer that
-    /// dies holding a job loses it when the lease ends.
+    /// dies holding a job loses it when the lease ends. "Oldest" is by enqueue time in the
+    /// embedded store; Redis ranks a job by when it became its session's next job, so
+    /// sessions take turns (see docs/storage.md).
     fn claim<'a>(
         &'a self,
         consumer: &'a str,

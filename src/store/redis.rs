@@ -6,10 +6,21 @@
 //! Each call is one round trip: a single command or one Lua script, so the multi-key updates
 //! (version check, idempotent appends, queue moves) are atomic.
 //!
-//! The job queue is global, in keys of its own (`<prefix>:queue*`): a sorted set of queued job
-//! refs by queue position, plus hashes of leases, attempts and sessions. Scripts that move a job
-//! touch both the queue keys and the user's keys, which a Redis Cluster would reject as
-//! cross-slot; cluster mode is for the scale-out work (see docs/storage.md).
+//! The job queue is a Redis Stream, `<prefix>:{queue}:jobs`, read by the consumer group
+//! `workers`. Per-session order is kept by putting only each session's *head* (its oldest
+//! unfinished job) on the stream: later jobs wait in the session's backlog list (a user key),
+//! and finishing the head (XACK + XDEL) appends the next one. So every stream entry is
+//! claimable the moment no live lease holds it, and a claim is O(1) plus the pending list.
+//!
+//! Leases live in the pending-entries list. A claim sets the entry's idle time to
+//! [`LEASE_HORIZON_MS`] minus the lease, so the entry reaches the horizon exactly when the
+//! lease ends, and one `XAUTOCLAIM` with min-idle-time = horizon finds the entries whose
+//! consumer died, whatever lease each was given. The attempt is the entry's delivery count.
+//! Lease ends are the Redis server's clock, one clock for every worker.
+//!
+//! Cluster: `claim` and `queue_depth` touch only the queue's keys (one slot, `{queue}`);
+//! `enqueue`, `finish` and `forget_user` touch one user's keys and the queue's, which a Redis
+//! Cluster rejects as cross-slot (see docs/storage.md).
 
 use std::time::Duration;
 
@@ -19,7 +30,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     Appended, ClaimedJob, Enqueued, ForgetReport, HotRecord, Job, JobId, JobState, RawEntry, Store,
-    UserKey, decode, now_ms,
+    UserKey, decode,
 };
 use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
@@ -69,86 +80,175 @@ return {seq, 0}
 ";
 
 /// Queues a job once per id; returns the existing job's state (JSON) for a duplicate.
+/// KEYS: job record, job index, session backlog, stream, depth. ARGV: job key, exchange JSON,
+/// queued state JSON, job ref, hex session, group.
 const ENQUEUE: &str = r"
-local known = redis.call('HGET', KEYS[2], ARGV[1])
+local known = redis.call('HGET', KEYS[1], 'state')
 if known then
   return known
 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
-local position = redis.call('INCR', KEYS[4])
-redis.call('ZADD', KEYS[3], position, ARGV[4])
-redis.call('HSET', KEYS[5], ARGV[4], ARGV[5])
+redis.call('ZADD', KEYS[2], '+inf', ARGV[1])
+redis.call('INCR', KEYS[5])
+if redis.call('RPUSH', KEYS[3], ARGV[1]) == 1 then
+  -- Nothing of the session is unfinished: the job is its head and goes on the stream.
+  if redis.call('EXISTS', KEYS[4]) == 0 then
+    redis.call('XGROUP', 'CREATE', KEYS[4], ARGV[6], '0', 'MKSTREAM')
+  end
+  local entry = redis.call('XADD', KEYS[4], '*', 'job', ARGV[4], 'exchange', ARGV[2])
+  redis.call('HSET', KEYS[1], 'state', ARGV[3], 'session', ARGV[5], 'entry', entry)
+else
+  -- Waits in the backlog, exchange and all, until the jobs before it finish.
+  redis.call('HSET', KEYS[1], 'state', ARGV[3], 'session', ARGV[5], 'exchange', ARGV[2])
+end
 return false
 ";
 
-/// Leases the oldest queued job without a live lease whose session has no earlier job under a
-/// live lease. Returns {job ref, attempt, exchange JSON} or nil. ARGV: now ms, lease ms, prefix.
+/// Leases a stream entry: first one whose lease ended (XAUTOCLAIM), else a new one
+/// (XREADGROUP); then sets its idle time so that it reaches the horizon when this lease ends.
+/// Returns {job ref, attempt, exchange JSON} or nil.
+/// KEYS: stream. ARGV: group, consumer, lease horizon ms, idle to set (horizon − lease).
 const CLAIM: &str = r"
-local now = tonumber(ARGV[1])
-local busy = {}
--- In pages, so a claim near the head of a long queue does not read all of it.
-local start = 0
-while true do
-  local members = redis.call('ZRANGE', KEYS[1], start, start + 99)
-  if #members == 0 then
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return false
+end
+local entry = false
+-- XAUTOCLAIM scans a bounded part of the pending list per call; go on until it is done.
+local cursor = '0-0'
+repeat
+  local reply = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], cursor, 'COUNT', 1)
+  cursor = reply[1]
+  entry = reply[2][1] or false
+until entry or cursor == '0-0'
+if not entry then
+  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1,
+    'STREAMS', KEYS[1], '>')
+  if not reply then
     return false
   end
-  for _, member in ipairs(members) do
-    local session = redis.call('HGET', KEYS[4], member) or member
-    local until_ms = tonumber(redis.call('HGET', KEYS[2], member) or '0')
-    if until_ms > now then
-      busy[session] = true
-    elseif not busy[session] then
-      redis.call('HSET', KEYS[2], member, now + tonumber(ARGV[2]))
-      local attempt = redis.call('HINCRBY', KEYS[3], member, 1)
-      local space = string.find(member, ' ', 1, true)
-      local tag = string.sub(member, 1, space - 1)
-      local key = string.sub(member, space + 1)
-      local exchange = redis.call('HGET', ARGV[3] .. ':{' .. tag .. '}:jobs', key)
-      return {member, attempt, exchange}
-    end
-  end
-  start = start + 100
+  entry = reply[1][2][1]
 end
+local id = entry[1]
+-- JUSTID leaves the delivery count alone: it counts XREADGROUP and XAUTOCLAIM deliveries.
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'IDLE', ARGV[4], 'JUSTID')
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
+local fields = {}
+for index = 1, #entry[2], 2 do
+  fields[entry[2][index]] = entry[2][index + 1]
+end
+return {fields['job'], pending[1][4], fields['exchange']}
 ";
 
-/// Records a job's final state and takes it off the queue; 0 when the job is unknown.
+/// Records a job's final state; a queued job leaves its session's backlog and, if it was the
+/// head, the stream (XACK + XDEL), and the session's next job goes on the stream. Finished
+/// records expire after the retention. Returns 0 when the job is unknown.
+/// KEYS: job record, job index, stream, depth. ARGV: job key, state JSON, group, user key
+/// prefix (`<prefix>:{tag}:`), user tag, retention ms ('' keeps the record).
 const FINISH: &str = r"
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then
+local record = redis.call('HMGET', KEYS[1], 'state', 'session', 'entry')
+if not record[1] then
   return 0
 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
-redis.call('ZREM', KEYS[2], ARGV[2])
-redis.call('HDEL', KEYS[3], ARGV[2])
-redis.call('HDEL', KEYS[4], ARGV[2])
-redis.call('HDEL', KEYS[5], ARGV[2])
+local session, entry = record[2], record[3]
+if session then
+  local backlog = ARGV[4] .. 'session:' .. session
+  redis.call('LREM', backlog, 1, ARGV[1])
+  redis.call('DECR', KEYS[4])
+  if entry then
+    redis.call('XACK', KEYS[3], ARGV[3], entry)
+    redis.call('XDEL', KEYS[3], entry)
+    local next_key = redis.call('LINDEX', backlog, 0)
+    if next_key then
+      local next_record = ARGV[4] .. 'job:' .. next_key
+      local exchange = redis.call('HGET', next_record, 'exchange')
+      local next_entry = redis.call('XADD', KEYS[3], '*', 'job', ARGV[5] .. ' ' .. next_key,
+        'exchange', exchange)
+      redis.call('HSET', next_record, 'entry', next_entry)
+      redis.call('HDEL', next_record, 'exchange')
+    end
+  end
+  redis.call('HDEL', KEYS[1], 'session', 'entry', 'exchange')
+end
+redis.call('HSET', KEYS[1], 'state', ARGV[2])
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+if ARGV[6] == '' then
+  redis.call('ZADD', KEYS[2], '+inf', ARGV[1])
+else
+  redis.call('PEXPIRE', KEYS[1], ARGV[6])
+  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[6]), ARGV[1])
+end
+-- Index entries of records that have expired by now.
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. now)
 return 1
 ";
 
-/// Deletes every key of one user and their queue entries; returns counts per kind.
-/// KEYS: state, version, prefetched, raw, raw ids, jobs, job states, queue, leases, attempts,
-/// sessions. ARGV: the user's tag.
+/// Deletes every key of one user and their stream entries; returns counts per kind.
+/// KEYS: state, version, prefetched, raw, raw ids, job index, stream, depth.
+/// ARGV: user key prefix (`<prefix>:{tag}:`), group.
 const FORGET: &str = r"
 local states = redis.call('EXISTS', KEYS[1])
 local prefetched = redis.call('HLEN', KEYS[3])
 local raw = redis.call('LLEN', KEYS[4])
-local jobs = redis.call('HKEYS', KEYS[7])
-for _, key in ipairs(jobs) do
-  local member = ARGV[1] .. ' ' .. key
-  redis.call('ZREM', KEYS[8], member)
-  redis.call('HDEL', KEYS[9], member)
-  redis.call('HDEL', KEYS[10], member)
-  redis.call('HDEL', KEYS[11], member)
+local jobs, queued = 0, 0
+for _, key in ipairs(redis.call('ZRANGE', KEYS[6], 0, -1)) do
+  local record = ARGV[1] .. 'job:' .. key
+  local fields = redis.call('HMGET', record, 'session', 'entry')
+  if fields[1] then
+    queued = queued + 1
+    redis.call('DEL', ARGV[1] .. 'session:' .. fields[1])
+  end
+  if fields[2] then
+    redis.call('XACK', KEYS[7], ARGV[2], fields[2])
+    redis.call('XDEL', KEYS[7], fields[2])
+  end
+  jobs = jobs + redis.call('DEL', record)
 end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
-return {states, prefetched, raw, #jobs}
+if queued > 0 then
+  redis.call('DECRBY', KEYS[8], queued)
+end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+return {states, prefetched, raw, jobs}
 ";
+
+/// The consumer group every worker claims through.
+const GROUP: &str = "workers";
+
+/// The idle time at which a pending entry's lease has ended: 10^12 ms, about 31.7 years, so
+/// also the longest lease. XCLAIM sets an entry's delivery time to the server's clock minus
+/// `IDLE`, which stays positive as long as that clock is past 2001 (10^12 ms since the epoch).
+pub const LEASE_HORIZON_MS: u64 = 1_000_000_000_000;
+
+/// The longest retention (about 31.7 years); Redis rejects expire times that overflow.
+const MAX_TTL_MS: u64 = 1_000_000_000_000;
+
+/// How long a finished job's record is kept when [`RedisOptions`] do not say.
+pub const DEFAULT_FINISHED_JOB_TTL: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+
+/// Settings of a [`RedisStore`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisOptions {
+    /// Every key starts with it, so several stores (tests, deployments) can share one server.
+    pub prefix: String,
+    /// How long an applied or failed job's record is kept: while it is, `job_state` reports
+    /// it and a replayed exchange is a duplicate. `None` keeps it until the user is forgotten.
+    pub finished_job_ttl: Option<Duration>,
+}
+
+impl Default for RedisOptions {
+    fn default() -> RedisOptions {
+        RedisOptions {
+            prefix: DEFAULT_PREFIX.to_owned(),
+            finished_job_ttl: Some(DEFAULT_FINISHED_JOB_TTL),
+        }
+    }
+}
 
 #[derive(Clone)]
 pub struct RedisStore {
     connection: ConnectionManager,
     prefix: String,
+    /// The retention in ms as a script argument; empty keeps finished records.
+    finished_job_ttl_ms: String,
     scripts: std::sync::Arc<Scripts>,
 }
 
@@ -163,14 +263,28 @@ struct Scripts {
 }
 
 impl RedisStore {
-    /// Connects to `url` (e.g. `redis://127.0.0.1:6379`); every key starts with `prefix`, so
-    /// several stores (tests, deployments) can share one server.
+    /// Connects to `url` (e.g. `redis://127.0.0.1:6379`) with every key under `prefix` and the
+    /// default retention of finished jobs.
     pub async fn connect(url: &str, prefix: &str) -> Result<RedisStore> {
+        let options = RedisOptions {
+            prefix: prefix.to_owned(),
+            ..RedisOptions::default()
+        };
+        RedisStore::connect_with(url, options).await
+    }
+
+    /// Connects to `url` with the given options.
+    pub async fn connect_with(url: &str, options: RedisOptions) -> Result<RedisStore> {
         let client = redis::Client::open(url).map_err(redis_error)?;
         let connection = ConnectionManager::new(client).await.map_err(redis_error)?;
         Ok(RedisStore {
             connection,
-            prefix: prefix.to_owned(),
+            prefix: options.prefix,
+            finished_job_ttl_ms: options
+                .finished_job_ttl
+                // At least 1 ms: PEXPIRE 0 would delete the record at once.
+                .map(|ttl| duration_ms(ttl).clamp(1, MAX_TTL_MS).to_string())
+                .unwrap_or_default(),
             scripts: std::sync::Arc::new(Scripts {
                 hot_record: Script::new(HOT_RECORD),
                 save_state: Script::new(SAVE_STATE),
@@ -183,23 +297,25 @@ impl RedisStore {
         })
     }
 
+    /// The start of every key of one user: `<prefix>:{<tag>}:`.
+    fn user_prefix(&self, user: &UserKey) -> String {
+        format!("{}:{{{}}}:", self.prefix, user_tag(user))
+    }
+
     /// A key of one user: `<prefix>:{<tag>}:<kind>`.
     fn user_key(&self, user: &UserKey, kind: &str) -> String {
-        format!("{}:{{{}}}:{kind}", self.prefix, user_tag(user))
+        format!("{}{kind}", self.user_prefix(user))
     }
 
-    /// A key of the global queue.
+    /// A job's record: a hash of its state and, while queued, its session and stream entry.
+    fn job_record_key(&self, job: &JobId) -> String {
+        format!("{}job:{}", self.user_prefix(&job.user), job.key)
+    }
+
+    /// A key of the queue; `{queue}` keeps them on one cluster slot (no user tag is `queue`,
+    /// as tags are hex).
     fn queue_key(&self, kind: &str) -> String {
-        format!("{}:{kind}", self.prefix)
-    }
-
-    fn queue_keys(&self) -> [String; 4] {
-        [
-            self.queue_key("queue"),
-            self.queue_key("queue_leases"),
-            self.queue_key("queue_attempts"),
-            self.queue_key("queue_sessions"),
-        ]
+        format!("{}:{{queue}}:{kind}", self.prefix)
     }
 
     fn connection(&self) -> ConnectionManager {
@@ -207,18 +323,27 @@ impl RedisStore {
     }
 }
 
+fn duration_ms(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// The idle time a claim gives its entry, so it reaches the horizon when the lease ends.
+fn lease_idle_ms(lease: Duration) -> u64 {
+    LEASE_HORIZON_MS - duration_ms(lease).min(LEASE_HORIZON_MS)
+}
+
 /// The hash-tag content of a user: hex tenant, `:`, hex user.
 fn user_tag(user: &UserKey) -> String {
     format!("{}:{}", hex(&user.tenant), hex(&user.user))
 }
 
-/// A job's member in the queue keys: the user's tag, a space, the job key.
+/// A job's ref in its stream entry: the user's tag, a space, the job key.
 fn job_ref(job: &JobId) -> String {
     format!("{} {}", user_tag(&job.user), job.key)
 }
 
 fn parse_job_ref(member: &str) -> Result<JobId> {
-    let malformed = || Error::Store(format!("malformed job ref in the queue: {member:?}"));
+    let malformed = || Error::Store(format!("malformed job ref on the stream: {member:?}"));
     let (tag, key) = member.split_once(' ').ok_or_else(malformed)?;
     let (tenant, user) = tag.split_once(':').ok_or_else(malformed)?;
     Ok(JobId {
@@ -409,21 +534,21 @@ impl Store for RedisStore {
     fn enqueue<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Enqueued>> {
         Box::pin(async move {
             let user = &job.id.user;
-            // Jobs of one session share this; claim passes over a busy session's later jobs.
-            let session = format!("{} {}", user_tag(user), hex(&job.exchange.session_id));
+            let session = hex(&job.exchange.session_id);
             let known: Option<Vec<u8>> = self
                 .scripts
                 .enqueue
-                .key(self.user_key(user, "jobs"))
-                .key(self.user_key(user, "job_states"))
-                .key(self.queue_key("queue"))
-                .key(self.queue_key("queue_next_position"))
-                .key(self.queue_key("queue_sessions"))
+                .key(self.job_record_key(&job.id))
+                .key(self.user_key(user, "job_index"))
+                .key(self.user_key(user, &format!("session:{session}")))
+                .key(self.queue_key("jobs"))
+                .key(self.queue_key("depth"))
                 .arg(&job.id.key)
                 .arg(encode(&job.exchange)?)
                 .arg(encode(&JobState::Queued)?)
                 .arg(job_ref(&job.id))
                 .arg(session)
+                .arg(GROUP)
                 .invoke_async(&mut self.connection())
                 .await
                 .map_err(redis_error)?;
@@ -439,30 +564,24 @@ impl Store for RedisStore {
         consumer: &'a str,
         lease: Duration,
     ) -> BoxFuture<'a, Result<Option<ClaimedJob>>> {
-        // The consumer is not stored: a lease is only its end time.
-        let _ = consumer;
         Box::pin(async move {
-            let [queue, leases, attempts, sessions] = self.queue_keys();
-            let lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
             let claimed: Option<(String, u32, Vec<u8>)> = self
                 .scripts
                 .claim
-                .key(queue)
-                .key(leases)
-                .key(attempts)
-                .key(sessions)
-                .arg(now_ms())
-                .arg(lease_ms)
-                .arg(&self.prefix)
+                .key(self.queue_key("jobs"))
+                .arg(GROUP)
+                .arg(consumer)
+                .arg(LEASE_HORIZON_MS)
+                .arg(lease_idle_ms(lease))
                 .invoke_async(&mut self.connection())
                 .await
                 .map_err(redis_error)?;
-            let Some((member, attempt, exchange)) = claimed else {
+            let Some((job_ref, attempt, exchange)) = claimed else {
                 return Ok(None);
             };
             Ok(Some(ClaimedJob {
                 job: Job {
-                    id: parse_job_ref(&member)?,
+                    id: parse_job_ref(&job_ref)?,
                     exchange: decode(&exchange)?,
                 },
                 attempt,
@@ -472,18 +591,19 @@ impl Store for RedisStore {
 
     fn finish<'a>(&'a self, job: &'a JobId, state: JobState) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
-            let [queue, leases, attempts, sessions] = self.queue_keys();
             let finished: i64 = self
                 .scripts
                 .finish
-                .key(self.user_key(&job.user, "job_states"))
-                .key(queue)
-                .key(leases)
-                .key(attempts)
-                .key(sessions)
+                .key(self.job_record_key(job))
+                .key(self.user_key(&job.user, "job_index"))
+                .key(self.queue_key("jobs"))
+                .key(self.queue_key("depth"))
                 .arg(&job.key)
-                .arg(job_ref(job))
                 .arg(encode(&state)?)
+                .arg(GROUP)
+                .arg(self.user_prefix(&job.user))
+                .arg(user_tag(&job.user))
+                .arg(&self.finished_job_ttl_ms)
                 .invoke_async(&mut self.connection())
                 .await
                 .map_err(redis_error)?;
@@ -495,7 +615,7 @@ impl Store for RedisStore {
         Box::pin(async move {
             let state: Option<Vec<u8>> = self
                 .connection()
-                .hget(self.user_key(&job.user, "job_states"), &job.key)
+                .hget(self.job_record_key(job), "state")
                 .await
                 .map_err(redis_error)?;
             state.as_deref().map(decode).transpose()
@@ -504,16 +624,17 @@ impl Store for RedisStore {
 
     fn queue_depth(&self) -> BoxFuture<'_, Result<u64>> {
         Box::pin(async move {
-            self.connection()
-                .zcard(self.queue_key("queue"))
+            let depth: Option<i64> = self
+                .connection()
+                .get(self.queue_key("depth"))
                 .await
-                .map_err(redis_error)
+                .map_err(redis_error)?;
+            Ok(depth.map_or(0, |depth| u64::try_from(depth).unwrap_or(0)))
         })
     }
 
     fn forget_user<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<ForgetReport>> {
         Box::pin(async move {
-            let [queue, leases, attempts, sessions] = self.queue_keys();
             let mut invocation = self.scripts.forget.prepare_invoke();
             for kind in [
                 "state",
@@ -521,18 +642,16 @@ impl Store for RedisStore {
                 "prefetched",
                 "raw",
                 "raw_ids",
-                "jobs",
-                "job_states",
+                "job_index",
             ] {
                 invocation.key(self.user_key(user, kind));
             }
             let (memory_states, prefetched_sessions, raw_entries, jobs): (u64, u64, u64, u64) =
                 invocation
-                    .key(queue)
-                    .key(leases)
-                    .key(attempts)
-                    .key(sessions)
-                    .arg(user_tag(user))
+                    .key(self.queue_key("jobs"))
+                    .key(self.queue_key("depth"))
+                    .arg(self.user_prefix(user))
+                    .arg(GROUP)
                     .invoke_async(&mut self.connection())
                     .await
                     .map_err(redis_error)?;
@@ -576,5 +695,23 @@ mod tests {
         assert_ne!(left, right);
         assert!(!left.contains(['{', '}', ' ']));
         assert_eq!(unhex("abc"), None);
+    }
+
+    #[test]
+    fn a_lease_reaches_the_horizon_when_it_ends() {
+        assert_eq!(lease_idle_ms(Duration::ZERO), LEASE_HORIZON_MS);
+        assert_eq!(
+            lease_idle_ms(Duration::from_secs(30)),
+            LEASE_HORIZON_MS - 30_000
+        );
+        // Longer leases are cut to the horizon rather than wrapping around.
+        assert_eq!(lease_idle_ms(Duration::MAX), 0);
+    }
+
+    #[test]
+    fn options_default_to_the_production_prefix_and_a_week_of_retention() {
+        let options = RedisOptions::default();
+        assert_eq!(options.prefix, "engram");
+        assert_eq!(options.finished_job_ttl, Some(Duration::from_secs(604_800)));
     }
 }

@@ -44,6 +44,9 @@ macro_rules! store_suite {
             enqueue_is_idempotent_by_job_key,
             expired_lease_is_claimed_again,
             claims_keep_each_session_in_order,
+            expired_head_is_claimed_before_its_successor,
+            finishing_any_job_keeps_its_session_in_order,
+            random_operations_follow_a_model_of_sessions,
             concurrent_claims_never_share_a_job,
             ack_fail_and_job_state,
             queue_depth_counts_queued_and_leased,
@@ -358,6 +361,207 @@ pub async fn claims_keep_each_session_in_order(store: &dyn Store) {
 
     store.ack(&alice_s1_first.id).await.unwrap();
     assert_eq!(claim().await, Some(alice_s1_second.id.clone()));
+}
+
+pub async fn expired_head_is_claimed_before_its_successor(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    let first = job_in(&alice, "s1", "a1");
+    let second = job_in(&alice, "s1", "a2");
+    store.enqueue(&first).await.unwrap();
+    store.enqueue(&second).await.unwrap();
+
+    let short = Duration::from_millis(300);
+    let claimed = store.claim("worker-a", short).await.unwrap().unwrap();
+    assert_eq!(claimed.job.id, first.id);
+    assert!(store.claim("worker-b", short).await.unwrap().is_none());
+
+    // worker-a died: its job comes back, still ahead of the session's next one.
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let lease = Duration::from_secs(30);
+    let again = store.claim("worker-b", lease).await.unwrap().unwrap();
+    assert_eq!((again.job.id.clone(), again.attempt), (first.id.clone(), 2));
+    assert!(store.claim("worker-c", lease).await.unwrap().is_none());
+    store.ack(&first.id).await.unwrap();
+    let next = store.claim("worker-c", lease).await.unwrap().unwrap();
+    assert_eq!((next.job.id, next.attempt), (second.id, 1));
+}
+
+pub async fn finishing_any_job_keeps_its_session_in_order(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    let jobs: Vec<Job> = ["a1", "a2", "a3", "a4"]
+        .into_iter()
+        .map(|key| job_in(&alice, "s1", key))
+        .collect();
+    for queued in &jobs {
+        store.enqueue(queued).await.unwrap();
+    }
+    let lease = Duration::from_secs(30);
+    let claim = async || {
+        store
+            .claim("worker", lease)
+            .await
+            .unwrap()
+            .map(|c| c.job.id)
+    };
+
+    // Failing a job that waits behind a leased one takes it out without releasing anything.
+    assert_eq!(claim().await, Some(jobs[0].id.clone()));
+    assert!(store.fail(&jobs[1].id, "cancelled").await.unwrap());
+    assert_eq!(claim().await, None);
+    assert_eq!(store.queue_depth().await.unwrap(), 3);
+
+    // Acknowledging the head releases the next unfinished job, past the failed one.
+    store.ack(&jobs[0].id).await.unwrap();
+    assert_eq!(claim().await, Some(jobs[2].id.clone()));
+
+    // A job can be finished before anyone claimed it; the session moves on.
+    store.ack(&jobs[2].id).await.unwrap();
+    store.ack(&jobs[3].id).await.unwrap();
+    assert_eq!(claim().await, None);
+    assert_eq!(store.queue_depth().await.unwrap(), 0);
+    assert_eq!(
+        store.job_state(&jobs[1].id).await.unwrap(),
+        Some(JobState::Failed {
+            reason: "cancelled".into()
+        })
+    );
+}
+
+/// A job of the model: (user index, session, job key).
+type ModelJob = (usize, String, String);
+
+/// Seeded random enqueues, claims, finishes and forgets for two users in three sessions each,
+/// checked against a model: each session's unfinished jobs in enqueue order, and which are
+/// leased. Leases outlive the case, so a claim must return an unleased session head, and
+/// nothing only when every head is leased.
+pub async fn random_operations_follow_a_model_of_sessions(store: &dyn Store) {
+    use std::collections::{BTreeMap, HashSet, VecDeque};
+
+    let users = [UserKey::new("acme", "alice"), UserKey::new("acme", "bob")];
+    let mut sessions: BTreeMap<(usize, String), VecDeque<String>> = BTreeMap::new();
+    let mut leased: HashSet<(usize, String)> = HashSet::new();
+    // xorshift64: the same sequence every run.
+    let mut seed: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut random = move |bound: usize| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        usize::try_from(seed % u64::try_from(bound).unwrap()).unwrap()
+    };
+    let lease = Duration::from_secs(600);
+    let id_of = |user: usize, key: &str| JobId {
+        user: users[user].clone(),
+        key: key.to_owned(),
+    };
+
+    // Claims once and checks the result against the model; true when a job was claimed.
+    async fn claim_checked(
+        store: &dyn Store,
+        users: &[UserKey],
+        sessions: &BTreeMap<(usize, String), VecDeque<String>>,
+        leased: &mut HashSet<(usize, String)>,
+        lease: Duration,
+    ) -> Option<ModelJob> {
+        let claimable: Vec<ModelJob> = sessions
+            .iter()
+            .filter_map(|((user, session), jobs)| {
+                let head = jobs.front()?;
+                (!leased.contains(&(*user, head.clone())))
+                    .then(|| (*user, session.clone(), head.clone()))
+            })
+            .collect();
+        let claimed = store.claim("worker", lease).await.unwrap();
+        let Some(claimed) = claimed else {
+            assert!(
+                claimable.is_empty(),
+                "nothing claimed, but {claimable:?} were free"
+            );
+            return None;
+        };
+        let user = users
+            .iter()
+            .position(|user| *user == claimed.job.id.user)
+            .unwrap();
+        let job = (
+            user,
+            claimed.job.exchange.session_id.clone(),
+            claimed.job.id.key.clone(),
+        );
+        assert!(claimable.contains(&job), "{job:?} is not in {claimable:?}");
+        assert_eq!(claimed.attempt, 1);
+        leased.insert((user, job.2.clone()));
+        Some(job)
+    }
+
+    for step in 0..300 {
+        match random(50) {
+            0..=19 => {
+                let user = random(2);
+                let session = format!("s{}", random(3));
+                let key = format!("job-{step}");
+                let queued = job_in(&users[user], &session, &key);
+                assert_eq!(store.enqueue(&queued).await.unwrap(), Enqueued::Queued);
+                sessions.entry((user, session)).or_default().push_back(key);
+            }
+            20..=34 => {
+                claim_checked(store, &users, &sessions, &mut leased, lease).await;
+            }
+            35..=48 => {
+                let unfinished: Vec<ModelJob> = sessions
+                    .iter()
+                    .flat_map(|((user, session), jobs)| {
+                        jobs.iter().map(|key| (*user, session.clone(), key.clone()))
+                    })
+                    .collect();
+                if !unfinished.is_empty() {
+                    let (user, session, key) = unfinished[random(unfinished.len())].clone();
+                    let id = id_of(user, &key);
+                    if random(2) == 0 {
+                        assert!(store.ack(&id).await.unwrap());
+                    } else {
+                        assert!(store.fail(&id, "gave up").await.unwrap());
+                    }
+                    if let Some(jobs) = sessions.get_mut(&(user, session)) {
+                        jobs.retain(|waiting| *waiting != key);
+                    }
+                    leased.remove(&(user, key));
+                }
+            }
+            _ => {
+                let user = random(2);
+                store.forget_user(&users[user]).await.unwrap();
+                sessions.retain(|(owner, _), _| *owner != user);
+                leased.retain(|(owner, _)| *owner != user);
+            }
+        }
+        let depth: usize = sessions.values().map(VecDeque::len).sum();
+        assert_eq!(
+            store.queue_depth().await.unwrap(),
+            u64::try_from(depth).unwrap(),
+            "after step {step}"
+        );
+    }
+
+    // Drain: finish the leased jobs, then claim and finish until nothing is left.
+    for (user, key) in std::mem::take(&mut leased) {
+        assert!(store.ack(&id_of(user, &key)).await.unwrap());
+        for ((owner, _), jobs) in &mut sessions {
+            if *owner == user {
+                jobs.retain(|waiting| *waiting != key);
+            }
+        }
+    }
+    while let Some((user, session, key)) =
+        claim_checked(store, &users, &sessions, &mut leased, lease).await
+    {
+        assert!(store.ack(&id_of(user, &key)).await.unwrap());
+        if let Some(jobs) = sessions.get_mut(&(user, session)) {
+            jobs.retain(|waiting| *waiting != key);
+        }
+        leased.remove(&(user, key));
+    }
+    assert!(sessions.values().all(VecDeque::is_empty), "{sessions:?}");
+    assert_eq!(store.queue_depth().await.unwrap(), 0);
 }
 
 pub async fn concurrent_claims_never_share_a_job(store: &dyn Store) {
