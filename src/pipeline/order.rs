@@ -150,7 +150,8 @@ mod tests {
         let other = order.ticket("other".into());
         assert!(first.wait_turn().await);
         assert!(other.wait_turn().await);
-        let waiting = tokio::spawn(async move {
+        let tasks = tokio_util::task::TaskTracker::new();
+        let waiting = tasks.spawn(async move {
             let ok = third.wait_turn().await;
             drop(third);
             ok
