@@ -17,6 +17,7 @@ use crate::error::{Error, Result};
 use crate::pipeline::cache::MemoryCache;
 use crate::pipeline::store_memory::StoreMemory;
 use crate::server::{AppState, Server};
+use crate::store::redis::RedisOptions;
 use crate::store::{EmbeddedStore, RedisStore, Store};
 use crate::summarizer::Summarizer;
 use crate::upstream::Upstream;
@@ -134,7 +135,13 @@ pub async fn open_store(config: &StoreConfig) -> Result<(Arc<dyn Store>, Option<
             Ok((Arc::new(store), None))
         }
         StoreBackend::Redis => {
-            let store = RedisStore::connect(&config.redis_url, &config.redis_prefix)
+            let options = RedisOptions {
+                prefix: config.redis_prefix.clone(),
+                finished_job_ttl: (config.redis_finished_job_ttl_secs > 0)
+                    .then(|| Duration::from_secs(config.redis_finished_job_ttl_secs)),
+                ..RedisOptions::default()
+            };
+            let store = RedisStore::connect_with(&config.redis_url, options)
                 .await
                 .map_err(|error| Error::Config {
                     path: "store.redis_url".into(),

@@ -13,12 +13,12 @@
     reason = "tests: a failure should fail the test loudly"
 )]
 
+mod common;
 mod store_suite;
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use common::redis::RedisServer;
 use engram::memory::ItemRef;
 use engram::store::redis::{DEFAULT_FINISHED_JOB_TTL, LEASE_HORIZON_MS};
 use engram::store::{Enqueued, Job, JobId, JobState, RedisOptions, RedisStore, Store, UserKey};
@@ -26,62 +26,10 @@ use redis::AsyncCommands;
 use redis::aio::MultiplexedConnection;
 use store_suite::{exchange, job, job_in, state_with};
 
-/// A `redis-server` child process, killed on drop.
-struct RedisServer {
-    child: Child,
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn redis_server_installed() -> bool {
-    Command::new("redis-server")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|status| status.success())
-}
-
-fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
-}
-
 /// Starts a server on a free port; `None` when redis-server is missing and not required.
 async fn start_server() -> Option<(String, RedisServer)> {
-    if !redis_server_installed() {
-        if std::env::var("ENGRAM_REQUIRE_REDIS").is_ok_and(|value| value == "1") {
-            panic!("ENGRAM_REQUIRE_REDIS=1 but redis-server is not on PATH; install redis-server");
-        }
-        println!("SKIPPED: redis-server not installed");
-        return None;
-    }
-    let port = free_port();
-    let child = Command::new("redis-server")
-        .args(["--port", &port.to_string()])
-        .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let server = RedisServer { child };
-    // The server takes a moment to listen; poll the port (the client's own reconnects back
-    // off for seconds).
-    for _ in 0..200 {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_ok()
-        {
-            return Some((format!("redis://127.0.0.1:{port}"), server));
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("redis-server on port {port} did not accept connections within 5s");
+    let server = RedisServer::start().await?;
+    Some((server.url(), server))
 }
 
 const PREFIX: &str = "engram-test";
@@ -103,6 +51,7 @@ async fn store_and_connection(
     let options = RedisOptions {
         prefix: PREFIX.to_owned(),
         finished_job_ttl,
+        ..RedisOptions::default()
     };
     let store = RedisStore::connect_with(&url, options).await.unwrap();
     let connection = redis::Client::open(url.as_str())

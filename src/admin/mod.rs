@@ -101,12 +101,18 @@ impl AdminApi {
     }
 
     async fn queue(&self) -> Result<Response<ProxyBody>, Error> {
-        let depth = self.store.queue_depth().await?;
+        // Reported even while the store is down: the spool and the counters are local.
+        let (depth, store_error) = match self.store.queue_depth().await {
+            Ok(depth) => (Some(depth), None),
+            Err(error) => (None, Some(error.to_string())),
+        };
         let outbox = self.outbox.stats();
         let mut body = json!({
             "depth": depth,
+            "store_error": store_error,
             "spooled": self.outbox.spooled(),
             "recorded": {
+                "in_flight": outbox.in_flight.load(Ordering::Relaxed),
                 "queued": outbox.queued.load(Ordering::Relaxed),
                 "spooled": outbox.spooled.load(Ordering::Relaxed),
                 "forwarded": outbox.forwarded.load(Ordering::Relaxed),

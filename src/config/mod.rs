@@ -77,6 +77,9 @@ pub struct StoreConfig {
     pub redis_url: String,
     /// Prefix of every Redis key.
     pub redis_prefix: String,
+    /// How long Redis keeps an applied or failed job's record (its state for read-your-writes
+    /// and replay detection); 0 keeps it until the user is forgotten.
+    pub redis_finished_job_ttl_secs: u64,
     /// The hot path's store read must answer within this; past it (or on an error) the request
     /// goes upstream without memory (fail open).
     pub hot_path_deadline_ms: u64,
@@ -185,6 +188,7 @@ impl Default for StoreConfig {
             data_dir: PathBuf::from("data"),
             redis_url: "redis://127.0.0.1:6379".to_owned(),
             redis_prefix: crate::store::redis::DEFAULT_PREFIX.to_owned(),
+            redis_finished_job_ttl_secs: crate::store::redis::DEFAULT_FINISHED_JOB_TTL.as_secs(),
             hot_path_deadline_ms: 20,
         }
     }

@@ -188,7 +188,9 @@ impl MemoryLayer for StoreMemory {
     fn record(&self, exchange: Exchange) -> BoxFuture<'static, ()> {
         log_capture(&exchange);
         let outbox = Arc::clone(&self.outbox);
+        let in_flight = exchange.record.is_some().then(|| outbox.recording());
         Box::pin(async move {
+            let _in_flight = in_flight;
             let Some(mut plan) = exchange.record else {
                 return;
             };

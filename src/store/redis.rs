@@ -24,7 +24,7 @@
 
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{AsyncCommands, Script};
 use serde::{Deserialize, Serialize};
 
@@ -232,6 +232,11 @@ pub struct RedisOptions {
     /// How long an applied or failed job's record is kept: while it is, `job_state` reports
     /// it and a replayed exchange is a duplicate. `None` keeps it until the user is forgotten.
     pub finished_job_ttl: Option<Duration>,
+    /// Each connection attempt gives up after this.
+    pub connect_timeout: Duration,
+    /// A command without an answer within this fails (a stalled server must not hang the
+    /// worker or the recorder; the hot path has its own, shorter deadline).
+    pub response_timeout: Duration,
 }
 
 impl Default for RedisOptions {
@@ -239,6 +244,8 @@ impl Default for RedisOptions {
         RedisOptions {
             prefix: DEFAULT_PREFIX.to_owned(),
             finished_job_ttl: Some(DEFAULT_FINISHED_JOB_TTL),
+            connect_timeout: Duration::from_secs(2),
+            response_timeout: Duration::from_secs(2),
         }
     }
 }
@@ -276,7 +283,17 @@ impl RedisStore {
     /// Connects to `url` with the given options.
     pub async fn connect_with(url: &str, options: RedisOptions) -> Result<RedisStore> {
         let client = redis::Client::open(url).map_err(redis_error)?;
-        let connection = ConnectionManager::new(client).await.map_err(redis_error)?;
+        // Reconnects back off from 10 ms up to 1 s, so a restarted server is found quickly.
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(options.connect_timeout)
+            .set_response_timeout(options.response_timeout)
+            .set_exponent_base(2)
+            .set_factor(10)
+            .set_max_delay(1000)
+            .set_number_of_retries(6);
+        let connection = ConnectionManager::new_with_config(client, config)
+            .await
+            .map_err(redis_error)?;
         Ok(RedisStore {
             connection,
             prefix: options.prefix,

@@ -35,6 +35,8 @@ pub struct Outbox {
 
 #[derive(Debug, Default)]
 pub struct OutboxStats {
+    /// Recordings between the end of their response and their job being durable.
+    pub in_flight: AtomicU64,
     pub queued: AtomicU64,
     pub spooled: AtomicU64,
     pub forwarded: AtomicU64,
@@ -65,6 +67,13 @@ impl Outbox {
 
     pub fn stats(&self) -> &OutboxStats {
         &self.stats
+    }
+
+    /// Counts a recording as in flight until the guard drops (the admin API reports it, so
+    /// "nothing in flight and the queue empty" means every answered turn is applied).
+    pub fn recording(self: &Arc<Self>) -> InFlight {
+        self.stats.in_flight.fetch_add(1, Ordering::AcqRel);
+        InFlight(Arc::clone(self))
     }
 
     /// Jobs waiting in the local spool.
@@ -177,5 +186,14 @@ impl Outbox {
                 }
             }
         }
+    }
+}
+
+/// A recording in flight; see [`Outbox::recording`].
+pub struct InFlight(Arc<Outbox>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.stats.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }

@@ -12,6 +12,9 @@
     reason = "test harness: a failure should fail the test loudly"
 )]
 
+pub mod memory;
+pub mod redis;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;

@@ -1,0 +1,114 @@
+//! A real `redis-server` for tests: on a free loopback port, killed on drop. Without
+//! `redis-server` on PATH, tests skip (say so and return `None`), unless
+//! `ENGRAM_REQUIRE_REDIS=1` (set by `scripts/test.sh`, so CI never skips silently).
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+pub struct RedisServer {
+    child: Option<Child>,
+    pub port: u16,
+    /// With a directory the server keeps an append-only file there (fsync on every write), so
+    /// a restart on the same port finds everything it acknowledged.
+    dir: Option<PathBuf>,
+}
+
+impl RedisServer {
+    /// A throwaway server without persistence.
+    pub async fn start() -> Option<RedisServer> {
+        RedisServer::spawn(None).await
+    }
+
+    /// A server that persists to `dir` and can be killed and restarted.
+    pub async fn start_durable(dir: &Path) -> Option<RedisServer> {
+        RedisServer::spawn(Some(dir.to_owned())).await
+    }
+
+    async fn spawn(dir: Option<PathBuf>) -> Option<RedisServer> {
+        if !installed() {
+            if std::env::var("ENGRAM_REQUIRE_REDIS").is_ok_and(|value| value == "1") {
+                panic!(
+                    "ENGRAM_REQUIRE_REDIS=1 but redis-server is not on PATH; install redis-server"
+                );
+            }
+            println!("SKIPPED: redis-server not installed");
+            return None;
+        }
+        let mut server = RedisServer {
+            child: None,
+            port: free_port(),
+            dir,
+        };
+        server.restart().await;
+        Some(server)
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the server (SIGKILL): nothing is flushed beyond what it already acknowledged.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server (again) on its port and waits until it accepts connections.
+    pub async fn restart(&mut self) {
+        self.kill();
+        let mut command = Command::new("redis-server");
+        command
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", ""])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        match &self.dir {
+            Some(dir) => {
+                command.args(["--appendonly", "yes", "--appendfsync", "always", "--dir"]);
+                command.arg(dir);
+            }
+            None => {
+                command.args(["--appendonly", "no"]);
+            }
+        }
+        self.child = Some(command.spawn().expect("start redis-server"));
+        // Poll the port: the client's own reconnects back off for longer.
+        for _ in 0..400 {
+            if tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+                .await
+                .is_ok()
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!(
+            "redis-server on port {} did not accept connections within 10s",
+            self.port
+        );
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn installed() -> bool {
+    Command::new("redis-server")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success())
+}
+
+fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.local_addr().expect("local addr").port()
+}

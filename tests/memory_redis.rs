@@ -1,0 +1,141 @@
+//! Memory on the Redis backend through the real binary, against a real `redis-server` that the
+//! test starts, stops and restarts.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "tests: a failure should fail the test loudly"
+)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::memory::{
+    admin, export, header, memory_part, recorded, say, wait_applied, wait_drained,
+};
+use common::redis::RedisServer;
+use common::{mock, proxy, temp_path};
+
+#[tokio::test]
+async fn redis_stopped_while_serving_answers_without_memory_and_loses_no_recorded_turn() {
+    let redis_dir = tempfile::tempdir().unwrap();
+    let Some(mut redis) = RedisServer::start_durable(redis_dir.path()).await else {
+        return;
+    };
+    let record = temp_path("redis-outage.jsonl");
+    let upstream = mock(&["--record", record.to_str().unwrap()]);
+    let url = redis.url();
+    let proxy = proxy(
+        &upstream.address,
+        &[
+            ("ENGRAM_STORE__BACKEND", "redis"),
+            ("ENGRAM_STORE__REDIS_URL", url.as_str()),
+            ("ENGRAM_WORKER__LEASE_MS", "2000"),
+        ],
+    );
+
+    let mut turn_ids = Vec::new();
+    let mut last = None;
+    for turn in 0..4 {
+        let text = format!("I'm allergic to shellfish. Before the outage, turn {turn}.");
+        let reply = say(&proxy, "acme", "olga", "s", &text).await;
+        turn_ids.push(header(&reply, "x-engram-turn-id").to_owned());
+        last = Some(reply);
+    }
+    wait_applied(&proxy, "acme", "olga", &last.unwrap()).await;
+    let injected = say(&proxy, "acme", "olga", "s", "Plan my dinner, turn 4.").await;
+    assert_eq!(header(&injected, "x-engram-memory"), "injected");
+    turn_ids.push(header(&injected, "x-engram-turn-id").to_owned());
+
+    redis.kill();
+    for turn in 5..9 {
+        let reply = say(
+            &proxy,
+            "acme",
+            "olga",
+            "s",
+            &format!("During the outage, turn {turn}."),
+        )
+        .await;
+        assert_eq!(header(&reply, "x-engram-memory"), "degraded");
+        let reason = header(&reply, "x-engram-memory-reason");
+        assert!(
+            reason == "store_error" || reason == "store_timeout",
+            "{reason}"
+        );
+        turn_ids.push(header(&reply, "x-engram-turn-id").to_owned());
+    }
+    // Recordings of the outage go to the local spool once their enqueue retries fail; the
+    // admin API reports it while Redis is down.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let queue = admin(&proxy, "/engram/v1/queue", "default").await.json();
+        // Four outage turns, and the turn before them if its recording was still in flight.
+        let spooled = queue["recorded"]["spooled"].as_u64().unwrap();
+        if queue["recorded"]["in_flight"] == 0 && spooled >= 4 {
+            assert!(
+                queue["depth"].is_null() && queue["store_error"].is_string(),
+                "{queue}"
+            );
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{queue}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    redis.restart().await;
+    let after = say(&proxy, "acme", "olga", "s", "After the outage, turn 9.").await;
+    turn_ids.push(header(&after, "x-engram-turn-id").to_owned());
+    let queue = wait_drained(&proxy, Duration::from_secs(30)).await;
+    // The outage's recordings went through the spool.
+    let spooled = queue["recorded"]["spooled"].as_u64().unwrap();
+    assert!(spooled >= 4, "{queue}");
+    assert_eq!(queue["recorded"]["forwarded"], spooled, "{queue}");
+    assert_eq!(queue["recorded"]["lost"], 0, "{queue}");
+
+    let memory = export(&proxy, "acme", "olga").await;
+    let raw: Vec<&str> = memory["raw_log"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|entry| entry["exchange"]["turn_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(raw, turn_ids, "every turn once, in order");
+    let applied = memory["memory"]["raw_turns"].as_array().unwrap().len();
+    assert_eq!(applied, turn_ids.len());
+
+    // Memory is back: the constraint from before the outage reaches the upstream.
+    let reply = say(&proxy, "acme", "olga", "s2", "What should I avoid eating?").await;
+    assert_eq!(header(&reply, "x-engram-memory"), "injected");
+    let prompts = recorded(&record);
+    assert!(memory_part(prompts.last().unwrap()).contains("shellfish"));
+}
+
+#[tokio::test]
+async fn the_redis_backend_carries_a_fact_across_sessions_and_proxies() {
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let record = temp_path("redis-shared.jsonl");
+    let upstream = mock(&["--record", record.to_str().unwrap()]);
+    let url = redis.url();
+    let env = [
+        ("ENGRAM_STORE__BACKEND", "redis"),
+        ("ENGRAM_STORE__REDIS_URL", url.as_str()),
+    ];
+    // Two proxies on one Redis, as two sidecars would be; only the first runs a worker.
+    let writer = proxy(&upstream.address, &env);
+    let mut reader_env = env.to_vec();
+    reader_env.push(("ENGRAM_WORKER__ENABLED", "false"));
+    let reader = proxy(&upstream.address, &reader_env);
+
+    let reply = say(&reader, "acme", "pia", "s1", "I live in Bergen.").await;
+    // The reader recorded it; the writer's worker applied it.
+    wait_applied(&writer, "acme", "pia", &reply).await;
+    let reply = say(&reader, "acme", "pia", "s2", "Where do I live?").await;
+    assert_eq!(header(&reply, "x-engram-memory"), "injected");
+    assert!(memory_part(recorded(&record).last().unwrap()).contains("Bergen"));
+    wait_applied(&writer, "acme", "pia", &reply).await;
+}
