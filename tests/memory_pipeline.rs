@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use common::memory::{
     admin, export, header, memory_part, recorded, say, wait_applied, wait_drained,
 };
-use common::{Process, mock, post_json, proxy, send, temp_path};
+use common::{Process, mock, mock_at, post_json, proxy, send, temp_path};
 use serde_json::{Value, json};
 
 #[tokio::test]
@@ -373,4 +373,117 @@ async fn a_worker_killed_mid_job_applies_every_recorded_turn_exactly_once_after_
     assert_eq!(applied.len(), turns);
     assert_eq!(applied.iter().collect::<HashSet<_>>().len(), turns);
     assert_eq!(applied, turn_ids, "memory: each turn once, in order");
+}
+
+/// A summarizer reply with one grounded fact and one the exchange never mentions.
+const SUMMARY_WITH_HALLUCINATION: &str = r#"{"user_summary":"The user named their greyhound.","assistant_summary":"The assistant liked the name.","add":["dog name: Comet","boat: a yacht in Monaco"],"update":[],"remove":[]}"#;
+
+async fn facts_of(proxy: &Process, user: &str) -> Vec<String> {
+    let memory = export(proxy, "default", user).await;
+    memory["memory"]["facts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|fact| fact["active"] == true)
+        .map(|fact| {
+            format!(
+                "{}: {}",
+                fact["key"].as_str().unwrap(),
+                fact["value"].as_str().unwrap_or_default()
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn the_llm_summarizers_grounded_facts_reach_memory_and_hallucinated_ones_do_not() {
+    let upstream = mock(&[]);
+    let summarizer = mock(&["--reply", SUMMARY_WITH_HALLUCINATION]);
+    let summarizer_url = format!("{}/v1", summarizer.address);
+    let proxy = proxy(
+        &upstream.address,
+        &[("ENGRAM_SUMMARIZER__BASE_URL", summarizer_url.as_str())],
+    );
+    let reply = say(
+        &proxy,
+        "default",
+        "quinn",
+        "s",
+        "Our greyhound is called Comet.",
+    )
+    .await;
+    wait_applied(&proxy, "default", "quinn", &reply).await;
+    let facts = facts_of(&proxy, "quinn").await;
+    assert!(
+        facts.iter().any(|fact| fact == "dog name: Comet"),
+        "{facts:?}"
+    );
+    assert!(
+        !facts.iter().any(|fact| fact.contains("yacht")),
+        "{facts:?}"
+    );
+    let queue = admin(&proxy, "/engram/v1/queue", "default").await.json();
+    assert_eq!(queue["worker"]["summarizer_fallbacks"], 0, "{queue}");
+}
+
+#[tokio::test]
+async fn a_summarizer_timeout_records_the_heuristic_now_and_applies_the_model_later() {
+    let upstream = mock(&[]);
+    // Slower than the summarizer's timeout at first …
+    let mut slow = mock(&[
+        "--reply",
+        SUMMARY_WITH_HALLUCINATION,
+        "--latency-ms",
+        "2000",
+    ]);
+    let listen = slow.address.trim_start_matches("http://").to_owned();
+    let summarizer_url = format!("{}/v1", slow.address);
+    let proxy = proxy(
+        &upstream.address,
+        &[
+            ("ENGRAM_SUMMARIZER__BASE_URL", summarizer_url.as_str()),
+            ("ENGRAM_SUMMARIZER__TIMEOUT_MS", "300"),
+            ("ENGRAM_SUMMARIZER__BACKGROUND_RETRY_DELAY_MS", "1500"),
+        ],
+    );
+    let reply = say(
+        &proxy,
+        "default",
+        "ravi",
+        "s",
+        "Our greyhound is called Comet.",
+    )
+    .await;
+    wait_applied(&proxy, "default", "ravi", &reply).await;
+    let queue = admin(&proxy, "/engram/v1/queue", "default").await.json();
+    assert_eq!(queue["worker"]["summarizer_fallbacks"], 1, "{queue}");
+    assert!(
+        !facts_of(&proxy, "ravi")
+            .await
+            .iter()
+            .any(|fact| fact == "dog name: Comet")
+    );
+
+    // … then answering in time, on the same address, before the background retry.
+    slow.signal("KILL");
+    slow.wait_exit(Duration::from_secs(5));
+    let _fast = mock_at(&listen, &["--reply", SUMMARY_WITH_HALLUCINATION]);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let queue = admin(&proxy, "/engram/v1/queue", "default").await.json();
+        if queue["worker"]["summarizer_refined"] == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{queue}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let facts = facts_of(&proxy, "ravi").await;
+    assert!(
+        facts.iter().any(|fact| fact == "dog name: Comet"),
+        "{facts:?}"
+    );
+    assert!(
+        !facts.iter().any(|fact| fact.contains("yacht")),
+        "{facts:?}"
+    );
 }

@@ -9,7 +9,8 @@
     clippy::unwrap_used,
     clippy::expect_used,
     clippy::panic,
-    reason = "test harness: a failure should fail the test loudly"
+    clippy::print_stdout,
+    reason = "test harness: a failure should fail the test loudly; skips are printed"
 )]
 
 pub mod memory;
@@ -148,7 +149,12 @@ impl Drop for Process {
 }
 
 pub fn mock(args: &[&str]) -> Process {
-    let mut all = vec!["mock-upstream", "--listen", "127.0.0.1:0"];
+    mock_at("127.0.0.1:0", args)
+}
+
+/// A mock on a given address (to replace one that was stopped, on the same port).
+pub fn mock_at(listen: &str, args: &[&str]) -> Process {
+    let mut all = vec!["mock-upstream", "--listen", listen];
     all.extend_from_slice(args);
     Process::spawn(&all, &[], "mock-upstream listening on ")
 }
