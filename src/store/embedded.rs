@@ -19,8 +19,8 @@ use redb::{
 use serde::{Deserialize, Serialize};
 
 use super::{
-    Appended, ClaimedJob, Enqueued, ForgetReport, HotRecord, Job, JobId, JobState, RawEntry, Store,
-    UserKey, decode, now_ms,
+    Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobState,
+    RawEntry, Store, UserKey, decode, now_ms,
 };
 use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
@@ -200,17 +200,16 @@ impl Store for EmbeddedStore {
         })
     }
 
-    fn save_state<'a>(
+    fn save_encoded_state<'a>(
         &'a self,
         user: &'a UserKey,
-        state: &'a MemoryState,
+        state: &'a EncodedState,
         expected_version: u64,
     ) -> BoxFuture<'a, Result<()>> {
         let user = user.clone();
         let new_version = state.version;
-        let encoded = encode(state);
+        let encoded = state.json.clone();
         self.blocking(move |db| {
-            let encoded = encoded?;
             let txn = db.begin_write().map_err(db_error)?;
             // On a conflict the transaction is dropped, which aborts it: nothing is written.
             write_state(&txn, &user, &encoded, new_version, expected_version)?;
@@ -400,16 +399,17 @@ impl Store for EmbeddedStore {
         &'a self,
         job: &'a JobId,
         exchange: &'a ExchangeInput,
-        state: &'a MemoryState,
+        state: &'a EncodedState,
         expected_version: u64,
         prefetched: &'a [CandidateId],
     ) -> BoxFuture<'a, Result<()>> {
         let id = job.clone();
         let exchange = exchange.clone();
         let new_version = state.version;
-        let encoded = encode(state).and_then(|state| Ok((state, encode(prefetched)?)));
+        let encoded_state = state.json.clone();
+        let encoded_prefetched = encode(prefetched);
         self.blocking(move |db| {
-            let (encoded_state, encoded_prefetched) = encoded?;
+            let encoded_prefetched = encoded_prefetched?;
             let user = &id.user;
             // One transaction, one fsync: the worker's whole write for a job.
             let txn = db.begin_write().map_err(db_error)?;

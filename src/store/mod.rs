@@ -158,6 +158,21 @@ pub trait Store: Send + Sync + 'static {
         user: &'a UserKey,
         state: &'a MemoryState,
         expected_version: u64,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let encoded = EncodedState::of(state)?;
+            self.save_encoded_state(user, &encoded, expected_version)
+                .await
+        })
+    }
+
+    /// [`Store::save_state`] with the state already encoded (the worker encodes off the async
+    /// threads).
+    fn save_encoded_state<'a>(
+        &'a self,
+        user: &'a UserKey,
+        state: &'a EncodedState,
+        expected_version: u64,
     ) -> BoxFuture<'a, Result<()>>;
 
     /// Replaces the session's prefetched candidates (the worker computes them after a turn).
@@ -221,13 +236,14 @@ pub trait Store: Send + Sync + 'static {
         &'a self,
         job: &'a JobId,
         exchange: &'a ExchangeInput,
-        state: &'a MemoryState,
+        state: &'a EncodedState,
         expected_version: u64,
         prefetched: &'a [CandidateId],
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             self.append_raw(&job.user, &job.key, exchange).await?;
-            self.save_state(&job.user, state, expected_version).await?;
+            self.save_encoded_state(&job.user, state, expected_version)
+                .await?;
             self.save_prefetched(&job.user, &exchange.session_id, prefetched)
                 .await?;
             self.ack(job).await?;
@@ -242,6 +258,23 @@ pub trait Store: Send + Sync + 'static {
 
     /// Deletes every record of the user: state, prefetched candidates, raw log, jobs.
     fn forget_user<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<ForgetReport>>;
+}
+
+/// A memory state serialised for storage, with its version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EncodedState {
+    pub version: u64,
+    pub json: Vec<u8>,
+}
+
+impl EncodedState {
+    pub fn of(state: &MemoryState) -> Result<EncodedState> {
+        Ok(EncodedState {
+            version: state.version,
+            json: serde_json::to_vec(state)
+                .map_err(|error| Error::Store(format!("encode: {error}")))?,
+        })
+    }
 }
 
 /// Reads a stored JSON record; a record that does not decode is a store error, not a panic.

@@ -29,8 +29,8 @@ use redis::{AsyncCommands, Script};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    Appended, ClaimedJob, Enqueued, ForgetReport, HotRecord, Job, JobId, JobState, RawEntry, Store,
-    UserKey, decode,
+    Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobState,
+    RawEntry, Store, UserKey, decode,
 };
 use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
@@ -450,10 +450,10 @@ impl Store for RedisStore {
         })
     }
 
-    fn save_state<'a>(
+    fn save_encoded_state<'a>(
         &'a self,
         user: &'a UserKey,
-        state: &'a MemoryState,
+        state: &'a EncodedState,
         expected_version: u64,
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
@@ -464,7 +464,7 @@ impl Store for RedisStore {
                 .key(self.user_key(user, "state"))
                 .arg(expected_version.to_string())
                 .arg(state.version.to_string())
-                .arg(encode(state)?)
+                .arg(state.json.as_slice())
                 .invoke_async(&mut self.connection())
                 .await
                 .map_err(redis_error)?;

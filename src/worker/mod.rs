@@ -29,9 +29,9 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::WorkerConfig;
 use crate::error::{Error, Result};
-use crate::memory::{self, MemoryConfig, MemoryState, Precomputed};
+use crate::memory::{self, CandidateId, ExchangeInput, MemoryConfig, MemoryState, Precomputed};
 use crate::pipeline::cache::{CachedMemory, MemoryCache, first_version};
-use crate::store::{ClaimedJob, Job, Store, UserKey};
+use crate::store::{ClaimedJob, EncodedState, Job, Store, UserKey};
 use crate::summarizer::{Summarizer, SummarySource};
 
 pub use outbox::Outbox;
@@ -258,43 +258,41 @@ impl Worker {
                     cached.as_ref().map(|m| m.version()),
                 )
                 .await?;
-            let (mut state, base) = match (record.version, record.state, cached) {
-                (0, _, _) => {
-                    let mut state = MemoryState::new();
-                    state.version = first_version();
-                    (state, None)
-                }
-                (_, Some(state), cached) => (state, cached),
+            let start = match (record.version, record.state, cached) {
+                (0, _, _) => Start::Fresh,
+                (_, Some(state), cached) => Start::Loaded(Box::new(state), cached),
                 (version, None, Some(cached)) if cached.version() == version => {
-                    (cached.state.clone(), Some(cached))
+                    Start::Cached(cached)
                 }
                 (_, None, _) => match self.store.load_state(user).await? {
-                    Some(state) => (state, None),
+                    Some(state) => Start::Loaded(Box::new(state), None),
                     None => continue,
                 },
             };
-            let expected = if record.version == 0 {
-                0
-            } else {
-                state.version
-            };
-            let outcome = memory::record_exchange(&mut state, exchange, extractor, &self.memory);
-            if outcome.duplicate {
+            let expected = record.version;
+            // The engine's work and the encoding are CPU-bound: off the async threads, so the
+            // requests this process serves never wait behind a job.
+            let memory = Arc::clone(&self.memory);
+            let input = exchange.clone();
+            let extractor = extractor.clone();
+            let computed =
+                tokio::task::spawn_blocking(move || compute(start, &input, &extractor, &memory))
+                    .await
+                    .map_err(|error| Error::Internal(format!("worker task failed: {error}")))??;
+            let Some(Computed {
+                applied,
+                prefetched,
+                encoded,
+            }) = computed
+            else {
                 // The state has it; make sure the raw log and the job say so too.
                 self.store.append_raw(user, &job.id.key, exchange).await?;
                 self.store.ack(&job.id).await?;
                 return Ok(Applied::Duplicate);
-            }
-            let applied = CachedMemory::after(base.as_deref(), state);
-            let prefetched = memory::prefetch(
-                &applied.state,
-                &applied.index,
-                &exchange.session_id,
-                &self.memory.retrieval,
-            );
+            };
             match self
                 .store
-                .commit_job(&job.id, exchange, &applied.state, expected, &prefetched)
+                .commit_job(&job.id, exchange, &encoded, expected, &prefetched)
                 .await
             {
                 Ok(()) => {
@@ -312,6 +310,58 @@ impl Worker {
             "memory kept changing: {CONFLICT_RETRIES} version conflicts in a row"
         )))
     }
+}
+
+/// Where a job's state comes from.
+enum Start {
+    /// Nothing stored: a new memory.
+    Fresh,
+    /// Read from the store; with the cached memory it replaces, whose index is refreshed.
+    Loaded(Box<MemoryState>, Option<Arc<CachedMemory>>),
+    /// The cached memory is current.
+    Cached(Arc<CachedMemory>),
+}
+
+struct Computed {
+    applied: CachedMemory,
+    prefetched: Vec<CandidateId>,
+    encoded: EncodedState,
+}
+
+/// Records the exchange on the state, refreshes the index, prefetches the session's next
+/// candidates and encodes the result. `None` when the state already has the exchange.
+fn compute(
+    start: Start,
+    exchange: &ExchangeInput,
+    extractor: &Precomputed,
+    config: &MemoryConfig,
+) -> Result<Option<Computed>> {
+    let (mut state, base) = match start {
+        Start::Fresh => {
+            let mut state = MemoryState::new();
+            state.version = first_version();
+            (state, None)
+        }
+        Start::Loaded(state, cached) => (*state, cached),
+        Start::Cached(cached) => (cached.state.clone(), Some(cached)),
+    };
+    let outcome = memory::record_exchange(&mut state, exchange, extractor, config);
+    if outcome.duplicate {
+        return Ok(None);
+    }
+    let applied = CachedMemory::after(base.as_deref(), state);
+    let prefetched = memory::prefetch(
+        &applied.state,
+        &applied.index,
+        &exchange.session_id,
+        &config.retrieval,
+    );
+    let encoded = EncodedState::of(&applied.state)?;
+    Ok(Some(Computed {
+        applied,
+        prefetched,
+        encoded,
+    }))
 }
 
 /// Applies a later, better diff to an already recorded turn (found by its turn id), with the
