@@ -123,6 +123,8 @@ struct Samples {
     /// Send to first body chunk, in microseconds.
     first_chunk_us: Vec<f64>,
     errors: u64,
+    /// Responses that carried memory (`x-engram-memory: injected`).
+    injected: u64,
     /// How late the generator started requests against its schedule (its own health).
     max_send_lag_us: f64,
     elapsed: Duration,
@@ -154,12 +156,18 @@ async fn one_request(
     url: String,
     body: Bytes,
     headers: Headers,
-) -> Option<(f64, f64)> {
+    user: Option<String>,
+) -> Option<(f64, f64, bool)> {
     let mut request = http::Request::post(url)
         .header("content-type", "application/json")
         .header("authorization", "Bearer sk-bench");
     for (name, value) in headers {
         request = request.header(*name, *value);
+    }
+    if let Some(user) = user {
+        request = request
+            .header("x-engram-user", user)
+            .header("x-engram-session", "bench");
     }
     let request = request.body(Full::new(body)).ok()?;
     let started = Instant::now();
@@ -167,6 +175,10 @@ async fn one_request(
     if !response.status().is_success() {
         return None;
     }
+    let injected = response
+        .headers()
+        .get("x-engram-memory")
+        .is_some_and(|value| value == "injected");
     let mut body = response.into_body();
     let mut first = None;
     while let Some(frame) = body.frame().await {
@@ -177,21 +189,33 @@ async fn one_request(
     }
     let total = started.elapsed();
     let first = first.unwrap_or(total);
-    Some((total.as_secs_f64() * 1e6, first.as_secs_f64() * 1e6))
+    Some((
+        total.as_secs_f64() * 1e6,
+        first.as_secs_f64() * 1e6,
+        injected,
+    ))
+}
+
+/// The user of request `i` when memory is benchmarked: `users` users take turns.
+fn bench_user(users: Option<u32>, i: u64) -> Option<String> {
+    users.map(|users| format!("bench-user-{}", i % u64::from(users)))
 }
 
 /// Open loop: request `i` is sent at `start + i / rate`, whatever happened to earlier ones.
+/// With `users`, requests carry `x-engram-user` for that many users in turn.
 async fn open_loop(
     url: &str,
     body: &Bytes,
     headers: Headers,
     rate: u64,
     duration: Duration,
+    users: Option<u32>,
 ) -> Samples {
     let client = client();
     // Warm the pool and both processes.
-    for _ in 0..200 {
-        let _ = one_request(client.clone(), url.to_owned(), body.clone(), headers).await;
+    for i in 0..200 {
+        let user = bench_user(users, i);
+        let _ = one_request(client.clone(), url.to_owned(), body.clone(), headers, user).await;
     }
     let total = (rate as f64 * duration.as_secs_f64()) as u64;
     let interval = Duration::from_secs_f64(1.0 / rate as f64);
@@ -208,13 +232,15 @@ async fn open_loop(
             url.to_owned(),
             body.clone(),
             headers,
+            bench_user(users, i),
         ));
     }
     while let Some(result) = in_flight.join_next().await {
         match result {
-            Ok(Some((total, first))) => {
+            Ok(Some((total, first, injected))) => {
                 samples.total_us.push(total);
                 samples.first_chunk_us.push(first);
+                samples.injected += u64::from(injected);
             }
             _ => samples.errors += 1,
         }
@@ -356,34 +382,205 @@ fn table(direct: &[f64; 4], proxied: &[f64; 4]) {
     );
 }
 
-fn parse_args() -> (Duration, Vec<u64>, u64) {
-    let mut duration = Duration::from_secs(10);
-    let mut rates = vec![500, 1000, 2000];
-    let mut stream_rate = 200;
+struct Args {
+    duration: Duration,
+    rates: Vec<u64>,
+    stream_rate: u64,
+    /// Rate of the memory-on runs.
+    memory_rate: u64,
+    /// Users taking turns in the memory-on runs.
+    users: u32,
+    /// Memory-on backends to run: `embedded`, `redis`; empty skips memory.
+    backends: Vec<String>,
+}
+
+fn parse_args() -> Args {
+    let mut parsed = Args {
+        duration: Duration::from_secs(10),
+        rates: vec![500, 1000, 2000],
+        stream_rate: 200,
+        memory_rate: 500,
+        users: 100,
+        backends: vec!["embedded".to_owned(), "redis".to_owned()],
+    };
     let args: Vec<String> = std::env::args().collect();
     let mut i = 1;
     while i < args.len() {
+        let value = || args.get(i + 1).cloned().unwrap_or_default();
         match args[i].as_str() {
             "--duration-secs" => {
-                duration = Duration::from_secs(args[i + 1].parse().expect("seconds"));
+                parsed.duration = Duration::from_secs(value().parse().expect("seconds"));
                 i += 1;
             }
             "--rates" => {
-                rates = args[i + 1]
+                parsed.rates = value()
                     .split(',')
+                    .filter(|r| !r.is_empty())
                     .map(|r| r.parse().expect("rate"))
                     .collect();
                 i += 1;
             }
             "--stream-rate" => {
-                stream_rate = args[i + 1].parse().expect("rate");
+                parsed.stream_rate = value().parse().expect("rate");
+                i += 1;
+            }
+            "--memory-rate" => {
+                parsed.memory_rate = value().parse().expect("rate");
+                i += 1;
+            }
+            "--users" => {
+                parsed.users = value().parse().expect("users");
+                i += 1;
+            }
+            "--memory" => {
+                parsed.backends = value()
+                    .split(',')
+                    .filter(|b| !b.is_empty() && *b != "none")
+                    .map(str::to_owned)
+                    .collect();
                 i += 1;
             }
             _ => {} // cargo passes --bench
         }
         i += 1;
     }
-    (duration, rates, stream_rate)
+    parsed
+}
+
+/// A throwaway `redis-server` on a free port, pinned beside the mock; `None` if not installed.
+fn start_redis() -> Option<(Child, u16)> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .ok()?
+        .local_addr()
+        .ok()?
+        .port();
+    let mut command = if has_taskset() {
+        let mut c = Command::new("taskset");
+        c.args(["-c", "0", "redis-server"]);
+        c
+    } else {
+        Command::new("redis-server")
+    };
+    let child = command
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    for _ in 0..200 {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Some((child, port));
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    None
+}
+
+/// The proxy's admin queue report (the worker's progress), as JSON.
+async fn queue_report(proxy: &Process) -> serde_json::Value {
+    let request = http::Request::get(format!("{}/engram/v1/queue", proxy.address))
+        .header("authorization", "Bearer bench-admin")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    match client().request(request).await {
+        Ok(response) => {
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            serde_json::from_slice(&body).unwrap_or_default()
+        }
+        Err(_) => serde_json::Value::Null,
+    }
+}
+
+/// Memory on: the proxy reads, injects and records for `users` users taking turns; its worker
+/// applies the jobs on the same core meanwhile.
+async fn memory_run(mock: &Process, backend: &str, args: &Args, direct: &Samples) {
+    let data = std::env::temp_dir().join(format!("engram-bench-{}-{backend}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&data);
+    let data_dir = data.display().to_string();
+    let mut redis = None;
+    let mut env = vec![
+        ("ENGRAM_SERVER__WORKER_THREADS".to_owned(), "1".to_owned()),
+        ("ENGRAM_STORE__DATA_DIR".to_owned(), data_dir),
+        ("ENGRAM_ADMIN_TOKEN".to_owned(), "bench-admin".to_owned()),
+    ];
+    if backend == "redis" {
+        let Some((child, port)) = start_redis() else {
+            println!(
+                "
+memory on ({backend}): skipped, redis-server is not installed"
+            );
+            return;
+        };
+        redis = Some(child);
+        env.push(("ENGRAM_STORE__BACKEND".to_owned(), "redis".to_owned()));
+        env.push((
+            "ENGRAM_STORE__REDIS_URL".to_owned(),
+            format!("redis://127.0.0.1:{port}"),
+        ));
+    }
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let upstream = format!("{}/v1", mock.address);
+    let proxy = Process::start(
+        Some("1"),
+        &["serve", "--listen", "127.0.0.1:0", "--upstream", &upstream],
+        &env,
+    );
+    let url = format!("{}/v1/chat/completions", proxy.address);
+    let body = chat_body(false);
+    let cpu_before = proxy.cpu_seconds();
+    let proxied = open_loop(
+        &url,
+        &body,
+        &[],
+        args.memory_rate,
+        args.duration,
+        Some(args.users),
+    )
+    .await;
+    let cpu = proxy.cpu_seconds() - cpu_before;
+    let end = queue_report(&proxy).await;
+    // Let the worker finish, to report its lag.
+    let drained_at = Instant::now();
+    let mut drained = end.clone();
+    while drained_at.elapsed() < Duration::from_secs(60) {
+        drained = queue_report(&proxy).await;
+        if drained["depth"] == 0 && drained["recorded"]["in_flight"] == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    println!(
+        "
+memory on ({backend} store), non-streaming at {} req/s, {} users taking turns (ms, built-in open-loop client)",
+        args.memory_rate, args.users
+    );
+    table(
+        &PERCENTILES.map(|p| percentile(&direct.total_us, p)),
+        &PERCENTILES.map(|p| percentile(&proxied.total_us, p)),
+    );
+    println!(
+        "errors {} direct, {} proxied; memory injected into {} of {} answers; proxy CPU {:.3} s per 1,000 requests (worker included); max send lag {:.0} µs",
+        direct.errors,
+        proxied.errors,
+        proxied.injected,
+        proxied.total_us.len(),
+        cpu / proxied.total_us.len().max(1) as f64 * 1000.0,
+        proxied.max_send_lag_us,
+    );
+    println!(
+        "worker: {} jobs applied, queue depth {} when the load stopped, drained {:.1} s later; proxy peak RSS {:.1} MiB",
+        drained["worker"]["applied"],
+        end["depth"],
+        drained_at.elapsed().as_secs_f64(),
+        proxy.peak_rss_mib(),
+    );
+    drop(proxy);
+    if let Some(mut redis) = redis {
+        let _ = redis.kill();
+        let _ = redis.wait();
+    }
+    let _ = std::fs::remove_dir_all(&data);
 }
 
 fn main() {
@@ -392,7 +589,8 @@ fn main() {
         println!("overhead benchmark: skipped in test mode (run ./benches/overhead.sh)");
         return;
     }
-    let (duration, rates, stream_rate) = parse_args();
+    let args = parse_args();
+    let (duration, rates, stream_rate) = (args.duration, args.rates.clone(), args.stream_rate);
     let pinned = has_taskset();
     if pinned {
         // The generator shares core 0 with the mock; the proxy gets core 1 to itself.
@@ -413,10 +611,17 @@ fn main() {
         &[],
     );
     let upstream = format!("{}/v1", mock.address);
+    let off_data_dir = std::env::temp_dir()
+        .join(format!("engram-bench-{}-off", std::process::id()))
+        .display()
+        .to_string();
     let proxy = Process::start(
         Some("1"),
         &["serve", "--listen", "127.0.0.1:0", "--upstream", &upstream],
-        &[("ENGRAM_SERVER__WORKER_THREADS", "1")],
+        &[
+            ("ENGRAM_SERVER__WORKER_THREADS", "1"),
+            ("ENGRAM_STORE__DATA_DIR", &off_data_dir),
+        ],
     );
     println!("# engram overhead benchmark");
     println!(
@@ -433,7 +638,9 @@ fn main() {
         },
         duration
     );
-    println!("proxy: 1 worker thread, memory off (pass-through); mock: 1 worker thread");
+    println!(
+        "proxy: 1 worker thread, memory off (requests without a user) unless stated; mock: 1 worker thread"
+    );
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -463,12 +670,20 @@ fn main() {
 
         let body = chat_body(true);
         let fifty_chunks: Headers = &[("x-mock-chunks", "50")];
-        let direct = open_loop(&direct_url, &body, fifty_chunks, stream_rate, duration).await;
-        let proxied = open_loop(&proxy_url, &body, fifty_chunks, stream_rate, duration).await;
+        let direct = open_loop(&direct_url, &body, fifty_chunks, stream_rate, duration, None).await;
+        let proxied = open_loop(&proxy_url, &body, fifty_chunks, stream_rate, duration, None).await;
         report(stream_rate, "streaming (50 chunks), time to first chunk", &direct.first_chunk_us, &proxied.first_chunk_us);
         report(stream_rate, "streaming (50 chunks), full stream", &direct.total_us, &proxied.total_us);
         println!("errors {} direct, {} proxied", direct.errors, proxied.errors);
         println!("\nproxy peak RSS: {:.1} MiB", proxy.peak_rss_mib());
+
+        if !args.backends.is_empty() {
+            let body = chat_body(false);
+            let direct = open_loop(&direct_url, &body, &[], args.memory_rate, duration, Some(args.users)).await;
+            for backend in &args.backends {
+                memory_run(&mock, backend, &args, &direct).await;
+            }
+        }
     });
 }
 

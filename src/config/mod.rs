@@ -57,7 +57,7 @@ impl Default for WorkerConfig {
     fn default() -> Self {
         WorkerConfig {
             enabled: true,
-            concurrency: 4,
+            concurrency: 8,
             lease_ms: 30_000,
             poll_interval_ms: 100,
             max_attempts: 5,

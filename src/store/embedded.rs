@@ -1,7 +1,8 @@
 //! The default store: one redb file in the data directory, zero setup.
 //!
 //! Every write is one committed redb transaction (durability `Immediate`: fsync before commit
-//! returns), so a killed process loses nothing it reported as written. redb calls block, so
+//! returns), so a killed process loses nothing it reported as written. The one exception is a
+//! claim's lease, committed without fsync: losing it in a crash only frees the job earlier. redb calls block, so
 //! each runs on tokio's blocking pool.
 //!
 //! Keys are redb tuples beginning with `(tenant, user)`, so no escaping is needed and a user's
@@ -13,11 +14,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use redb::{
-    Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
+    Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
     WriteTransaction,
 };
 use serde::{Deserialize, Serialize};
 
+use super::group_commit::GroupCommit;
 use super::{
     Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobState,
     RawEntry, Store, UserKey, decode, now_ms,
@@ -66,10 +68,22 @@ struct Lease {
     until_ms: u64,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct EmbeddedStore {
     db: Arc<Database>,
     path: PathBuf,
+    /// Recorders' enqueues and workers' job commits are group-committed (see `group_commit`).
+    enqueues: Arc<GroupCommit<Job, Enqueued>>,
+    commits: Arc<GroupCommit<JobCommit, ()>>,
+}
+
+impl std::fmt::Debug for EmbeddedStore {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("EmbeddedStore")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
 }
 
 impl EmbeddedStore {
@@ -93,6 +107,8 @@ impl EmbeddedStore {
         Ok(EmbeddedStore {
             db: Arc::new(db),
             path,
+            enqueues: GroupCommit::new(write_enqueue),
+            commits: GroupCommit::new(write_commit),
         })
     }
 
@@ -272,42 +288,7 @@ impl Store for EmbeddedStore {
     }
 
     fn enqueue<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Enqueued>> {
-        let job = job.clone();
-        self.blocking(move |db| {
-            let id = &job.id;
-            let key = job_key(id);
-            let txn = db.begin_write().map_err(db_error)?;
-            {
-                let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
-                let known = decode_job(jobs.get(key).map_err(db_error)?)?;
-                if let Some(record) = known {
-                    return Ok(Enqueued::Duplicate(record.state));
-                }
-                let mut counters = txn.open_table(COUNTERS).map_err(db_error)?;
-                let position = counters
-                    .get(NEXT_QUEUE_POSITION)
-                    .map_err(db_error)?
-                    .map_or(0, |guard| guard.value());
-                counters
-                    .insert(NEXT_QUEUE_POSITION, position + 1)
-                    .map_err(db_error)?;
-                let record = JobRecord {
-                    queue_position: position,
-                    state: JobState::Queued,
-                    attempts: 0,
-                    lease: None,
-                    exchange: job.exchange.clone(),
-                };
-                jobs.insert(key, encode(&record)?.as_slice())
-                    .map_err(db_error)?;
-                txn.open_table(QUEUE)
-                    .map_err(db_error)?
-                    .insert(position, key)
-                    .map_err(db_error)?;
-            }
-            txn.commit().map_err(db_error)?;
-            Ok(Enqueued::Queued)
-        })
+        Box::pin(self.enqueues.submit(&self.db, job.clone()))
     }
 
     fn claim<'a>(
@@ -315,68 +296,28 @@ impl Store for EmbeddedStore {
         consumer: &'a str,
         lease: Duration,
     ) -> BoxFuture<'a, Result<Option<ClaimedJob>>> {
+        let batch = self.claim_batch(consumer, lease, 1);
+        Box::pin(async move { Ok(batch.await?.into_iter().next()) })
+    }
+
+    fn claim_batch<'a>(
+        &'a self,
+        consumer: &'a str,
+        lease: Duration,
+        max: usize,
+    ) -> BoxFuture<'a, Result<Vec<ClaimedJob>>> {
         let consumer = consumer.to_owned();
         self.blocking(move |db| {
             let now = now_ms();
             let lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
-            let txn = db.begin_write().map_err(db_error)?;
-            let claimed = {
-                let queue = txn.open_table(QUEUE).map_err(db_error)?;
-                let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
-                // The oldest queued job without a live lease whose session has no earlier job
-                // under a live lease: a session's jobs apply in order, even across consumers.
-                let mut busy_sessions: HashSet<(String, String, String)> = HashSet::new();
-                let mut found = None;
-                for row in queue.iter().map_err(db_error)? {
-                    let (_, value) = row.map_err(db_error)?;
-                    let (tenant, user, key) = value.value();
-                    let Some(guard) = jobs.get((tenant, user, key)).map_err(db_error)? else {
-                        continue;
-                    };
-                    let record: JobRecord = decode(guard.value())?;
-                    let session = (
-                        tenant.to_owned(),
-                        user.to_owned(),
-                        record.exchange.session_id.clone(),
-                    );
-                    let leased = record
-                        .lease
-                        .as_ref()
-                        .is_some_and(|held| held.until_ms > now);
-                    if leased {
-                        busy_sessions.insert(session);
-                    } else if !busy_sessions.contains(&session) {
-                        found = Some((
-                            JobId {
-                                user: UserKey::new(tenant, user),
-                                key: key.to_owned(),
-                            },
-                            record,
-                        ));
-                        break;
-                    }
-                }
-                match found {
-                    None => None,
-                    Some((id, mut record)) => {
-                        record.attempts += 1;
-                        record.lease = Some(Lease {
-                            consumer: consumer.clone(),
-                            until_ms: now.saturating_add(lease_ms),
-                        });
-                        jobs.insert(job_key(&id), encode(&record)?.as_slice())
-                            .map_err(db_error)?;
-                        Some(ClaimedJob {
-                            attempt: record.attempts,
-                            job: Job {
-                                id,
-                                exchange: record.exchange,
-                            },
-                        })
-                    }
-                }
-            };
-            if claimed.is_some() {
+            let mut txn = db.begin_write().map_err(db_error)?;
+            // A lease is soft state: if the process dies before a durable commit, the lease is
+            // simply gone and the job can be claimed again at once, which is what a dead
+            // holder's lease would come to anyway. So claims skip the fsync; the next durable
+            // commit (the job's own) persists them.
+            txn.set_durability(Durability::None).map_err(db_error)?;
+            let claimed = write_claims(&txn, &consumer, now, lease_ms, max)?;
+            if !claimed.is_empty() {
                 txn.commit().map_err(db_error)?;
             }
             Ok(claimed)
@@ -403,22 +344,17 @@ impl Store for EmbeddedStore {
         expected_version: u64,
         prefetched: &'a [CandidateId],
     ) -> BoxFuture<'a, Result<()>> {
-        let id = job.clone();
-        let exchange = exchange.clone();
-        let new_version = state.version;
-        let encoded_state = state.json.clone();
-        let encoded_prefetched = encode(prefetched);
-        self.blocking(move |db| {
-            let encoded_prefetched = encoded_prefetched?;
-            let user = &id.user;
-            // One transaction, one fsync: the worker's whole write for a job.
-            let txn = db.begin_write().map_err(db_error)?;
-            let session_id = exchange.session_id.clone();
-            write_raw(&txn, user, &id.key, exchange)?;
-            write_state(&txn, user, &encoded_state, new_version, expected_version)?;
-            write_prefetched(&txn, user, &session_id, &encoded_prefetched)?;
-            write_finish(&txn, &id, JobState::Applied)?;
-            txn.commit().map_err(db_error)
+        Box::pin(async move {
+            let commit = JobCommit {
+                id: job.clone(),
+                exchange: exchange.clone(),
+                version: state.version,
+                state: state.json.clone(),
+                expected: expected_version,
+                prefetched: encode(prefetched)?,
+            };
+            // One transaction, one fsync, shared with the other workers' commits.
+            self.commits.submit(&self.db, commit).await
         })
     }
 
@@ -588,6 +524,133 @@ fn write_raw(
         seq,
         duplicate: false,
     })
+}
+
+/// Leases up to `max` of the oldest queued jobs without a live lease whose session has no
+/// earlier job under a live lease (a session's jobs apply in order, even across consumers), at
+/// most one per session.
+fn write_claims(
+    txn: &WriteTransaction,
+    consumer: &str,
+    now: u64,
+    lease_ms: u64,
+    max: usize,
+) -> Result<Vec<ClaimedJob>> {
+    let queue = txn.open_table(QUEUE).map_err(db_error)?;
+    let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
+    let mut busy_sessions: HashSet<(String, String, String)> = HashSet::new();
+    let mut found = Vec::new();
+    for row in queue.iter().map_err(db_error)? {
+        if found.len() >= max {
+            break;
+        }
+        let (_, value) = row.map_err(db_error)?;
+        let (tenant, user, key) = value.value();
+        let Some(guard) = jobs.get((tenant, user, key)).map_err(db_error)? else {
+            continue;
+        };
+        let record: JobRecord = decode(guard.value())?;
+        let session = (
+            tenant.to_owned(),
+            user.to_owned(),
+            record.exchange.session_id.clone(),
+        );
+        let leased = record
+            .lease
+            .as_ref()
+            .is_some_and(|held| held.until_ms > now);
+        // Either way the session is busy now: a later job of it waits for this one.
+        if busy_sessions.insert(session) && !leased {
+            found.push((
+                JobId {
+                    user: UserKey::new(tenant, user),
+                    key: key.to_owned(),
+                },
+                record,
+            ));
+        }
+    }
+    let mut claimed = Vec::with_capacity(found.len());
+    for (id, mut record) in found {
+        record.attempts += 1;
+        record.lease = Some(Lease {
+            consumer: consumer.to_owned(),
+            until_ms: now.saturating_add(lease_ms),
+        });
+        jobs.insert(job_key(&id), encode(&record)?.as_slice())
+            .map_err(db_error)?;
+        claimed.push(ClaimedJob {
+            attempt: record.attempts,
+            job: Job {
+                id,
+                exchange: record.exchange,
+            },
+        });
+    }
+    Ok(claimed)
+}
+
+/// Queues a job once per id.
+fn write_enqueue(txn: &WriteTransaction, job: &Job) -> Result<Enqueued> {
+    let key = job_key(&job.id);
+    let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
+    if let Some(record) = decode_job(jobs.get(key).map_err(db_error)?)? {
+        return Ok(Enqueued::Duplicate(record.state));
+    }
+    let mut counters = txn.open_table(COUNTERS).map_err(db_error)?;
+    let position = counters
+        .get(NEXT_QUEUE_POSITION)
+        .map_err(db_error)?
+        .map_or(0, |guard| guard.value());
+    counters
+        .insert(NEXT_QUEUE_POSITION, position + 1)
+        .map_err(db_error)?;
+    let record = JobRecord {
+        queue_position: position,
+        state: JobState::Queued,
+        attempts: 0,
+        lease: None,
+        exchange: job.exchange.clone(),
+    };
+    jobs.insert(key, encode(&record)?.as_slice())
+        .map_err(db_error)?;
+    txn.open_table(QUEUE)
+        .map_err(db_error)?
+        .insert(position, key)
+        .map_err(db_error)?;
+    Ok(Enqueued::Queued)
+}
+
+/// The worker's write for one applied job (see `Store::commit_job`).
+struct JobCommit {
+    id: JobId,
+    exchange: ExchangeInput,
+    version: u64,
+    state: Vec<u8>,
+    expected: u64,
+    prefetched: Vec<u8>,
+}
+
+fn write_commit(txn: &WriteTransaction, commit: &JobCommit) -> Result<()> {
+    let user = &commit.id.user;
+    // The version check first, so a conflict writes nothing and the rest of a group commits.
+    let found = txn
+        .open_table(VERSIONS)
+        .map_err(db_error)?
+        .get((user.tenant.as_str(), user.user.as_str()))
+        .map_err(db_error)?
+        .map_or(0, |guard| guard.value());
+    if found != commit.expected {
+        return Err(Error::StoreConflict {
+            expected: commit.expected,
+            found,
+        });
+    }
+    write_raw(txn, user, &commit.id.key, commit.exchange.clone())?;
+    write_state(txn, user, &commit.state, commit.version, commit.expected)?;
+    write_prefetched(txn, user, &commit.exchange.session_id, &commit.prefetched)?;
+    write_finish(txn, &commit.id, JobState::Applied)?;
+    Ok(())
 }
 
 /// Records a job's final state and takes it off the queue; false when the job is unknown.

@@ -16,6 +16,7 @@
 //! pass the same suite (`tests/store_suite/`).
 
 pub mod embedded;
+mod group_commit;
 pub mod redis;
 
 use std::time::Duration;
@@ -207,6 +208,26 @@ pub trait Store: Send + Sync + 'static {
         consumer: &'a str,
         lease: Duration,
     ) -> BoxFuture<'a, Result<Option<ClaimedJob>>>;
+
+    /// Leases up to `max` jobs at once, by the rules of [`Store::claim`] (so at most one per
+    /// session). Backends that can do it in one step override this loop.
+    fn claim_batch<'a>(
+        &'a self,
+        consumer: &'a str,
+        lease: Duration,
+        max: usize,
+    ) -> BoxFuture<'a, Result<Vec<ClaimedJob>>> {
+        Box::pin(async move {
+            let mut claimed = Vec::new();
+            while claimed.len() < max {
+                match self.claim(consumer, lease).await? {
+                    Some(job) => claimed.push(job),
+                    None => break,
+                }
+            }
+            Ok(claimed)
+        })
+    }
 
     /// Ends a job: records its final state and takes it off the queue. False when the job is
     /// unknown.

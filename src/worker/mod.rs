@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use tokio::sync::Notify;
+use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -122,39 +122,58 @@ impl Worker {
         self.refined.load(Ordering::Relaxed)
     }
 
-    /// Starts `concurrency` claim loops; they stop when the cancel token fires, each after
-    /// finishing the job in hand.
+    /// Starts the claim loop; it stops when the cancel token fires, and jobs in hand finish.
     pub fn start(self: &Arc<Self>) {
-        for slot in 0..self.config.concurrency {
-            let worker = Arc::clone(self);
-            let cancel = self.cancel.clone();
-            self.tasks
-                .spawn(async move { worker.run(slot, cancel).await });
-        }
+        let worker = Arc::clone(self);
+        let cancel = self.cancel.clone();
+        self.tasks
+            .spawn(async move { worker.dispatch(cancel).await });
     }
 
-    async fn run(&self, slot: usize, cancel: CancellationToken) {
-        let consumer = format!("{}-{slot}", self.consumer);
+    /// Keeps up to `concurrency` jobs in flight: claims as many as there is room for in one
+    /// store call (so they can share commits), and applies each on its own task.
+    async fn dispatch(self: Arc<Self>, cancel: CancellationToken) {
         let lease = Duration::from_millis(self.config.lease_ms);
         let poll = Duration::from_millis(self.config.poll_interval_ms);
+        let room = Arc::new(Semaphore::new(self.config.concurrency));
         let mut backoff = poll;
-        while !cancel.is_cancelled() {
-            match self.store.claim(&consumer, lease).await {
-                Ok(Some(claimed)) => {
+        loop {
+            let first = tokio::select! {
+                permit = Arc::clone(&room).acquire_owned() => permit,
+                () = cancel.cancelled() => return,
+            };
+            let Ok(first) = first else { return };
+            let free = room.available_permits() + 1;
+            match self.store.claim_batch(&self.consumer, lease, free).await {
+                Ok(claimed) if !claimed.is_empty() => {
                     backoff = poll;
-                    self.process(claimed).await;
+                    let mut first = Some(first);
+                    for job in claimed {
+                        // Only this loop takes permits, so there is one for every claimed job.
+                        let permit = match first.take() {
+                            Some(permit) => Ok(permit),
+                            None => Arc::clone(&room).try_acquire_owned(),
+                        };
+                        let Ok(permit) = permit else { break };
+                        let worker = Arc::clone(&self);
+                        self.tasks.spawn(async move {
+                            worker.process(job).await;
+                            drop(permit);
+                        });
+                    }
                     continue;
                 }
-                Ok(None) => backoff = poll,
+                Ok(_) => backoff = poll,
                 Err(error) => {
-                    tracing::warn!(%error, "claiming a job failed");
+                    tracing::warn!(%error, "claiming jobs failed");
                     backoff = (backoff * 2).min(ERROR_BACKOFF_MAX);
                 }
             }
+            drop(first);
             tokio::select! {
                 () = self.wake.notified() => {}
                 () = tokio::time::sleep(backoff) => {}
-                () = cancel.cancelled() => {}
+                () = cancel.cancelled() => return,
             }
         }
     }

@@ -21,7 +21,7 @@ use engram::error::Error;
 use engram::memory::{
     ExchangeInput, HeuristicExtractor, ItemRef, MemoryConfig, MemoryState, record_exchange,
 };
-use engram::store::{Enqueued, ForgetReport, Job, JobId, JobState, Store, UserKey};
+use engram::store::{EncodedState, Enqueued, ForgetReport, Job, JobId, JobState, Store, UserKey};
 
 /// Generates one `#[tokio::test]` per suite case against `$fresh().await`.
 /// `store_suite!(optional $fresh)`: `$fresh().await` returns `Option<(store, guard)>`, and
@@ -40,6 +40,8 @@ macro_rules! store_suite {
             hot_record_reads_version_state_and_prefetched,
             save_state_detects_version_conflicts,
             concurrent_saves_from_one_version_let_one_win,
+            concurrent_job_commits_of_one_user_let_one_win,
+            many_concurrent_enqueues_each_land_once,
             raw_log_appends_once_in_order,
             enqueue_is_idempotent_by_job_key,
             expired_lease_is_claimed_again,
@@ -247,6 +249,149 @@ pub async fn concurrent_saves_from_one_version_let_one_win(store: &dyn Store) {
         store.load_state(&alice).await.unwrap().as_ref(),
         Some(winner)
     );
+}
+
+/// Two workers commit jobs of one user computed from the same version (the embedded store may
+/// put both in one group commit): one wins whole, the other writes nothing and can retry.
+pub async fn concurrent_job_commits_of_one_user_let_one_win(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    let base = state_with(&["I live in Lisbon."]);
+    store.save_state(&alice, &base, 0).await.unwrap();
+    let config = MemoryConfig::default();
+    let mut commits = Vec::new();
+    for (session, text) in [("s1", "I moved to Berlin."), ("s2", "I moved to Madrid.")] {
+        let mut job = job_in(&alice, session, session);
+        job.exchange.user_text = text.to_owned();
+        store.enqueue(&job).await.unwrap();
+        let mut state = base.clone();
+        record_exchange(&mut state, &job.exchange, &HeuristicExtractor, &config);
+        commits.push((job, EncodedState::of(&state).unwrap()));
+    }
+    let ((left_job, left_state), (right_job, right_state)) = (&commits[0], &commits[1]);
+    let (left, right) = tokio::join!(
+        store.commit_job(
+            &left_job.id,
+            &left_job.exchange,
+            left_state,
+            base.version,
+            &[]
+        ),
+        store.commit_job(
+            &right_job.id,
+            &right_job.exchange,
+            right_state,
+            base.version,
+            &[]
+        )
+    );
+    assert!(
+        left.is_ok() != right.is_ok(),
+        "one commit wins: {left:?} {right:?}"
+    );
+    let (won, lost) = if left.is_ok() {
+        (left_job, right_job)
+    } else {
+        (right_job, left_job)
+    };
+    assert!(matches!(
+        if left.is_ok() { right } else { left },
+        Err(Error::StoreConflict { .. })
+    ));
+    assert_eq!(
+        store.job_state(&won.id).await.unwrap(),
+        Some(JobState::Applied)
+    );
+    assert_eq!(
+        store.job_state(&lost.id).await.unwrap(),
+        Some(JobState::Queued)
+    );
+    let raw = store.read_raw(&alice).await.unwrap();
+    // A backend may have appended the loser's raw entry before its version check failed (the
+    // provided sequence does); its retry then appends nothing more.
+    assert!(raw.iter().any(|entry| entry.exchange_id == won.id.key));
+    assert!(raw.len() <= 2);
+    let loaded = store.load_state(&alice).await.unwrap().unwrap();
+    assert!(
+        loaded
+            .raw_turns
+            .iter()
+            .any(|turn| turn.id == won.exchange.turn_id)
+    );
+    assert!(
+        !loaded
+            .raw_turns
+            .iter()
+            .any(|turn| turn.id == lost.exchange.turn_id)
+    );
+}
+
+/// Many recorders enqueue at once (the embedded store group-commits them): every job lands
+/// once, in a queue position of its own.
+pub async fn many_concurrent_enqueues_each_land_once(store: &dyn Store) {
+    let users: Vec<UserKey> = (0..8).map(|n| UserKey::new("t", format!("u{n}"))).collect();
+    let jobs: Vec<Job> = (0..200)
+        .map(|n| job_in(&users[n % 8], &format!("s{n}"), &format!("k{n}")))
+        .collect();
+    let mut pending = Vec::new();
+    for job in &jobs {
+        pending.push(store.enqueue(job));
+    }
+    let mut results = Vec::new();
+    for future in pending {
+        results.push(future);
+    }
+    let outcomes = futures_join_all(results).await;
+    assert!(
+        outcomes
+            .iter()
+            .all(|outcome| matches!(outcome, Ok(Enqueued::Queued)))
+    );
+    assert_eq!(store.queue_depth().await.unwrap(), 200);
+    // Replaying them all is a no-op.
+    let replays = futures_join_all(jobs.iter().map(|job| store.enqueue(job)).collect()).await;
+    assert!(
+        replays
+            .iter()
+            .all(|outcome| matches!(outcome, Ok(Enqueued::Duplicate(_))))
+    );
+    let claimed = store
+        .claim_batch("c", Duration::from_secs(30), 500)
+        .await
+        .unwrap();
+    assert_eq!(
+        claimed.len(),
+        200,
+        "one job per session, all claimable at once"
+    );
+    let keys: std::collections::HashSet<_> = claimed.iter().map(|c| c.job.id.key.clone()).collect();
+    assert_eq!(keys.len(), 200);
+}
+
+/// Polls every future together (a tiny `join_all`, to keep dependencies few).
+async fn futures_join_all<T>(futures: Vec<engram::pipeline::BoxFuture<'_, T>>) -> Vec<T> {
+    let mut futures: Vec<_> = futures.into_iter().map(Some).collect();
+    let mut results: Vec<Option<T>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut done = true;
+        for (slot, result) in futures.iter_mut().zip(results.iter_mut()) {
+            if let Some(future) = slot {
+                match future.as_mut().poll(cx) {
+                    std::task::Poll::Ready(value) => {
+                        *result = Some(value);
+                        *slot = None;
+                    }
+                    std::task::Poll::Pending => done = false,
+                }
+            }
+        }
+        if done {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+    results.into_iter().flatten().collect()
 }
 
 pub async fn raw_log_appends_once_in_order(store: &dyn Store) {

@@ -1,0 +1,159 @@
+//! Group commit for the embedded store. A durable redb commit costs an fsync and a fixed amount
+//! of page bookkeeping whatever it holds, so writes that arrive while one commit is running are
+//! gathered and committed together in the next transaction: under load, many recorders' jobs
+//! (or many workers' results) share one commit; alone, a write commits at once as before.
+//!
+//! Each caller still gets its own result. An operation may fail cleanly (it wrote nothing, e.g.
+//! a version conflict) without affecting the others; any other failure aborts the batch, and
+//! its operations are then retried one transaction each, so one bad write never fails another.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use redb::{Database, WriteTransaction};
+use tokio::sync::oneshot;
+
+use crate::error::{Error, Result};
+
+/// Applies one operation inside a transaction; a clean failure must have written nothing.
+pub type Apply<Op, Out> = fn(&WriteTransaction, &Op) -> Result<Out>;
+
+pub struct GroupCommit<Op, Out> {
+    state: Mutex<Pending<Op, Out>>,
+    apply: Apply<Op, Out>,
+}
+
+struct Pending<Op, Out> {
+    queue: Vec<(Op, oneshot::Sender<Result<Out>>)>,
+    /// A blocking task is committing; new operations wait for its next round.
+    running: bool,
+}
+
+impl<Op, Out> GroupCommit<Op, Out>
+where
+    Op: Send + 'static,
+    Out: Send + 'static,
+{
+    pub fn new(apply: Apply<Op, Out>) -> Arc<GroupCommit<Op, Out>> {
+        Arc::new(GroupCommit {
+            state: Mutex::new(Pending {
+                queue: Vec::new(),
+                running: false,
+            }),
+            apply,
+        })
+    }
+
+    /// Queues `op` for the next commit and waits for its result.
+    pub async fn submit(self: &Arc<Self>, db: &Arc<Database>, op: Op) -> Result<Out> {
+        let (sender, receiver) = oneshot::channel();
+        let lead = {
+            let mut pending = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            pending.queue.push((op, sender));
+            !std::mem::replace(&mut pending.running, true)
+        };
+        if lead {
+            let batcher = Arc::clone(self);
+            let db = Arc::clone(db);
+            tokio::task::spawn_blocking(move || batcher.drain(db));
+        }
+        receiver
+            .await
+            .map_err(|_| Error::Store("the store's writer stopped".to_owned()))?
+    }
+
+    /// Commits rounds until nothing is pending. The last round's results are sent only after
+    /// the database handle is dropped, so a caller that closes the store once its writes are
+    /// answered can reopen the file at once.
+    fn drain(&self, db: Arc<Database>) {
+        let mut db = Some(db);
+        let mut batch = self.take_or_stop();
+        while let (Some(ops), Some(handle)) = (batch, db.as_ref()) {
+            let answers = self.commit(handle, ops);
+            batch = self.take_or_stop();
+            if batch.is_none() {
+                db = None;
+            }
+            for (sender, result) in answers {
+                let _ = sender.send(result);
+            }
+        }
+    }
+
+    /// The pending operations, or `None` (and no longer running) when there are none.
+    fn take_or_stop(&self) -> Option<Vec<(Op, oneshot::Sender<Result<Out>>)>> {
+        let mut pending = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if pending.queue.is_empty() {
+            pending.running = false;
+            None
+        } else {
+            Some(std::mem::take(&mut pending.queue))
+        }
+    }
+
+    #[allow(clippy::type_complexity, reason = "pairs each caller with its result")]
+    fn commit(
+        &self,
+        db: &Database,
+        batch: Vec<(Op, oneshot::Sender<Result<Out>>)>,
+    ) -> Vec<(oneshot::Sender<Result<Out>>, Result<Out>)> {
+        if batch.len() > 1 {
+            match self.commit_together(db, &batch) {
+                Ok(results) => {
+                    return batch
+                        .into_iter()
+                        .map(|(_, sender)| sender)
+                        .zip(results)
+                        .collect();
+                }
+                Err(error) => {
+                    tracing::debug!(%error, size = batch.len(), "group commit failed; committing one by one");
+                }
+            }
+        }
+        batch
+            .into_iter()
+            .map(|(op, sender)| {
+                let result = self.commit_one(db, &op);
+                (sender, result)
+            })
+            .collect()
+    }
+
+    /// One transaction for the whole batch; `Err` when it had to be aborted.
+    fn commit_together(
+        &self,
+        db: &Database,
+        batch: &[(Op, oneshot::Sender<Result<Out>>)],
+    ) -> Result<Vec<Result<Out>>> {
+        let txn = db.begin_write().map_err(db_error)?;
+        let mut results = Vec::with_capacity(batch.len());
+        for (op, _) in batch {
+            let result = (self.apply)(&txn, op);
+            if let Err(error) = &result
+                && !is_clean(error)
+            {
+                // Dropping the transaction aborts it.
+                return Err(Error::Store(error.to_string()));
+            }
+            results.push(result);
+        }
+        txn.commit().map_err(db_error)?;
+        Ok(results)
+    }
+
+    fn commit_one(&self, db: &Database, op: &Op) -> Result<Out> {
+        let txn = db.begin_write().map_err(db_error)?;
+        let out = (self.apply)(&txn, op)?;
+        txn.commit().map_err(db_error)?;
+        Ok(out)
+    }
+}
+
+/// Failures that wrote nothing, so the rest of the batch may commit.
+fn is_clean(error: &Error) -> bool {
+    matches!(error, Error::StoreConflict { .. })
+}
+
+fn db_error(error: impl Into<redb::Error>) -> Error {
+    Error::Store(error.into().to_string())
+}
