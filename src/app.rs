@@ -21,7 +21,7 @@ use crate::store::redis::RedisOptions;
 use crate::store::{EmbeddedStore, RedisStore, Store};
 use crate::summarizer::Summarizer;
 use crate::upstream::Upstream;
-use crate::worker::{Outbox, Worker};
+use crate::worker::{Outbox, Worker, priority};
 
 /// The directory, inside `store.data_dir`, of the Redis backend's local spool.
 pub const SPOOL_DIR: &str = "spool";
@@ -29,6 +29,8 @@ pub const SPOOL_DIR: &str = "spool";
 pub struct Engram {
     server: Server,
     worker: Option<Arc<Worker>>,
+    /// The worker's own runtime (low-priority threads); `None` without a worker.
+    worker_runtime: Option<priority::WorkerRuntime>,
     outbox: Arc<Outbox>,
     background: TaskTracker,
     cancel: CancellationToken,
@@ -49,6 +51,7 @@ impl Engram {
         let memory_config = Arc::new(config.memory.clone());
         let background = TaskTracker::new();
         let cancel = CancellationToken::new();
+        let idle_priority = config.worker.idle_priority;
         let worker = if config.worker.enabled {
             let summarizer = Summarizer::from_config(&config.summarizer)?
                 .with_depth(config.memory.depth.clone());
@@ -82,9 +85,14 @@ impl Engram {
         );
         let state = AppState::new(config, upstream, Arc::new(memory)).with_admin(Arc::new(admin));
         let server = Server::bind(state).await?;
+        let worker_runtime = match &worker {
+            Some(_) => Some(priority::worker_runtime(idle_priority)?),
+            None => None,
+        };
         Ok(Engram {
             server,
             worker,
+            worker_runtime,
             outbox,
             background,
             cancel,
@@ -100,12 +108,16 @@ impl Engram {
         let Engram {
             server,
             worker,
+            worker_runtime,
             outbox,
             background,
             cancel,
         } = self;
-        if let Some(worker) = &worker {
-            worker.start();
+        if let (Some(worker), Some(handle)) = (
+            &worker,
+            worker_runtime.as_ref().and_then(priority::WorkerRuntime::handle),
+        ) {
+            worker.start(handle);
         }
         background.spawn(Arc::clone(&outbox).forward(cancel.clone()));
         let drain = server.state().config.drain_timeout();

@@ -51,6 +51,9 @@ pub struct WorkerConfig {
     pub max_attempts: u32,
     /// Users whose memory and search index stay cached in this process.
     pub cache_users: usize,
+    /// Run the worker's threads with the idle scheduling policy (Linux), so applying memory
+    /// never takes CPU from serving requests.
+    pub idle_priority: bool,
 }
 
 impl Default for WorkerConfig {
@@ -62,6 +65,7 @@ impl Default for WorkerConfig {
             poll_interval_ms: 100,
             max_attempts: 5,
             cache_users: 4096,
+            idle_priority: true,
         }
     }
 }

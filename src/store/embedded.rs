@@ -336,18 +336,16 @@ impl Store for EmbeddedStore {
         })
     }
 
-    fn commit_job<'a>(
+    fn commit_jobs<'a>(
         &'a self,
-        job: &'a JobId,
-        exchange: &'a ExchangeInput,
+        jobs: &'a [Job],
         state: &'a EncodedState,
         expected_version: u64,
         prefetched: &'a [CandidateId],
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             let commit = JobCommit {
-                id: job.clone(),
-                exchange: exchange.clone(),
+                jobs: jobs.to_vec(),
                 version: state.version,
                 state: state.json.clone(),
                 expected: expected_version,
@@ -527,8 +525,9 @@ fn write_raw(
 }
 
 /// Leases up to `max` of the oldest queued jobs without a live lease whose session has no
-/// earlier job under a live lease (a session's jobs apply in order, even across consumers), at
-/// most one per session.
+/// earlier job under a live lease (a session's jobs apply in order, even across consumers). A
+/// session's later jobs join the batch behind its first, consecutive and in order, so a worker
+/// that has fallen behind applies them together.
 fn write_claims(
     txn: &WriteTransaction,
     consumer: &str,
@@ -559,16 +558,22 @@ fn write_claims(
             .lease
             .as_ref()
             .is_some_and(|held| held.until_ms > now);
-        // Either way the session is busy now: a later job of it waits for this one.
-        if busy_sessions.insert(session) && !leased {
-            found.push((
-                JobId {
-                    user: UserKey::new(tenant, user),
-                    key: key.to_owned(),
-                },
-                record,
-            ));
+        if busy_sessions.contains(&session) {
+            continue;
         }
+        if leased {
+            // Held elsewhere: the session's later jobs wait for it.
+            busy_sessions.insert(session);
+            continue;
+        }
+        // Free, or its earlier jobs are in this batch: it follows them.
+        found.push((
+            JobId {
+                user: UserKey::new(tenant, user),
+                key: key.to_owned(),
+            },
+            record,
+        ));
     }
     let mut claimed = Vec::with_capacity(found.len());
     for (id, mut record) in found {
@@ -621,10 +626,9 @@ fn write_enqueue(txn: &WriteTransaction, job: &Job) -> Result<Enqueued> {
     Ok(Enqueued::Queued)
 }
 
-/// The worker's write for one applied job (see `Store::commit_job`).
+/// The worker's write for applied jobs of one session (see `Store::commit_jobs`).
 struct JobCommit {
-    id: JobId,
-    exchange: ExchangeInput,
+    jobs: Vec<Job>,
     version: u64,
     state: Vec<u8>,
     expected: u64,
@@ -632,7 +636,10 @@ struct JobCommit {
 }
 
 fn write_commit(txn: &WriteTransaction, commit: &JobCommit) -> Result<()> {
-    let user = &commit.id.user;
+    let Some(first) = commit.jobs.first() else {
+        return Ok(());
+    };
+    let user = &first.id.user;
     // The version check first, so a conflict writes nothing and the rest of a group commits.
     let found = txn
         .open_table(VERSIONS)
@@ -646,10 +653,14 @@ fn write_commit(txn: &WriteTransaction, commit: &JobCommit) -> Result<()> {
             found,
         });
     }
-    write_raw(txn, user, &commit.id.key, commit.exchange.clone())?;
+    for job in &commit.jobs {
+        write_raw(txn, user, &job.id.key, job.exchange.clone())?;
+    }
     write_state(txn, user, &commit.state, commit.version, commit.expected)?;
-    write_prefetched(txn, user, &commit.exchange.session_id, &commit.prefetched)?;
-    write_finish(txn, &commit.id, JobState::Applied)?;
+    write_prefetched(txn, user, &first.exchange.session_id, &commit.prefetched)?;
+    for job in &commit.jobs {
+        write_finish(txn, &job.id, JobState::Applied)?;
+    }
     Ok(())
 }
 

@@ -209,8 +209,10 @@ pub trait Store: Send + Sync + 'static {
         lease: Duration,
     ) -> BoxFuture<'a, Result<Option<ClaimedJob>>>;
 
-    /// Leases up to `max` jobs at once, by the rules of [`Store::claim`] (so at most one per
-    /// session). Backends that can do it in one step override this loop.
+    /// Leases up to `max` jobs at once, by the rules of [`Store::claim`]. A batch may hold
+    /// several jobs of one session, consecutive and in order (the holder applies them in that
+    /// order); the provided loop holds at most one per session. Backends that can do it in one
+    /// step override this loop.
     fn claim_batch<'a>(
         &'a self,
         consumer: &'a str,
@@ -248,26 +250,33 @@ pub trait Store: Send + Sync + 'static {
         )
     }
 
-    /// The worker's whole write for an applied job: the raw-log append, the state (with the
-    /// version check of `save_state`), the session's prefetched candidates, and the job marked
-    /// applied. Backends that can do it in one atomic step override this sequence; in the
-    /// sequence every step is idempotent, so a worker that dies half-way and a re-claim that
-    /// repeats it apply the job once.
-    fn commit_job<'a>(
+    /// The worker's whole write for applied jobs of one session (in order): their raw-log
+    /// appends, the state after them (with the version check of `save_state`), the session's
+    /// prefetched candidates, and the jobs marked applied. Backends that can do it in one
+    /// atomic step override this sequence; in the sequence every step is idempotent, so a
+    /// worker that dies half-way and a re-claim that repeats it apply each job once.
+    fn commit_jobs<'a>(
         &'a self,
-        job: &'a JobId,
-        exchange: &'a ExchangeInput,
+        jobs: &'a [Job],
         state: &'a EncodedState,
         expected_version: u64,
         prefetched: &'a [CandidateId],
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            self.append_raw(&job.user, &job.key, exchange).await?;
-            self.save_encoded_state(&job.user, state, expected_version)
+            let Some(first) = jobs.first() else {
+                return Ok(());
+            };
+            let user = &first.id.user;
+            for job in jobs {
+                self.append_raw(user, &job.id.key, &job.exchange).await?;
+            }
+            self.save_encoded_state(user, state, expected_version)
                 .await?;
-            self.save_prefetched(&job.user, &exchange.session_id, prefetched)
+            self.save_prefetched(user, &first.exchange.session_id, prefetched)
                 .await?;
-            self.ack(job).await?;
+            for job in jobs {
+                self.ack(&job.id).await?;
+            }
             Ok(())
         })
     }

@@ -1,10 +1,11 @@
 //! The update path: claims recorded exchanges from the store's job queue and applies them to
 //! the user's memory, off the hot path.
 //!
-//! Per job: extract (the LLM summarizer, or the heuristic extractor) → `memory::record_exchange`
-//! on the latest state
+//! Jobs are claimed in batches; a session's jobs in a batch form a run applied together. Per
+//! run: extract each exchange (the LLM summarizer, or the heuristic extractor) →
+//! `memory::record_exchange` for each, in order, on the latest state
 //! (turn log, base-truth diff, tiers, consolidation every N turns) → index refresh → prefetch of
-//! the session's next-turn candidates → one `Store::commit_job` (raw log, state with its version
+//! the session's next-turn candidates → one `Store::commit_jobs` (raw log, state with its version
 //! check, prefetched, job applied). A version conflict (another worker changed the user's
 //! memory meanwhile) re-runs the job on the newer state. The applied memory goes into the
 //! process's cache, so the next request of the user does not decode it again.
@@ -18,6 +19,7 @@
 //! lives in memory only: if the process stops first, the heuristic extraction stands.
 
 pub mod outbox;
+pub mod priority;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -122,16 +124,18 @@ impl Worker {
         self.refined.load(Ordering::Relaxed)
     }
 
-    /// Starts the claim loop; it stops when the cancel token fires, and jobs in hand finish.
-    pub fn start(self: &Arc<Self>) {
+    /// Starts the claim loop on `runtime` (see [`priority`]); it stops when the cancel token
+    /// fires, and jobs in hand finish. What the worker spawns runs on that runtime too.
+    pub fn start(self: &Arc<Self>, runtime: &tokio::runtime::Handle) {
         let worker = Arc::clone(self);
         let cancel = self.cancel.clone();
         self.tasks
-            .spawn(async move { worker.dispatch(cancel).await });
+            .spawn_on(async move { worker.dispatch(cancel).await }, runtime);
     }
 
     /// Keeps up to `concurrency` jobs in flight: claims as many as there is room for in one
-    /// store call (so they can share commits), and applies each on its own task.
+    /// store call (so they can share commits), and applies each session's run of them on its
+    /// own task.
     async fn dispatch(self: Arc<Self>, cancel: CancellationToken) {
         let lease = Duration::from_millis(self.config.lease_ms);
         let poll = Duration::from_millis(self.config.poll_interval_ms);
@@ -148,17 +152,23 @@ impl Worker {
                 Ok(claimed) if !claimed.is_empty() => {
                     backoff = poll;
                     let mut first = Some(first);
-                    for job in claimed {
+                    for run in runs(claimed) {
                         // Only this loop takes permits, so there is one for every claimed job.
-                        let permit = match first.take() {
-                            Some(permit) => Ok(permit),
-                            None => Arc::clone(&room).try_acquire_owned(),
-                        };
-                        let Ok(permit) = permit else { break };
+                        let mut permits = Vec::with_capacity(run.len());
+                        for _ in 0..run.len() {
+                            match first.take() {
+                                Some(permit) => permits.push(permit),
+                                None => {
+                                    if let Ok(permit) = Arc::clone(&room).try_acquire_owned() {
+                                        permits.push(permit);
+                                    }
+                                }
+                            }
+                        }
                         let worker = Arc::clone(&self);
                         self.tasks.spawn(async move {
-                            worker.process(job).await;
-                            drop(permit);
+                            worker.process(run).await;
+                            drop(permits);
                         });
                     }
                     continue;
@@ -178,53 +188,80 @@ impl Worker {
         }
     }
 
-    async fn process(&self, claimed: ClaimedJob) {
-        let job = &claimed.job;
-        if claimed.attempt > self.config.max_attempts {
-            let reason = format!("gave up after {} attempts", self.config.max_attempts);
-            self.stats.failed.fetch_add(1, Ordering::Relaxed);
-            tracing::error!(job = %job.id.key, %reason, "job failed");
-            if let Err(error) = self.store.fail(&job.id, &reason).await {
-                tracing::warn!(%error, "could not mark a job failed");
+    /// Applies a run of one session's jobs, in order.
+    async fn process(&self, run: Vec<ClaimedJob>) {
+        let mut jobs = Vec::with_capacity(run.len());
+        for claimed in run {
+            if claimed.attempt > self.config.max_attempts {
+                let reason = format!("gave up after {} attempts", self.config.max_attempts);
+                self.stats.failed.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(job = %claimed.job.id.key, %reason, "job failed");
+                if let Err(error) = self.store.fail(&claimed.job.id, &reason).await {
+                    tracing::warn!(%error, "could not mark a job failed");
+                }
+            } else {
+                jobs.push(claimed.job);
             }
+        }
+        if jobs.is_empty() {
             return;
         }
-        match self.apply(job).await {
-            Ok(Applied::Recorded { version }) => {
-                self.stats.applied.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(job = %job.id.key, version, attempt = claimed.attempt, "job applied");
-            }
-            Ok(Applied::Duplicate) => {
-                self.stats.duplicates.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(job = %job.id.key, "job was already applied");
+        match self.apply_run(&jobs).await {
+            Ok(applied) => {
+                for (job, applied) in jobs.iter().zip(applied) {
+                    match applied {
+                        Applied::Recorded { version } => {
+                            self.stats.applied.fetch_add(1, Ordering::Relaxed);
+                            tracing::debug!(job = %job.id.key, version, "job applied");
+                        }
+                        Applied::Duplicate => {
+                            self.stats.duplicates.fetch_add(1, Ordering::Relaxed);
+                            tracing::debug!(job = %job.id.key, "job was already applied");
+                        }
+                    }
+                }
             }
             Err(error) => {
-                // Left leased: another claim retries it once the lease ends.
-                self.stats.errors.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(%error, job = %job.id.key, attempt = claimed.attempt, "applying a job failed; it will be retried");
+                // Left leased: another claim retries them once the lease ends.
+                self.stats
+                    .errors
+                    .fetch_add(jobs.len() as u64, Ordering::Relaxed);
+                tracing::warn!(%error, jobs = jobs.len(), first = %jobs[0].id.key, "applying jobs failed; they will be retried");
             }
         }
     }
 
     /// Applies one job to the user's memory and commits it.
     pub async fn apply(&self, job: &Job) -> Result<Applied> {
-        let exchange = &job.exchange;
-        let summary = self
-            .summarizer
-            .extract(&exchange.user_text, &exchange.assistant_text)
-            .await;
-        if let SummarySource::Fallback { reason } = &summary.source {
-            self.stats
-                .summarizer_fallbacks
-                .fetch_add(1, Ordering::Relaxed);
-            tracing::info!(job = %job.id.key, reason = reason.as_str(), "summarizer fell back to the heuristic extractor");
+        let applied = self.apply_run(std::slice::from_ref(job)).await?;
+        Ok(applied.into_iter().next().unwrap_or(Applied::Duplicate))
+    }
+
+    /// Applies jobs of one session, in order, and commits them together: one state read,
+    /// one engine pass, one write, whatever the run's length.
+    async fn apply_run(&self, jobs: &[Job]) -> Result<Vec<Applied>> {
+        let mut extractions = Vec::with_capacity(jobs.len());
+        let mut retry = Vec::new();
+        for job in jobs {
+            let exchange = &job.exchange;
+            let summary = self
+                .summarizer
+                .extract(&exchange.user_text, &exchange.assistant_text)
+                .await;
+            if let SummarySource::Fallback { reason } = &summary.source {
+                self.stats
+                    .summarizer_fallbacks
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::info!(job = %job.id.key, reason = reason.as_str(), "summarizer fell back to the heuristic extractor");
+            }
+            if summary.retry_later {
+                retry.push(job.clone());
+            }
+            extractions.push(Precomputed(summary.extraction));
         }
-        let retry_later = summary.retry_later;
-        let applied = self
-            .apply_with(job, &Precomputed(summary.extraction))
-            .await?;
-        if retry_later && matches!(applied, Applied::Recorded { .. }) {
-            self.schedule_refinement(job.clone());
+        let applied = self.apply_with(jobs, &extractions).await?;
+        for job in retry {
+            self.schedule_refinement(job);
         }
         Ok(applied)
     }
@@ -264,18 +301,17 @@ impl Worker {
         });
     }
 
-    async fn apply_with(&self, job: &Job, extractor: &Precomputed) -> Result<Applied> {
-        let user = &job.id.user;
-        let exchange = &job.exchange;
+    async fn apply_with(&self, jobs: &[Job], extractions: &[Precomputed]) -> Result<Vec<Applied>> {
+        let Some(first) = jobs.first() else {
+            return Ok(Vec::new());
+        };
+        let user = &first.id.user;
+        let session = &first.exchange.session_id;
         for _ in 0..CONFLICT_RETRIES {
             let cached = self.cache.get(user);
             let record = self
                 .store
-                .hot_record(
-                    user,
-                    &exchange.session_id,
-                    cached.as_ref().map(|m| m.version()),
-                )
+                .hot_record(user, session, cached.as_ref().map(|m| m.version()))
                 .await?;
             let start = match (record.version, record.state, cached) {
                 (0, _, _) => Start::Fresh,
@@ -289,35 +325,33 @@ impl Worker {
                 },
             };
             let expected = record.version;
-            // The engine's work and the encoding are CPU-bound: off the async threads, so the
-            // requests this process serves never wait behind a job.
+            // The engine's work and the encoding are CPU-bound: off the async threads.
             let memory = Arc::clone(&self.memory);
-            let input = exchange.clone();
-            let extractor = extractor.clone();
+            let inputs: Vec<ExchangeInput> = jobs.iter().map(|job| job.exchange.clone()).collect();
+            let extractors = extractions.to_vec();
             let computed =
-                tokio::task::spawn_blocking(move || compute(start, &input, &extractor, &memory))
+                tokio::task::spawn_blocking(move || compute(start, &inputs, &extractors, &memory))
                     .await
                     .map_err(|error| Error::Internal(format!("worker task failed: {error}")))??;
-            let Some(Computed {
-                applied,
-                prefetched,
-                encoded,
-            }) = computed
-            else {
-                // The state has it; make sure the raw log and the job say so too.
-                self.store.append_raw(user, &job.id.key, exchange).await?;
-                self.store.ack(&job.id).await?;
-                return Ok(Applied::Duplicate);
+            let Computed { outcomes, written } = computed;
+            let Some((state, prefetched, encoded)) = written else {
+                // The state has every exchange; make sure the raw log and the jobs say so too.
+                for job in jobs {
+                    self.store
+                        .append_raw(user, &job.id.key, &job.exchange)
+                        .await?;
+                    self.store.ack(&job.id).await?;
+                }
+                return Ok(outcomes);
             };
             match self
                 .store
-                .commit_job(&job.id, exchange, &encoded, expected, &prefetched)
+                .commit_jobs(jobs, &encoded, expected, &prefetched)
                 .await
             {
                 Ok(()) => {
-                    let version = applied.version();
-                    self.cache.put(user, Arc::new(applied));
-                    return Ok(Applied::Recorded { version });
+                    self.cache.put(user, Arc::new(state));
+                    return Ok(outcomes);
                 }
                 Err(Error::StoreConflict { .. }) => {
                     self.stats.conflicts.fetch_add(1, Ordering::Relaxed);
@@ -331,6 +365,24 @@ impl Worker {
     }
 }
 
+/// Splits a claimed batch into runs of one session each, keeping each run's order.
+fn runs(claimed: Vec<ClaimedJob>) -> Vec<Vec<ClaimedJob>> {
+    let mut runs: Vec<Vec<ClaimedJob>> = Vec::new();
+    for job in claimed {
+        let same = |run: &Vec<ClaimedJob>| {
+            run.first().is_some_and(|head| {
+                head.job.id.user == job.job.id.user
+                    && head.job.exchange.session_id == job.job.exchange.session_id
+            })
+        };
+        match runs.iter_mut().find(|run| same(run)) {
+            Some(run) => run.push(job),
+            None => runs.push(vec![job]),
+        }
+    }
+    runs
+}
+
 /// Where a job's state comes from.
 enum Start {
     /// Nothing stored: a new memory.
@@ -342,19 +394,20 @@ enum Start {
 }
 
 struct Computed {
-    applied: CachedMemory,
-    prefetched: Vec<CandidateId>,
-    encoded: EncodedState,
+    outcomes: Vec<Applied>,
+    /// The new memory, the session's prefetched candidates and the encoded state; `None`
+    /// when the state already had every exchange.
+    written: Option<(CachedMemory, Vec<CandidateId>, EncodedState)>,
 }
 
-/// Records the exchange on the state, refreshes the index, prefetches the session's next
-/// candidates and encodes the result. `None` when the state already has the exchange.
+/// Records the exchanges on the state in order, refreshes the index, prefetches the session's
+/// next candidates and encodes the result.
 fn compute(
     start: Start,
-    exchange: &ExchangeInput,
-    extractor: &Precomputed,
+    exchanges: &[ExchangeInput],
+    extractors: &[Precomputed],
     config: &MemoryConfig,
-) -> Result<Option<Computed>> {
+) -> Result<Computed> {
     let (mut state, base) = match start {
         Start::Fresh => {
             let mut state = MemoryState::new();
@@ -364,23 +417,37 @@ fn compute(
         Start::Loaded(state, cached) => (*state, cached),
         Start::Cached(cached) => (cached.state.clone(), Some(cached)),
     };
-    let outcome = memory::record_exchange(&mut state, exchange, extractor, config);
-    if outcome.duplicate {
-        return Ok(None);
+    let mut outcomes = Vec::with_capacity(exchanges.len());
+    for (exchange, extractor) in exchanges.iter().zip(extractors) {
+        let outcome = memory::record_exchange(&mut state, exchange, extractor, config);
+        outcomes.push(if outcome.duplicate {
+            Applied::Duplicate
+        } else {
+            Applied::Recorded {
+                version: state.version,
+            }
+        });
     }
-    let applied = CachedMemory::after(base.as_deref(), state);
-    let prefetched = memory::prefetch(
-        &applied.state,
-        &applied.index,
-        &exchange.session_id,
-        &config.retrieval,
-    );
-    let encoded = EncodedState::of(&applied.state)?;
-    Ok(Some(Computed {
-        applied,
-        prefetched,
-        encoded,
-    }))
+    if outcomes
+        .iter()
+        .all(|outcome| *outcome == Applied::Duplicate)
+    {
+        return Ok(Computed {
+            outcomes,
+            written: None,
+        });
+    }
+    let session = exchanges
+        .first()
+        .map(|exchange| exchange.session_id.as_str())
+        .unwrap_or_default();
+    let memory = CachedMemory::after(base.as_deref(), state);
+    let prefetched = memory::prefetch(&memory.state, &memory.index, session, &config.retrieval);
+    let encoded = EncodedState::of(&memory.state)?;
+    Ok(Computed {
+        outcomes,
+        written: Some((memory, prefetched, encoded)),
+    })
 }
 
 /// Applies a later, better diff to an already recorded turn (found by its turn id), with the

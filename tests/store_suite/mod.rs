@@ -42,6 +42,7 @@ macro_rules! store_suite {
             concurrent_saves_from_one_version_let_one_win,
             concurrent_job_commits_of_one_user_let_one_win,
             many_concurrent_enqueues_each_land_once,
+            claim_batches_keep_sessions_in_order,
             raw_log_appends_once_in_order,
             enqueue_is_idempotent_by_job_key,
             expired_lease_is_claimed_again,
@@ -269,16 +270,14 @@ pub async fn concurrent_job_commits_of_one_user_let_one_win(store: &dyn Store) {
     }
     let ((left_job, left_state), (right_job, right_state)) = (&commits[0], &commits[1]);
     let (left, right) = tokio::join!(
-        store.commit_job(
-            &left_job.id,
-            &left_job.exchange,
+        store.commit_jobs(
+            std::slice::from_ref(left_job),
             left_state,
             base.version,
             &[]
         ),
-        store.commit_job(
-            &right_job.id,
-            &right_job.exchange,
+        store.commit_jobs(
+            std::slice::from_ref(right_job),
             right_state,
             base.version,
             &[]
@@ -365,6 +364,23 @@ pub async fn many_concurrent_enqueues_each_land_once(store: &dyn Store) {
     );
     let keys: std::collections::HashSet<_> = claimed.iter().map(|c| c.job.id.key.clone()).collect();
     assert_eq!(keys.len(), 200);
+}
+
+/// A batch holds a session's jobs only in order and only from its head; a session whose head
+/// is leased elsewhere contributes nothing.
+pub async fn claim_batches_keep_sessions_in_order(store: &dyn Store) {
+    let alice = UserKey::new("t", "alice");
+    for key in ["a1", "b1", "a2", "a3", "b2"] {
+        let session = &key[..1];
+        store.enqueue(&job_in(&alice, session, key)).await.unwrap();
+    }
+    let lease = Duration::from_secs(30);
+    let held = store.claim("other", lease).await.unwrap().unwrap();
+    assert_eq!(held.job.id.key, "a1");
+    let batch = store.claim_batch("c", lease, 10).await.unwrap();
+    let keys: Vec<&str> = batch.iter().map(|c| c.job.id.key.as_str()).collect();
+    // a2 and a3 wait behind the leased a1; b's jobs come in order (one or both).
+    assert!(keys == ["b1", "b2"] || keys == ["b1"], "{keys:?}");
 }
 
 /// Polls every future together (a tiny `join_all`, to keep dependencies few).
