@@ -18,6 +18,9 @@
     reason = "a benchmark binary: it reports on stdout and stops loudly on a broken setup"
 )]
 
+#[path = "support/redis.rs"]
+mod support;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -447,36 +450,6 @@ fn parse_args() -> Args {
     parsed
 }
 
-/// A throwaway `redis-server` on a free port, pinned beside the mock; `None` if not installed.
-fn start_redis() -> Option<(Child, u16)> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .ok()?
-        .local_addr()
-        .ok()?
-        .port();
-    let mut command = if has_taskset() {
-        let mut c = Command::new("taskset");
-        c.args(["-c", "0", "redis-server"]);
-        c
-    } else {
-        Command::new("redis-server")
-    };
-    let child = command
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-        .args(["--save", "", "--appendonly", "no"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .ok()?;
-    for _ in 0..200 {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return Some((child, port));
-        }
-        std::thread::sleep(Duration::from_millis(25));
-    }
-    None
-}
-
 /// The proxy's admin queue report (the worker's progress), as JSON.
 async fn queue_report(proxy: &Process) -> serde_json::Value {
     let request = http::Request::get(format!("{}/engram/v1/queue", proxy.address))
@@ -505,7 +478,11 @@ async fn memory_run(mock: &Process, backend: &str, args: &Args, direct: &Samples
         ("ENGRAM_ADMIN_TOKEN".to_owned(), "bench-admin".to_owned()),
     ];
     if backend == "redis" {
-        let Some((child, port)) = start_redis() else {
+        let Some((child, port)) = support::start_redis(if has_taskset() {
+            &["taskset", "-c", "0"]
+        } else {
+            &[]
+        }) else {
             println!(
                 "
 memory on ({backend}): skipped, redis-server is not installed"

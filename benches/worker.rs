@@ -16,7 +16,9 @@
     reason = "a benchmark binary: it reports on stdout and stops loudly on a broken setup"
 )]
 
-use std::process::{Child, Command, Stdio};
+#[path = "support/redis.rs"]
+mod support;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -116,28 +118,6 @@ async fn run(label: &str, store: Arc<dyn Store>, users: usize, turns: usize, con
     );
 }
 
-fn start_redis() -> Option<(Child, u16)> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .ok()?
-        .local_addr()
-        .ok()?
-        .port();
-    let child = Command::new("redis-server")
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-        .args(["--save", "", "--appendonly", "no"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .ok()?;
-    for _ in 0..200 {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return Some((child, port));
-        }
-        std::thread::sleep(Duration::from_millis(25));
-    }
-    None
-}
-
 fn main() {
     if std::env::args().any(|arg| arg == "--test") {
         println!("worker benchmark: skipped in test mode (cargo bench --bench worker)");
@@ -165,7 +145,7 @@ fn main() {
         let dir = tempfile::tempdir().unwrap();
         let embedded: Arc<dyn Store> = Arc::new(EmbeddedStore::open(dir.path()).unwrap());
         run("embedded", embedded, users, turns, concurrency).await;
-        match start_redis() {
+        match support::start_redis(&[]) {
             Some((mut child, port)) => {
                 let url = format!("redis://127.0.0.1:{port}");
                 let redis: Arc<dyn Store> =

@@ -115,7 +115,9 @@ impl Engram {
         } = self;
         if let (Some(worker), Some(handle)) = (
             &worker,
-            worker_runtime.as_ref().and_then(priority::WorkerRuntime::handle),
+            worker_runtime
+                .as_ref()
+                .and_then(priority::WorkerRuntime::handle),
         ) {
             worker.start(handle);
         }

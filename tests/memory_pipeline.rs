@@ -395,6 +395,19 @@ async fn facts_of(proxy: &Process, user: &str) -> Vec<String> {
         .collect()
 }
 
+/// The summarizer's grounded fact is in memory, its hallucinated one is not.
+async fn assert_grounded_facts_only(proxy: &Process, user: &str) {
+    let facts = facts_of(proxy, user).await;
+    assert!(
+        facts.iter().any(|fact| fact == "dog name: Comet"),
+        "{facts:?}"
+    );
+    assert!(
+        !facts.iter().any(|fact| fact.contains("yacht")),
+        "{facts:?}"
+    );
+}
+
 #[tokio::test]
 async fn the_llm_summarizers_grounded_facts_reach_memory_and_hallucinated_ones_do_not() {
     let upstream = mock(&[]);
@@ -413,15 +426,7 @@ async fn the_llm_summarizers_grounded_facts_reach_memory_and_hallucinated_ones_d
     )
     .await;
     wait_applied(&proxy, "default", "quinn", &reply).await;
-    let facts = facts_of(&proxy, "quinn").await;
-    assert!(
-        facts.iter().any(|fact| fact == "dog name: Comet"),
-        "{facts:?}"
-    );
-    assert!(
-        !facts.iter().any(|fact| fact.contains("yacht")),
-        "{facts:?}"
-    );
+    assert_grounded_facts_only(&proxy, "quinn").await;
     let queue = admin(&proxy, "/engram/v1/queue", "default").await.json();
     assert_eq!(queue["worker"]["summarizer_fallbacks"], 0, "{queue}");
 }
@@ -477,13 +482,5 @@ async fn a_summarizer_timeout_records_the_heuristic_now_and_applies_the_model_la
         assert!(Instant::now() < deadline, "{queue}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let facts = facts_of(&proxy, "ravi").await;
-    assert!(
-        facts.iter().any(|fact| fact == "dog name: Comet"),
-        "{facts:?}"
-    );
-    assert!(
-        !facts.iter().any(|fact| fact.contains("yacht")),
-        "{facts:?}"
-    );
+    assert_grounded_facts_only(&proxy, "ravi").await;
 }
