@@ -78,31 +78,41 @@ impl MemoryCache {
     /// request and the worker may race to cache the same user).
     pub fn put(&self, user: &UserKey, memory: Arc<CachedMemory>) {
         let tick = self.clock.fetch_add(1, Ordering::Relaxed);
-        let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(entry) = entries.get_mut(user) {
-            if entry.memory.version() <= memory.version() {
-                entry.memory = memory;
+        // What leaves the cache is dropped after the lock is released: freeing a large memory
+        // must not hold up the requests waiting on the lock.
+        let mut replaced = Vec::new();
+        {
+            let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(entry) = entries.get_mut(user) {
+                if entry.memory.version() <= memory.version() {
+                    replaced.push(std::mem::replace(&mut entry.memory, memory));
+                } else {
+                    replaced.push(memory);
+                }
+                entry.last_used = tick;
+            } else {
+                if entries.len() >= self.capacity {
+                    replaced.extend(evict(&mut entries, self.capacity));
+                }
+                entries.insert(
+                    user.clone(),
+                    Entry {
+                        memory,
+                        last_used: tick,
+                    },
+                );
             }
-            entry.last_used = tick;
-            return;
         }
-        if entries.len() >= self.capacity {
-            evict(&mut entries, self.capacity);
-        }
-        entries.insert(
-            user.clone(),
-            Entry {
-                memory,
-                last_used: tick,
-            },
-        );
+        drop(replaced);
     }
 
     pub fn remove(&self, user: &UserKey) {
-        self.entries
+        let removed = self
+            .entries
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(user);
+        drop(removed);
     }
 
     pub fn len(&self) -> usize {
@@ -117,13 +127,21 @@ impl MemoryCache {
     }
 }
 
-/// Drops the least recently used eighth, so eviction's scan is paid once per many inserts.
-fn evict(entries: &mut HashMap<UserKey, Entry>, capacity: usize) {
+/// Takes out the least recently used eighth, so eviction's scan is paid once per many inserts.
+fn evict(entries: &mut HashMap<UserKey, Entry>, capacity: usize) -> Vec<Arc<CachedMemory>> {
     let mut ages: Vec<u64> = entries.values().map(|entry| entry.last_used).collect();
-    let drop = (capacity / 8).max(1).min(ages.len());
-    let (_, cutoff, _) = ages.select_nth_unstable(drop - 1);
+    let count = (capacity / 8).max(1).min(ages.len());
+    let (_, cutoff, _) = ages.select_nth_unstable(count - 1);
     let cutoff = *cutoff;
-    entries.retain(|_, entry| entry.last_used > cutoff);
+    let old: Vec<UserKey> = entries
+        .iter()
+        .filter(|(_, entry)| entry.last_used <= cutoff)
+        .map(|(user, _)| user.clone())
+        .collect();
+    old.iter()
+        .filter_map(|user| entries.remove(user))
+        .map(|entry| entry.memory)
+        .collect()
 }
 
 /// The version a user's first memory starts from: the current time in microseconds. Versions

@@ -115,7 +115,8 @@ pub struct Exchange {
     pub record: Option<RecordPlan>,
 }
 
-/// The memory behaviour of the proxy. The pass-through proxy uses [`NoMemory`].
+/// The memory behaviour of the proxy: [`store_memory::StoreMemory`] in `engram serve`;
+/// [`NoMemory`] passes every request through (a server embedded without a store).
 pub trait MemoryLayer: Send + Sync + 'static {
     /// Rewrites the request on the hot path. Fails only for bad client input (a malformed
     /// identity header); store trouble gives a `Degraded` outcome without a rewritten request.

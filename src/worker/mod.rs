@@ -94,12 +94,9 @@ impl Worker {
         tasks: TaskTracker,
         cancel: CancellationToken,
     ) -> Worker {
-        let consumer = format!(
-            "{}-{}-{:x}",
-            hostname(),
-            std::process::id(),
-            first_version()
-        );
+        // Names the holder of a lease (and, in Redis, a consumer of the group). Host and
+        // process are enough: a lease, not the name, decides who may apply a job.
+        let consumer = format!("{}-{}", hostname(), std::process::id());
         Worker {
             store,
             cache,
@@ -229,12 +226,6 @@ impl Worker {
                 tracing::warn!(%error, jobs = jobs.len(), first = %jobs[0].id.key, "applying jobs failed; they will be retried");
             }
         }
-    }
-
-    /// Applies one job to the user's memory and commits it.
-    pub async fn apply(&self, job: &Job) -> Result<Applied> {
-        let applied = self.apply_run(std::slice::from_ref(job)).await?;
-        Ok(applied.into_iter().next().unwrap_or(Applied::Duplicate))
     }
 
     /// Applies jobs of one session, in order, and commits them together: one state read,
