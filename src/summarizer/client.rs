@@ -7,7 +7,7 @@ use bytes::Bytes;
 use http::header::{self, HeaderValue};
 use http::{Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full, Limited};
-use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -39,18 +39,7 @@ impl ChatClient {
             .parse()
             .map_err(|_| invalid("summarizer.base_url", "not a URL"))?;
 
-        let mut http = HttpConnector::new();
-        http.enforce_http(false);
-        // Nagle + delayed ACK would add tens of milliseconds to every small request.
-        http.set_nodelay(true);
-        http.set_connect_timeout(Some(connect_timeout));
-        http.set_keepalive(Some(Duration::from_secs(60)));
-        let https = HttpsConnectorBuilder::new()
-            .with_webpki_roots()
-            .https_or_http()
-            .enable_http1()
-            .enable_http2()
-            .wrap_connector(http);
+        let https = crate::upstream::connector(connect_timeout);
         let http = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(90))
             .build(https);
