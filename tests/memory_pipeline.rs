@@ -484,3 +484,30 @@ async fn a_summarizer_timeout_records_the_heuristic_now_and_applies_the_model_la
     }
     assert_grounded_facts_only(&proxy, "ravi").await;
 }
+
+#[tokio::test]
+async fn an_upstream_error_is_forwarded_and_records_nothing() {
+    let upstream = mock(&[]);
+    let proxy = proxy(&upstream.address, &[]);
+    let body = json!({
+        "model": "gpt-test",
+        "messages": [{"role": "user", "content": "I live in Oslo."}],
+    });
+    let reply = post_json(
+        &proxy.url("/v1/chat/completions"),
+        &body,
+        &[("x-engram-user", "sam"), ("x-mock-status", "503")],
+    )
+    .await;
+    assert_eq!(reply.status.as_u16(), 503);
+    assert!(reply.headers.get("x-engram-job-id").is_none());
+    assert!(reply.headers.get("x-engram-turn-id").is_none());
+    // The next answered turn of the session is not held up behind the failed one.
+    let ok = say(&proxy, "default", "sam", "default", "I work as a baker.").await;
+    wait_applied(&proxy, "default", "sam", &ok).await;
+    wait_drained(&proxy, Duration::from_secs(10)).await;
+    let memory = export(&proxy, "default", "sam").await;
+    let raw = memory["raw_log"].as_array().unwrap();
+    assert_eq!(raw.len(), 1);
+    assert_eq!(raw[0]["exchange"]["user_text"], "I work as a baker.");
+}

@@ -57,13 +57,17 @@ pub async fn handle(
         let body = upstream_body.map_err(BodyError::from).boxed();
         return Ok(Response::from_parts(response_parts, body));
     }
-    if let Some(job) = rewrite
-        .record
-        .as_ref()
-        .and_then(|plan| HeaderValue::from_str(&plan.job.key).ok())
-    {
-        // Only an answered request is recorded, so only it names a job.
-        response_parts.headers.insert("x-engram-job-id", job);
+    if let Some(plan) = &rewrite.record {
+        // Only an answered request is recorded, so only it names its turn and job. Both are
+        // hex and ASCII, always valid header values.
+        for (name, value) in [
+            ("x-engram-turn-id", &plan.turn_id),
+            ("x-engram-job-id", &plan.job.key),
+        ] {
+            if let Ok(value) = HeaderValue::from_str(value) {
+                response_parts.headers.insert(name, value);
+            }
+        }
     }
     let event_stream = is_event_stream(&response_parts.headers);
     // The write receipt of a stream: an SSE comment after the last frame, which SSE clients
@@ -211,11 +215,5 @@ fn add_memory_headers(headers: &mut HeaderMap, rewrite: &Rewrite) {
             "x-engram-memory-items",
             HeaderValue::from(rewrite.injected_items),
         );
-    }
-    if let Some(plan) = &rewrite.record {
-        // Both are built from hex and ASCII, always valid header values.
-        if let Ok(turn_id) = HeaderValue::from_str(&plan.turn_id) {
-            headers.insert("x-engram-turn-id", turn_id);
-        }
     }
 }
