@@ -70,7 +70,7 @@ impl Engram {
         };
         let memory = StoreMemory::new(
             Arc::clone(&store),
-            cache,
+            Arc::clone(&cache),
             Arc::clone(&outbox),
             memory_config,
             config.identity.clone(),
@@ -79,6 +79,7 @@ impl Engram {
         let admin = AdminApi::new(
             admin_token,
             store,
+            cache,
             Arc::clone(&outbox),
             worker.clone(),
             config.identity.clone(),

@@ -6,7 +6,15 @@
 //! - `GET /engram/v1/users/{user}/jobs/{job}`: a job's state (queued, applied, failed), so a
 //!   client can wait to read its own write (the job id is the `x-engram-job-id` header or the
 //!   stream's `: engram … job=…` receipt);
-//! - `GET /engram/v1/users/{user}/memory`: the user's whole memory and raw log.
+//! - `GET /engram/v1/users/{user}/memory`: the user's whole memory and raw log;
+//! - `DELETE /engram/v1/users/{user}`: forget the user (every record, every kind), with a
+//!   deletion report;
+//! - `PUT /engram/v1/users/{user}/identity` `{"text": …}`: set (or, empty, clear) the identity;
+//! - `POST /engram/v1/users/{user}/pins` `{"text": …}` and
+//!   `DELETE /engram/v1/users/{user}/pins/{id}`: pin and unpin.
+//!
+//! Edits are version-checked like the worker's commits, so an edit and a job never overwrite
+//! each other.
 //!
 //! The tenant is the `x-engram-tenant` header, or the configured default tenant.
 
@@ -15,13 +23,26 @@ use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
 use http::{HeaderMap, Method, Request, Response, StatusCode, header};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use serde_json::{Value, json};
 
-use crate::error::{Error, ProxyBody, full_body};
+use crate::error::{Error, ProxyBody, decode_json, full_body};
+use crate::memory::{self, MemoryState};
+use crate::pipeline::cache::{MemoryCache, first_version};
 use crate::pipeline::identity::{self, IdentityConfig};
 use crate::store::{JobId, JobState, Store, UserKey};
 use crate::worker::{Outbox, Worker};
+
+/// Largest admin request body.
+const MAX_BODY_BYTES: usize = 64 * 1024;
+const EDIT_RETRIES: u32 = 8;
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TextBody {
+    text: String,
+}
 
 /// The environment variable holding the admin token.
 pub const TOKEN_ENV: &str = "ENGRAM_ADMIN_TOKEN";
@@ -30,6 +51,7 @@ pub const PREFIX: &str = "/engram/v1/";
 pub struct AdminApi {
     token: Option<String>,
     store: Arc<dyn Store>,
+    cache: Arc<MemoryCache>,
     outbox: Arc<Outbox>,
     worker: Option<Arc<Worker>>,
     identity: IdentityConfig,
@@ -39,6 +61,7 @@ impl AdminApi {
     pub fn new(
         token: Option<String>,
         store: Arc<dyn Store>,
+        cache: Arc<MemoryCache>,
         outbox: Arc<Outbox>,
         worker: Option<Arc<Worker>>,
         identity: IdentityConfig,
@@ -46,6 +69,7 @@ impl AdminApi {
         AdminApi {
             token: token.filter(|token| !token.is_empty()),
             store,
+            cache,
             outbox,
             worker,
             identity,
@@ -76,14 +100,117 @@ impl AdminApi {
                 let user = self.user_key(request.headers(), user)?;
                 self.export(user).await
             }
-            (_, ["queue"] | ["users", _, "jobs", _] | ["users", _, "memory"]) => {
-                Err(Error::MethodNotAllowed {
-                    method: request.method().to_string(),
-                    path: path.to_owned(),
-                })
+            (&Method::DELETE, ["users", user]) => {
+                let user = self.user_key(request.headers(), user)?;
+                self.forget(user).await
             }
+            (&Method::PUT, ["users", user, "identity"]) => {
+                let user = self.user_key(request.headers(), user)?;
+                let body: TextBody = read_json(request).await?;
+                let (_, version) = self
+                    .edit(&user, |state| memory::set_identity(state, &body.text))
+                    .await?;
+                Ok(json_response(
+                    StatusCode::OK,
+                    &json!({ "version": version }),
+                ))
+            }
+            (&Method::POST, ["users", user, "pins"]) => {
+                let user = self.user_key(request.headers(), user)?;
+                let body: TextBody = read_json(request).await?;
+                if body.text.trim().is_empty() {
+                    return Err(Error::invalid_request(
+                        "`text` must not be empty.",
+                        Some("text"),
+                    ));
+                }
+                let (pin, version) = self
+                    .edit(&user, |state| memory::pin(state, &body.text, None))
+                    .await?;
+                Ok(json_response(
+                    StatusCode::CREATED,
+                    &json!({ "pin": pin, "version": version }),
+                ))
+            }
+            (&Method::DELETE, ["users", user, "pins", pin]) => {
+                let user = self.user_key(request.headers(), user)?;
+                let pin: u32 = pin
+                    .parse()
+                    .map_err(|_| Error::invalid_request("The pin id must be a number.", None))?;
+                let (unpinned, version) =
+                    self.edit(&user, |state| memory::unpin(state, pin)).await?;
+                if !unpinned {
+                    return Err(Error::ResourceNotFound(format!("No active pin {pin}.")));
+                }
+                Ok(json_response(
+                    StatusCode::OK,
+                    &json!({ "version": version }),
+                ))
+            }
+            (
+                _,
+                ["queue"]
+                | ["users", _]
+                | ["users", _, "jobs", _]
+                | ["users", _, "memory" | "identity" | "pins"]
+                | ["users", _, "pins", _],
+            ) => Err(Error::MethodNotAllowed {
+                method: request.method().to_string(),
+                path: path.to_owned(),
+            }),
             _ => Err(not_found()),
         }
+    }
+
+    /// Forgets the user: every record in the store, and the cached memory of this process.
+    async fn forget(&self, user: UserKey) -> Result<Response<ProxyBody>, Error> {
+        let report = self.store.forget_user(&user).await?;
+        self.cache.remove(&user);
+        tracing::info!(records = report.total(), "user forgotten");
+        Ok(json_response(
+            StatusCode::OK,
+            &json!({
+                "forgotten": true,
+                "deleted": report,
+                "total": report.total(),
+            }),
+        ))
+    }
+
+    /// Applies `change` to the user's latest memory and saves it with a version check, retrying
+    /// on a conflict. Returns what `change` returned and the memory version after it; a change
+    /// that changed nothing writes nothing.
+    async fn edit<T>(
+        &self,
+        user: &UserKey,
+        change: impl Fn(&mut MemoryState) -> T,
+    ) -> Result<(T, u64), Error> {
+        for _ in 0..EDIT_RETRIES {
+            let (mut state, expected) = match self.store.load_state(user).await? {
+                Some(state) => {
+                    let version = state.version;
+                    (state, version)
+                }
+                None => {
+                    let mut state = MemoryState::new();
+                    state.version = first_version();
+                    (state, 0)
+                }
+            };
+            let before = state.version;
+            let out = change(&mut state);
+            if state.version == before {
+                return Ok((out, expected));
+            }
+            match self.store.save_state(user, &state, expected).await {
+                Ok(()) => return Ok((out, state.version)),
+                Err(Error::StoreConflict { .. }) => continue,
+                Err(error) => return Err(error),
+            }
+        }
+        Err(Error::Store(format!(
+            "memory kept changing: {EDIT_RETRIES} version conflicts in a row"
+        )))
     }
 
     fn user_key(&self, headers: &HeaderMap, user: &str) -> Result<UserKey, Error> {
@@ -208,6 +335,24 @@ fn percent_decode(segment: &str) -> Result<String, Error> {
         }
     }
     String::from_utf8(out).map_err(|_| bad())
+}
+
+/// Reads a JSON body of at most `MAX_BODY_BYTES`.
+async fn read_json<T: serde::de::DeserializeOwned>(request: Request<Incoming>) -> Result<T, Error> {
+    let body = http_body_util::Limited::new(request.into_body(), MAX_BODY_BYTES)
+        .collect()
+        .await
+        .map_err(|error| {
+            if error.is::<http_body_util::LengthLimitError>() {
+                Error::PayloadTooLarge {
+                    limit: MAX_BODY_BYTES as u64,
+                }
+            } else {
+                Error::invalid_request(format!("could not read the request body: {error}"), None)
+            }
+        })?
+        .to_bytes();
+    decode_json(&body)
 }
 
 fn json_response(status: StatusCode, body: &Value) -> Response<ProxyBody> {

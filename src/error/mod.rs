@@ -202,6 +202,21 @@ impl Error {
 }
 
 /// A complete in-memory body in the proxy's body type.
+/// Parses a JSON request body, naming the byte position or the field path of the first problem
+/// (`InvalidJson`, a 400).
+pub fn decode_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T> {
+    let deserializer = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(deserializer).map_err(|error| {
+        let path = error.path().to_string();
+        let inner = error.into_inner();
+        let param = (path != "." && !inner.is_syntax() && !inner.is_eof()).then_some(path);
+        Error::InvalidJson {
+            message: inner.to_string(),
+            param,
+        }
+    })
+}
+
 pub fn full_body(bytes: impl Into<Bytes>) -> ProxyBody {
     Full::new(bytes.into())
         .map_err(|never| match never {})

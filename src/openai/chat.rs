@@ -51,17 +51,7 @@ fn present<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Value>, 
 impl ChatRequest {
     /// Parses a request body once, naming the byte position or field path of the first problem.
     pub fn from_slice(body: &[u8]) -> Result<Self, Error> {
-        let deserializer = &mut serde_json::Deserializer::from_slice(body);
-        let request: ChatRequest =
-            serde_path_to_error::deserialize(deserializer).map_err(|error| {
-                let path = error.path().to_string();
-                let inner = error.into_inner();
-                let param = (path != "." && !inner.is_syntax() && !inner.is_eof()).then_some(path);
-                Error::InvalidJson {
-                    message: inner.to_string(),
-                    param,
-                }
-            })?;
+        let request: ChatRequest = crate::error::decode_json(body)?;
         request.validate()?;
         Ok(request)
     }
