@@ -15,6 +15,7 @@ use crate::admin::AdminApi;
 use crate::config::{Config, StoreBackend, StoreConfig};
 use crate::error::{Error, Result};
 use crate::pipeline::cache::MemoryCache;
+use crate::pipeline::explain_log::ExplainLog;
 use crate::pipeline::store_memory::StoreMemory;
 use crate::server::{AppState, Server};
 use crate::store::redis::RedisOptions;
@@ -22,6 +23,9 @@ use crate::store::{EmbeddedStore, RedisStore, Store};
 use crate::summarizer::Summarizer;
 use crate::upstream::Upstream;
 use crate::worker::{Outbox, Worker, priority};
+
+/// Turns whose explanation this process keeps for the management API.
+pub const EXPLAINED_TURNS: usize = 4096;
 
 /// The directory, inside `store.data_dir`, of the Redis backend's local spool.
 pub const SPOOL_DIR: &str = "spool";
@@ -68,6 +72,7 @@ impl Engram {
         } else {
             None
         };
+        let explains = Arc::new(ExplainLog::new(EXPLAINED_TURNS));
         let memory = StoreMemory::new(
             Arc::clone(&store),
             Arc::clone(&cache),
@@ -75,11 +80,13 @@ impl Engram {
             memory_config,
             config.identity.clone(),
             config.hot_path_deadline(),
+            Arc::clone(&explains),
         );
         let admin = AdminApi::new(
             admin_token,
             store,
             cache,
+            explains,
             Arc::clone(&outbox),
             worker.clone(),
             config.identity.clone(),

@@ -156,3 +156,76 @@ async fn forget_deletes_every_record_of_one_user_in_one_tenant_only() {
     let queue = admin(&proxy, "/engram/v1/queue", "t1").await;
     assert_eq!(queue.status.as_u16(), 200);
 }
+
+#[tokio::test]
+async fn explain_names_what_a_turn_was_given_and_where_it_came_from() {
+    let upstream = mock(&[]);
+    let proxy = proxy(&upstream.address, &[]);
+    let first = say(&proxy, "acme", "vik", "s1", "I'm allergic to sesame.").await;
+    wait_applied(&proxy, "acme", "vik", &first).await;
+    let source_turn = first.headers["x-engram-turn-id"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+
+    // A read-only probe is not recorded but still has a turn id and an explanation.
+    let probe = send(
+        "POST",
+        &proxy.url("/v1/chat/completions"),
+        &[
+            ("content-type", "application/json"),
+            ("x-engram-tenant", "acme"),
+            ("x-engram-user", "vik"),
+            ("x-engram-session", "probe"),
+            ("x-engram-mode", "read-only"),
+        ],
+        json!({"model": "gpt-test", "messages": [{"role": "user", "content": "What should I avoid?"}]})
+            .to_string(),
+    )
+    .await;
+    assert_eq!(probe.status.as_u16(), 200);
+    assert!(probe.headers.get("x-engram-job-id").is_none());
+    let turn = probe.headers["x-engram-turn-id"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+
+    let explained = admin(
+        &proxy,
+        &format!("/engram/v1/users/vik/turns/{turn}/explain"),
+        "acme",
+    )
+    .await;
+    assert_eq!(explained.status.as_u16(), 200);
+    let explain = &explained.json()["explain"];
+    let items = explain["items"].as_array().unwrap();
+    let constraint = items
+        .iter()
+        .find(|item| item["reason"]["why"] == "hard_constraint")
+        .unwrap_or_else(|| panic!("no hard constraint in {explain}"));
+    assert_eq!(constraint["block"], "core", "{constraint}");
+    assert!(constraint["tokens"].as_u64().unwrap() > 0);
+    assert!(
+        constraint["provenance"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|id| id == source_turn.as_str()),
+        "{constraint}"
+    );
+    assert!(explain["tokens"]["total"].as_u64().unwrap() > 0);
+
+    for (path, tenant) in [
+        (
+            "/engram/v1/users/vik/turns/t0-0-0/explain".to_owned(),
+            "acme",
+        ),
+        (
+            format!("/engram/v1/users/vik/turns/{turn}/explain"),
+            "other",
+        ),
+        (format!("/engram/v1/users/ola/turns/{turn}/explain"), "acme"),
+    ] {
+        common::assert_openai_error(&admin(&proxy, &path, tenant).await, 404);
+    }
+}

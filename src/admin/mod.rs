@@ -7,6 +7,8 @@
 //!   client can wait to read its own write (the job id is the `x-engram-job-id` header or the
 //!   stream's `: engram … job=…` receipt);
 //! - `GET /engram/v1/users/{user}/memory`: the user's whole memory and raw log;
+//! - `GET /engram/v1/users/{user}/turns/{turn}/explain`: what a turn's prompt was given (items,
+//!   blocks, tiers, scores, tokens, reasons, provenance), while this process keeps it;
 //! - `DELETE /engram/v1/users/{user}`: forget the user (every record, every kind), with a
 //!   deletion report;
 //! - `PUT /engram/v1/users/{user}/identity` `{"text": …}`: set (or, empty, clear) the identity;
@@ -30,6 +32,7 @@ use serde_json::{Value, json};
 use crate::error::{Error, ProxyBody, decode_json, full_body};
 use crate::memory::{self, MemoryState};
 use crate::pipeline::cache::{MemoryCache, first_version};
+use crate::pipeline::explain_log::ExplainLog;
 use crate::pipeline::identity::{self, IdentityConfig};
 use crate::store::{JobId, JobState, Store, UserKey};
 use crate::worker::{Outbox, Worker};
@@ -52,6 +55,7 @@ pub struct AdminApi {
     token: Option<String>,
     store: Arc<dyn Store>,
     cache: Arc<MemoryCache>,
+    explains: Arc<ExplainLog>,
     outbox: Arc<Outbox>,
     worker: Option<Arc<Worker>>,
     identity: IdentityConfig,
@@ -62,6 +66,7 @@ impl AdminApi {
         token: Option<String>,
         store: Arc<dyn Store>,
         cache: Arc<MemoryCache>,
+        explains: Arc<ExplainLog>,
         outbox: Arc<Outbox>,
         worker: Option<Arc<Worker>>,
         identity: IdentityConfig,
@@ -70,6 +75,7 @@ impl AdminApi {
             token: token.filter(|token| !token.is_empty()),
             store,
             cache,
+            explains,
             outbox,
             worker,
             identity,
@@ -99,6 +105,21 @@ impl AdminApi {
             (&Method::GET, ["users", user, "memory"]) => {
                 let user = self.user_key(request.headers(), user)?;
                 self.export(user).await
+            }
+            (&Method::GET, ["users", user, "turns", turn, "explain"]) => {
+                let user = self.user_key(request.headers(), user)?;
+                let turn = percent_decode(turn)?;
+                let Some(explain) = self.explains.get(&user, &turn) else {
+                    return Err(Error::ResourceNotFound(format!(
+                        "No explanation for turn {turn}: explanations are kept by the process \
+                         that served the turn, for its last {} turns.",
+                        crate::app::EXPLAINED_TURNS
+                    )));
+                };
+                Ok(json_response(
+                    StatusCode::OK,
+                    &json!({ "turn": turn, "explain": &*explain }),
+                ))
             }
             (&Method::DELETE, ["users", user]) => {
                 let user = self.user_key(request.headers(), user)?;
@@ -153,7 +174,8 @@ impl AdminApi {
                 | ["users", _]
                 | ["users", _, "jobs", _]
                 | ["users", _, "memory" | "identity" | "pins"]
-                | ["users", _, "pins", _],
+                | ["users", _, "pins", _]
+                | ["users", _, "turns", _, "explain"],
             ) => Err(Error::MethodNotAllowed {
                 method: request.method().to_string(),
                 path: path.to_owned(),

@@ -8,6 +8,7 @@
 //!    off the hot path, on the tracked task set that shutdown drains.
 
 pub mod cache;
+pub mod explain_log;
 pub mod identity;
 pub mod order;
 pub mod store_memory;
@@ -35,6 +36,9 @@ pub struct Rewrite {
     pub injected_items: u32,
     /// Why memory was skipped or degraded (`x-engram-memory-reason`).
     pub reason: Option<&'static str>,
+    /// The id of this turn (`x-engram-turn-id`), for every request that read memory; its
+    /// explanation is kept for the management API.
+    pub turn_id: Option<String>,
     /// Identity, hard constraints and pinned items alone exceeded the budget.
     pub reserved_over_budget: bool,
     /// How the exchange will be recorded; `None` records nothing (no user, `off`, `read-only`).

@@ -14,6 +14,7 @@ use std::time::Duration;
 use http::HeaderMap;
 
 use super::cache::{CachedMemory, MemoryCache};
+use super::explain_log::ExplainLog;
 use super::identity::{self, IdentityConfig, RequestIdentity};
 use super::order::SessionOrder;
 use super::{BoxFuture, Exchange, MemoryLayer, MemoryOutcome, RecordPlan, Rewrite, log_capture};
@@ -34,6 +35,7 @@ pub struct StoreMemory {
     empty: Arc<CachedMemory>,
     turn_ids: TurnIds,
     order: Arc<SessionOrder>,
+    explains: Arc<ExplainLog>,
 }
 
 impl StoreMemory {
@@ -44,6 +46,7 @@ impl StoreMemory {
         config: Arc<MemoryConfig>,
         identity: IdentityConfig,
         deadline: Duration,
+        explains: Arc<ExplainLog>,
     ) -> StoreMemory {
         StoreMemory {
             store,
@@ -55,6 +58,7 @@ impl StoreMemory {
             empty: Arc::new(CachedMemory::new(MemoryState::new())),
             turn_ids: TurnIds::new(),
             order: SessionOrder::new(),
+            explains,
         }
     }
 
@@ -71,8 +75,9 @@ impl StoreMemory {
         }
         let user = UserKey::new(identity.tenant, identity.user);
         let session = identity.session;
+        let turn_id = self.turn_ids.next();
         let plan = resolved.records().then(|| {
-            let turn_id = self.turn_ids.next();
+            let turn_id = turn_id.clone();
             RecordPlan {
                 job: JobId {
                     key: job_key(&user, &session, &turn_id),
@@ -101,14 +106,14 @@ impl StoreMemory {
             Ok(Ok(record)) => record,
             Ok(Err(error)) => {
                 tracing::warn!(%error, "memory read failed; answering without memory");
-                return Ok(degraded("store_error", plan));
+                return Ok(degraded("store_error", turn_id, plan));
             }
             Err(_) => {
                 tracing::warn!(
                     deadline_ms = self.deadline.as_millis() as u64,
                     "memory read missed the hot-path deadline; answering without memory"
                 );
-                return Ok(degraded("store_timeout", plan));
+                return Ok(degraded("store_timeout", turn_id, plan));
             }
         };
         let memory = match (record.version, record.state, cached) {
@@ -132,7 +137,7 @@ impl StoreMemory {
                     version,
                     "memory changed during the read; answering without it"
                 );
-                return Ok(degraded("store_race", plan));
+                return Ok(degraded("store_race", turn_id, plan));
             }
         };
 
@@ -151,9 +156,12 @@ impl StoreMemory {
             prior_chain: Some(composition.prior_chain),
             ..plan
         });
+        self.explains
+            .put(&user, &turn_id, composition.explain.clone());
         if composition.outcome == memory::MemoryOutcome::Empty {
             return Ok(Rewrite {
                 reason: Some("empty"),
+                turn_id: Some(turn_id),
                 ..skipped_with(plan)
             });
         }
@@ -167,6 +175,7 @@ impl StoreMemory {
             injected_tokens: composition.tokens.total,
             injected_items: u32::try_from(composition.items).unwrap_or(u32::MAX),
             reason: None,
+            turn_id: Some(turn_id),
             reserved_over_budget: composition.outcome == memory::MemoryOutcome::ReservedOverBudget,
             record: plan,
         })
@@ -245,10 +254,11 @@ fn skipped_with(plan: Option<RecordPlan>) -> Rewrite {
 }
 
 /// The store failed or was slow: no memory now, but the exchange is still recorded.
-fn degraded(reason: &'static str, plan: Option<RecordPlan>) -> Rewrite {
+fn degraded(reason: &'static str, turn_id: String, plan: Option<RecordPlan>) -> Rewrite {
     Rewrite {
         outcome: MemoryOutcome::Degraded,
         reason: Some(reason),
+        turn_id: Some(turn_id),
         record: plan,
         ..Rewrite::default()
     }

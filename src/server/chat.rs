@@ -57,16 +57,15 @@ pub async fn handle(
         let body = upstream_body.map_err(BodyError::from).boxed();
         return Ok(Response::from_parts(response_parts, body));
     }
-    if let Some(plan) = &rewrite.record {
-        // Only an answered request is recorded, so only it names its turn and job. Both are
-        // hex and ASCII, always valid header values.
-        for (name, value) in [
-            ("x-engram-turn-id", &plan.turn_id),
-            ("x-engram-job-id", &plan.job.key),
-        ] {
-            if let Ok(value) = HeaderValue::from_str(value) {
-                response_parts.headers.insert(name, value);
-            }
+    // Only an answered request names its turn (whose explanation the management API keeps)
+    // and, if it is recorded, its job. Both ids are hex and ASCII, always valid header values.
+    let job = rewrite.record.as_ref().map(|plan| &plan.job.key);
+    for (name, value) in [
+        ("x-engram-turn-id", rewrite.turn_id.as_ref()),
+        ("x-engram-job-id", job),
+    ] {
+        if let Some(value) = value.and_then(|value| HeaderValue::from_str(value).ok()) {
+            response_parts.headers.insert(name, value);
         }
     }
     let event_stream = is_event_stream(&response_parts.headers);

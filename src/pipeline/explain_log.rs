@@ -1,0 +1,61 @@
+//! The explanations of recent turns (what was injected, from which tier, with what score, how
+//! many tokens, why), kept in this process for the management API's explain route. Bounded:
+//! the oldest go first. A turn served by another replica is not here.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use crate::memory::Explain;
+use crate::store::UserKey;
+
+type TurnKey = (UserKey, String);
+
+#[derive(Debug)]
+pub struct ExplainLog {
+    inner: Mutex<Inner>,
+    capacity: usize,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    explains: HashMap<TurnKey, Arc<Explain>>,
+    order: VecDeque<TurnKey>,
+}
+
+impl ExplainLog {
+    pub fn new(capacity: usize) -> ExplainLog {
+        ExplainLog {
+            inner: Mutex::new(Inner::default()),
+            capacity: capacity.max(1),
+        }
+    }
+
+    pub fn put(&self, user: &UserKey, turn_id: &str, explain: Explain) {
+        let key = (user.clone(), turn_id.to_owned());
+        let mut dropped = Vec::new();
+        {
+            let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+            if inner
+                .explains
+                .insert(key.clone(), Arc::new(explain))
+                .is_none()
+            {
+                inner.order.push_back(key);
+            }
+            while inner.order.len() > self.capacity {
+                if let Some(old) = inner.order.pop_front() {
+                    dropped.extend(inner.explains.remove(&old));
+                }
+            }
+        }
+        drop(dropped);
+    }
+
+    pub fn get(&self, user: &UserKey, turn_id: &str) -> Option<Arc<Explain>> {
+        let inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        inner
+            .explains
+            .get(&(user.clone(), turn_id.to_owned()))
+            .cloned()
+    }
+}
