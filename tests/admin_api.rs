@@ -94,25 +94,11 @@ async fn identity_and_pins_reach_the_prompt_and_unpinning_removes_them() {
     assert!(!memory.contains("metric units"), "{memory}");
     assert!(memory.contains("marine biologist"), "{memory}");
 
-    // Bad bodies are 400s naming the problem.
-    let bad = admin_send(
-        &proxy,
-        "POST",
-        "/engram/v1/users/tess/pins",
-        "acme",
-        json!({"txt": "x"}),
-    )
-    .await;
-    common::assert_openai_error(&bad, 400);
-    let empty = admin_send(
-        &proxy,
-        "POST",
-        "/engram/v1/users/tess/pins",
-        "acme",
-        json!({"text": "  "}),
-    )
-    .await;
-    common::assert_openai_error(&empty, 400);
+    // Bad bodies are 400s.
+    for body in [json!({"txt": "x"}), json!({"text": "  "}), json!("text")] {
+        let bad = admin_send(&proxy, "POST", "/engram/v1/users/tess/pins", "acme", body).await;
+        common::assert_openai_error(&bad, 400);
+    }
 }
 
 #[tokio::test]
