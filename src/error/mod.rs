@@ -63,6 +63,9 @@ pub enum Error {
     /// An optimistic write lost a race: the stored memory version moved since it was read.
     #[error("store conflict: expected memory version {expected}, found {found}")]
     StoreConflict { expected: u64, found: u64 },
+    /// A job being committed no longer exists: its user was forgotten meanwhile.
+    #[error("job {0} no longer exists (its user was forgotten)")]
+    JobGone(String),
 }
 
 /// OpenAI's error envelope: `{"error":{"message","type","param","code"}}`.
@@ -104,7 +107,8 @@ impl Error {
             | Error::Io(_)
             | Error::Internal(_)
             | Error::Store(_)
-            | Error::StoreConflict { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            | Error::StoreConflict { .. }
+            | Error::JobGone(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -126,7 +130,8 @@ impl Error {
             | Error::Io(_)
             | Error::Internal(_)
             | Error::Store(_)
-            | Error::StoreConflict { .. } => "server_error",
+            | Error::StoreConflict { .. }
+            | Error::JobGone(_) => "server_error",
         }
     }
 
@@ -146,6 +151,7 @@ impl Error {
             Error::ShuttingDown => "shutting_down",
             Error::Store(_) => "store_error",
             Error::StoreConflict { .. } => "store_conflict",
+            Error::JobGone(_) => "job_gone",
             Error::Config { .. } | Error::Io(_) | Error::Internal(_) => return None,
         })
     }

@@ -640,7 +640,17 @@ fn write_commit(txn: &WriteTransaction, commit: &JobCommit) -> Result<()> {
         return Ok(());
     };
     let user = &first.id.user;
-    // The version check first, so a conflict writes nothing and the rest of a group commits.
+    // The checks first, so a failed one writes nothing and the rest of a group commits. A job
+    // whose record is gone was forgotten with its user while it was being applied: writing
+    // its state would bring the forgotten memory back.
+    {
+        let jobs = txn.open_table(JOBS).map_err(db_error)?;
+        for job in &commit.jobs {
+            if jobs.get(job_key(&job.id)).map_err(db_error)?.is_none() {
+                return Err(Error::JobGone(job.id.key.clone()));
+            }
+        }
+    }
     let found = txn
         .open_table(VERSIONS)
         .map_err(db_error)?

@@ -151,7 +151,7 @@ where
 
 /// Failures that wrote nothing, so the rest of the batch may commit.
 fn is_clean(error: &Error) -> bool {
-    matches!(error, Error::StoreConflict { .. })
+    matches!(error, Error::StoreConflict { .. } | Error::JobGone(_))
 }
 
 fn db_error(error: impl Into<redb::Error>) -> Error {

@@ -252,7 +252,8 @@ pub trait Store: Send + Sync + 'static {
 
     /// The worker's whole write for applied jobs of one session (in order): their raw-log
     /// appends, the state after them (with the version check of `save_state`), the session's
-    /// prefetched candidates, and the jobs marked applied. Backends that can do it in one
+    /// prefetched candidates, and the jobs marked applied. Fails with `Error::JobGone`, writing
+    /// nothing, if a job no longer exists (its user was forgotten while it was applied). Backends that can do it in one
     /// atomic step override this sequence; in the sequence every step is idempotent, so a
     /// worker that dies half-way and a re-claim that repeats it apply each job once.
     fn commit_jobs<'a>(
@@ -267,6 +268,12 @@ pub trait Store: Send + Sync + 'static {
                 return Ok(());
             };
             let user = &first.id.user;
+            // A forgotten user's in-flight job must not bring its memory back.
+            for job in jobs {
+                if self.job_state(&job.id).await?.is_none() {
+                    return Err(Error::JobGone(job.id.key.clone()));
+                }
+            }
             for job in jobs {
                 self.append_raw(user, &job.id.key, &job.exchange).await?;
             }

@@ -74,8 +74,12 @@ pub struct WorkerStats {
 /// What applying one job did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Applied {
-    Recorded { version: u64 },
+    Recorded {
+        version: u64,
+    },
     Duplicate,
+    /// Its user was forgotten while it was applied; nothing was written.
+    Forgotten,
 }
 
 impl Worker {
@@ -215,6 +219,7 @@ impl Worker {
                             self.stats.duplicates.fetch_add(1, Ordering::Relaxed);
                             tracing::debug!(job = %job.id.key, "job was already applied");
                         }
+                        Applied::Forgotten => {}
                     }
                 }
             }
@@ -346,6 +351,11 @@ impl Worker {
                 }
                 Err(Error::StoreConflict { .. }) => {
                     self.stats.conflicts.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(Error::JobGone(job)) => {
+                    // Forgotten while it was applied: nothing to write, nothing to retry.
+                    tracing::info!(%job, "job dropped: its user was forgotten");
+                    return Ok(vec![Applied::Forgotten; jobs.len()]);
                 }
                 Err(error) => return Err(error),
             }

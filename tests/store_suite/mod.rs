@@ -43,6 +43,7 @@ macro_rules! store_suite {
             concurrent_job_commits_of_one_user_let_one_win,
             many_concurrent_enqueues_each_land_once,
             claim_batches_keep_sessions_in_order,
+            a_forgotten_users_job_commits_nothing,
             raw_log_appends_once_in_order,
             enqueue_is_idempotent_by_job_key,
             expired_lease_is_claimed_again,
@@ -381,6 +382,33 @@ pub async fn claim_batches_keep_sessions_in_order(store: &dyn Store) {
     let keys: Vec<&str> = batch.iter().map(|c| c.job.id.key.as_str()).collect();
     // a2 and a3 wait behind the leased a1; b's jobs come in order (one or both).
     assert!(keys == ["b1", "b2"] || keys == ["b1"], "{keys:?}");
+}
+
+/// A job in flight when its user is forgotten must not bring the memory back.
+pub async fn a_forgotten_users_job_commits_nothing(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    let job = job_in(&alice, "s1", "k1");
+    store.enqueue(&job).await.unwrap();
+    let claimed = store
+        .claim("w", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .unwrap();
+    store.forget_user(&alice).await.unwrap();
+    let mut state = MemoryState::new();
+    record_exchange(
+        &mut state,
+        &claimed.job.exchange,
+        &HeuristicExtractor,
+        &MemoryConfig::default(),
+    );
+    let encoded = EncodedState::of(&state).unwrap();
+    let result = store
+        .commit_jobs(std::slice::from_ref(&claimed.job), &encoded, 0, &[])
+        .await;
+    assert!(matches!(result, Err(Error::JobGone(_))), "{result:?}");
+    assert!(store.load_state(&alice).await.unwrap().is_none());
+    assert!(store.read_raw(&alice).await.unwrap().is_empty());
 }
 
 /// Polls every future together (a tiny `join_all`, to keep dependencies few).
