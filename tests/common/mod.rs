@@ -160,8 +160,8 @@ pub fn mock_at(listen: &str, args: &[&str]) -> Process {
 }
 
 /// Starts the proxy in front of `upstream` (a process address) with extra env settings. It
-/// gets a fresh embedded store (unless `env` names `ENGRAM_STORE__DATA_DIR`) and the admin API
-/// with [`ADMIN_TOKEN`] (unless `env` sets `ENGRAM_ADMIN_TOKEN`).
+/// gets a fresh embedded store (unless `env` names `ENGRAM_STORE__DATA_DIR`), the admin API
+/// with [`ADMIN_TOKEN`] (unless `env` sets `ENGRAM_ADMIN_TOKEN`) and a 5 s hot-path deadline.
 pub fn proxy(upstream: &str, env: &[(&str, &str)]) -> Process {
     let base = format!("{upstream}/v1");
     let data_dir = tempfile::tempdir().unwrap();
@@ -171,6 +171,10 @@ pub fn proxy(upstream: &str, env: &[(&str, &str)]) -> Process {
         ("ENGRAM_LOGGING__LEVEL", "engram=debug,info"),
         ("ENGRAM_STORE__DATA_DIR", data_path.as_str()),
         ("ENGRAM_ADMIN_TOKEN", ADMIN_TOKEN),
+        // Debug builds on a loaded 2-core CI machine can miss the 20 ms production deadline,
+        // and a fail-open answer would make memory assertions flaky; tests of the deadline
+        // itself set their own.
+        ("ENGRAM_STORE__HOT_PATH_DEADLINE_MS", "5000"),
     ];
     all_env.extend_from_slice(env);
     let mut process = Process::spawn(
