@@ -24,8 +24,9 @@ use crate::summarizer::Summarizer;
 use crate::upstream::Upstream;
 use crate::worker::{Outbox, Worker, priority};
 
-/// Turns whose explanation this process keeps for the management API.
-pub const EXPLAINED_TURNS: usize = 4096;
+/// Turns whose explanation this process keeps for the management API. Estimated, not measured:
+/// a full 2,048-token block explains ~57 items at ~200 bytes each, so about 10 MB at most.
+pub const EXPLAINED_TURNS: usize = 1024;
 
 /// The directory, inside `store.data_dir`, of the Redis backend's local spool.
 pub const SPOOL_DIR: &str = "spool";
