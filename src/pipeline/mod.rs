@@ -22,7 +22,7 @@ use serde::Serialize;
 
 use crate::error::Error;
 use crate::openai::{AssistantMessage, ChatRequest};
-use crate::store::{JobId, UserKey};
+use crate::store::JobId;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -48,12 +48,11 @@ pub struct Rewrite {
 /// Everything the recorder needs that the hot path already resolved.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RecordPlan {
-    pub user: UserKey,
     pub session: String,
     /// The exchange's id, returned to the client as `x-engram-turn-id`.
     pub turn_id: String,
-    /// The job the exchange becomes; its key hashes the exchange's identity, so a replayed
-    /// exchange maps to the same job and applies once.
+    /// The job the exchange becomes (with the user it belongs to); its key hashes the
+    /// exchange's identity, so a replayed exchange maps to the same job and applies once.
     pub job: JobId,
     pub event_time: Option<String>,
     /// The chain link of the conversation the client sent (full-history clients).

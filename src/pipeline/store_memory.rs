@@ -83,7 +83,6 @@ impl StoreMemory {
                     key: job_key(&user, &session, &turn_id),
                     user: user.clone(),
                 },
-                user: user.clone(),
                 session: session.clone(),
                 turn_id,
                 event_time: resolved.event_time.clone(),
