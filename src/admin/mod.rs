@@ -30,16 +30,15 @@ use hyper::body::Incoming;
 use serde_json::{Value, json};
 
 use crate::error::{Error, ProxyBody, decode_json, full_body};
-use crate::memory::{self, MemoryState};
-use crate::pipeline::cache::{MemoryCache, first_version};
+use crate::memory;
+use crate::pipeline::cache::MemoryCache;
 use crate::pipeline::explain_log::ExplainLog;
 use crate::pipeline::identity::{self, IdentityConfig};
 use crate::store::{JobId, JobState, Store, UserKey};
-use crate::worker::{Outbox, Worker};
+use crate::worker::{Outbox, Worker, edit_memory};
 
 /// Largest admin request body.
 const MAX_BODY_BYTES: usize = 64 * 1024;
-const EDIT_RETRIES: u32 = 8;
 
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -128,9 +127,10 @@ impl AdminApi {
             (&Method::PUT, ["users", user, "identity"]) => {
                 let user = self.user_key(request.headers(), user)?;
                 let body: TextBody = read_json(request).await?;
-                let (_, version) = self
-                    .edit(&user, |state| memory::set_identity(state, &body.text))
-                    .await?;
+                let (_, version) = edit_memory(&*self.store, &self.cache, &user, |state| {
+                    memory::set_identity(state, &body.text)
+                })
+                .await?;
                 Ok(json_response(
                     StatusCode::OK,
                     &json!({ "version": version }),
@@ -145,9 +145,10 @@ impl AdminApi {
                         Some("text"),
                     ));
                 }
-                let (pin, version) = self
-                    .edit(&user, |state| memory::pin(state, &body.text, None))
-                    .await?;
+                let (pin, version) = edit_memory(&*self.store, &self.cache, &user, |state| {
+                    memory::pin(state, &body.text, None)
+                })
+                .await?;
                 Ok(json_response(
                     StatusCode::CREATED,
                     &json!({ "pin": pin, "version": version }),
@@ -158,8 +159,10 @@ impl AdminApi {
                 let pin: u32 = pin
                     .parse()
                     .map_err(|_| Error::invalid_request("The pin id must be a number.", None))?;
-                let (unpinned, version) =
-                    self.edit(&user, |state| memory::unpin(state, pin)).await?;
+                let (unpinned, version) = edit_memory(&*self.store, &self.cache, &user, |state| {
+                    memory::unpin(state, pin)
+                })
+                .await?;
                 if !unpinned {
                     return Err(Error::ResourceNotFound(format!("No active pin {pin}.")));
                 }
@@ -197,42 +200,6 @@ impl AdminApi {
                 "total": report.total(),
             }),
         ))
-    }
-
-    /// Applies `change` to the user's latest memory and saves it with a version check, retrying
-    /// on a conflict. Returns what `change` returned and the memory version after it; a change
-    /// that changed nothing writes nothing.
-    async fn edit<T>(
-        &self,
-        user: &UserKey,
-        change: impl Fn(&mut MemoryState) -> T,
-    ) -> Result<(T, u64), Error> {
-        for _ in 0..EDIT_RETRIES {
-            let (mut state, expected) = match self.store.load_state(user).await? {
-                Some(state) => {
-                    let version = state.version;
-                    (state, version)
-                }
-                None => {
-                    let mut state = MemoryState::new();
-                    state.version = first_version();
-                    (state, 0)
-                }
-            };
-            let before = state.version;
-            let out = change(&mut state);
-            if state.version == before {
-                return Ok((out, expected));
-            }
-            match self.store.save_state(user, &state, expected).await {
-                Ok(()) => return Ok((out, state.version)),
-                Err(Error::StoreConflict { .. }) => continue,
-                Err(error) => return Err(error),
-            }
-        }
-        Err(Error::Store(format!(
-            "memory kept changing: {EDIT_RETRIES} version conflicts in a row"
-        )))
     }
 
     fn user_key(&self, headers: &HeaderMap, user: &str) -> Result<UserKey, Error> {
@@ -278,7 +245,7 @@ impl AdminApi {
                 "errors": stats.errors.load(Ordering::Relaxed),
                 "failed": stats.failed.load(Ordering::Relaxed),
                 "summarizer_fallbacks": stats.summarizer_fallbacks.load(Ordering::Relaxed),
-                "summarizer_refined": worker.refined(),
+                "summarizer_refined": stats.summarizer_refined.load(Ordering::Relaxed),
             });
         }
         Ok(json_response(StatusCode::OK, &body))

@@ -51,12 +51,11 @@ pub struct Worker {
     /// Signalled when this process queued a job.
     wake: Arc<Notify>,
     consumer: String,
-    stats: WorkerStats,
+    /// Shared with the background summarizer retries.
+    stats: Arc<WorkerStats>,
     /// The claim loops and background summarizer retries.
     tasks: TaskTracker,
     cancel: CancellationToken,
-    /// Background summarizer retries whose diff was applied (shared with their tasks).
-    refined: Arc<AtomicU64>,
 }
 
 #[derive(Debug, Default)]
@@ -69,6 +68,8 @@ pub struct WorkerStats {
     pub failed: AtomicU64,
     /// Turns recorded with the heuristic extraction because the summarizer failed.
     pub summarizer_fallbacks: AtomicU64,
+    /// Background summarizer retries whose diff was applied.
+    pub summarizer_refined: AtomicU64,
 }
 
 /// What applying one job did.
@@ -109,20 +110,14 @@ impl Worker {
             summarizer,
             wake,
             consumer,
-            stats: WorkerStats::default(),
+            stats: Arc::default(),
             tasks,
             cancel,
-            refined: Arc::new(AtomicU64::new(0)),
         }
     }
 
     pub fn stats(&self) -> &WorkerStats {
         &self.stats
-    }
-
-    /// Background summarizer retries whose diff was applied.
-    pub fn refined(&self) -> u64 {
-        self.refined.load(Ordering::Relaxed)
     }
 
     /// Starts the claim loop on `runtime` (see [`priority`]); it stops when the cancel token
@@ -269,7 +264,7 @@ impl Worker {
         let store = Arc::clone(&self.store);
         let cache = Arc::clone(&self.cache);
         let cancel = self.cancel.clone();
-        let refined = Arc::clone(&self.refined);
+        let stats = Arc::clone(&self.stats);
         self.tasks.spawn(async move {
             tokio::select! {
                 () = tokio::time::sleep(delay) => {}
@@ -288,7 +283,7 @@ impl Worker {
             };
             match refine(&*store, &cache, &job.id.user, &exchange.turn_id, &summary.extraction.diff).await {
                 Ok(true) => {
-                    refined.fetch_add(1, Ordering::Relaxed);
+                    stats.summarizer_refined.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(job = %job.id.key, "summarizer retry applied");
                 }
                 Ok(false) => {}
@@ -451,8 +446,8 @@ fn compute(
     })
 }
 
-/// Applies a later, better diff to an already recorded turn (found by its turn id), with the
-/// same version check as a job. False when the turn is gone (forgotten) or nothing changed.
+/// Applies a later, better diff to an already recorded turn (found by its turn id). False when
+/// the turn is gone (forgotten) or the diff changed nothing.
 async fn refine(
     store: &dyn Store,
     cache: &MemoryCache,
@@ -460,27 +455,54 @@ async fn refine(
     turn_id: &str,
     diff: &memory::FactDiff,
 ) -> Result<bool> {
-    for _ in 0..CONFLICT_RETRIES {
-        let Some(mut state) = store.load_state(user).await? else {
-            return Ok(false);
-        };
+    let (refined, _) = edit_memory(store, cache, user, |state| {
         let Some(seq) = state.raw_turns.iter().position(|turn| turn.id == turn_id) else {
-            return Ok(false);
+            return false;
         };
-        let expected = state.version;
-        let source = memory::model::TurnSeq::try_from(seq).ok();
-        memory::apply_diff(&mut state, diff, source);
-        if state.version == expected {
-            return Ok(false);
+        let before = state.version;
+        memory::apply_diff(state, diff, memory::model::TurnSeq::try_from(seq).ok());
+        state.version != before
+    })
+    .await?;
+    Ok(refined)
+}
+
+/// Applies `change` to the user's latest memory (a new, empty one when nothing is stored) and
+/// saves it with the same version check as a job's commit, retrying on a conflict; the saved
+/// memory goes into this process's cache. Returns what `change` returned and the memory version
+/// after it (0 when nothing is stored). A change that does not bump the version writes nothing.
+pub async fn edit_memory<T>(
+    store: &dyn Store,
+    cache: &MemoryCache,
+    user: &UserKey,
+    change: impl Fn(&mut MemoryState) -> T,
+) -> Result<(T, u64)> {
+    for _ in 0..CONFLICT_RETRIES {
+        let (mut state, expected) = match store.load_state(user).await? {
+            Some(state) => {
+                let version = state.version;
+                (state, version)
+            }
+            None => {
+                let mut state = MemoryState::new();
+                state.version = first_version();
+                (state, 0)
+            }
+        };
+        let before = state.version;
+        let out = change(&mut state);
+        if state.version == before {
+            return Ok((out, expected));
         }
         match store.save_state(user, &state, expected).await {
             Ok(()) => {
+                let version = state.version;
                 let previous = cache.get(user);
                 cache.put(
                     user,
                     Arc::new(CachedMemory::after(previous.as_deref(), state)),
                 );
-                return Ok(true);
+                return Ok((out, version));
             }
             Err(Error::StoreConflict { .. }) => continue,
             Err(error) => return Err(error),
