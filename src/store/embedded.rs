@@ -651,22 +651,11 @@ fn write_commit(txn: &WriteTransaction, commit: &JobCommit) -> Result<()> {
             }
         }
     }
-    let found = txn
-        .open_table(VERSIONS)
-        .map_err(db_error)?
-        .get((user.tenant.as_str(), user.user.as_str()))
-        .map_err(db_error)?
-        .map_or(0, |guard| guard.value());
-    if found != commit.expected {
-        return Err(Error::StoreConflict {
-            expected: commit.expected,
-            found,
-        });
-    }
+    // The state first: its version check is the last check, and it writes only when it passes.
+    write_state(txn, user, &commit.state, commit.version, commit.expected)?;
     for job in &commit.jobs {
         write_raw(txn, user, &job.id.key, job.exchange.clone())?;
     }
-    write_state(txn, user, &commit.state, commit.version, commit.expected)?;
     write_prefetched(txn, user, &first.exchange.session_id, &commit.prefetched)?;
     for job in &commit.jobs {
         write_finish(txn, &job.id, JobState::Applied)?;
