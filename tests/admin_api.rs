@@ -12,23 +12,14 @@ mod common;
 
 use std::time::Duration;
 
-use common::memory::{admin, export, memory_part, recorded, say, wait_applied, wait_drained};
-use common::{ADMIN_TOKEN, Process, Reply, mock, proxy, send, temp_path};
+use common::memory::{
+    admin, admin_request, export, memory_part, recorded, say, wait_applied, wait_drained,
+};
+use common::{Process, Reply, mock, proxy, send, temp_path};
 use serde_json::{Value, json};
 
 async fn admin_send(proxy: &Process, method: &str, path: &str, tenant: &str, body: Value) -> Reply {
-    let auth = format!("Bearer {ADMIN_TOKEN}");
-    send(
-        method,
-        &proxy.url(path),
-        &[
-            ("authorization", auth.as_str()),
-            ("x-engram-tenant", tenant),
-            ("content-type", "application/json"),
-        ],
-        body.to_string(),
-    )
-    .await
+    admin_request(proxy, method, path, tenant, &body.to_string()).await
 }
 
 fn last_memory(record: &std::path::Path) -> String {

@@ -34,15 +34,27 @@ pub async fn say(proxy: &Process, tenant: &str, user: &str, session: &str, text:
 }
 
 pub async fn admin(proxy: &Process, path: &str, tenant: &str) -> Reply {
+    admin_request(proxy, "GET", path, tenant, "").await
+}
+
+/// A management API call with the test token, as `tenant`, with a JSON body.
+pub async fn admin_request(
+    proxy: &Process,
+    method: &str,
+    path: &str,
+    tenant: &str,
+    body: &str,
+) -> Reply {
     let auth = format!("Bearer {ADMIN_TOKEN}");
     send(
-        "GET",
+        method,
         &proxy.url(path),
         &[
             ("authorization", auth.as_str()),
             ("x-engram-tenant", tenant),
+            ("content-type", "application/json"),
         ],
-        "",
+        body.to_owned(),
     )
     .await
 }
