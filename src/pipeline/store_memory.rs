@@ -68,10 +68,10 @@ impl StoreMemory {
         request: &ChatRequest,
     ) -> Result<Rewrite, Error> {
         let Some(identity) = resolved.identity.clone() else {
-            return Ok(skipped("no_user", None));
+            return Ok(skipped("no_user"));
         };
         if !resolved.reads_memory() {
-            return Ok(skipped("mode_off", None));
+            return Ok(skipped("mode_off"));
         }
         let user = UserKey::new(identity.tenant, identity.user);
         let session = identity.session;
@@ -155,13 +155,14 @@ impl StoreMemory {
             prior_chain: Some(composition.prior_chain),
             ..plan
         });
-        self.explains
-            .put(&user, &turn_id, composition.explain.clone());
+        self.explains.put(&user, &turn_id, composition.explain);
         if composition.outcome == memory::MemoryOutcome::Empty {
             return Ok(Rewrite {
+                outcome: MemoryOutcome::Skipped,
                 reason: Some("empty"),
                 turn_id: Some(turn_id),
-                ..skipped_with(plan)
+                record: plan,
+                ..Rewrite::default()
             });
         }
         let rewritten = ChatRequest {
@@ -237,17 +238,11 @@ impl MemoryLayer for StoreMemory {
     }
 }
 
-fn skipped(reason: &'static str, plan: Option<RecordPlan>) -> Rewrite {
-    Rewrite {
-        reason: Some(reason),
-        ..skipped_with(plan)
-    }
-}
-
-fn skipped_with(plan: Option<RecordPlan>) -> Rewrite {
+/// Memory not used for this request, which is not recorded either.
+fn skipped(reason: &'static str) -> Rewrite {
     Rewrite {
         outcome: MemoryOutcome::Skipped,
-        record: plan,
+        reason: Some(reason),
         ..Rewrite::default()
     }
 }

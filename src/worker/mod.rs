@@ -147,20 +147,15 @@ impl Worker {
             match self.store.claim_batch(&self.consumer, lease, free).await {
                 Ok(claimed) if !claimed.is_empty() => {
                     backoff = poll;
-                    let mut first = Some(first);
+                    // Only this loop takes permits, so there is one for every claimed job.
+                    let mut permits = vec![first];
+                    permits.extend(
+                        (1..claimed.len())
+                            .filter_map(|_| Arc::clone(&room).try_acquire_owned().ok()),
+                    );
                     for run in runs(claimed) {
-                        // Only this loop takes permits, so there is one for every claimed job.
-                        let mut permits = Vec::with_capacity(run.len());
-                        for _ in 0..run.len() {
-                            match first.take() {
-                                Some(permit) => permits.push(permit),
-                                None => {
-                                    if let Ok(permit) = Arc::clone(&room).try_acquire_owned() {
-                                        permits.push(permit);
-                                    }
-                                }
-                            }
-                        }
+                        let held = run.len().min(permits.len());
+                        let permits: Vec<_> = permits.drain(..held).collect();
                         let worker = Arc::clone(&self);
                         self.tasks.spawn(async move {
                             worker.process(run).await;
@@ -169,13 +164,16 @@ impl Worker {
                     }
                     continue;
                 }
-                Ok(_) => backoff = poll,
+                Ok(_) => {
+                    drop(first);
+                    backoff = poll;
+                }
                 Err(error) => {
+                    drop(first);
                     tracing::warn!(%error, "claiming jobs failed");
                     backoff = (backoff * 2).min(ERROR_BACKOFF_MAX);
                 }
             }
-            drop(first);
             tokio::select! {
                 () = self.wake.notified() => {}
                 () = tokio::time::sleep(backoff) => {}
