@@ -17,6 +17,7 @@ use crate::error::{Error, Result};
 use crate::pipeline::cache::MemoryCache;
 use crate::pipeline::explain_log::ExplainLog;
 use crate::pipeline::store_memory::StoreMemory;
+use crate::ratelimit::{PRUNE_INTERVAL, TokenBudget};
 use crate::server::{AppState, Server};
 use crate::store::redis::RedisOptions;
 use crate::store::{EmbeddedStore, RedisStore, Store};
@@ -37,6 +38,7 @@ pub struct Engram {
     /// The worker's own runtime (low-priority threads); `None` without a worker.
     worker_runtime: Option<priority::WorkerRuntime>,
     outbox: Arc<Outbox>,
+    token_budget: Option<Arc<TokenBudget>>,
     background: TaskTracker,
     cancel: CancellationToken,
 }
@@ -57,19 +59,23 @@ impl Engram {
         let background = TaskTracker::new();
         let cancel = CancellationToken::new();
         let idle_priority = config.worker.idle_priority;
+        let token_budget = TokenBudget::from_config(&config.rate_limits).map(Arc::new);
         let worker = if config.worker.enabled {
             let summarizer = Summarizer::from_config(&config.summarizer)?
                 .with_depth(config.memory.depth.clone());
-            Some(Arc::new(Worker::new(
-                Arc::clone(&store),
-                Arc::clone(&cache),
-                Arc::clone(&memory_config),
-                config.worker.clone(),
-                Arc::new(summarizer),
-                wake,
-                background.clone(),
-                cancel.clone(),
-            )))
+            Some(Arc::new(
+                Worker::new(
+                    Arc::clone(&store),
+                    Arc::clone(&cache),
+                    Arc::clone(&memory_config),
+                    config.worker.clone(),
+                    Arc::new(summarizer),
+                    wake,
+                    background.clone(),
+                    cancel.clone(),
+                )
+                .with_token_budget(token_budget.clone()),
+            ))
         } else {
             None
         };
@@ -103,6 +109,7 @@ impl Engram {
             worker,
             worker_runtime,
             outbox,
+            token_budget,
             background,
             cancel,
         })
@@ -119,6 +126,7 @@ impl Engram {
             worker,
             worker_runtime,
             outbox,
+            token_budget,
             background,
             cancel,
         } = self;
@@ -131,6 +139,7 @@ impl Engram {
             worker.start(handle);
         }
         background.spawn(Arc::clone(&outbox).forward(cancel.clone()));
+        background.spawn(prune_limits(server.state(), token_budget, cancel.clone()));
         let drain = server.state().config.drain_timeout();
         let started = tokio::time::Instant::now();
         let served = server.run(shutdown).await;
@@ -146,6 +155,31 @@ impl Engram {
             );
         }
         served
+    }
+}
+
+/// Drops idle keys from the rate limiters every `PRUNE_INTERVAL`, so tenant and user ids,
+/// which clients choose, cannot grow them without bound.
+async fn prune_limits(
+    state: Arc<AppState>,
+    token_budget: Option<Arc<TokenBudget>>,
+    cancel: CancellationToken,
+) {
+    if state.limits.is_none() && token_budget.is_none() {
+        return;
+    }
+    let mut ticks = tokio::time::interval(PRUNE_INTERVAL);
+    loop {
+        tokio::select! {
+            _ = ticks.tick() => {}
+            () = cancel.cancelled() => return,
+        }
+        if let Some(limits) = &state.limits {
+            limits.prune();
+        }
+        if let Some(budget) = &token_budget {
+            budget.prune();
+        }
     }
 }
 

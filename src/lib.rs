@@ -9,6 +9,7 @@ pub mod memory;
 pub mod mock;
 pub mod openai;
 pub mod pipeline;
+pub mod ratelimit;
 pub mod server;
 pub mod store;
 pub mod summarizer;

@@ -14,6 +14,7 @@ use serde_json::{Map, Value};
 use crate::error::Error;
 use crate::memory::MemoryConfig;
 use crate::pipeline::identity::IdentityConfig;
+use crate::ratelimit::RateLimitConfig;
 use crate::summarizer::SummarizerConfig;
 
 const ENV_PREFIX: &str = "ENGRAM_";
@@ -30,6 +31,7 @@ pub struct Config {
     pub store: StoreConfig,
     pub worker: WorkerConfig,
     pub summarizer: SummarizerConfig,
+    pub rate_limits: RateLimitConfig,
     pub logging: LoggingConfig,
 }
 

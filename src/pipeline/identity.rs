@@ -99,18 +99,8 @@ pub fn resolve(
             }
         },
     };
-    let user = match header(headers, USER_HEADER)? {
-        Some(user) => Some(checked_id(USER_HEADER, user)?),
-        None if config.user_from_body => match request.end_user() {
-            Some(user) => Some(checked_id("user", user)?),
-            None => None,
-        },
-        None => None,
-    };
-    let tenant = match header(headers, TENANT_HEADER)? {
-        Some(tenant) => checked_id(TENANT_HEADER, tenant)?,
-        None => config.default_tenant.clone(),
-    };
+    let user = user(headers, request, config)?;
+    let tenant = tenant(headers, config)?;
     let session = match header(headers, SESSION_HEADER)? {
         Some(session) => checked_id(SESSION_HEADER, session)?,
         None => DEFAULT_SESSION.to_owned(),
@@ -134,6 +124,30 @@ pub fn resolve(
         mode,
         event_time,
     })
+}
+
+/// The user a chat request names: `x-engram-user`, else (if allowed) the body's `user`.
+pub fn user(
+    headers: &HeaderMap,
+    request: &ChatRequest,
+    config: &IdentityConfig,
+) -> Result<Option<String>, Error> {
+    match header(headers, USER_HEADER)? {
+        Some(user) => Ok(Some(checked_id(USER_HEADER, user)?)),
+        None if config.user_from_body => match request.end_user() {
+            Some(user) => Ok(Some(checked_id("user", user)?)),
+            None => Ok(None),
+        },
+        None => Ok(None),
+    }
+}
+
+/// The tenant of any request: `x-engram-tenant`, else `identity.default_tenant`.
+pub fn tenant(headers: &HeaderMap, config: &IdentityConfig) -> Result<String, Error> {
+    match header(headers, TENANT_HEADER)? {
+        Some(tenant) => checked_id(TENANT_HEADER, tenant),
+        None => Ok(config.default_tenant.clone()),
+    }
 }
 
 fn header<'a>(headers: &'a HeaderMap, name: &'static str) -> Result<Option<&'a str>, Error> {

@@ -28,6 +28,7 @@ pub async fn handle(
     check_content_type(&parts.headers)?;
     let body = read_body(body, &parts.headers, state.config.server.max_body_bytes).await?;
     let original = ChatRequest::from_slice(&body)?;
+    state.admit(&parts.headers, Some(&original))?;
 
     // Phase 2: memory rewrite.
     let mut rewrite = state.memory.rewrite(&parts.headers, &original).await?;

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use http::HeaderMap;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
@@ -23,7 +24,9 @@ use tokio_util::task::TaskTracker;
 use crate::admin::AdminApi;
 use crate::config::Config;
 use crate::error::Error;
-use crate::pipeline::MemoryLayer;
+use crate::openai::ChatRequest;
+use crate::pipeline::{MemoryLayer, identity};
+use crate::ratelimit::RequestLimits;
 use crate::upstream::Upstream;
 
 /// Everything a request handler needs, shared behind one `Arc`.
@@ -33,6 +36,8 @@ pub struct AppState {
     pub memory: Arc<dyn MemoryLayer>,
     /// The management API; `None` serves 404 under `/engram/`.
     pub admin: Option<Arc<AdminApi>>,
+    /// Per-tenant and per-user request rates; `None` when no limit is configured.
+    pub limits: Option<RequestLimits>,
     /// Connections, recorders and any other background work; shutdown waits for all of it.
     pub tasks: TaskTracker,
     draining: AtomicBool,
@@ -41,6 +46,7 @@ pub struct AppState {
 impl AppState {
     pub fn new(config: Config, upstream: Upstream, memory: Arc<dyn MemoryLayer>) -> Self {
         AppState {
+            limits: RequestLimits::from_config(&config.rate_limits),
             config,
             upstream,
             memory,
@@ -57,6 +63,22 @@ impl AppState {
 
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Acquire)
+    }
+
+    /// Admits a request under the tenant's (and, for a chat request naming one, the user's)
+    /// rate limit, or turns it away with a 429 and `retry-after`.
+    fn admit(&self, headers: &HeaderMap, chat: Option<&ChatRequest>) -> Result<(), Error> {
+        let Some(limits) = &self.limits else {
+            return Ok(());
+        };
+        let tenant = identity::tenant(headers, &self.config.identity)?;
+        let user = match chat {
+            Some(request) => identity::user(headers, request, &self.config.identity)?,
+            None => None,
+        };
+        limits
+            .check(&tenant, user.as_deref())
+            .map_err(|(_scope, error)| error)
     }
 }
 

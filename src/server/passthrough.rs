@@ -15,6 +15,7 @@ pub async fn handle(
     request: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, Error> {
     let (parts, body) = request.into_parts();
+    state.admit(&parts.headers, None)?;
     let rest = parts
         .uri
         .path_and_query()

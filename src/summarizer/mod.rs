@@ -65,6 +65,9 @@ pub enum SummaryFailure {
     Timeout,
     /// engram's own limit (`requests_per_minute`) was reached.
     RateLimited,
+    /// The tenant's summarizer token budget (`rate_limits.tenant_summarizer_tokens_per_minute`)
+    /// was spent; the model was not called.
+    TokenBudget,
     /// The summarizer answered with a non-2xx status.
     UpstreamStatus(u16),
     /// Connecting, sending or reading failed.
@@ -78,6 +81,7 @@ impl SummaryFailure {
             SummaryFailure::InvalidJson => "invalid_json",
             SummaryFailure::Timeout => "timeout",
             SummaryFailure::RateLimited => "rate_limited",
+            SummaryFailure::TokenBudget => "token_budget",
             SummaryFailure::UpstreamStatus(429) => "upstream_rate_limited",
             SummaryFailure::UpstreamStatus(status) if *status >= 500 => "upstream_error",
             SummaryFailure::UpstreamStatus(_) => "upstream_rejected",
@@ -88,9 +92,10 @@ impl SummaryFailure {
     /// Worth retrying later: the same request may well succeed then.
     pub fn is_transient(&self) -> bool {
         match self {
-            SummaryFailure::Timeout | SummaryFailure::RateLimited | SummaryFailure::Transport => {
-                true
-            }
+            SummaryFailure::Timeout
+            | SummaryFailure::RateLimited
+            | SummaryFailure::TokenBudget
+            | SummaryFailure::Transport => true,
             SummaryFailure::UpstreamStatus(status) => {
                 *status == 408 || *status == 429 || *status >= 500
             }
@@ -222,6 +227,34 @@ impl Summarizer {
                 heuristic(&exchange, SummarySource::Fallback { reason }, retry_later)
             }
         }
+    }
+
+    /// The heuristic extraction, marked as a fallback for `reason` (and retried later when the
+    /// reason is transient): what `extract` gives when the model fails, without calling it.
+    pub fn fallback(
+        &self,
+        user_text: &str,
+        assistant_text: &str,
+        reason: SummaryFailure,
+    ) -> Summary {
+        let exchange = self.prepare(user_text, assistant_text);
+        heuristic(
+            &exchange,
+            SummarySource::Fallback { reason },
+            reason.is_transient(),
+        )
+    }
+
+    /// The input tokens a model call for this exchange would send, estimated at four bytes a
+    /// token after the `max_input_chars` cap, plus the system prompt; `None` without a model.
+    /// An estimate on purpose: it is charged before the call, off the hot path, and counting
+    /// exactly would cost a tokenizer pass per exchange.
+    pub fn estimated_input_tokens(&self, user_text: &str, assistant_text: &str) -> Option<u32> {
+        let llm = self.llm.as_ref()?;
+        let sent = user_text.len().min(llm.max_input_chars)
+            + assistant_text.len().min(llm.max_input_chars)
+            + prompt::SYSTEM_PROMPT.len();
+        Some(u32::try_from(sent.div_ceil(4)).unwrap_or(u32::MAX))
     }
 
     /// One model extraction (with its invalid-JSON retry) and no fallback, for the worker's

@@ -33,8 +33,9 @@ use crate::config::WorkerConfig;
 use crate::error::{Error, Result};
 use crate::memory::{self, CandidateId, ExchangeInput, MemoryConfig, MemoryState, Precomputed};
 use crate::pipeline::cache::{CachedMemory, MemoryCache, first_version};
+use crate::ratelimit::TokenBudget;
 use crate::store::{ClaimedJob, EncodedState, Job, Store, UserKey};
-use crate::summarizer::{Summarizer, SummarySource};
+use crate::summarizer::{Summarizer, SummaryFailure, SummarySource};
 
 pub use outbox::Outbox;
 
@@ -56,6 +57,8 @@ pub struct Worker {
     /// The claim loops and background summarizer retries.
     tasks: TaskTracker,
     cancel: CancellationToken,
+    /// Per-tenant summarizer tokens; `None` is unlimited.
+    token_budget: Option<Arc<TokenBudget>>,
 }
 
 #[derive(Debug, Default)]
@@ -70,6 +73,18 @@ pub struct WorkerStats {
     pub summarizer_fallbacks: AtomicU64,
     /// Background summarizer retries whose diff was applied.
     pub summarizer_refined: AtomicU64,
+}
+
+/// Spends the job's estimated summarizer tokens from its tenant's budget; true when the model
+/// may be called (always, without a budget or a model).
+fn within_budget(summarizer: &Summarizer, budget: Option<&TokenBudget>, job: &Job) -> bool {
+    let (Some(budget), Some(tokens)) = (
+        budget,
+        summarizer.estimated_input_tokens(&job.exchange.user_text, &job.exchange.assistant_text),
+    ) else {
+        return true;
+    };
+    budget.spend(&job.id.user.tenant, tokens)
 }
 
 /// What applying one job did.
@@ -113,7 +128,14 @@ impl Worker {
             stats: Arc::default(),
             tasks,
             cancel,
+            token_budget: None,
         }
+    }
+
+    /// Charges summarizer calls to each tenant's token budget.
+    pub fn with_token_budget(mut self, budget: Option<Arc<TokenBudget>>) -> Worker {
+        self.token_budget = budget;
+        self
     }
 
     pub fn stats(&self) -> &WorkerStats {
@@ -233,10 +255,13 @@ impl Worker {
         let mut retry = Vec::new();
         for job in jobs {
             let exchange = &job.exchange;
-            let summary = self
-                .summarizer
-                .extract(&exchange.user_text, &exchange.assistant_text)
-                .await;
+            let (user_text, assistant_text) = (&exchange.user_text, &exchange.assistant_text);
+            let summary = if within_budget(&self.summarizer, self.token_budget.as_deref(), job) {
+                self.summarizer.extract(user_text, assistant_text).await
+            } else {
+                let reason = SummaryFailure::TokenBudget;
+                self.summarizer.fallback(user_text, assistant_text, reason)
+            };
             if let SummarySource::Fallback { reason } = &summary.source {
                 self.stats
                     .summarizer_fallbacks
@@ -263,10 +288,15 @@ impl Worker {
         let cache = Arc::clone(&self.cache);
         let cancel = self.cancel.clone();
         let stats = Arc::clone(&self.stats);
+        let budget = self.token_budget.clone();
         self.tasks.spawn(async move {
             tokio::select! {
                 () = tokio::time::sleep(delay) => {}
                 () = cancel.cancelled() => return,
+            }
+            if !within_budget(&summarizer, budget.as_deref(), &job) {
+                tracing::info!(job = %job.id.key, "tenant's summarizer token budget is spent; the heuristic extraction stands");
+                return;
             }
             let exchange = &job.exchange;
             let summary = match summarizer
