@@ -165,20 +165,22 @@ fn header<'a>(headers: &'a HeaderMap, name: &'static str) -> Result<Option<&'a s
     Ok((!value.is_empty()).then_some(value))
 }
 
-/// Letters, digits and `. _ - @ +`, at most 128 bytes: safe inside a storage key segment
-/// (no `:` separator, no `{}` hash-tag braces, no whitespace or control characters).
+/// Letters, digits and `. _ - @ +`, at most 128 bytes, not dots alone: safe inside a storage
+/// key segment (no `:` separator, no `{}` hash-tag braces, no whitespace or control
+/// characters) and never a `.`/`..` path segment in a management URL or an export's file name.
 pub fn checked_id(name: &str, value: &str) -> Result<String, Error> {
     let valid = !value.is_empty()
         && value.len() <= MAX_ID_LEN
         && value
             .bytes()
-            .all(|byte| byte.is_ascii_alphanumeric() || b"._-@+".contains(&byte));
+            .all(|byte| byte.is_ascii_alphanumeric() || b"._-@+".contains(&byte))
+        && !value.bytes().all(|byte| byte == b'.');
     if valid {
         Ok(value.to_owned())
     } else {
         Err(bad_header(
             name,
-            "must be 1-128 characters of letters, digits and . _ - @ +",
+            "must be 1-128 characters of letters, digits and . _ - @ +, not dots alone",
         ))
     }
 }
@@ -333,9 +335,12 @@ mod tests {
     #[test]
     fn ids_that_could_escape_their_key_are_rejected() {
         let config = IdentityConfig::default();
-        for bad in ["a:b", "{x}", "a b", "../etc", "a\tb", &"x".repeat(129), "é"] {
+        for bad in ["a:b", "{x}", "a b", "../etc", "a\tb", &"x".repeat(129), "é", ".", ".."] {
             let error = checked_id(USER_HEADER, bad).unwrap_err();
             assert_eq!(error.status_code(), 400, "{bad:?}");
+        }
+        for good in ["a.b", "...x", "jane.doe+tag@example.com", &"x".repeat(128)] {
+            assert_eq!(checked_id(USER_HEADER, good).unwrap(), good);
         }
         // Header values that are not visible ASCII never reach the check.
         let mut map = HeaderMap::new();
