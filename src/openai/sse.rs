@@ -72,24 +72,48 @@ pub fn event_data(event: &[u8]) -> Option<String> {
 /// Removes the usage that the proxy asked for on the client's behalf: the trailing usage-only
 /// chunk (`"choices":[]` with a `usage` object) and the `"usage":null` that every other chunk
 /// then carries. Everything else passes byte for byte; an event is held only until its end.
+///
+/// An event that grows past [`MAX_HELD_EVENT`] without ending is let through as it is, and so
+/// is the rest of that stream: holding it would buffer without bound, and the worst a client
+/// then sees is a usage chunk it did not ask for.
 #[derive(Debug, Default)]
 pub struct UsageStripper {
     splitter: EventSplitter,
+    passing_through: bool,
 }
+
+/// The most the stripper holds back of one unfinished event.
+pub const MAX_HELD_EVENT: usize = 1024 * 1024;
 
 impl UsageStripper {
     pub fn push(&mut self, chunk: &[u8]) -> Bytes {
+        if self.passing_through {
+            return Bytes::copy_from_slice(chunk);
+        }
         let events = self.splitter.push(chunk);
-        if events.len() == 1 {
-            return strip_usage(&events[0]).unwrap_or_default();
-        }
-        let mut out = BytesMut::new();
-        for event in events {
-            if let Some(kept) = strip_usage(&event) {
-                out.extend_from_slice(&kept);
+        let mut out = if events.len() == 1 {
+            strip_usage(&events[0]).unwrap_or_default()
+        } else {
+            let mut out = BytesMut::new();
+            for event in events {
+                if let Some(kept) = strip_usage(&event) {
+                    out.extend_from_slice(&kept);
+                }
             }
+            out.freeze()
+        };
+        if self.splitter.pending_len() > MAX_HELD_EVENT {
+            self.passing_through = true;
+            let mut joined = BytesMut::from(&out[..]);
+            joined.extend_from_slice(&self.splitter.take_pending());
+            out = joined.freeze();
         }
-        out.freeze()
+        out
+    }
+
+    /// Bytes held back: the unfinished event, never more than [`MAX_HELD_EVENT`].
+    pub fn held_len(&self) -> usize {
+        self.splitter.pending_len()
     }
 
     /// What is left when the stream ends: an unterminated tail, passed on as it came.
@@ -184,6 +208,26 @@ mod tests {
 #[cfg(test)]
 mod stripper_tests {
     use super::*;
+
+    #[test]
+    fn an_event_that_never_ends_is_let_through_not_buffered() {
+        let mut stripper = UsageStripper::default();
+        let mut out = stripper.push(b"data: {\"a\":1,\"usage\":null}\n\ndata: ");
+        assert_eq!(&out[..], b"data: {\"a\":1}\n\n");
+        let blob = vec![b'x'; 64 * 1024];
+        let mut sent = 6;
+        while stripper.held_len() + blob.len() <= MAX_HELD_EVENT {
+            out = stripper.push(&blob);
+            assert!(out.is_empty());
+            sent += blob.len();
+        }
+        // The push that crosses the cap releases everything held, and later bytes pass as sent.
+        out = stripper.push(&blob);
+        assert_eq!(out.len(), sent + blob.len());
+        assert_eq!(stripper.held_len(), 0);
+        let tail = b"\n\ndata: {\"choices\":[],\"usage\":{\"total_tokens\":2}}\n\n";
+        assert_eq!(&stripper.push(tail)[..], tail);
+    }
 
     #[test]
     fn drops_the_usage_chunk_and_null_usage_fields_only() {
