@@ -114,6 +114,69 @@ async fn redis_stopped_while_serving_answers_without_memory_and_loses_no_recorde
 }
 
 #[tokio::test]
+async fn a_stalled_redis_costs_requests_no_more_than_the_deadline_and_loses_no_turn() {
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let upstream = mock(&[]);
+    let url = redis.url();
+    let proxy = proxy(
+        &upstream.address,
+        &[
+            ("ENGRAM_STORE__BACKEND", "redis"),
+            ("ENGRAM_STORE__REDIS_URL", url.as_str()),
+            ("ENGRAM_STORE__HOT_PATH_DEADLINE_MS", "150"),
+        ],
+    );
+    let mut turn_ids = Vec::new();
+    let first = say(
+        &proxy,
+        "acme",
+        "pia",
+        "s",
+        "I'm allergic to sesame. Turn 0.",
+    )
+    .await;
+    turn_ids.push(header(&first, "x-engram-turn-id").to_owned());
+    wait_applied(&proxy, "acme", "pia", &first).await;
+
+    redis.pause();
+    for turn in 1..3 {
+        let started = std::time::Instant::now();
+        let reply = say(
+            &proxy,
+            "acme",
+            "pia",
+            "s",
+            &format!("While stalled, turn {turn}."),
+        )
+        .await;
+        let took = started.elapsed();
+        assert_eq!(header(&reply, "x-engram-memory"), "degraded");
+        assert_eq!(header(&reply, "x-engram-memory-reason"), "store_timeout");
+        // The deadline bounds the wait (generously: a debug build on a loaded machine).
+        assert!(took < Duration::from_secs(2), "{took:?}");
+        turn_ids.push(header(&reply, "x-engram-turn-id").to_owned());
+    }
+    redis.resume();
+
+    let after = say(&proxy, "acme", "pia", "s", "After the stall, turn 3.").await;
+    turn_ids.push(header(&after, "x-engram-turn-id").to_owned());
+    let queue = wait_drained(&proxy, Duration::from_secs(60)).await;
+    assert_eq!(queue["recorded"]["lost"], 0, "{queue}");
+    let memory = export(&proxy, "acme", "pia").await;
+    let raw: Vec<&str> = memory["raw_log"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|entry| entry["exchange"]["turn_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(raw, turn_ids, "every turn once, in order");
+    let reply = say(&proxy, "acme", "pia", "s2", "What should I avoid?").await;
+    assert_eq!(header(&reply, "x-engram-memory"), "injected");
+}
+
+#[tokio::test]
 async fn the_redis_backend_carries_a_fact_across_sessions_and_proxies() {
     let Some(redis) = RedisServer::start().await else {
         return;

@@ -10,7 +10,6 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 
 use crate::error::Error;
 
@@ -40,7 +39,7 @@ impl ChatClient {
             .map_err(|_| invalid("summarizer.base_url", "not a URL"))?;
 
         let https = crate::upstream::connector(connect_timeout);
-        let http = Client::builder(TokioExecutor::new())
+        let http = crate::upstream::client_builder()
             .pool_idle_timeout(Duration::from_secs(90))
             .build(https);
 

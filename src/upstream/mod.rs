@@ -9,7 +9,7 @@ use hyper::body::Incoming;
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::config::UpstreamConfig;
 use crate::error::{Error, ProxyBody};
@@ -63,7 +63,7 @@ impl Upstream {
             .unwrap_or_default();
 
         let https = connector(Duration::from_millis(config.connect_timeout_ms));
-        let client = Client::builder(TokioExecutor::new())
+        let client = client_builder()
             .pool_idle_timeout(Duration::from_millis(config.pool_idle_timeout_ms))
             .pool_max_idle_per_host(config.pool_max_idle_per_host)
             .build(https);
@@ -165,6 +165,15 @@ pub fn without_hop_by_hop(headers: &HeaderMap) -> HeaderMap {
     }
     out.remove(header::UPGRADE);
     out
+}
+
+/// A pooled client builder on tokio. The timer matters: without one the pool checks idleness
+/// only when it hands a connection out, so idle connections were never closed (a burst left
+/// `pool_max_idle_per_host` sockets open for good).
+pub fn client_builder() -> hyper_util::client::legacy::Builder {
+    let mut builder = Client::builder(TokioExecutor::new());
+    builder.pool_timer(TokioTimer::new());
+    builder
 }
 
 /// The outbound connector engram's HTTP clients share (upstream, summarizer): http or https

@@ -57,6 +57,27 @@ impl RedisServer {
         }
     }
 
+    /// Freezes the server (SIGSTOP): connections stay open and commands hang, like a server
+    /// stalled by a long command or a swapping host.
+    pub fn pause(&self) {
+        self.signal("STOP");
+    }
+
+    /// Lets a paused server run again (SIGCONT); it then answers what queued up meanwhile.
+    pub fn resume(&self) {
+        self.signal("CONT");
+    }
+
+    fn signal(&self, name: &str) {
+        let child = self.child.as_ref().expect("redis-server is not running");
+        let status = Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(child.id().to_string())
+            .status()
+            .expect("kill");
+        assert!(status.success());
+    }
+
     /// Starts the server (again) on its port and waits until it accepts connections.
     pub async fn restart(&mut self) {
         self.kill();
