@@ -181,6 +181,8 @@ def check_engram_pod(name: str, spec: dict, config: dict, objects: list[dict]) -
         target = probe["httpGet"]["port"]
         return probe["httpGet"]["path"], ports.get(target, target)
 
+    if container.get("startupProbe"):
+        expect(probe_target("startupProbe") == ("/healthz", port), f"{where}: startup probe is not /healthz on {port}")
     expect(probe_target("livenessProbe") == ("/healthz", port), f"{where}: liveness is not /healthz on {port}")
     expect(probe_target("readinessProbe") == ("/readyz", port), f"{where}: readiness is not /readyz on {port}")
 
