@@ -1,27 +1,13 @@
 #!/usr/bin/env bash
 # Runs engram's whole test suite. Installs what the tests need when it is missing:
-# a Python venv (.venv) with the official `openai` SDK for the end-to-end SDK test, and
+# a Python venv (.venv) with the official `openai` SDK for the end-to-end SDK test and the
+# deployment checks' helm-python-sdk and kubernetes-validate (scripts/common.sh), and
 # redis-server for the Redis store tests (they start their own servers; none is started here).
 set -euo pipefail  # pipefail: a failing cargo test fails the script through tee
 cd "$(dirname "$0")/.."
+source scripts/common.sh
 
-log() { printf '\n== %s\n' "$*"; }
-
-as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
-
-apt_install() {
-  log "installing $* with apt-get"
-  as_root apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "$@" >/dev/null
-}
-
-# Python venv with the openai SDK.
-VENV=.venv
-if ! "$VENV/bin/python" -c "import openai" 2>/dev/null; then
-  log "creating $VENV with the openai package"
-  python3 -m venv "$VENV" 2>/dev/null || { apt_install python3-venv; rm -rf "$VENV"; python3 -m venv "$VENV"; }
-  "$VENV/bin/pip" install --quiet --disable-pip-version-check openai
-fi
+ensure_venv
 export ENGRAM_TEST_PYTHON="$PWD/$VENV/bin/python"
 
 # redis-server for tests/store_redis.rs; requiring it makes a missing server fail, not skip.
@@ -37,9 +23,14 @@ log "cargo clippy"
 cargo clippy --all-targets --locked -- -D warnings
 
 log "cargo test"
-# Doc tests are left out (the crate has none); the totals line below sums every test binary.
+# Doc tests are left out (the crate has none); the totals line below sums every test binary
+# and the deployment checks.
 results=$(mktemp)
 trap 'rm -f "$results"' EXIT
 cargo test --locked --lib --bins --tests 2>&1 | tee "$results"
+
+log "deployment files (helm lint, helm template, kubernetes-validate --strict)"
+# Prints a cargo-style `test result:` line, so its checks count in the totals below.
+./scripts/validate-deploy.sh 2>&1 | tee -a "$results"
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i; if ($(i+1) ~ /^ignored/) s += $i } }
      END { printf "\n%d passed, %d failed, %d skipped\n", p, f, s }' "$results"
