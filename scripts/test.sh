@@ -7,6 +7,10 @@ set -euo pipefail  # pipefail: a failing cargo test fails the script through tee
 cd "$(dirname "$0")/.."
 source scripts/common.sh
 
+# tests/faults.rs holds 1,000 streams open at once (client, proxy and mock sockets): raise the
+# soft descriptor limit as far as the hard one allows.
+ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+
 ensure_venv
 export ENGRAM_TEST_PYTHON="$PWD/$VENV/bin/python"
 
