@@ -23,6 +23,7 @@ use crate::store::redis::RedisOptions;
 use crate::store::{EmbeddedStore, RedisStore, Store};
 use crate::summarizer::Summarizer;
 use crate::upstream::Upstream;
+use crate::worker::outbox::{MEMORY_SPOOL_JOBS, Spool};
 use crate::worker::{Outbox, Worker, priority};
 
 /// Turns whose explanation this process keeps for the management API. Estimated, not measured:
@@ -183,13 +184,17 @@ async fn prune_limits(
     }
 }
 
-/// The configured store and, for Redis, the local spool that keeps recorded exchanges while
-/// Redis is unreachable.
-pub async fn open_store(config: &StoreConfig) -> Result<(Arc<dyn Store>, Option<Arc<dyn Store>>)> {
+/// The configured store and the spool that keeps recorded exchanges while it refuses them: a
+/// local file for Redis, memory for the embedded store (whose disk is the one failing).
+pub async fn open_store(config: &StoreConfig) -> Result<(Arc<dyn Store>, Spool)> {
     match config.backend {
         StoreBackend::Embedded => {
             let store = open_embedded(config.data_dir.clone(), "store.data_dir").await?;
-            Ok((Arc::new(store), None))
+            let spool = Spool::Memory {
+                store: Arc::new(EmbeddedStore::in_memory()?),
+                capacity: MEMORY_SPOOL_JOBS,
+            };
+            Ok((Arc::new(store), spool))
         }
         StoreBackend::Redis => {
             let options = RedisOptions {
@@ -205,7 +210,7 @@ pub async fn open_store(config: &StoreConfig) -> Result<(Arc<dyn Store>, Option<
                     message: format!("cannot connect to Redis: {error}"),
                 })?;
             let spool = open_embedded(config.data_dir.join(SPOOL_DIR), "store.data_dir").await?;
-            Ok((Arc::new(store), Some(Arc::new(spool))))
+            Ok((Arc::new(store), Spool::Durable(Arc::new(spool))))
         }
     }
 }

@@ -206,3 +206,109 @@ async fn a_client_that_stops_reading_gets_backpressure_not_buffering() {
     assert!(text.contains("data: [DONE]"), "…{}", tail(&text));
     assert!(rest.len() > 4000 * 16384, "{} bytes", rest.len());
 }
+
+/// A tmpfs mounted for one test, unmounted on drop.
+struct SmallDisk {
+    dir: tempfile::TempDir,
+}
+
+impl SmallDisk {
+    /// `None` (the test then skips, saying why) where mounting is not permitted.
+    fn mount(megabytes: u32) -> Option<SmallDisk> {
+        let dir = tempfile::tempdir().unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={megabytes}m"), "tmpfs"])
+            .arg(dir.path())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|status| status.success());
+        mounted.then_some(SmallDisk { dir })
+    }
+
+    /// Writes a filler file until the disk is full.
+    fn fill(&self) -> std::path::PathBuf {
+        use std::io::Write;
+        let path = self.dir.path().join("filler");
+        let mut file = std::fs::File::create(&path).unwrap();
+        let block = vec![0u8; 64 * 1024];
+        while file.write_all(&block).is_ok() {}
+        let _ = file.sync_all();
+        path
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(self.dir.path())
+            .status();
+    }
+}
+
+#[tokio::test]
+async fn a_full_disk_under_the_embedded_store_fails_open_and_loses_no_turn() {
+    use common::memory::{export, header, say, wait_applied, wait_drained};
+    let Some(disk) = SmallDisk::mount(32) else {
+        println!("SKIPPED: mounting a tmpfs needs root (CAP_SYS_ADMIN)");
+        return;
+    };
+    let upstream = mock(&[]);
+    let data_dir = disk.dir.path().join("data");
+    let data_dir = data_dir.to_str().unwrap();
+    let proxy = proxy(&upstream.address, &[("ENGRAM_STORE__DATA_DIR", data_dir)]);
+    let mut turns = Vec::new();
+    let reply = say(&proxy, "t", "dana", "s", "I'm allergic to kiwi. Turn 0.").await;
+    turns.push(header(&reply, "x-engram-turn-id").to_owned());
+    wait_applied(&proxy, "t", "dana", &reply).await;
+
+    let filler = disk.fill();
+    for turn in 1..4 {
+        // Every request is answered, with memory or (the store refusing) without it.
+        let reply = say(
+            &proxy,
+            "t",
+            "dana",
+            "s",
+            &format!("Disk full, turn {turn}."),
+        )
+        .await;
+        let memory = header(&reply, "x-engram-memory");
+        assert!(memory == "injected" || memory == "degraded", "{memory}");
+        turns.push(header(&reply, "x-engram-turn-id").to_owned());
+    }
+    // The turns could not be written: they wait in the in-memory spool.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let queue = common::memory::admin(&proxy, "/engram/v1/queue", "t")
+            .await
+            .json();
+        if queue["recorded"]["in_flight"] == 0 && queue["recorded"]["spooled"].as_u64() >= Some(1) {
+            assert_eq!(queue["recorded"]["lost"], 0, "{queue}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "{queue}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    std::fs::remove_file(filler).unwrap();
+    // redb refuses a database after an I/O error until it is reopened; the store did so.
+    proxy
+        .wait_for_log(
+            "the embedded store failed an I/O operation; reopening it",
+            1,
+        )
+        .await;
+    let queue = wait_drained(&proxy, Duration::from_secs(60)).await;
+    assert_eq!(queue["recorded"]["lost"], 0, "{queue}");
+    let memory = export(&proxy, "t", "dana").await;
+    let raw: Vec<&str> = memory["raw_log"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|entry| entry["exchange"]["turn_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(raw, turns, "every turn once, in order");
+    let reply = say(&proxy, "t", "dana", "s2", "What fruit should I avoid?").await;
+    assert_eq!(header(&reply, "x-engram-memory"), "injected");
+}

@@ -102,13 +102,12 @@ async fn send(chat_url: &str, step: &Step) -> String {
 }
 
 fn assert_only_own(seed: u64, step: &Step, text: &str) {
-    for other in 0..IDENTITIES.len() {
+    for (other, identity) in IDENTITIES.iter().enumerate() {
         if other != step.identity {
             assert!(
                 !text.contains(&secret(other)),
-                "seed {seed}: {:?} saw the secret of {:?} in: {text}",
+                "seed {seed}: {:?} saw the secret of {identity:?} in: {text}",
                 IDENTITIES[step.identity],
-                IDENTITIES[other]
             );
         }
     }
@@ -154,12 +153,11 @@ async fn random_interleavings_never_show_one_identity_another_ones_memory() {
     );
     for (identity, (tenant, user)) in IDENTITIES.iter().enumerate() {
         let memory = export(&proxy, tenant, user).await.to_string();
-        for other in 0..IDENTITIES.len() {
+        for (other, other_identity) in IDENTITIES.iter().enumerate() {
             if other != identity {
                 assert!(
                     !memory.contains(&secret(other)),
-                    "{tenant}/{user}'s memory holds {:?}'s secret",
-                    IDENTITIES[other]
+                    "{tenant}/{user}'s memory holds {other_identity:?}'s secret"
                 );
             }
         }

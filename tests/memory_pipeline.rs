@@ -448,7 +448,9 @@ async fn a_summarizer_timeout_records_the_heuristic_now_and_applies_the_model_la
         &[
             ("ENGRAM_SUMMARIZER__BASE_URL", summarizer_url.as_str()),
             ("ENGRAM_SUMMARIZER__TIMEOUT_MS", "300"),
-            ("ENGRAM_SUMMARIZER__BACKGROUND_RETRY_DELAY_MS", "1500"),
+            // Long enough for the fast mock to be up on a loaded CI machine: the retry happens
+            // once, and a retry that met the dead address would leave the heuristic in place.
+            ("ENGRAM_SUMMARIZER__BACKGROUND_RETRY_DELAY_MS", "5000"),
         ],
     );
     let reply = say(
@@ -473,7 +475,7 @@ async fn a_summarizer_timeout_records_the_heuristic_now_and_applies_the_model_la
     slow.signal("KILL");
     slow.wait_exit(Duration::from_secs(5));
     let _fast = mock_at(&listen, &["--reply", SUMMARY_WITH_HALLUCINATION]);
-    let deadline = Instant::now() + Duration::from_secs(15);
+    let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let queue = admin(&proxy, "/engram/v1/queue", "default").await.json();
         if queue["worker"]["summarizer_refined"] == 1 {

@@ -62,7 +62,7 @@ async fn reopened_file_keeps_committed_writes() {
         write_turn(&store, &user).await;
     }
     let store = EmbeddedStore::open(dir.path()).unwrap();
-    assert_eq!(store.path(), dir.path().join("engram.redb"));
+    assert_eq!(store.path(), Some(dir.path().join("engram.redb").as_path()));
     assert_turn_survived(&store, &user).await;
 }
 

@@ -9,7 +9,7 @@
 //! records of one kind are one contiguous range.
 
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,6 +19,7 @@ use redb::{
 };
 use serde::{Deserialize, Serialize};
 
+use super::db_handle::DbHandle;
 use super::group_commit::GroupCommit;
 use super::{
     Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobState,
@@ -70,8 +71,8 @@ struct Lease {
 
 #[derive(Clone)]
 pub struct EmbeddedStore {
-    db: Arc<Database>,
-    path: PathBuf,
+    /// Reopened after an I/O error (see `db_handle`).
+    db: Arc<DbHandle>,
     /// Recorders' enqueues and workers' job commits are group-committed (see `group_commit`).
     enqueues: Arc<GroupCommit<Job, Enqueued>>,
     commits: Arc<GroupCommit<JobCommit, ()>>,
@@ -81,7 +82,7 @@ impl std::fmt::Debug for EmbeddedStore {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         formatter
             .debug_struct("EmbeddedStore")
-            .field("path", &self.path)
+            .field("path", &self.db.path())
             .finish_non_exhaustive()
     }
 }
@@ -91,30 +92,27 @@ impl EmbeddedStore {
     /// Blocking; call it at start-up.
     pub fn open(data_dir: &Path) -> Result<EmbeddedStore> {
         std::fs::create_dir_all(data_dir)?;
-        let path = data_dir.join(FILE_NAME);
-        let db = Database::create(&path).map_err(db_error)?;
-        // Create every table up front, so read transactions never meet a missing one.
-        let txn = db.begin_write().map_err(db_error)?;
-        txn.open_table(STATES).map_err(db_error)?;
-        txn.open_table(VERSIONS).map_err(db_error)?;
-        txn.open_table(PREFETCHED).map_err(db_error)?;
-        txn.open_table(RAW_LOG).map_err(db_error)?;
-        txn.open_table(RAW_IDS).map_err(db_error)?;
-        txn.open_table(JOBS).map_err(db_error)?;
-        txn.open_table(QUEUE).map_err(db_error)?;
-        txn.open_table(COUNTERS).map_err(db_error)?;
-        txn.commit().map_err(db_error)?;
+        let db = DbHandle::open(&data_dir.join(FILE_NAME), create_tables)?;
         Ok(EmbeddedStore {
             db: Arc::new(db),
-            path,
             enqueues: GroupCommit::new(write_enqueue),
             commits: GroupCommit::new(write_commit),
         })
     }
 
-    /// The database file.
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// A store in memory, lost with the process: the embedded backend's spool, which keeps
+    /// recorded exchanges while the store on disk refuses writes.
+    pub fn in_memory() -> Result<EmbeddedStore> {
+        Ok(EmbeddedStore {
+            db: Arc::new(DbHandle::in_memory(create_tables)?),
+            enqueues: GroupCommit::new(write_enqueue),
+            commits: GroupCommit::new(write_commit),
+        })
+    }
+
+    /// The database file; `None` in memory.
+    pub fn path(&self) -> Option<&Path> {
+        self.db.path()
     }
 
     /// Runs a blocking redb operation on tokio's blocking pool.
@@ -123,13 +121,34 @@ impl EmbeddedStore {
         T: Send + 'static,
         F: FnOnce(&Database) -> Result<T> + Send + 'static,
     {
-        let db = Arc::clone(&self.db);
+        let handle = Arc::clone(&self.db);
         Box::pin(async move {
-            tokio::task::spawn_blocking(move || operation(&db))
-                .await
-                .map_err(|error| Error::Store(format!("store task failed: {error}")))?
+            tokio::task::spawn_blocking(move || {
+                let db = handle.get_or_reopen()?;
+                let result = operation(&db);
+                if matches!(result, Err(Error::Store(_))) {
+                    handle.recover(db);
+                }
+                result
+            })
+            .await
+            .map_err(|error| Error::Store(format!("store task failed: {error}")))?
         })
     }
+}
+
+/// Creates every table up front, so read transactions never meet a missing one.
+fn create_tables(db: &Database) -> Result<()> {
+    let txn = db.begin_write().map_err(db_error)?;
+    txn.open_table(STATES).map_err(db_error)?;
+    txn.open_table(VERSIONS).map_err(db_error)?;
+    txn.open_table(PREFETCHED).map_err(db_error)?;
+    txn.open_table(RAW_LOG).map_err(db_error)?;
+    txn.open_table(RAW_IDS).map_err(db_error)?;
+    txn.open_table(JOBS).map_err(db_error)?;
+    txn.open_table(QUEUE).map_err(db_error)?;
+    txn.open_table(COUNTERS).map_err(db_error)?;
+    txn.commit().map_err(db_error)
 }
 
 fn db_error(error: impl Into<redb::Error>) -> Error {

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use redb::{Database, WriteTransaction};
 use tokio::sync::oneshot;
 
+use super::db_handle::DbHandle;
 use crate::error::{Error, Result};
 
 /// Applies one operation inside a transaction; a clean failure must have written nothing.
@@ -44,7 +45,7 @@ where
     }
 
     /// Queues `op` for the next commit and waits for its result.
-    pub async fn submit(self: &Arc<Self>, db: &Arc<Database>, op: Op) -> Result<Out> {
+    pub async fn submit(self: &Arc<Self>, db: &Arc<DbHandle>, op: Op) -> Result<Out> {
         let (sender, receiver) = oneshot::channel();
         let lead = {
             let mut pending = self.state.lock().unwrap_or_else(PoisonError::into_inner);
@@ -62,16 +63,32 @@ where
     }
 
     /// Commits rounds until nothing is pending. The last round's results are sent only after
-    /// the database handle is dropped, so a caller that closes the store once its writes are
+    /// this thread's database handle is dropped, so a caller that closes the store once its writes are
     /// answered can reopen the file at once.
-    fn drain(&self, db: Arc<Database>) {
-        let mut db = Some(db);
+    fn drain(&self, handle: Arc<DbHandle>) {
+        let mut handle = Some(handle);
         let mut batch = self.take_or_stop();
-        while let (Some(ops), Some(handle)) = (batch, db.as_ref()) {
-            let answers = self.commit(handle, ops);
+        while let (Some(ops), Some(open)) = (batch, handle.as_ref()) {
+            let answers = match open.get_or_reopen() {
+                Ok(db) => {
+                    let answers = self.commit(&db, ops);
+                    if answers
+                        .iter()
+                        .any(|(_, result)| matches!(result, Err(Error::Store(_))))
+                    {
+                        // Reopens the file if redb now refuses it (an I/O error).
+                        open.recover(db);
+                    }
+                    answers
+                }
+                Err(error) => ops
+                    .into_iter()
+                    .map(|(_, sender)| (sender, Err(Error::Store(error.to_string()))))
+                    .collect(),
+            };
             batch = self.take_or_stop();
             if batch.is_none() {
-                db = None;
+                handle = None;
             }
             for (sender, result) in answers {
                 let _ = sender.send(result);

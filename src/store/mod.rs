@@ -15,6 +15,7 @@
 //! Backends: [`embedded::EmbeddedStore`] (redb, the default) and [`redis::RedisStore`]; both
 //! pass the same suite (`tests/store_suite/`).
 
+mod db_handle;
 pub mod embedded;
 mod group_commit;
 pub mod redis;

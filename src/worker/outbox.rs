@@ -3,6 +3,10 @@
 //! local spool (an embedded store in the data directory) and forwards it once the store is
 //! back. While anything is spooled, new jobs go to the spool too, so a session's jobs reach
 //! the store in the order they were recorded.
+//!
+//! With Redis the spool is a file in the data directory. With the embedded store the spool
+//! would be on the very disk that is failing, so it is in memory, bounded by
+//! [`MEMORY_SPOOL_JOBS`]: a recording survives a full or failing disk, not a crash during it.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,10 +24,32 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 /// The spool lease: a forwarder that dies mid-forward leaves the job for the next start.
 const SPOOL_LEASE: Duration = Duration::from_secs(10);
 const FORWARD_RETRY: Duration = Duration::from_millis(500);
+/// Jobs an in-memory spool holds at most (a few KB each); beyond it a recording is lost, and
+/// counted and logged as such.
+pub const MEMORY_SPOOL_JOBS: u64 = 10_000;
+
+/// Where jobs wait while the store will not take them.
+pub enum Spool {
+    /// A store of its own on another medium (the Redis backend's local file).
+    Durable(Arc<dyn Store>),
+    /// A store in memory holding at most `capacity` jobs (the embedded backend).
+    Memory {
+        store: Arc<dyn Store>,
+        capacity: u64,
+    },
+}
+
+impl Spool {
+    fn store(&self) -> &Arc<dyn Store> {
+        match self {
+            Spool::Durable(store) | Spool::Memory { store, .. } => store,
+        }
+    }
+}
 
 pub struct Outbox {
     store: Arc<dyn Store>,
-    spool: Option<Arc<dyn Store>>,
+    spool: Spool,
     /// Jobs in the spool, not yet forwarded.
     spooled: AtomicU64,
     /// Wakes the local worker when a job was queued.
@@ -44,17 +70,10 @@ pub struct OutboxStats {
 }
 
 impl Outbox {
-    /// `spool` holds jobs the store would not take; `None` retries in memory only (for the
-    /// embedded store, where the spool would be the failing store itself).
-    pub async fn new(
-        store: Arc<dyn Store>,
-        spool: Option<Arc<dyn Store>>,
-        queued: Arc<Notify>,
-    ) -> Outbox {
-        let already = match &spool {
-            Some(spool) => spool.queue_depth().await.unwrap_or(0),
-            None => 0,
-        };
+    /// `spool` holds jobs the store would not take, until the forwarder moves them on.
+    pub async fn new(store: Arc<dyn Store>, spool: Spool, queued: Arc<Notify>) -> Outbox {
+        // A durable spool may hold jobs from before a restart.
+        let already = spool.store().queue_depth().await.unwrap_or(0);
         Outbox {
             store,
             spool,
@@ -89,14 +108,18 @@ impl Outbox {
             self.queued.notify_one();
             return;
         }
-        let Some(spool) = &self.spool else {
+        if let Spool::Memory { capacity, .. } = &self.spool
+            && self.spooled() >= *capacity
+        {
             self.stats.lost.fetch_add(1, Ordering::Relaxed);
             tracing::error!(
                 job = %job.id.key,
-                "the store did not take a recorded exchange; it is lost"
+                capacity,
+                "the store did not take a recorded exchange and the in-memory spool is full; it is lost"
             );
             return;
-        };
+        }
+        let spool = self.spool.store();
         match spool.enqueue(&job).await {
             Ok(_) => {
                 self.spooled.fetch_add(1, Ordering::AcqRel);
@@ -133,11 +156,9 @@ impl Outbox {
         false
     }
 
-    /// Moves spooled jobs to the store, oldest first, until cancelled. Runs only with a spool.
+    /// Moves spooled jobs to the store, oldest first, until cancelled.
     pub async fn forward(self: Arc<Self>, cancel: CancellationToken) {
-        let Some(spool) = self.spool.clone() else {
-            return;
-        };
+        let spool = Arc::clone(self.spool.store());
         let consumer = format!("forwarder-{}", std::process::id());
         loop {
             if cancel.is_cancelled() {

@@ -1,0 +1,135 @@
+//! The embedded store's database handle, reopened after an I/O error. After one failed write
+//! (a full disk, say) redb refuses every later operation with `PreviousIo` until the file is
+//! closed and opened again; without this, memory would stay unavailable until a restart even
+//! after the disk has room again.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+
+use redb::{Database, StorageError, TransactionError};
+
+use crate::error::{Error, Result};
+
+/// How long a reopen waits for operations still holding the failed handle to let go of it.
+const RELEASE_WAIT: Duration = Duration::from_secs(2);
+
+pub struct DbHandle {
+    /// `None` for an in-memory database, which has no file to reopen (and no I/O to fail).
+    path: Option<PathBuf>,
+    /// `None` between taking a failed database out of service and opening it again.
+    current: RwLock<Option<Arc<Database>>>,
+    /// One reopen at a time.
+    reopening: Mutex<()>,
+    /// Tables created whenever the file is opened, so reads never meet a missing one.
+    create_tables: fn(&Database) -> Result<()>,
+}
+
+impl DbHandle {
+    /// Opens (or creates) the database file. Blocking.
+    pub fn open(path: &Path, create_tables: fn(&Database) -> Result<()>) -> Result<DbHandle> {
+        let db = open_database(path, create_tables)?;
+        Ok(DbHandle {
+            path: Some(path.to_owned()),
+            current: RwLock::new(Some(Arc::new(db))),
+            reopening: Mutex::new(()),
+            create_tables,
+        })
+    }
+
+    /// A database in memory, lost with the process.
+    pub fn in_memory(create_tables: fn(&Database) -> Result<()>) -> Result<DbHandle> {
+        let db = Database::builder()
+            .create_with_backend(redb::backends::InMemoryBackend::new())
+            .map_err(|error| Error::Store(error.to_string()))?;
+        create_tables(&db)?;
+        Ok(DbHandle {
+            path: None,
+            current: RwLock::new(Some(Arc::new(db))),
+            reopening: Mutex::new(()),
+            create_tables,
+        })
+    }
+
+    /// The database file; `None` in memory.
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// The open database; `None` while it is out of service. Never blocks on a reopen.
+    pub fn current(&self) -> Option<Arc<Database>> {
+        self.current
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The open database, reopening the file first if it is out of service. Blocking.
+    pub fn get_or_reopen(&self) -> Result<Arc<Database>> {
+        match self.current() {
+            Some(db) => Ok(db),
+            None => self.reopen(),
+        }
+    }
+
+    /// After an operation on `db` failed with a store error: if redb has refused the database
+    /// since (an earlier I/O error), takes it out of service and opens the file again. Blocking.
+    pub fn recover(&self, db: Arc<Database>) {
+        let Some(path) = &self.path else {
+            return;
+        };
+        if !matches!(
+            db.begin_write(),
+            Err(TransactionError::Storage(StorageError::PreviousIo))
+        ) {
+            return;
+        }
+        tracing::warn!(path = %path.display(), "the embedded store failed an I/O operation; reopening it");
+        {
+            let mut current = self.current.write().unwrap_or_else(PoisonError::into_inner);
+            if current.as_ref().is_some_and(|open| Arc::ptr_eq(open, &db)) {
+                *current = None;
+            }
+        }
+        drop(db);
+        if let Err(error) = self.reopen() {
+            tracing::warn!(%error, "reopening the embedded store failed; the next operation tries again");
+        }
+    }
+
+    fn reopen(&self) -> Result<Arc<Database>> {
+        let Some(path) = &self.path else {
+            return Err(Error::Store("the in-memory store is closed".to_owned()));
+        };
+        let _one_at_a_time = self
+            .reopening
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(db) = self.current() {
+            return Ok(db);
+        }
+        // Operations that still hold the failed handle fail fast and drop it; until they have,
+        // redb's file lock makes the open fail with `DatabaseAlreadyOpen`.
+        let started = Instant::now();
+        let db = loop {
+            match open_database(path, self.create_tables) {
+                Ok(db) => break db,
+                Err(error) if started.elapsed() < RELEASE_WAIT => {
+                    tracing::debug!(%error, "the failed store handle is still in use");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(error) => return Err(error),
+            }
+        };
+        let db = Arc::new(db);
+        *self.current.write().unwrap_or_else(PoisonError::into_inner) = Some(Arc::clone(&db));
+        tracing::info!(path = %path.display(), "the embedded store is open again");
+        Ok(db)
+    }
+}
+
+fn open_database(path: &Path, create_tables: fn(&Database) -> Result<()>) -> Result<Database> {
+    let db = Database::create(path).map_err(|error| Error::Store(error.to_string()))?;
+    create_tables(&db)?;
+    Ok(db)
+}
