@@ -14,6 +14,7 @@ use tokio_util::task::TaskTracker;
 use crate::admin::AdminApi;
 use crate::config::{Config, StoreBackend, StoreConfig};
 use crate::error::{Error, Result};
+use crate::metrics::Metrics;
 use crate::pipeline::cache::MemoryCache;
 use crate::pipeline::explain_log::ExplainLog;
 use crate::pipeline::store_memory::StoreMemory;
@@ -49,7 +50,17 @@ impl Engram {
         admin_token: Option<String>,
     ) -> Result<Engram> {
         let upstream = Upstream::new(&config.upstream, upstream_key)?;
+        let metrics = Arc::new(Metrics::new()?);
         let (store, spool) = open_store(&config.store).await?;
+        let backend = match config.store.backend {
+            StoreBackend::Embedded => "embedded",
+            StoreBackend::Redis => "redis",
+        };
+        let store = metrics.metered_store(store, backend)?;
+        let spool = match spool {
+            Some(spool) => Some(metrics.metered_store(spool, "spool")?),
+            None => None,
+        };
         let cache = Arc::new(MemoryCache::new(config.worker.cache_users));
         let wake = Arc::new(Notify::new());
         let outbox = Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::clone(&wake)).await);
@@ -59,17 +70,21 @@ impl Engram {
         let idle_priority = config.worker.idle_priority;
         let worker = if config.worker.enabled {
             let summarizer = Summarizer::from_config(&config.summarizer)?
-                .with_depth(config.memory.depth.clone());
-            Some(Arc::new(Worker::new(
-                Arc::clone(&store),
-                Arc::clone(&cache),
-                Arc::clone(&memory_config),
-                config.worker.clone(),
-                Arc::new(summarizer),
-                wake,
-                background.clone(),
-                cancel.clone(),
-            )))
+                .with_depth(config.memory.depth.clone())
+                .with_metrics(metrics.summarizer.clone());
+            Some(Arc::new(
+                Worker::new(
+                    Arc::clone(&store),
+                    Arc::clone(&cache),
+                    Arc::clone(&memory_config),
+                    config.worker.clone(),
+                    Arc::new(summarizer),
+                    wake,
+                    background.clone(),
+                    cancel.clone(),
+                )
+                .with_metrics(metrics.worker.clone()),
+            ))
         } else {
             None
         };
@@ -83,6 +98,7 @@ impl Engram {
             config.hot_path_deadline(),
             Arc::clone(&explains),
         );
+        metrics.watch(Arc::clone(&store), Arc::clone(&outbox), worker.clone())?;
         let admin = AdminApi::new(
             admin_token,
             store,
@@ -92,7 +108,8 @@ impl Engram {
             worker.clone(),
             config.identity.clone(),
         );
-        let state = AppState::new(config, upstream, Arc::new(memory)).with_admin(Arc::new(admin));
+        let state =
+            AppState::new(config, upstream, Arc::new(memory), metrics).with_admin(Arc::new(admin));
         let server = Server::bind(state).await?;
         let worker_runtime = match &worker {
             Some(_) => Some(priority::worker_runtime(idle_priority)?),

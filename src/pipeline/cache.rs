@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use crate::memory::tokens::TokenCount;
 use crate::memory::{MemoryIndex, MemoryState};
 use crate::store::UserKey;
 
@@ -18,12 +19,15 @@ use crate::store::UserKey;
 pub struct CachedMemory {
     pub state: MemoryState,
     pub index: MemoryIndex,
+    /// Tokens of every raw turn's messages (what a client resending the whole history would
+    /// send), summed once per version for the metrics.
+    pub history_tokens: TokenCount,
 }
 
 impl CachedMemory {
     pub fn new(state: MemoryState) -> CachedMemory {
         let index = MemoryIndex::build(&state);
-        CachedMemory { state, index }
+        CachedMemory::with_index(state, index)
     }
 
     /// Builds on `previous` (its index is refreshed, not rebuilt) when there is one.
@@ -32,9 +36,23 @@ impl CachedMemory {
             Some(previous) => {
                 let mut index = previous.index.clone();
                 index.refresh(&state);
-                CachedMemory { state, index }
+                CachedMemory::with_index(state, index)
             }
             None => CachedMemory::new(state),
+        }
+    }
+
+    fn with_index(state: MemoryState, index: MemoryIndex) -> CachedMemory {
+        let history_tokens = state
+            .raw_turns
+            .iter()
+            .fold(TokenCount::default(), |sum, turn| {
+                sum + turn.tokens.user + turn.tokens.assistant
+            });
+        CachedMemory {
+            state,
+            index,
+            history_tokens,
         }
     }
 

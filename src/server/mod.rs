@@ -23,6 +23,7 @@ use tokio_util::task::TaskTracker;
 use crate::admin::AdminApi;
 use crate::config::Config;
 use crate::error::Error;
+use crate::metrics::Metrics;
 use crate::pipeline::MemoryLayer;
 use crate::upstream::Upstream;
 
@@ -31,6 +32,7 @@ pub struct AppState {
     pub config: Config,
     pub upstream: Upstream,
     pub memory: Arc<dyn MemoryLayer>,
+    pub metrics: Arc<Metrics>,
     /// The management API; `None` serves 404 under `/engram/`.
     pub admin: Option<Arc<AdminApi>>,
     /// Connections, recorders and any other background work; shutdown waits for all of it.
@@ -39,11 +41,17 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn new(config: Config, upstream: Upstream, memory: Arc<dyn MemoryLayer>) -> Self {
+    pub fn new(
+        config: Config,
+        upstream: Upstream,
+        memory: Arc<dyn MemoryLayer>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         AppState {
             config,
             upstream,
             memory,
+            metrics,
             admin: None,
             tasks: TaskTracker::new(),
             draining: AtomicBool::new(false),

@@ -32,6 +32,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::WorkerConfig;
 use crate::error::{Error, Result};
 use crate::memory::{self, CandidateId, ExchangeInput, MemoryConfig, MemoryState, Precomputed};
+use crate::metrics::WorkerMetrics;
 use crate::pipeline::cache::{CachedMemory, MemoryCache, first_version};
 use crate::store::{ClaimedJob, EncodedState, Job, Store, UserKey};
 use crate::summarizer::{Summarizer, SummarySource};
@@ -56,6 +57,7 @@ pub struct Worker {
     /// The claim loops and background summarizer retries.
     tasks: TaskTracker,
     cancel: CancellationToken,
+    metrics: Option<WorkerMetrics>,
 }
 
 #[derive(Debug, Default)]
@@ -113,7 +115,14 @@ impl Worker {
             stats: Arc::default(),
             tasks,
             cancel,
+            metrics: None,
         }
+    }
+
+    /// Observes each applied job's lag (the counts are read from [`Worker::stats`]).
+    pub fn with_metrics(mut self, metrics: WorkerMetrics) -> Worker {
+        self.metrics = Some(metrics);
+        self
     }
 
     pub fn stats(&self) -> &WorkerStats {
@@ -206,6 +215,9 @@ impl Worker {
                     match applied {
                         Applied::Recorded { version } => {
                             self.stats.applied.fetch_add(1, Ordering::Relaxed);
+                            if let Some(metrics) = &self.metrics {
+                                metrics.applied(&job.exchange.turn_id);
+                            }
                             tracing::debug!(job = %job.id.key, version, "job applied");
                         }
                         Applied::Duplicate => {
