@@ -1164,6 +1164,16 @@ mod tests {
             .expect("the turn is recalled");
         assert_eq!(hit.provenance, ["t3"]);
         assert_eq!(hit.date.as_deref(), Some("2024-02-04"));
+        // The recalled turn is a retrieval hit among the candidates.
+        assert!(composition.retrieval_hits >= 1);
+        assert!(composition.retrieval_candidates >= composition.retrieval_hits);
+        let retrieved = composition
+            .explain
+            .items
+            .iter()
+            .filter(|item| matches!(item.reason, Reason::Retrieved { .. }))
+            .count();
+        assert_eq!(composition.retrieval_hits, retrieved);
         // Only the core block is a system message; recall rides on the user message.
         let system: Vec<String> = composition
             .messages

@@ -184,6 +184,42 @@ mod tests {
     }
 
     #[test]
+    fn history_tokens_are_every_recorded_message_and_follow_new_versions() {
+        use crate::memory::tokens::count_in;
+        use crate::memory::{Encoding, ExchangeInput, HeuristicExtractor, MemoryConfig};
+
+        let exchanges = [
+            ("My sister lives in Lisbon.", "Lovely city!"),
+            ("I'm allergic to peanuts.", "Noted, no peanuts."),
+        ];
+        let mut state = MemoryState::new();
+        let mut expected = 0;
+        let mut previous: Option<CachedMemory> = None;
+        for (n, (user, assistant)) in exchanges.iter().enumerate() {
+            let exchange = ExchangeInput {
+                session_id: "s".into(),
+                turn_id: format!("t{n}"),
+                user_text: (*user).into(),
+                assistant_text: (*assistant).into(),
+                event_time: None,
+                prior_chain: None,
+                incomplete: false,
+            };
+            crate::memory::record_exchange(
+                &mut state,
+                &exchange,
+                &HeuristicExtractor,
+                &MemoryConfig::default(),
+            );
+            expected += count_in(Encoding::Cl100k, user) + count_in(Encoding::Cl100k, assistant);
+            let cached = CachedMemory::after(previous.as_ref(), state.clone());
+            assert_eq!(cached.history_tokens.get(Encoding::Cl100k), expected);
+            previous = Some(cached);
+        }
+        assert_eq!(CachedMemory::new(MemoryState::new()).history_tokens.0, 0);
+    }
+
+    #[test]
     fn a_newer_version_replaces_an_older_one_but_not_the_reverse() {
         let cache = MemoryCache::new(8);
         let user = UserKey::new("t", "u");
