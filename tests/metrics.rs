@@ -11,6 +11,7 @@
 mod common;
 
 use std::collections::{BTreeSet, HashMap};
+use std::time::{Duration, Instant};
 
 use common::memory::{header, say, wait_applied, wait_drained};
 use common::{Process, mock, post_json, proxy, send};
@@ -237,9 +238,20 @@ async fn traffic_moves_the_metrics_and_every_dashboard_metric_is_exported() {
             .as_u16(),
         404
     );
-    wait_drained(&proxy, std::time::Duration::from_secs(30)).await;
+    wait_drained(&proxy, Duration::from_secs(30)).await;
 
-    let scrape = scrape(&proxy).await;
+    // The worker counts a job just after committing it (on its low-priority threads), so the
+    // last count may trail the store by a moment.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let scrape = loop {
+        let scrape = scrape(&proxy).await;
+        let applied = scrape.value("engram_jobs_total{result=\"applied\"}");
+        if applied >= 4.0 && scrape.value("engram_job_lag_seconds_count") >= 4.0 {
+            break scrape;
+        }
+        assert!(Instant::now() < deadline, "jobs applied: {applied}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
 
     // Every metric the dashboard queries is on the page.
     let used = dashboard_metrics(&scrape);
