@@ -24,8 +24,8 @@ use crate::memory::diff::retain_grounded;
 use crate::memory::extract::{ExchangeView, Extraction, Extractor, HeuristicExtractor};
 use crate::memory::fence::{neutralise_fences, strip_fences};
 use crate::memory::model::Depth;
-
 use crate::metrics::SummarizerMetrics;
+
 use client::ChatClient;
 pub use config::SummarizerConfig;
 pub use prompt::SYSTEM_PROMPT;
