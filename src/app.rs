@@ -14,6 +14,7 @@ use tokio_util::task::TaskTracker;
 use crate::admin::AdminApi;
 use crate::config::{Config, StoreBackend, StoreConfig};
 use crate::error::{Error, Result};
+use crate::metrics::Metrics;
 use crate::pipeline::cache::MemoryCache;
 use crate::pipeline::explain_log::ExplainLog;
 use crate::pipeline::store_memory::StoreMemory;
@@ -52,7 +53,25 @@ impl Engram {
         admin_token: Option<String>,
     ) -> Result<Engram> {
         let upstream = Upstream::new(&config.upstream, upstream_key)?;
+        // Load the tokenizers now, off the runtime, not on the first memory request (~2 s in a
+        // debug build).
+        tokio::task::spawn_blocking(crate::memory::warm_up)
+            .await
+            .map_err(|error| Error::Internal(format!("loading the tokenizers: {error}")))?;
+        let metrics = Arc::new(Metrics::new()?);
         let (store, spool) = open_store(&config.store).await?;
+        let backend = match config.store.backend {
+            StoreBackend::Embedded => "embedded",
+            StoreBackend::Redis => "redis",
+        };
+        let store = metrics.metered_store(store, backend)?;
+        let spool = match spool {
+            Spool::Durable(spool) => Spool::Durable(metrics.metered_store(spool, "spool")?),
+            Spool::Memory { store, capacity } => Spool::Memory {
+                store: metrics.metered_store(store, "spool")?,
+                capacity,
+            },
+        };
         let cache = Arc::new(MemoryCache::new(config.worker.cache_users));
         let wake = Arc::new(Notify::new());
         let outbox = Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::clone(&wake)).await);
@@ -60,10 +79,12 @@ impl Engram {
         let background = TaskTracker::new();
         let cancel = CancellationToken::new();
         let idle_priority = config.worker.idle_priority;
-        let token_budget = TokenBudget::from_config(&config.rate_limits).map(Arc::new);
+        let token_budget = TokenBudget::from_config(&config.rate_limits)
+            .map(|budget| Arc::new(budget.with_metrics(metrics.rate_limits.clone())));
         let worker = if config.worker.enabled {
             let summarizer = Summarizer::from_config(&config.summarizer)?
-                .with_depth(config.memory.depth.clone());
+                .with_depth(config.memory.depth.clone())
+                .with_metrics(metrics.summarizer.clone());
             Some(Arc::new(
                 Worker::new(
                     Arc::clone(&store),
@@ -75,7 +96,8 @@ impl Engram {
                     background.clone(),
                     cancel.clone(),
                 )
-                .with_token_budget(token_budget.clone()),
+                .with_token_budget(token_budget.clone())
+                .with_metrics(metrics.worker.clone()),
             ))
         } else {
             None
@@ -90,6 +112,7 @@ impl Engram {
             config.hot_path_deadline(),
             Arc::clone(&explains),
         );
+        metrics.watch(Arc::clone(&store), Arc::clone(&outbox), worker.clone())?;
         let admin = AdminApi::new(
             admin_token,
             store,
@@ -99,7 +122,8 @@ impl Engram {
             worker.clone(),
             config.identity.clone(),
         );
-        let state = AppState::new(config, upstream, Arc::new(memory)).with_admin(Arc::new(admin));
+        let state =
+            AppState::new(config, upstream, Arc::new(memory), metrics).with_admin(Arc::new(admin));
         let server = Server::bind(state).await?;
         let worker_runtime = match &worker {
             Some(_) => Some(priority::worker_runtime(idle_priority)?),

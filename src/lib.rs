@@ -6,6 +6,7 @@ pub mod cli;
 pub mod config;
 pub mod error;
 pub mod memory;
+pub mod metrics;
 pub mod mock;
 pub mod openai;
 pub mod pipeline;

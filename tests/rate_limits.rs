@@ -50,6 +50,17 @@ async fn burst(
     tasks.join_all().await
 }
 
+/// `engram_rate_limited_total{kind}` from the proxy's `/metrics`.
+async fn rate_limited(proxy: &common::Process, kind: &str) -> u64 {
+    let scrape = send("GET", &proxy.url("/metrics"), &[], "").await;
+    let text = String::from_utf8_lossy(&scrape.body).into_owned();
+    let series = format!("engram_rate_limited_total{{kind=\"{kind}\"}} ");
+    text.lines()
+        .find_map(|line| line.strip_prefix(&series))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in {text}"))
+}
+
 /// Splits replies into passed (200) and rejected (429, checked for shape and `retry-after`).
 fn tally(replies: &[Reply]) -> (usize, usize) {
     let mut passed = 0;
@@ -90,6 +101,11 @@ async fn a_burst_over_the_tenant_limit_gets_429s_and_other_tenants_pass() {
     let (passed, rejected) = tally(&burst);
     assert!((5..=6).contains(&passed), "passed {passed}");
     assert_eq!(passed + rejected, 12);
+    assert_eq!(
+        rate_limited(&proxy, "requests").await,
+        rejected as u64,
+        "every 429 is counted"
+    );
 
     // Another tenant has its own allowance, on chat and pass-through routes alike.
     let quiet = chat(&proxy, "quiet", Some("ann")).await;
@@ -174,6 +190,7 @@ async fn a_spent_summarizer_token_budget_falls_back_without_calling_the_model() 
             .is_empty(),
         "the summarizer was called despite the spent budget"
     );
+    assert_eq!(rate_limited(&proxy, "summarizer_tokens").await, 1);
     // The heuristic extraction still recorded the constraint.
     let memory = admin(&proxy, "/engram/v1/users/uma/memory", "default")
         .await

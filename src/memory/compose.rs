@@ -65,6 +65,9 @@ pub struct Composition {
     /// Chain link of the client's earlier conversation: pass it as `ExchangeInput::prior_chain`
     /// when recording this exchange.
     pub prior_chain: u64,
+    /// Items retrieval ranked for the latest user message, and how many of them were injected.
+    pub retrieval_candidates: usize,
+    pub retrieval_hits: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -580,11 +583,17 @@ pub fn compose(
     } else {
         MemoryOutcome::Injected
     };
+    let retrieval_hits = explain_items
+        .iter()
+        .filter(|item| matches!(item.reason, Reason::Retrieved { .. }))
+        .count();
     Composition {
         messages,
         tokens,
         items,
         outcome,
+        retrieval_candidates: retrieval.hits.len(),
+        retrieval_hits,
         explain: Explain {
             encoding,
             budgets,
@@ -1155,6 +1164,16 @@ mod tests {
             .expect("the turn is recalled");
         assert_eq!(hit.provenance, ["t3"]);
         assert_eq!(hit.date.as_deref(), Some("2024-02-04"));
+        // The recalled turn is a retrieval hit among the candidates.
+        assert!(composition.retrieval_hits >= 1);
+        assert!(composition.retrieval_candidates >= composition.retrieval_hits);
+        let retrieved = composition
+            .explain
+            .items
+            .iter()
+            .filter(|item| matches!(item.reason, Reason::Retrieved { .. }))
+            .count();
+        assert_eq!(composition.retrieval_hits, retrieved);
         // Only the core block is a system message; recall rides on the user message.
         let system: Vec<String> = composition
             .messages

@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use crate::memory::tokens::TokenCount;
 use crate::memory::{MemoryIndex, MemoryState};
 use crate::store::UserKey;
 
@@ -18,12 +19,15 @@ use crate::store::UserKey;
 pub struct CachedMemory {
     pub state: MemoryState,
     pub index: MemoryIndex,
+    /// Tokens of every raw turn's messages (what a client resending the whole history would
+    /// send), summed once per version for the metrics.
+    pub history_tokens: TokenCount,
 }
 
 impl CachedMemory {
     pub fn new(state: MemoryState) -> CachedMemory {
         let index = MemoryIndex::build(&state);
-        CachedMemory { state, index }
+        CachedMemory::with_index(state, index)
     }
 
     /// Builds on `previous` (its index is refreshed, not rebuilt) when there is one.
@@ -32,9 +36,23 @@ impl CachedMemory {
             Some(previous) => {
                 let mut index = previous.index.clone();
                 index.refresh(&state);
-                CachedMemory { state, index }
+                CachedMemory::with_index(state, index)
             }
             None => CachedMemory::new(state),
+        }
+    }
+
+    fn with_index(state: MemoryState, index: MemoryIndex) -> CachedMemory {
+        let history_tokens = state
+            .raw_turns
+            .iter()
+            .fold(TokenCount::default(), |sum, turn| {
+                sum + turn.tokens.user + turn.tokens.assistant
+            });
+        CachedMemory {
+            state,
+            index,
+            history_tokens,
         }
     }
 
@@ -163,6 +181,42 @@ mod tests {
         let mut state = MemoryState::new();
         state.version = version;
         Arc::new(CachedMemory::new(state))
+    }
+
+    #[test]
+    fn history_tokens_are_every_recorded_message_and_follow_new_versions() {
+        use crate::memory::tokens::count_in;
+        use crate::memory::{Encoding, ExchangeInput, HeuristicExtractor, MemoryConfig};
+
+        let exchanges = [
+            ("My sister lives in Lisbon.", "Lovely city!"),
+            ("I'm allergic to peanuts.", "Noted, no peanuts."),
+        ];
+        let mut state = MemoryState::new();
+        let mut expected = 0;
+        let mut previous: Option<CachedMemory> = None;
+        for (n, (user, assistant)) in exchanges.iter().enumerate() {
+            let exchange = ExchangeInput {
+                session_id: "s".into(),
+                turn_id: format!("t{n}"),
+                user_text: (*user).into(),
+                assistant_text: (*assistant).into(),
+                event_time: None,
+                prior_chain: None,
+                incomplete: false,
+            };
+            crate::memory::record_exchange(
+                &mut state,
+                &exchange,
+                &HeuristicExtractor,
+                &MemoryConfig::default(),
+            );
+            expected += count_in(Encoding::Cl100k, user) + count_in(Encoding::Cl100k, assistant);
+            let cached = CachedMemory::after(previous.as_ref(), state.clone());
+            assert_eq!(cached.history_tokens.get(Encoding::Cl100k), expected);
+            previous = Some(cached);
+        }
+        assert_eq!(CachedMemory::new(MemoryState::new()).history_tokens.0, 0);
     }
 
     #[test]

@@ -21,6 +21,7 @@ use http::HeaderMap;
 use serde::Serialize;
 
 use crate::error::Error;
+use crate::memory::BlockTokens;
 use crate::openai::{AssistantMessage, ChatRequest};
 use crate::store::JobId;
 
@@ -43,6 +44,21 @@ pub struct Rewrite {
     pub reserved_over_budget: bool,
     /// How the exchange will be recorded; `None` records nothing (no user, `off`, `read-only`).
     pub record: Option<RecordPlan>,
+    /// What the memory read and injected, for the metrics.
+    pub measures: MemoryMeasures,
+}
+
+/// Counts from a request's memory phase, for `/metrics`; all zero unless memory was read.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct MemoryMeasures {
+    /// Injected tokens per block (`total` is `Rewrite::injected_tokens`).
+    pub blocks: BlockTokens,
+    /// Tokens of every exchange in the user's stored history, in the request's encoding: what
+    /// the injected memory stands in for.
+    pub history_tokens: u64,
+    /// Items retrieval ranked for the latest user message, and how many of them were injected.
+    pub retrieval_candidates: u32,
+    pub retrieval_hits: u32,
 }
 
 /// Everything the recorder needs that the hot path already resolved.

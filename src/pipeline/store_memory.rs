@@ -17,7 +17,10 @@ use super::cache::{CachedMemory, MemoryCache};
 use super::explain_log::ExplainLog;
 use super::identity::{self, IdentityConfig, RequestIdentity};
 use super::order::SessionOrder;
-use super::{BoxFuture, Exchange, MemoryLayer, MemoryOutcome, RecordPlan, Rewrite, log_capture};
+use super::{
+    BoxFuture, Exchange, MemoryLayer, MemoryMeasures, MemoryOutcome, RecordPlan, Rewrite,
+    log_capture,
+};
 use crate::error::Error;
 use crate::memory::{self, ComposeRequest, ExchangeInput, MemoryConfig, MemoryState};
 use crate::openai::ChatRequest;
@@ -155,6 +158,13 @@ impl StoreMemory {
             prior_chain: Some(composition.prior_chain),
             ..plan
         });
+        let measures = MemoryMeasures {
+            blocks: composition.tokens,
+            history_tokens: u64::from(memory.history_tokens.get(composition.explain.encoding)),
+            retrieval_candidates: u32::try_from(composition.retrieval_candidates)
+                .unwrap_or(u32::MAX),
+            retrieval_hits: u32::try_from(composition.retrieval_hits).unwrap_or(u32::MAX),
+        };
         self.explains.put(&user, &turn_id, composition.explain);
         if composition.outcome == memory::MemoryOutcome::Empty {
             return Ok(Rewrite {
@@ -162,6 +172,7 @@ impl StoreMemory {
                 reason: Some("empty"),
                 turn_id: Some(turn_id),
                 record: plan,
+                measures,
                 ..Rewrite::default()
             });
         }
@@ -178,6 +189,7 @@ impl StoreMemory {
             turn_id: Some(turn_id),
             reserved_over_budget: composition.outcome == memory::MemoryOutcome::ReservedOverBudget,
             record: plan,
+            measures,
         })
     }
 }
@@ -285,8 +297,9 @@ fn fnv1a(mut hash: u64, bytes: &[u8]) -> u64 {
     hash
 }
 
-/// Turn ids unique across processes and restarts: start time, a per-process nonce and a
-/// counter (`t<micros>-<nonce>-<n>`), all in hex.
+/// Turn ids unique across processes and restarts: the time the id was made, a per-process
+/// nonce and a counter (`t<micros>-<nonce>-<n>`), all in hex. The time tells the worker's job
+/// lag metric when the request arrived (see [`turn_time_micros`]).
 struct TurnIds {
     nonce: u32,
     counter: AtomicU64,
@@ -315,9 +328,27 @@ impl TurnIds {
     }
 }
 
+/// When a turn id made by this proxy was made (its request's arrival), in microseconds since
+/// the Unix epoch; `None` for any other id.
+pub fn turn_time_micros(turn_id: &str) -> Option<u64> {
+    let (micros, _) = turn_id.strip_prefix('t')?.split_once('-')?;
+    u64::from_str_radix(micros, 16).ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_turn_id_tells_when_it_was_made() {
+        let before = super::super::cache::first_version();
+        let id = TurnIds::new().next();
+        let after = super::super::cache::first_version();
+        let made = turn_time_micros(&id).unwrap();
+        assert!(before <= made && made <= after, "{id}");
+        assert_eq!(turn_time_micros("turn-1"), None);
+        assert_eq!(turn_time_micros("t-1"), None);
+    }
 
     #[test]
     fn job_keys_depend_on_every_field_and_their_boundaries() {

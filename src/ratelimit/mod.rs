@@ -10,6 +10,7 @@ use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use serde::Deserialize;
 
 use crate::error::Error;
+use crate::metrics::{RateLimitKind, RateLimitMetrics};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -108,6 +109,7 @@ impl RequestLimits {
 /// The per-tenant summarizer token budget; `None` from `from_config` when off.
 pub struct TokenBudget {
     limiter: DefaultKeyedRateLimiter<String>,
+    rejections: Option<RateLimitMetrics>,
 }
 
 impl TokenBudget {
@@ -115,7 +117,14 @@ impl TokenBudget {
         let per_minute = NonZeroU32::new(config.tenant_summarizer_tokens_per_minute)?;
         Some(TokenBudget {
             limiter: RateLimiter::keyed(Quota::per_minute(per_minute)),
+            rejections: None,
         })
+    }
+
+    /// Counts refusals in `engram_rate_limited_total{kind="summarizer_tokens"}`.
+    pub fn with_metrics(mut self, rejections: RateLimitMetrics) -> TokenBudget {
+        self.rejections = Some(rejections);
+        self
     }
 
     /// Spends `tokens` of `tenant`'s budget; false (nothing spent) when the budget cannot
@@ -124,10 +133,14 @@ impl TokenBudget {
         let Some(tokens) = NonZeroU32::new(tokens) else {
             return true;
         };
-        matches!(
+        let spent = matches!(
             self.limiter.check_key_n(&tenant.to_owned(), tokens),
             Ok(Ok(()))
-        )
+        );
+        if !spent && let Some(rejections) = &self.rejections {
+            rejections.rejected(RateLimitKind::SummarizerTokens);
+        }
+        spent
     }
 
     pub fn prune(&self) {

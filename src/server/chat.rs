@@ -12,6 +12,7 @@ use hyper::body::Incoming;
 use super::AppState;
 use super::tee::{self, TeeBody, TeeOptions};
 use crate::error::{BodyError, Error, ProxyBody, full_body};
+use crate::metrics::{Route, Timing};
 use crate::openai::{ChatRequest, StreamOptions};
 use crate::pipeline::{Exchange, Rewrite};
 use crate::upstream::without_hop_by_hop;
@@ -20,6 +21,7 @@ pub async fn handle(
     state: Arc<AppState>,
     request: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, Error> {
+    let mut timing = Timing::start();
     if state.is_draining() {
         return Err(Error::ShuttingDown);
     }
@@ -32,6 +34,7 @@ pub async fn handle(
 
     // Phase 2: memory rewrite.
     let mut rewrite = state.memory.rewrite(&parts.headers, &original).await?;
+    state.metrics.memory.observe(&rewrite);
 
     // Phase 3: upstream request. Ask for usage on streams so the recorder sees token counts.
     let mut outgoing = rewrite.request.take();
@@ -48,7 +51,9 @@ pub async fn handle(
         None => body,
     };
     let upstream_request = upstream_request(&state, &parts, upstream_body)?;
+    timing.sent();
     let response = state.upstream.send(upstream_request).await?;
+    timing.answered();
 
     // Phase 4: response filter. Upstream errors go back exactly as the upstream sent them.
     let (mut response_parts, upstream_body) = response.into_parts();
@@ -56,6 +61,7 @@ pub async fn handle(
     add_memory_headers(&mut response_parts.headers, &rewrite);
     if !response_parts.status.is_success() {
         let body = upstream_body.map_err(BodyError::from).boxed();
+        state.metrics.http.observe(Route::ChatCompletions, &timing);
         return Ok(Response::from_parts(response_parts, body));
     }
     // Only an answered request names its turn (whose explanation the management API keeps)
@@ -97,6 +103,7 @@ pub async fn handle(
             event_stream,
             strip_usage: strip_usage && event_stream,
             trailer,
+            first_frame: Some(state.metrics.http.first_frame(&timing, event_stream)),
         },
     );
     let memory = state.memory.clone();
@@ -112,6 +119,7 @@ pub async fn handle(
         };
         memory.record(exchange).await;
     });
+    state.metrics.http.observe(Route::ChatCompletions, &timing);
     Ok(Response::from_parts(response_parts, BodyExt::boxed(body)))
 }
 

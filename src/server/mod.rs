@@ -24,6 +24,7 @@ use tokio_util::task::TaskTracker;
 use crate::admin::AdminApi;
 use crate::config::Config;
 use crate::error::Error;
+use crate::metrics::{Metrics, RateLimitKind};
 use crate::openai::ChatRequest;
 use crate::pipeline::{MemoryLayer, identity};
 use crate::ratelimit::RequestLimits;
@@ -34,6 +35,7 @@ pub struct AppState {
     pub config: Config,
     pub upstream: Upstream,
     pub memory: Arc<dyn MemoryLayer>,
+    pub metrics: Arc<Metrics>,
     /// The management API; `None` serves 404 under `/engram/`.
     pub admin: Option<Arc<AdminApi>>,
     /// Per-tenant and per-user request rates; `None` when no limit is configured.
@@ -44,12 +46,18 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn new(config: Config, upstream: Upstream, memory: Arc<dyn MemoryLayer>) -> Self {
+    pub fn new(
+        config: Config,
+        upstream: Upstream,
+        memory: Arc<dyn MemoryLayer>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         AppState {
             limits: RequestLimits::from_config(&config.rate_limits),
             config,
             upstream,
             memory,
+            metrics,
             admin: None,
             tasks: TaskTracker::new(),
             draining: AtomicBool::new(false),
@@ -78,7 +86,10 @@ impl AppState {
         };
         limits
             .check(&tenant, user.as_deref())
-            .map_err(|(_scope, error)| error)
+            .map_err(|(_scope, error)| {
+                self.metrics.rate_limited(RateLimitKind::Requests);
+                error
+            })
     }
 }
 

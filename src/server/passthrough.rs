@@ -8,12 +8,14 @@ use hyper::body::Incoming;
 
 use super::AppState;
 use crate::error::{BodyError, Error, ProxyBody};
+use crate::metrics::{Route, Timing};
 use crate::upstream::without_hop_by_hop;
 
 pub async fn handle(
     state: Arc<AppState>,
     request: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, Error> {
+    let mut timing = Timing::start();
     let (parts, body) = request.into_parts();
     state.admit(&parts.headers, None)?;
     let rest = parts
@@ -27,9 +29,12 @@ pub async fn handle(
     *upstream_request.uri_mut() = state.upstream.uri_for(rest)?;
     *upstream_request.headers_mut() = state.upstream.request_headers(&parts.headers);
 
+    timing.sent();
     let response = state.upstream.send(upstream_request).await?;
+    timing.answered();
     let (mut parts, body) = response.into_parts();
     parts.headers = without_hop_by_hop(&parts.headers);
+    state.metrics.http.observe(Route::Passthrough, &timing);
     Ok(Response::from_parts(
         parts,
         body.map_err(BodyError::from).boxed(),

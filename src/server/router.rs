@@ -7,37 +7,74 @@ use hyper::body::Incoming;
 
 use super::{AppState, chat, passthrough};
 use crate::error::{Error, ProxyBody, full_body};
+use crate::metrics::{self, Route};
 
 pub async fn route(state: Arc<AppState>, request: Request<Incoming>) -> Response<ProxyBody> {
     let path = request.uri().path();
-    let result = match (request.method(), path) {
-        (&Method::POST, "/v1/chat/completions") => chat::handle(state, request).await,
-        (_, "/v1/chat/completions") => Err(Error::MethodNotAllowed {
-            method: request.method().to_string(),
-            path: path.to_owned(),
-        }),
-        (_, path) if path.starts_with("/v1/") => passthrough::handle(state, request).await,
-        (_, path) if path.starts_with(crate::admin::PREFIX) => match state.admin.clone() {
-            Some(admin) => admin.handle(request).await,
-            None => Err(Error::NotFound {
+    let (route, result) = match (request.method(), path) {
+        (&Method::POST, "/v1/chat/completions") => (
+            Route::ChatCompletions,
+            chat::handle(state.clone(), request).await,
+        ),
+        (_, "/v1/chat/completions") => (
+            Route::ChatCompletions,
+            Err(Error::MethodNotAllowed {
                 method: request.method().to_string(),
                 path: path.to_owned(),
             }),
-        },
-        (&Method::GET | &Method::HEAD, "/healthz") => {
-            Ok(json(StatusCode::OK, r#"{"status":"ok"}"#))
-        }
-        (&Method::GET | &Method::HEAD, "/readyz") => Ok(if state.is_draining() {
-            json(StatusCode::SERVICE_UNAVAILABLE, r#"{"status":"draining"}"#)
-        } else {
-            json(StatusCode::OK, r#"{"status":"ready"}"#)
-        }),
-        (method, path) => Err(Error::NotFound {
-            method: method.to_string(),
-            path: path.to_owned(),
-        }),
+        ),
+        (_, path) if path.starts_with("/v1/") => (
+            Route::Passthrough,
+            passthrough::handle(state.clone(), request).await,
+        ),
+        (_, path) if path.starts_with(crate::admin::PREFIX) => (
+            Route::Admin,
+            match state.admin.clone() {
+                Some(admin) => admin.handle(request).await,
+                None => Err(Error::NotFound {
+                    method: request.method().to_string(),
+                    path: path.to_owned(),
+                }),
+            },
+        ),
+        (&Method::GET | &Method::HEAD, "/healthz") => (
+            Route::Health,
+            Ok(json(StatusCode::OK, r#"{"status":"ok"}"#)),
+        ),
+        (&Method::GET | &Method::HEAD, "/readyz") => (
+            Route::Health,
+            Ok(if state.is_draining() {
+                json(StatusCode::SERVICE_UNAVAILABLE, r#"{"status":"draining"}"#)
+            } else {
+                json(StatusCode::OK, r#"{"status":"ready"}"#)
+            }),
+        ),
+        (&Method::GET | &Method::HEAD, "/metrics") => (Route::Metrics, metrics_page(&state).await),
+        (method, path) => (
+            Route::NotFound,
+            Err(Error::NotFound {
+                method: method.to_string(),
+                path: path.to_owned(),
+            }),
+        ),
     };
-    result.unwrap_or_else(Error::into_response)
+    let response = result.unwrap_or_else(Error::into_response);
+    state
+        .metrics
+        .http
+        .count(route, response.status(), response.headers());
+    response
+}
+
+/// Prometheus text format; unauthenticated, like `/healthz` (a sidecar's port is not public).
+async fn metrics_page(state: &AppState) -> Result<Response<ProxyBody>, Error> {
+    let page = state.metrics.render().await?;
+    let mut response = Response::new(full_body(page));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        http::HeaderValue::from_static(metrics::CONTENT_TYPE),
+    );
+    Ok(response)
 }
 
 fn json(status: StatusCode, body: &'static str) -> Response<ProxyBody> {

@@ -15,6 +15,7 @@ use tokio::sync::mpsc;
 use tokio::time::{Instant, Sleep};
 
 use crate::error::BodyError;
+use crate::metrics::FirstFrame;
 use crate::openai::sse::UsageStripper;
 use crate::openai::{AssistantMessage, StreamAccumulator};
 use crate::pipeline::{Capture, Incomplete};
@@ -66,6 +67,8 @@ pub struct TeeBody {
     max_tapped_bytes: usize,
     /// Sent after the upstream's last frame (the write receipt comment of a stream).
     trailer: Option<Bytes>,
+    /// Observed when the first data frame goes to the client (time to first token).
+    first_frame: Option<FirstFrame>,
     ended: bool,
 }
 
@@ -78,6 +81,7 @@ pub struct TeeOptions {
     pub strip_usage: bool,
     /// Bytes to send after the upstream body ended whole.
     pub trailer: Option<Bytes>,
+    pub first_frame: Option<FirstFrame>,
 }
 
 impl TeeBody {
@@ -99,6 +103,7 @@ impl TeeBody {
             tapped_bytes: 0,
             max_tapped_bytes: options.max_tapped_bytes,
             trailer: options.trailer,
+            first_frame: options.first_frame,
             ended: false,
         };
         (body, receiver, state)
@@ -117,6 +122,13 @@ impl TeeBody {
         if let Some(reason) = stop {
             self.state.mark(reason);
             self.tap = None;
+        }
+    }
+
+    /// A data frame is about to reach the client.
+    fn sending_data(&mut self) {
+        if let Some(first) = self.first_frame.take() {
+            first.observe();
         }
     }
 
@@ -195,6 +207,7 @@ impl Body for TeeBody {
                     if out.is_empty() {
                         continue;
                     }
+                    this.sending_data();
                     return Poll::Ready(Some(Ok(Frame::data(out))));
                 }
                 Poll::Ready(None) => {
@@ -202,6 +215,7 @@ impl Body for TeeBody {
                     return if tail.is_empty() {
                         Poll::Ready(None)
                     } else {
+                        this.sending_data();
                         Poll::Ready(Some(Ok(Frame::data(tail))))
                     };
                 }

@@ -24,6 +24,7 @@ use crate::memory::diff::retain_grounded;
 use crate::memory::extract::{ExchangeView, Extraction, Extractor, HeuristicExtractor};
 use crate::memory::fence::{neutralise_fences, strip_fences};
 use crate::memory::model::Depth;
+use crate::metrics::SummarizerMetrics;
 
 use client::ChatClient;
 pub use config::SummarizerConfig;
@@ -130,6 +131,7 @@ struct Llm {
     max_input_chars: usize,
     /// None: unlimited.
     limiter: Option<DefaultDirectRateLimiter>,
+    metrics: Option<SummarizerMetrics>,
 }
 
 /// The exchange as the summarizer works on it: engram's fences stripped, forged ones
@@ -174,6 +176,7 @@ impl Summarizer {
                 max_input_chars: config.max_input_chars,
                 limiter: NonZeroU32::new(config.requests_per_minute)
                     .map(|rate| RateLimiter::direct(Quota::per_minute(rate))),
+                metrics: None,
             }),
         };
         Ok(Summarizer {
@@ -197,6 +200,14 @@ impl Summarizer {
     /// Uses the memory engine's depth thresholds (the default ones otherwise).
     pub fn with_depth(mut self, depth: DepthConfig) -> Summarizer {
         self.depth = depth;
+        self
+    }
+
+    /// Counts the model's calls, failures, tokens and latency.
+    pub fn with_metrics(mut self, metrics: SummarizerMetrics) -> Summarizer {
+        if let Some(llm) = &mut self.llm {
+            llm.metrics = Some(metrics);
+        }
         self
     }
 
@@ -237,6 +248,9 @@ impl Summarizer {
         assistant_text: &str,
         reason: SummaryFailure,
     ) -> Summary {
+        if let Some(metrics) = self.llm.as_ref().and_then(|llm| llm.metrics.as_ref()) {
+            metrics.failed(reason);
+        }
         let exchange = self.prepare(user_text, assistant_text);
         heuristic(
             &exchange,
@@ -296,6 +310,14 @@ fn heuristic(exchange: &Exchange, source: SummarySource, retry_later: bool) -> S
 
 impl Llm {
     async fn extract(&self, exchange: &Exchange) -> Result<Summary, SummaryFailure> {
+        let result = self.extract_once(exchange).await;
+        if let (Err(reason), Some(metrics)) = (&result, &self.metrics) {
+            metrics.failed(*reason);
+        }
+        result
+    }
+
+    async fn extract_once(&self, exchange: &Exchange) -> Result<Summary, SummaryFailure> {
         // One deadline for both attempts: the caller waits at most `timeout` in all.
         let deadline = Instant::now() + self.timeout;
         let (user, assistant) =
@@ -339,7 +361,15 @@ impl Llm {
             return Err(SummaryFailure::RateLimited);
         }
         let started = Instant::now();
-        let (status, reply) = match timeout_at(deadline, self.client.post(body)).await {
+        let answer = timeout_at(deadline, self.client.post(body)).await;
+        if let Some(metrics) = &self.metrics {
+            let usage = match &answer {
+                Ok(Ok((_, reply))) => prompt::usage(reply),
+                _ => None,
+            };
+            metrics.call(started.elapsed(), usage);
+        }
+        let (status, reply) = match answer {
             Err(_) => return Err(SummaryFailure::Timeout),
             Ok(Err(error)) => {
                 tracing::warn!(%error, "summarizer request failed");

@@ -8,6 +8,7 @@ use crate::memory::diff::{FactDiff, FactEdit};
 use crate::memory::extract::{ASSISTANT_SUMMARY_WORDS, Extraction, USER_SUMMARY_WORDS};
 use crate::memory::model::Depth;
 use crate::memory::text::clip_words;
+use crate::openai::Usage;
 
 pub const SYSTEM_PROMPT: &str = "\
 You maintain the long-term memory of a chat assistant. You receive one exchange as a JSON object \
@@ -121,6 +122,19 @@ pub enum ParseError {
     Content(String),
 }
 
+#[derive(Deserialize)]
+struct UsageEnvelope {
+    #[serde(default)]
+    usage: Option<Usage>,
+}
+
+/// The token usage a chat-completions response body reports, if any (for the metrics).
+pub fn usage(body: &[u8]) -> Option<Usage> {
+    serde_json::from_slice::<UsageEnvelope>(body)
+        .ok()
+        .and_then(|envelope| envelope.usage)
+}
+
 /// A chat-completions response body → the extraction its message holds.
 pub fn parse_completion(body: &[u8]) -> Result<Extraction, ParseError> {
     let completion: Completion =
@@ -212,6 +226,19 @@ mod tests {
             parse_completion(br#"{"choices": [{"message": {"content": null}}]}"#),
             Err(ParseError::Envelope(_))
         ));
+    }
+
+    #[test]
+    fn usage_is_read_when_reported() {
+        let body = br#"{"choices": [], "usage": {"prompt_tokens": 120, "completion_tokens": 30}}"#;
+        let reported = usage(body).unwrap();
+        assert_eq!(
+            (reported.prompt_tokens, reported.completion_tokens),
+            (120, 30)
+        );
+        assert_eq!(usage(br#"{"choices": []}"#), None);
+        assert_eq!(usage(br#"{"usage": null}"#), None);
+        assert_eq!(usage(b"not json"), None);
     }
 
     #[test]

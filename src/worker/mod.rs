@@ -32,6 +32,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::WorkerConfig;
 use crate::error::{Error, Result};
 use crate::memory::{self, CandidateId, ExchangeInput, MemoryConfig, MemoryState, Precomputed};
+use crate::metrics::WorkerMetrics;
 use crate::pipeline::cache::{CachedMemory, MemoryCache, first_version};
 use crate::ratelimit::TokenBudget;
 use crate::store::{ClaimedJob, EncodedState, Job, Store, UserKey};
@@ -59,6 +60,7 @@ pub struct Worker {
     cancel: CancellationToken,
     /// Per-tenant summarizer tokens; `None` is unlimited.
     token_budget: Option<Arc<TokenBudget>>,
+    metrics: Option<WorkerMetrics>,
 }
 
 #[derive(Debug, Default)]
@@ -129,12 +131,19 @@ impl Worker {
             tasks,
             cancel,
             token_budget: None,
+            metrics: None,
         }
     }
 
     /// Charges summarizer calls to each tenant's token budget.
     pub fn with_token_budget(mut self, budget: Option<Arc<TokenBudget>>) -> Worker {
         self.token_budget = budget;
+        self
+    }
+
+    /// Observes each applied job's lag (the counts are read from [`Worker::stats`]).
+    pub fn with_metrics(mut self, metrics: WorkerMetrics) -> Worker {
+        self.metrics = Some(metrics);
         self
     }
 
@@ -228,6 +237,9 @@ impl Worker {
                     match applied {
                         Applied::Recorded { version } => {
                             self.stats.applied.fetch_add(1, Ordering::Relaxed);
+                            if let Some(metrics) = &self.metrics {
+                                metrics.applied(&job.exchange.turn_id);
+                            }
                             tracing::debug!(job = %job.id.key, version, "job applied");
                         }
                         Applied::Duplicate => {

@@ -1,0 +1,264 @@
+//! The update path: job lag (observed by the worker) and, read on each scrape, the counts the
+//! outbox and the worker already keep for the management API — exported from those atomics
+//! rather than counted a second time.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::{self, LabelPair, MetricFamily, MetricType};
+use prometheus::{Histogram, Registry};
+
+use super::{LAG_BUCKETS, histogram, metrics_error};
+use crate::error::Result;
+use crate::pipeline::store_memory::turn_time_micros;
+use crate::worker::{Outbox, Worker};
+
+/// The worker's own observations.
+#[derive(Clone)]
+pub struct WorkerMetrics {
+    job_lag: Histogram,
+}
+
+impl WorkerMetrics {
+    pub(super) fn new(registry: &Registry) -> Result<WorkerMetrics> {
+        Ok(WorkerMetrics {
+            job_lag: histogram(
+                registry,
+                "engram_job_lag_seconds",
+                "From a request's arrival to its exchange being applied to memory by the worker (recording, queue wait, summarizer, commit).",
+                LAG_BUCKETS,
+            )?,
+        })
+    }
+
+    /// A job was applied: observes its lag from the turn id's time (see
+    /// [`turn_time_micros`]); ids this proxy did not make are not observed.
+    pub fn applied(&self, turn_id: &str) {
+        if let Some(made) = turn_time_micros(turn_id) {
+            self.job_lag.observe(lag_seconds(made, now_micros()));
+        }
+    }
+}
+
+/// Clock skew between the proxy that made the id and this worker can make it negative: 0.
+fn lag_seconds(made_micros: u64, now_micros: u64) -> f64 {
+    now_micros.saturating_sub(made_micros) as f64 / 1e6
+}
+
+fn now_micros() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |elapsed| {
+            u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX)
+        })
+}
+
+const JOB_RESULTS: [&str; 4] = ["applied", "duplicate", "retried", "failed"];
+const OUTBOX_RESULTS: [&str; 4] = ["queued", "spooled", "forwarded", "lost"];
+
+/// Exports `OutboxStats` and `WorkerStats` as they are when scraped.
+pub(super) struct StatsCollector {
+    outbox: Arc<Outbox>,
+    worker: Option<Arc<Worker>>,
+    outbox_jobs: Desc,
+    spooled: Desc,
+    in_flight: Desc,
+    /// Only with a worker: jobs, conflicts, summarizer refinements.
+    worker_descs: Option<[Desc; 3]>,
+}
+
+impl StatsCollector {
+    pub(super) fn new(outbox: Arc<Outbox>, worker: Option<Arc<Worker>>) -> Result<StatsCollector> {
+        let worker_descs = match worker {
+            Some(_) => Some([
+                desc(
+                    "engram_jobs_total",
+                    "Jobs the worker finished, by result: applied; duplicate (already in memory, a re-claim); retried (applying failed, left for a later claim); failed (gave up after worker.max_attempts).",
+                    Some("result"),
+                )?,
+                desc(
+                    "engram_job_conflicts_total",
+                    "Job commits that lost an optimistic version race and were re-run on the newer memory.",
+                    None,
+                )?,
+                desc(
+                    "engram_summarizer_refined_total",
+                    "Background summarizer retries whose diff was applied to an already recorded turn.",
+                    None,
+                )?,
+            ]),
+            None => None,
+        };
+        Ok(StatsCollector {
+            outbox,
+            worker,
+            outbox_jobs: desc(
+                "engram_outbox_jobs_total",
+                "Recorded exchanges by what became of them: queued in the store, spooled locally (store unreachable), forwarded from the spool, lost.",
+                Some("result"),
+            )?,
+            spooled: desc(
+                "engram_outbox_spooled_jobs",
+                "Jobs waiting in the local spool for the store to come back.",
+                None,
+            )?,
+            in_flight: desc(
+                "engram_recordings_in_flight",
+                "Answered exchanges not yet durable as jobs.",
+                None,
+            )?,
+            worker_descs,
+        })
+    }
+}
+
+impl Collector for StatsCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        let mut descs = vec![&self.outbox_jobs, &self.spooled, &self.in_flight];
+        if let Some(worker) = &self.worker_descs {
+            descs.extend(worker.iter());
+        }
+        descs
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let load = |value: &std::sync::atomic::AtomicU64| value.load(Ordering::Relaxed);
+        let outbox = self.outbox.stats();
+        let mut families = vec![
+            counters(
+                &self.outbox_jobs,
+                &OUTBOX_RESULTS,
+                [
+                    load(&outbox.queued),
+                    load(&outbox.spooled),
+                    load(&outbox.forwarded),
+                    load(&outbox.lost),
+                ],
+            ),
+            gauge(&self.spooled, self.outbox.spooled()),
+            gauge(&self.in_flight, load(&outbox.in_flight)),
+        ];
+        if let (Some(worker), Some([jobs, conflicts, refined])) = (&self.worker, &self.worker_descs)
+        {
+            let stats = worker.stats();
+            families.push(counters(
+                jobs,
+                &JOB_RESULTS,
+                [
+                    load(&stats.applied),
+                    load(&stats.duplicates),
+                    load(&stats.errors),
+                    load(&stats.failed),
+                ],
+            ));
+            families.push(counters(conflicts, &[""], [load(&stats.conflicts)]));
+            families.push(counters(refined, &[""], [load(&stats.summarizer_refined)]));
+        }
+        families
+    }
+}
+
+fn desc(name: &str, help: &str, label: Option<&str>) -> Result<Desc> {
+    Desc::new(
+        name.to_owned(),
+        help.to_owned(),
+        label.into_iter().map(str::to_owned).collect(),
+        HashMap::new(),
+    )
+    .map_err(metrics_error)
+}
+
+/// A counter family: one series per label value (one unlabelled series for `[""]`).
+fn counters<const N: usize>(desc: &Desc, values: &[&str; N], counts: [u64; N]) -> MetricFamily {
+    let metrics = values
+        .iter()
+        .zip(counts)
+        .map(|(value, count)| {
+            let labels = match desc.variable_labels.first() {
+                Some(name) => {
+                    let mut pair = LabelPair::default();
+                    pair.set_name(name.clone());
+                    pair.set_value((*value).to_owned());
+                    vec![pair]
+                }
+                None => Vec::new(),
+            };
+            let mut metric = proto::Metric::from_label(labels);
+            let mut counter = proto::Counter::default();
+            counter.set_value(count as f64);
+            metric.set_counter(counter);
+            metric
+        })
+        .collect();
+    family(desc, MetricType::COUNTER, metrics)
+}
+
+fn gauge(desc: &Desc, value: u64) -> MetricFamily {
+    let mut gauge = proto::Gauge::default();
+    gauge.set_value(value as f64);
+    family(
+        desc,
+        MetricType::GAUGE,
+        vec![proto::Metric::from_gauge(gauge)],
+    )
+}
+
+fn family(desc: &Desc, kind: MetricType, metrics: Vec<proto::Metric>) -> MetricFamily {
+    let mut family = MetricFamily::default();
+    family.set_name(desc.fq_name.clone());
+    family.set_help(desc.help.clone());
+    family.set_field_type(kind);
+    family.set_metric(metrics);
+    family
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus::{Encoder, TextEncoder};
+    use tokio::sync::Notify;
+
+    use super::*;
+    use crate::store::{EmbeddedStore, Store};
+
+    #[test]
+    fn lag_never_goes_negative() {
+        assert_eq!(lag_seconds(2_500_000, 4_000_000), 1.5);
+        assert_eq!(lag_seconds(4_000_000, 2_500_000), 0.0);
+    }
+
+    #[tokio::test]
+    async fn outbox_counts_are_exported_as_they_are_when_scraped() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(dir.path()).unwrap());
+        let spool = crate::worker::outbox::Spool::Memory {
+            store: Arc::new(EmbeddedStore::in_memory().unwrap()),
+            capacity: 10,
+        };
+        let outbox = Arc::new(Outbox::new(store, spool, Arc::new(Notify::new())).await);
+        let registry = Registry::new();
+        registry
+            .register(Box::new(
+                StatsCollector::new(Arc::clone(&outbox), None).unwrap(),
+            ))
+            .unwrap();
+        outbox.stats().queued.store(3, Ordering::Relaxed);
+        outbox.stats().lost.store(1, Ordering::Relaxed);
+        let _recording = outbox.recording();
+        let mut page = Vec::new();
+        TextEncoder::new()
+            .encode(&registry.gather(), &mut page)
+            .unwrap();
+        let page = String::from_utf8(page).unwrap();
+        assert!(
+            page.contains("engram_outbox_jobs_total{result=\"queued\"} 3"),
+            "{page}"
+        );
+        assert!(page.contains("engram_outbox_jobs_total{result=\"lost\"} 1"));
+        assert!(page.contains("engram_recordings_in_flight 1"));
+        assert!(page.contains("engram_outbox_spooled_jobs 0"));
+        // No worker in this process: no worker series.
+        assert!(!page.contains("engram_jobs_total"));
+    }
+}
