@@ -12,5 +12,6 @@ pub mod pipeline;
 pub mod server;
 pub mod store;
 pub mod summarizer;
+pub mod telemetry;
 pub mod upstream;
 pub mod worker;
