@@ -1,6 +1,7 @@
 //! Assembles a running engram from its configuration: the store, the memory layer on the hot
 //! path, the recorder's outbox, the worker, the management API and the HTTP server; and shuts
-//! them down in order (stop accepting → drain requests and recorders → stop the worker).
+//! them down in order (stop accepting → drain requests and recorders → stop the worker → flush
+//! the last trace spans).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -21,6 +22,7 @@ use crate::server::{AppState, Server};
 use crate::store::redis::RedisOptions;
 use crate::store::{EmbeddedStore, RedisStore, Store};
 use crate::summarizer::Summarizer;
+use crate::telemetry::Telemetry;
 use crate::upstream::Upstream;
 use crate::worker::{Outbox, Worker, priority};
 
@@ -39,14 +41,27 @@ pub struct Engram {
     outbox: Arc<Outbox>,
     background: TaskTracker,
     cancel: CancellationToken,
+    telemetry: Telemetry,
 }
 
 impl Engram {
-    /// Opens the store and binds the listener; nothing runs until [`Engram::run`].
+    /// Opens the store and binds the listener; nothing runs until [`Engram::run`]. Traces go
+    /// where `config.telemetry` says.
     pub async fn build(
         config: Config,
         upstream_key: Option<String>,
         admin_token: Option<String>,
+    ) -> Result<Engram> {
+        let telemetry = Telemetry::from_config(&config)?;
+        Engram::build_with_telemetry(config, upstream_key, admin_token, telemetry).await
+    }
+
+    /// [`Engram::build`] with the caller's tracing (tests pass an in-memory exporter's).
+    pub async fn build_with_telemetry(
+        config: Config,
+        upstream_key: Option<String>,
+        admin_token: Option<String>,
+        telemetry: Telemetry,
     ) -> Result<Engram> {
         let upstream = Upstream::new(&config.upstream, upstream_key)?;
         let (store, spool) = open_store(&config.store).await?;
@@ -60,16 +75,19 @@ impl Engram {
         let worker = if config.worker.enabled {
             let summarizer = Summarizer::from_config(&config.summarizer)?
                 .with_depth(config.memory.depth.clone());
-            Some(Arc::new(Worker::new(
-                Arc::clone(&store),
-                Arc::clone(&cache),
-                Arc::clone(&memory_config),
-                config.worker.clone(),
-                Arc::new(summarizer),
-                wake,
-                background.clone(),
-                cancel.clone(),
-            )))
+            Some(Arc::new(
+                Worker::new(
+                    Arc::clone(&store),
+                    Arc::clone(&cache),
+                    Arc::clone(&memory_config),
+                    config.worker.clone(),
+                    Arc::new(summarizer),
+                    wake,
+                    background.clone(),
+                    cancel.clone(),
+                )
+                .with_telemetry(telemetry.clone()),
+            ))
         } else {
             None
         };
@@ -82,7 +100,8 @@ impl Engram {
             config.identity.clone(),
             config.hot_path_deadline(),
             Arc::clone(&explains),
-        );
+        )
+        .with_telemetry(telemetry.clone());
         let admin = AdminApi::new(
             admin_token,
             store,
@@ -92,7 +111,9 @@ impl Engram {
             worker.clone(),
             config.identity.clone(),
         );
-        let state = AppState::new(config, upstream, Arc::new(memory)).with_admin(Arc::new(admin));
+        let state = AppState::new(config, upstream, Arc::new(memory))
+            .with_admin(Arc::new(admin))
+            .with_telemetry(telemetry.clone());
         let server = Server::bind(state).await?;
         let worker_runtime = match &worker {
             Some(_) => Some(priority::worker_runtime(idle_priority)?),
@@ -105,6 +126,7 @@ impl Engram {
             outbox,
             background,
             cancel,
+            telemetry,
         })
     }
 
@@ -121,6 +143,7 @@ impl Engram {
             outbox,
             background,
             cancel,
+            telemetry,
         } = self;
         if let (Some(worker), Some(handle)) = (
             &worker,
@@ -145,6 +168,7 @@ impl Engram {
                 "the worker did not stop in time; its leased jobs will be claimed again"
             );
         }
+        telemetry.shutdown().await;
         served
     }
 }

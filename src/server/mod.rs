@@ -24,6 +24,7 @@ use crate::admin::AdminApi;
 use crate::config::Config;
 use crate::error::Error;
 use crate::pipeline::MemoryLayer;
+use crate::telemetry::Telemetry;
 use crate::upstream::Upstream;
 
 /// Everything a request handler needs, shared behind one `Arc`.
@@ -33,6 +34,8 @@ pub struct AppState {
     pub memory: Arc<dyn MemoryLayer>,
     /// The management API; `None` serves 404 under `/engram/`.
     pub admin: Option<Arc<AdminApi>>,
+    /// Spans of proxied requests; off by default.
+    pub telemetry: Telemetry,
     /// Connections, recorders and any other background work; shutdown waits for all of it.
     pub tasks: TaskTracker,
     draining: AtomicBool,
@@ -45,6 +48,7 @@ impl AppState {
             upstream,
             memory,
             admin: None,
+            telemetry: Telemetry::default(),
             tasks: TaskTracker::new(),
             draining: AtomicBool::new(false),
         }
@@ -52,6 +56,11 @@ impl AppState {
 
     pub fn with_admin(mut self, admin: Arc<AdminApi>) -> Self {
         self.admin = Some(admin);
+        self
+    }
+
+    pub fn with_telemetry(mut self, telemetry: Telemetry) -> Self {
+        self.telemetry = telemetry;
         self
     }
 

@@ -35,6 +35,7 @@ use crate::memory::{self, CandidateId, ExchangeInput, MemoryConfig, MemoryState,
 use crate::pipeline::cache::{CachedMemory, MemoryCache, first_version};
 use crate::store::{ClaimedJob, EncodedState, Job, Store, UserKey};
 use crate::summarizer::{Summarizer, SummarySource};
+use crate::telemetry::{Telemetry, attributes};
 
 pub use outbox::Outbox;
 
@@ -56,6 +57,7 @@ pub struct Worker {
     /// The claim loops and background summarizer retries.
     tasks: TaskTracker,
     cancel: CancellationToken,
+    telemetry: Telemetry,
 }
 
 #[derive(Debug, Default)]
@@ -113,7 +115,14 @@ impl Worker {
             stats: Arc::default(),
             tasks,
             cancel,
+            telemetry: Telemetry::default(),
         }
+    }
+
+    /// A span per applied run of jobs, linked to the requests that recorded them.
+    pub fn with_telemetry(mut self, telemetry: Telemetry) -> Worker {
+        self.telemetry = telemetry;
+        self
     }
 
     pub fn stats(&self) -> &WorkerStats {
@@ -200,8 +209,16 @@ impl Worker {
         if jobs.is_empty() {
             return;
         }
+        let mut span = self.telemetry.memory_update(&jobs);
         match self.apply_run(&jobs).await {
             Ok(applied) => {
+                if !span.is_off() {
+                    let duplicates = applied
+                        .iter()
+                        .filter(|applied| **applied == Applied::Duplicate)
+                        .count();
+                    span.set_int(attributes::JOBS_DUPLICATE, duplicates as u64);
+                }
                 for (job, applied) in jobs.iter().zip(applied) {
                     match applied {
                         Applied::Recorded { version } => {
@@ -217,6 +234,7 @@ impl Worker {
                 }
             }
             Err(error) => {
+                span.fail(error.error_type());
                 // Left leased: another claim retries them once the lease ends.
                 self.stats
                     .errors
