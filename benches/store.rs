@@ -136,6 +136,7 @@ async fn run() {
                 key: format!("job-{index}"),
             },
             exchange: exchange(index),
+            trace: None,
         };
         store.enqueue(&job).await.unwrap();
     }

@@ -61,6 +61,7 @@ fn job(user: usize, turn: usize) -> Job {
             key: format!("{user:08x}{turn:08x}"),
         },
         exchange,
+        trace: None,
     }
 }
 

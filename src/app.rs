@@ -1,6 +1,7 @@
 //! Assembles a running engram from its configuration: the store, the memory layer on the hot
 //! path, the recorder's outbox, the worker, the management API and the HTTP server; and shuts
-//! them down in order (stop accepting → drain requests and recorders → stop the worker).
+//! them down in order (stop accepting → drain requests and recorders → stop the worker → flush
+//! the last trace spans).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -23,6 +24,7 @@ use crate::server::{AppState, Server};
 use crate::store::redis::RedisOptions;
 use crate::store::{EmbeddedStore, RedisStore, Store};
 use crate::summarizer::Summarizer;
+use crate::telemetry::Telemetry;
 use crate::upstream::Upstream;
 use crate::worker::outbox::{MEMORY_SPOOL_JOBS, Spool};
 use crate::worker::{Outbox, Worker, priority};
@@ -43,14 +45,27 @@ pub struct Engram {
     token_budget: Option<Arc<TokenBudget>>,
     background: TaskTracker,
     cancel: CancellationToken,
+    telemetry: Telemetry,
 }
 
 impl Engram {
-    /// Opens the store and binds the listener; nothing runs until [`Engram::run`].
+    /// Opens the store and binds the listener; nothing runs until [`Engram::run`]. Traces go
+    /// where `config.telemetry` says.
     pub async fn build(
         config: Config,
         upstream_key: Option<String>,
         admin_token: Option<String>,
+    ) -> Result<Engram> {
+        let telemetry = Telemetry::from_config(&config)?;
+        Engram::build_with_telemetry(config, upstream_key, admin_token, telemetry).await
+    }
+
+    /// [`Engram::build`] with the caller's tracing (tests pass an in-memory exporter's).
+    pub async fn build_with_telemetry(
+        config: Config,
+        upstream_key: Option<String>,
+        admin_token: Option<String>,
+        telemetry: Telemetry,
     ) -> Result<Engram> {
         let upstream = Upstream::new(&config.upstream, upstream_key)?;
         // Load the tokenizers now, off the runtime, not on the first memory request (~2 s in a
@@ -97,7 +112,8 @@ impl Engram {
                     cancel.clone(),
                 )
                 .with_token_budget(token_budget.clone())
-                .with_metrics(metrics.worker.clone()),
+                .with_metrics(metrics.worker.clone())
+                .with_telemetry(telemetry.clone()),
             ))
         } else {
             None
@@ -111,7 +127,8 @@ impl Engram {
             config.identity.clone(),
             config.hot_path_deadline(),
             Arc::clone(&explains),
-        );
+        )
+        .with_telemetry(telemetry.clone());
         metrics.watch(Arc::clone(&store), Arc::clone(&outbox), worker.clone())?;
         let admin = AdminApi::new(
             admin_token,
@@ -122,8 +139,9 @@ impl Engram {
             worker.clone(),
             config.identity.clone(),
         );
-        let state =
-            AppState::new(config, upstream, Arc::new(memory), metrics).with_admin(Arc::new(admin));
+        let state = AppState::new(config, upstream, Arc::new(memory), metrics)
+            .with_admin(Arc::new(admin))
+            .with_telemetry(telemetry.clone());
         let server = Server::bind(state).await?;
         let worker_runtime = match &worker {
             Some(_) => Some(priority::worker_runtime(idle_priority)?),
@@ -137,6 +155,7 @@ impl Engram {
             token_budget,
             background,
             cancel,
+            telemetry,
         })
     }
 
@@ -154,6 +173,7 @@ impl Engram {
             token_budget,
             background,
             cancel,
+            telemetry,
         } = self;
         if let (Some(worker), Some(handle)) = (
             &worker,
@@ -179,6 +199,7 @@ impl Engram {
                 "the worker did not stop in time; its leased jobs will be claimed again"
             );
         }
+        telemetry.shutdown().await;
         served
     }
 }

@@ -14,5 +14,6 @@ pub mod ratelimit;
 pub mod server;
 pub mod store;
 pub mod summarizer;
+pub mod telemetry;
 pub mod upstream;
 pub mod worker;

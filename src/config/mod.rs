@@ -16,6 +16,7 @@ use crate::memory::MemoryConfig;
 use crate::pipeline::identity::IdentityConfig;
 use crate::ratelimit::RateLimitConfig;
 use crate::summarizer::SummarizerConfig;
+use crate::telemetry::TelemetryConfig;
 
 const ENV_PREFIX: &str = "ENGRAM_";
 const ENV_SEPARATOR: &str = "__";
@@ -33,6 +34,7 @@ pub struct Config {
     pub summarizer: SummarizerConfig,
     pub rate_limits: RateLimitConfig,
     pub logging: LoggingConfig,
+    pub telemetry: TelemetryConfig,
 }
 
 /// The update path: the in-process worker that applies recorded exchanges to memory.
@@ -336,6 +338,10 @@ impl Config {
                 .map_or(message.as_str(), |(_, why)| why.trim());
             return invalid(&format!("summarizer.{key}"), why);
         }
+        if let Err(message) = self.telemetry.validate() {
+            let (key, why) = message.split_once(": ").unwrap_or(("", message.as_str()));
+            return invalid(&format!("telemetry.{key}"), why);
+        }
         if let Err(error) = tracing_subscriber::EnvFilter::try_new(&self.logging.level) {
             return invalid("logging.level", &error.to_string());
         }
@@ -465,6 +471,11 @@ mod tests {
         assert!(error.to_string().contains("summarizer.base_url"), "{error}");
         let error = Config::from_yaml("worker:\n  concurrency: 0\n").unwrap_err();
         assert!(error.to_string().contains("worker.concurrency"), "{error}");
+        let error = Config::from_yaml("telemetry:\n  sample_ratio: 2\n").unwrap_err();
+        assert!(
+            error.to_string().contains("telemetry.sample_ratio"),
+            "{error}"
+        );
         let error = Config::from_yaml("identity:\n  default_tenant: 'a b'\n").unwrap_err();
         assert!(
             error.to_string().contains("identity.default_tenant"),

@@ -112,6 +112,12 @@ impl Error {
         }
     }
 
+    /// A low-cardinality name of the error for traces and metrics: its OpenAI `code`, else
+    /// its `type`.
+    pub fn error_type(&self) -> &'static str {
+        self.code().unwrap_or_else(|| self.kind())
+    }
+
     /// OpenAI's `error.type`.
     fn kind(&self) -> &'static str {
         match self {

@@ -15,7 +15,8 @@
 //! with exactly that content (summarizer tests script a model's JSON this way).
 //!
 //! Chat responses reflect the `Authorization` they received in `x-mock-received-authorization`,
-//! so tests can see which key reached the upstream.
+//! so tests can see which key reached the upstream; every response reflects a received W3C
+//! `traceparent` in `x-mock-received-traceparent`.
 
 use std::convert::Infallible;
 use std::io::Write;
@@ -141,6 +142,17 @@ impl MockServer {
 
 impl Mock {
     async fn route(&self, request: Request<Incoming>) -> Response<ProxyBody> {
+        let traceparent = request.headers().get("traceparent").cloned();
+        let mut response = self.respond(request).await;
+        if let Some(traceparent) = traceparent {
+            response
+                .headers_mut()
+                .insert("x-mock-received-traceparent", traceparent);
+        }
+        response
+    }
+
+    async fn respond(&self, request: Request<Incoming>) -> Response<ProxyBody> {
         let knobs = Knobs::from_headers(request.headers(), &self.options);
         if !knobs.latency.is_zero() {
             tokio::time::sleep(knobs.latency).await;

@@ -25,6 +25,7 @@ use crate::error::Error;
 use crate::memory::{self, ComposeRequest, ExchangeInput, MemoryConfig, MemoryState};
 use crate::openai::ChatRequest;
 use crate::store::{Job, JobId, Store, UserKey};
+use crate::telemetry::Telemetry;
 use crate::worker::Outbox;
 
 pub struct StoreMemory {
@@ -39,6 +40,7 @@ pub struct StoreMemory {
     turn_ids: TurnIds,
     order: Arc<SessionOrder>,
     explains: Arc<ExplainLog>,
+    telemetry: Telemetry,
 }
 
 impl StoreMemory {
@@ -62,7 +64,14 @@ impl StoreMemory {
             turn_ids: TurnIds::new(),
             order: SessionOrder::new(),
             explains,
+            telemetry: Telemetry::default(),
         }
+    }
+
+    /// Spans for the memory steps of traced requests.
+    pub fn with_telemetry(mut self, telemetry: Telemetry) -> StoreMemory {
+        self.telemetry = telemetry;
+        self
     }
 
     async fn rewrite_for(
@@ -97,6 +106,7 @@ impl StoreMemory {
             }
         });
 
+        let mut load = self.telemetry.child("engram.memory.load");
         let cached = self.cache.get(&user);
         let read = tokio::time::timeout(
             self.deadline,
@@ -107,10 +117,12 @@ impl StoreMemory {
         let record = match read {
             Ok(Ok(record)) => record,
             Ok(Err(error)) => {
+                load.fail("store_error");
                 tracing::warn!(%error, "memory read failed; answering without memory");
                 return Ok(degraded("store_error", turn_id, plan));
             }
             Err(_) => {
+                load.fail("store_timeout");
                 tracing::warn!(
                     deadline_ms = self.deadline.as_millis() as u64,
                     "memory read missed the hot-path deadline; answering without memory"
@@ -143,6 +155,8 @@ impl StoreMemory {
             }
         };
 
+        load.end();
+        let compose = self.telemetry.child("engram.memory.compose");
         let composition = memory::compose(
             &memory.state,
             &memory.index,
@@ -154,6 +168,7 @@ impl StoreMemory {
             },
             &self.config,
         );
+        compose.end();
         let plan = plan.map(|plan| RecordPlan {
             prior_chain: Some(composition.prior_chain),
             ..plan
@@ -202,6 +217,9 @@ impl MemoryLayer for StoreMemory {
     ) -> BoxFuture<'a, Result<Rewrite, Error>> {
         Box::pin(async move {
             let resolved = identity::resolve(client_headers, request, &self.identity)?;
+            if let Some(identity) = &resolved.identity {
+                self.telemetry.set_conversation_id(&identity.session);
+            }
             self.rewrite_for(resolved, request).await
         })
     }
@@ -210,11 +228,13 @@ impl MemoryLayer for StoreMemory {
         log_capture(&exchange);
         let outbox = Arc::clone(&self.outbox);
         let in_flight = exchange.record.is_some().then(|| outbox.recording());
+        let telemetry = self.telemetry.clone();
         Box::pin(async move {
             let _in_flight = in_flight;
             let Some(mut plan) = exchange.record else {
                 return;
             };
+            let _span = telemetry.child("engram.memory.record");
             // Released (dropped) only after the enqueue, so the session's next recording
             // queues after this one.
             let ticket = plan.ticket.take();
@@ -243,6 +263,7 @@ impl MemoryLayer for StoreMemory {
                     prior_chain: plan.prior_chain,
                     incomplete: exchange.capture.incomplete.is_some(),
                 },
+                trace: telemetry.current_trace_parent(),
             };
             outbox.submit(job).await;
             drop(ticket);

@@ -15,11 +15,26 @@ use crate::error::{BodyError, Error, ProxyBody, full_body};
 use crate::metrics::{Route, Timing};
 use crate::openai::{ChatRequest, StreamOptions};
 use crate::pipeline::{Exchange, Rewrite};
+use crate::telemetry::{self, RequestTrace};
 use crate::upstream::without_hop_by_hop;
 
 pub async fn handle(
     state: Arc<AppState>,
     request: Request<Incoming>,
+) -> Result<Response<ProxyBody>, Error> {
+    let mut trace = state.telemetry.chat_request(request.headers());
+    let cx = trace.context();
+    let result = telemetry::traced(cx, proxy(&state, request, &mut trace)).await;
+    if let Err(error) = &result {
+        trace.fail(error);
+    }
+    result
+}
+
+async fn proxy(
+    state: &AppState,
+    request: Request<Incoming>,
+    trace: &mut RequestTrace,
 ) -> Result<Response<ProxyBody>, Error> {
     let mut timing = Timing::start();
     if state.is_draining() {
@@ -30,11 +45,13 @@ pub async fn handle(
     check_content_type(&parts.headers)?;
     let body = read_body(body, &parts.headers, state.config.server.max_body_bytes).await?;
     let original = ChatRequest::from_slice(&body)?;
+    trace.chat(&original);
     state.admit(&parts.headers, Some(&original))?;
 
     // Phase 2: memory rewrite.
     let mut rewrite = state.memory.rewrite(&parts.headers, &original).await?;
     state.metrics.memory.observe(&rewrite);
+    trace.memory(&rewrite);
 
     // Phase 3: upstream request. Ask for usage on streams so the recorder sees token counts.
     let mut outgoing = rewrite.request.take();
@@ -50,16 +67,19 @@ pub async fn handle(
         Some(rewritten) => Bytes::from(rewritten.to_vec()),
         None => body,
     };
-    let upstream_request = upstream_request(&state, &parts, upstream_body)?;
+    let mut upstream_request = upstream_request(state, &parts, upstream_body)?;
+    trace.start_upstream(&mut upstream_request);
     timing.sent();
     let response = state.upstream.send(upstream_request).await?;
     timing.answered();
+    trace.upstream_answered(response.status());
 
     // Phase 4: response filter. Upstream errors go back exactly as the upstream sent them.
     let (mut response_parts, upstream_body) = response.into_parts();
     response_parts.headers = without_hop_by_hop(&response_parts.headers);
     add_memory_headers(&mut response_parts.headers, &rewrite);
     if !response_parts.status.is_success() {
+        trace.take().answered(response_parts.status);
         let body = upstream_body.map_err(BodyError::from).boxed();
         state.metrics.http.observe(Route::ChatCompletions, &timing);
         return Ok(Response::from_parts(response_parts, body));
@@ -109,8 +129,12 @@ pub async fn handle(
     let memory = state.memory.clone();
     let client_headers = parts.headers;
     let record = rewrite.record;
-    state.tasks.spawn(async move {
+    // The spans end with the body, when the recorder has read the usage.
+    let trace = trace.take();
+    let cx = trace.context();
+    state.tasks.spawn(telemetry::traced(cx, async move {
         let capture = tee::collect(copies, tee_state, event_stream).await;
+        trace.finish(&capture);
         let exchange = Exchange {
             request: original,
             client_headers,
@@ -118,7 +142,7 @@ pub async fn handle(
             record,
         };
         memory.record(exchange).await;
-    });
+    }));
     state.metrics.http.observe(Route::ChatCompletions, &timing);
     Ok(Response::from_parts(response_parts, BodyExt::boxed(body)))
 }

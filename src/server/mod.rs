@@ -28,6 +28,7 @@ use crate::metrics::{Metrics, RateLimitKind};
 use crate::openai::ChatRequest;
 use crate::pipeline::{MemoryLayer, identity};
 use crate::ratelimit::RequestLimits;
+use crate::telemetry::Telemetry;
 use crate::upstream::Upstream;
 
 /// Everything a request handler needs, shared behind one `Arc`.
@@ -40,6 +41,8 @@ pub struct AppState {
     pub admin: Option<Arc<AdminApi>>,
     /// Per-tenant and per-user request rates; `None` when no limit is configured.
     pub limits: Option<RequestLimits>,
+    /// Spans of proxied requests; off by default.
+    pub telemetry: Telemetry,
     /// Connections, recorders and any other background work; shutdown waits for all of it.
     pub tasks: TaskTracker,
     draining: AtomicBool,
@@ -59,6 +62,7 @@ impl AppState {
             memory,
             metrics,
             admin: None,
+            telemetry: Telemetry::default(),
             tasks: TaskTracker::new(),
             draining: AtomicBool::new(false),
         }
@@ -66,6 +70,11 @@ impl AppState {
 
     pub fn with_admin(mut self, admin: Arc<AdminApi>) -> Self {
         self.admin = Some(admin);
+        self
+    }
+
+    pub fn with_telemetry(mut self, telemetry: Telemetry) -> Self {
+        self.telemetry = telemetry;
         self
     }
 

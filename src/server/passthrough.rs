@@ -9,11 +9,30 @@ use hyper::body::Incoming;
 use super::AppState;
 use crate::error::{BodyError, Error, ProxyBody};
 use crate::metrics::{Route, Timing};
+use crate::telemetry::RequestTrace;
 use crate::upstream::without_hop_by_hop;
 
 pub async fn handle(
     state: Arc<AppState>,
     request: Request<Incoming>,
+) -> Result<Response<ProxyBody>, Error> {
+    let mut trace =
+        state
+            .telemetry
+            .http_request(request.method(), request.uri().path(), request.headers());
+    let result = forward(&state, request, &mut trace).await;
+    match &result {
+        Ok(response) => trace.answered(response.status()),
+        Err(error) => trace.fail(error),
+    }
+    result
+}
+
+/// Bodies stream through untouched, so the spans end with the response headers.
+async fn forward(
+    state: &AppState,
+    request: Request<Incoming>,
+    trace: &mut RequestTrace,
 ) -> Result<Response<ProxyBody>, Error> {
     let mut timing = Timing::start();
     let (parts, body) = request.into_parts();
@@ -28,10 +47,12 @@ pub async fn handle(
     *upstream_request.method_mut() = parts.method;
     *upstream_request.uri_mut() = state.upstream.uri_for(rest)?;
     *upstream_request.headers_mut() = state.upstream.request_headers(&parts.headers);
+    trace.start_upstream(&mut upstream_request);
 
     timing.sent();
     let response = state.upstream.send(upstream_request).await?;
     timing.answered();
+    trace.upstream_answered(response.status());
     let (mut parts, body) = response.into_parts();
     parts.headers = without_hop_by_hop(&parts.headers);
     state.metrics.http.observe(Route::Passthrough, &timing);

@@ -28,6 +28,7 @@ use super::{
 use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
 use crate::pipeline::BoxFuture;
+use crate::telemetry::TraceParent;
 
 /// The file name inside the data directory.
 pub const FILE_NAME: &str = "engram.redb";
@@ -60,6 +61,8 @@ struct JobRecord {
     #[serde(default)]
     lease: Option<Lease>,
     exchange: ExchangeInput,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    trace: Option<TraceParent>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -608,6 +611,7 @@ fn write_claims(
             job: Job {
                 id,
                 exchange: record.exchange,
+                trace: record.trace,
             },
         });
     }
@@ -635,6 +639,7 @@ fn write_enqueue(txn: &WriteTransaction, job: &Job) -> Result<Enqueued> {
         attempts: 0,
         lease: None,
         exchange: job.exchange.clone(),
+        trace: job.trace,
     };
     jobs.insert(key, encode(&record)?.as_slice())
         .map_err(db_error)?;
@@ -720,4 +725,26 @@ where
         keys.push(rest.to_owned());
     }
     Ok(keys)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+
+    use super::*;
+
+    #[test]
+    fn job_records_written_before_traces_still_decode() {
+        let old = br#"{"queue_position":3,"state":"queued","attempts":0,"lease":null,
+            "exchange":{"session_id":"s1","turn_id":"t1","user_text":"hi","assistant_text":"yo"}}"#;
+        let record: JobRecord = decode(old).unwrap();
+        assert_eq!(record.trace, None);
+        assert_eq!(record.exchange.turn_id, "t1");
+        // And a record without a trace is written as before.
+        assert!(
+            !String::from_utf8(encode(&record).unwrap())
+                .unwrap()
+                .contains("trace")
+        );
+    }
 }

@@ -27,6 +27,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
 use crate::pipeline::BoxFuture;
+use crate::telemetry::TraceParent;
 
 pub use self::redis::{RedisOptions, RedisStore};
 pub use embedded::EmbeddedStore;
@@ -89,6 +90,10 @@ pub struct JobId {
 pub struct Job {
     pub id: JobId,
     pub exchange: ExchangeInput,
+    /// The span of the request that recorded it, so the worker's span can link to it; `None`
+    /// when tracing was off (and in records written before jobs carried it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<TraceParent>,
 }
 
 /// A job leased to one consumer; if it is not acknowledged (or failed) before the lease ends,

@@ -35,6 +35,7 @@ use super::{
 use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
 use crate::pipeline::BoxFuture;
+use crate::telemetry::TraceParent;
 
 /// The key prefix when none is given.
 pub const DEFAULT_PREFIX: &str = "engram";
@@ -44,6 +45,25 @@ pub const DEFAULT_PREFIX: &str = "engram";
 struct StoredRawEntry {
     exchange_id: String,
     exchange: ExchangeInput,
+}
+
+/// A queued job's exchange as the job record and stream entry hold it: the exchange's own
+/// fields, plus the recording request's trace context when there is one (records written
+/// before it existed decode with none).
+#[derive(Serialize)]
+struct QueuedExchange<'a> {
+    #[serde(flatten)]
+    exchange: &'a ExchangeInput,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    trace: Option<TraceParent>,
+}
+
+#[derive(Deserialize)]
+struct ClaimedExchange {
+    #[serde(flatten)]
+    exchange: ExchangeInput,
+    #[serde(default)]
+    trace: Option<TraceParent>,
 }
 
 /// Version, then state unless current or absent, then the session's prefetched candidates.
@@ -561,7 +581,10 @@ impl Store for RedisStore {
                 .key(self.queue_key("jobs"))
                 .key(self.queue_key("depth"))
                 .arg(&job.id.key)
-                .arg(encode(&job.exchange)?)
+                .arg(encode(&QueuedExchange {
+                    exchange: &job.exchange,
+                    trace: job.trace,
+                })?)
                 .arg(encode(&JobState::Queued)?)
                 .arg(job_ref(&job.id))
                 .arg(session)
@@ -596,10 +619,12 @@ impl Store for RedisStore {
             let Some((job_ref, attempt, exchange)) = claimed else {
                 return Ok(None);
             };
+            let claimed: ClaimedExchange = decode(&exchange)?;
             Ok(Some(ClaimedJob {
                 job: Job {
                     id: parse_job_ref(&job_ref)?,
-                    exchange: decode(&exchange)?,
+                    exchange: claimed.exchange,
+                    trace: claimed.trace,
                 },
                 attempt,
             }))
@@ -723,6 +748,35 @@ mod tests {
         );
         // Longer leases are cut to the horizon rather than wrapping around.
         assert_eq!(lease_idle_ms(Duration::MAX), 0);
+    }
+
+    #[test]
+    fn queued_exchanges_carry_a_trace_and_old_ones_decode_without() {
+        let exchange = ExchangeInput {
+            session_id: "s1".into(),
+            turn_id: "t1".into(),
+            prior_chain: Some(u64::MAX),
+            ..ExchangeInput::default()
+        };
+        let old = encode(&exchange).unwrap();
+        let decoded: ClaimedExchange = decode(old.as_bytes()).unwrap();
+        assert_eq!((decoded.exchange, decoded.trace), (exchange.clone(), None));
+
+        let trace = TraceParent::parse("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01");
+        let new = encode(&QueuedExchange {
+            exchange: &exchange,
+            trace,
+        })
+        .unwrap();
+        let decoded: ClaimedExchange = decode(new.as_bytes()).unwrap();
+        assert_eq!((decoded.exchange, decoded.trace), (exchange.clone(), trace));
+        // Without a trace the stored form is the old one.
+        let untraced = encode(&QueuedExchange {
+            exchange: &exchange,
+            trace: None,
+        })
+        .unwrap();
+        assert_eq!(untraced, old);
     }
 
     #[test]

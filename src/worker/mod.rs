@@ -37,6 +37,7 @@ use crate::pipeline::cache::{CachedMemory, MemoryCache, first_version};
 use crate::ratelimit::TokenBudget;
 use crate::store::{ClaimedJob, EncodedState, Job, Store, UserKey};
 use crate::summarizer::{Summarizer, SummaryFailure, SummarySource};
+use crate::telemetry::{Telemetry, attributes};
 
 pub use outbox::Outbox;
 
@@ -61,6 +62,7 @@ pub struct Worker {
     /// Per-tenant summarizer tokens; `None` is unlimited.
     token_budget: Option<Arc<TokenBudget>>,
     metrics: Option<WorkerMetrics>,
+    telemetry: Telemetry,
 }
 
 #[derive(Debug, Default)]
@@ -132,6 +134,7 @@ impl Worker {
             cancel,
             token_budget: None,
             metrics: None,
+            telemetry: Telemetry::default(),
         }
     }
 
@@ -144,6 +147,12 @@ impl Worker {
     /// Observes each applied job's lag (the counts are read from [`Worker::stats`]).
     pub fn with_metrics(mut self, metrics: WorkerMetrics) -> Worker {
         self.metrics = Some(metrics);
+        self
+    }
+
+    /// A span per applied run of jobs, linked to the requests that recorded them.
+    pub fn with_telemetry(mut self, telemetry: Telemetry) -> Worker {
+        self.telemetry = telemetry;
         self
     }
 
@@ -231,8 +240,16 @@ impl Worker {
         if jobs.is_empty() {
             return;
         }
+        let mut span = self.telemetry.memory_update(&jobs);
         match self.apply_run(&jobs).await {
             Ok(applied) => {
+                if !span.is_off() {
+                    let duplicates = applied
+                        .iter()
+                        .filter(|applied| **applied == Applied::Duplicate)
+                        .count();
+                    span.set_int(attributes::JOBS_DUPLICATE, duplicates as u64);
+                }
                 for (job, applied) in jobs.iter().zip(applied) {
                     match applied {
                         Applied::Recorded { version } => {
@@ -251,6 +268,7 @@ impl Worker {
                 }
             }
             Err(error) => {
+                span.fail(error.error_type());
                 // Left leased: another claim retries them once the lease ends.
                 self.stats
                     .errors

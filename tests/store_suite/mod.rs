@@ -22,6 +22,7 @@ use engram::memory::{
     ExchangeInput, HeuristicExtractor, ItemRef, MemoryConfig, MemoryState, record_exchange,
 };
 use engram::store::{EncodedState, Enqueued, ForgetReport, Job, JobId, JobState, Store, UserKey};
+use engram::telemetry::TraceParent;
 
 /// Generates one `#[tokio::test]` per suite case against `$fresh().await`.
 /// `store_suite!(optional $fresh)`: `$fresh().await` returns `Option<(store, guard)>`, and
@@ -46,6 +47,7 @@ macro_rules! store_suite {
             a_forgotten_users_job_commits_nothing,
             raw_log_appends_once_in_order,
             enqueue_is_idempotent_by_job_key,
+            a_jobs_trace_context_survives_the_queue,
             expired_lease_is_claimed_again,
             claims_keep_each_session_in_order,
             expired_head_is_claimed_before_its_successor,
@@ -114,6 +116,7 @@ pub fn job_in(user: &UserKey, session: &str, key: &str) -> Job {
             key: key.into(),
         },
         exchange: exchange(session, key, &format!("message of {key}")),
+        trace: None,
     }
 }
 
@@ -485,6 +488,40 @@ pub async fn enqueue_is_idempotent_by_job_key(store: &dyn Store) {
         Enqueued::Duplicate(JobState::Applied)
     );
     assert_eq!(store.queue_depth().await.unwrap(), 0);
+}
+
+/// The recording request's trace context comes back with the claimed job, whether the job was
+/// its session's head at once or waited behind an earlier one.
+pub async fn a_jobs_trace_context_survives_the_queue(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    let traced = |key: &str, span: &str| Job {
+        trace: TraceParent::parse(&format!("00-0af7651916cd43dd8448eb211c80319c-{span}-01")),
+        ..job_in(&alice, "s1", key)
+    };
+    let head = job_in(&alice, "s1", "plain");
+    let waiting = traced("waiting", "b7ad6b7169203331");
+    let other = Job {
+        trace: TraceParent::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"),
+        ..job_in(&alice, "s2", "other")
+    };
+    assert!(waiting.trace.is_some() && other.trace.is_some());
+    for job in [&head, &waiting, &other] {
+        store.enqueue(job).await.unwrap();
+    }
+    let mut claimed = Vec::new();
+    while claimed.len() < 3 {
+        let batch = store
+            .claim_batch("worker-a", Duration::from_secs(30), 10)
+            .await
+            .unwrap();
+        assert!(!batch.is_empty(), "claimed only {claimed:?}");
+        for job in batch {
+            assert!(store.ack(&job.job.id).await.unwrap());
+            claimed.push(job.job);
+        }
+    }
+    claimed.sort_by(|a, b| a.id.key.cmp(&b.id.key));
+    assert_eq!(claimed, vec![other, head, waiting]);
 }
 
 pub async fn expired_lease_is_claimed_again(store: &dyn Store) {
