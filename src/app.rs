@@ -11,7 +11,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::admin::AdminApi;
+use crate::admin::{AdminApi, AdminAuth};
 use crate::config::{Config, StoreBackend, StoreConfig};
 use crate::error::{Error, Result};
 use crate::pipeline::cache::MemoryCache;
@@ -46,7 +46,7 @@ impl Engram {
     pub async fn build(
         config: Config,
         upstream_key: Option<String>,
-        admin_token: Option<String>,
+        admin: AdminAuth,
     ) -> Result<Engram> {
         let upstream = Upstream::new(&config.upstream, upstream_key)?;
         let (store, spool) = open_store(&config.store).await?;
@@ -84,13 +84,13 @@ impl Engram {
             Arc::clone(&explains),
         );
         let admin = AdminApi::new(
-            admin_token,
+            admin,
             store,
             cache,
             explains,
             Arc::clone(&outbox),
             worker.clone(),
-            config.identity.clone(),
+            &config,
         );
         let state = AppState::new(config, upstream, Arc::new(memory)).with_admin(Arc::new(admin));
         let server = Server::bind(state).await?;

@@ -72,12 +72,12 @@ fn serve(args: ServeArgs) -> Result<(), Error> {
         })?),
         None => None,
     };
-    let admin_token = std::env::var(engram::admin::TOKEN_ENV).ok();
+    let admin = engram::admin::AdminAuth::from_env(|name| std::env::var(name).ok())?;
     runtime(config.server.worker_threads)?.block_on(async move {
         let base_url = config.upstream.base_url.clone();
         let backend = config.store.backend;
-        let admin_api = admin_token.is_some();
-        let engram = Engram::build(config, api_key, admin_token).await?;
+        let admin_api = admin.is_enabled();
+        let engram = Engram::build(config, api_key, admin).await?;
         let address = engram.local_addr()?;
         tracing::info!(%address, upstream = %base_url, store = ?backend, admin_api, "engram listening");
         // Tests and scripts read this line to find the port.

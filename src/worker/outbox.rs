@@ -11,7 +11,8 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::store::{Job, Store};
+use crate::error::Result;
+use crate::store::{ForgetReport, Job, Store, UserKey};
 
 /// Enqueue attempts before a job goes to the spool.
 const ATTEMPTS: u32 = 3;
@@ -79,6 +80,18 @@ impl Outbox {
     /// Jobs waiting in the local spool.
     pub fn spooled(&self) -> u64 {
         self.spooled.load(Ordering::Acquire)
+    }
+
+    /// Deletes the user's jobs from this process's local spool (part of forgetting a user);
+    /// `None` when there is no spool.
+    pub async fn forget_user(&self, user: &UserKey) -> Result<Option<ForgetReport>> {
+        let Some(spool) = &self.spool else {
+            return Ok(None);
+        };
+        let report = spool.forget_user(user).await?;
+        let left = spool.queue_depth().await?;
+        self.spooled.store(left, Ordering::Release);
+        Ok(Some(report))
     }
 
     /// Makes the job durable: in the store, or else in the spool. Logs (never panics) if
