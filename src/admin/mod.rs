@@ -22,6 +22,7 @@
 //! configured default tenant (the token's own tenant for a tenant token; naming another is 403).
 
 pub mod auth;
+pub mod client;
 pub mod routes;
 mod wire;
 
@@ -268,12 +269,14 @@ impl AdminApi {
     /// Forgets the user: every record in the store and in this process's spool, the cached
     /// memory and the kept explanations.
     async fn forget(&self, user: UserKey) -> Result<Response<ProxyBody>, Error> {
-        let report = self.store.forget_user(&user).await?;
+        // The spool first: a job the forwarder moves meanwhile lands in the store before the
+        // store's records go.
         let spooled = self
             .outbox
             .forget_user(&user)
             .await?
             .map_or(0, |spool| spool.total());
+        let report = self.store.forget_user(&user).await?;
         self.cache.remove(&user);
         let explanations = self.explains.forget(&user) as u64;
         let total = report.total() + spooled + explanations;

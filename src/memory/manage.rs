@@ -171,7 +171,8 @@ pub struct ItemView {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct FactDetails {
     pub category: FactCategory,
-    pub importance: f32,
+    /// Rounded to three decimals (stored as `f32`).
+    pub importance: f64,
     pub version: u32,
     /// Earlier values kept in the fact's history.
     pub revisions: usize,
@@ -329,7 +330,7 @@ pub fn view(state: &MemoryState, item: ItemRef) -> Option<ItemView> {
             view.frequency = Some(fact.tier.frequency);
             view.fact = Some(FactDetails {
                 category: fact.category,
-                importance: fact.importance,
+                importance: (f64::from(fact.importance) * 1000.0).round() / 1000.0,
                 version: fact.version,
                 revisions: fact.history.len(),
                 edited: fact
