@@ -147,8 +147,15 @@ pub enum AdminCommand {
         #[command(subcommand)]
         action: ItemAction,
     },
-    /// Pin a text (always injected).
-    Pin { user: String, text: String },
+    /// Pin a text, or with --item a fact (always injected).
+    Pin {
+        user: String,
+        #[arg(required_unless_present = "item", conflicts_with = "item")]
+        text: Option<String>,
+        /// The fact to pin (`fact:3`) instead of a text.
+        #[arg(long)]
+        item: Option<String>,
+    },
     /// Unpin a pin by its number.
     Unpin { user: String, pin: u32 },
     /// Set the identity block (an empty text clears it).

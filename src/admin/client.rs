@@ -77,10 +77,17 @@ pub fn call_for(command: &AdminCommand) -> Result<ApiCall, Error> {
                 None,
             ),
         },
-        AdminCommand::Pin { user: id, text } => ApiCall::with(
+        AdminCommand::Pin {
+            user: id,
+            text,
+            item,
+        } => ApiCall::with(
             Method::POST,
             format!("{}/pins", user(id)),
-            Some(json!({ "text": text })),
+            Some(match (text, item) {
+                (_, Some(item)) => json!({ "item": item }),
+                (text, None) => json!({ "text": text.as_deref().unwrap_or_default() }),
+            }),
         ),
         AdminCommand::Unpin { user: id, pin } => {
             ApiCall::with(Method::DELETE, format!("{}/pins/{pin}", user(id)), None)

@@ -64,6 +64,16 @@ struct TextBody {
     text: String,
 }
 
+/// A pin: a text of its own, or a fact (`{"item": "fact:3"}`), which the pin then projects.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PinBody {
+    #[serde(default)]
+    text: Option<String>,
+    #[serde(default)]
+    item: Option<String>,
+}
+
 pub struct AdminApi {
     auth: AdminAuth,
     store: Arc<dyn Store>,
@@ -205,17 +215,41 @@ impl AdminApi {
                 ))
             }
             Endpoint::Pin => {
-                let body: TextBody = read_json(request).await?;
-                if body.text.trim().is_empty() {
-                    return Err(Error::invalid_request(
-                        "`text` must not be empty.",
-                        Some("text"),
-                    ));
-                }
-                let (pin, version) = edit_memory(&*self.store, &self.cache, &user, |state| {
-                    memory::pin(state, &body.text, None)
-                })
-                .await?;
+                let body: PinBody = read_json(request).await?;
+                let (pin, version) = match (body.text, body.item) {
+                    (Some(text), None) => {
+                        if text.trim().is_empty() {
+                            return Err(Error::invalid_request(
+                                "`text` must not be empty.",
+                                Some("text"),
+                            ));
+                        }
+                        edit_memory(&*self.store, &self.cache, &user, |state| {
+                            memory::pin(state, &text, None)
+                        })
+                        .await?
+                    }
+                    (None, Some(item)) => {
+                        let ItemRef::Fact(fact) = item_ref(&item)? else {
+                            return Err(Error::invalid_request(
+                                "Only facts are pinned by item; pin other text with `text`.",
+                                Some("item"),
+                            ));
+                        };
+                        let (pin, version) =
+                            edit_memory(&*self.store, &self.cache, &user, |state| {
+                                memory::pin_fact(state, fact)
+                            })
+                            .await?;
+                        (pin.ok_or_else(|| no_item(ItemRef::Fact(fact)))?, version)
+                    }
+                    _ => {
+                        return Err(Error::invalid_request(
+                            "Give either `text` or `item` (a fact to pin).",
+                            None,
+                        ));
+                    }
+                };
                 Ok(json_response(
                     StatusCode::CREATED,
                     &json!({ "pin": pin, "item": manage::item_id(ItemRef::Pinned(pin)), "version": version }),

@@ -441,6 +441,12 @@ impl std::fmt::Display for ManageError {
 /// Replaces an item's text (see the module docs for what each kind does). An edit that
 /// changes nothing leaves the version alone.
 pub fn edit(state: &mut MemoryState, item: ItemRef, text: &str) -> Result<(), ManageError> {
+    if !matches!(
+        item,
+        ItemRef::Identity | ItemRef::Pinned(_) | ItemRef::Fact(_)
+    ) {
+        return Err(ManageError::NotEditable(ItemKind::of(item)));
+    }
     // Memory text is never taken from its own echo, and forged fences stay inert.
     let text = neutralise_fences(&strip_fences(text)).trim().to_string();
     if text.is_empty() {

@@ -210,3 +210,55 @@ impl Drop for InFlight {
         self.0.stats.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::ExchangeInput;
+    use crate::store::{EmbeddedStore, JobId};
+
+    fn job(user: &UserKey, key: &str) -> Job {
+        Job {
+            id: JobId {
+                user: user.clone(),
+                key: key.to_owned(),
+            },
+            exchange: ExchangeInput {
+                session_id: "s".into(),
+                turn_id: key.to_owned(),
+                user_text: "remember the zanzibar code".into(),
+                ..ExchangeInput::default()
+            },
+        }
+    }
+
+    #[tokio::test]
+    async fn forgetting_a_user_empties_their_part_of_the_spool() {
+        let store_dir = tempfile::tempdir().unwrap();
+        let spool_dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(store_dir.path()).unwrap());
+        let spool = EmbeddedStore::open(spool_dir.path()).unwrap();
+        let (gone, kept) = (UserKey::new("t", "gone"), UserKey::new("t", "kept"));
+        for job in [job(&gone, "a"), job(&gone, "b"), job(&kept, "c")] {
+            spool.enqueue(&job).await.unwrap();
+        }
+        // One spooled job was forwarded already: its applied record stays in the spool.
+        spool.ack(&job(&gone, "a").id).await.unwrap();
+        let outbox = Outbox::new(store, Some(Arc::new(spool)), Arc::new(Notify::new())).await;
+        assert_eq!(outbox.spooled(), 2);
+
+        let report = outbox.forget_user(&gone).await.unwrap().unwrap();
+        assert_eq!(report.jobs, 2);
+        assert_eq!(outbox.spooled(), 1);
+        drop(outbox);
+        let rows = EmbeddedStore::dump(spool_dir.path()).unwrap();
+        assert!(rows.iter().any(|row| row.key.contains(&"kept".to_owned())));
+        for row in rows {
+            assert!(!row.key.contains(&"gone".to_owned()), "{row:?}");
+            assert!(
+                !String::from_utf8_lossy(&row.value).contains("gone"),
+                "{row:?}"
+            );
+        }
+    }
+}
