@@ -1,5 +1,5 @@
-//! The management API's memory edits through the real binary: identity, pins, forget, and
-//! what the upstream then sees.
+//! The management API through the real binary: identity, pins, items (list, search, edit,
+//! delete), forget, explain, the OpenAPI routes, tokens, and what the upstream then sees.
 
 #![allow(
     clippy::unwrap_used,
