@@ -328,6 +328,14 @@ async fn items_are_listed_searched_read_edited_and_deleted() {
     assert_eq!(edited["item"]["provenance"], json!([]));
     assert_eq!(edited["item"]["fact"]["edited"], true);
     let memory = export(&proxy, "acme", "ines").await;
+    // The export holds every layer with provenance: tiers, the turn log, manifests, the raw
+    // log (store) and raw turns (state), and the items view with turn ids.
+    let state = &memory["memory"];
+    assert_eq!(state["turn_log"][0]["tier"]["t"], "new", "{state}");
+    assert!(state["episodes"].is_array() && state["artifacts"].is_array());
+    assert_eq!(state["raw_turns"][0]["id"], turn.as_str());
+    assert_eq!(memory["raw_log"][0]["exchange"]["turn_id"], turn.as_str());
+    assert!(ids(&memory).contains(&"summary:0".to_owned()), "{memory}");
     let index: usize = lives.trim_start_matches("fact:").parse().unwrap();
     let history = &memory["memory"]["facts"][index]["history"][0];
     assert_eq!(history["ended_by"], "edited", "{history}");

@@ -1001,6 +1001,41 @@ mod tests {
     }
 
     #[test]
+    fn deleted_summaries_are_never_injected_again() {
+        let turns: Vec<String> = (0..12)
+            .map(|n| format!("Tell me about the harbour walk number {n}."))
+            .collect();
+        let turns: Vec<&str> = turns.iter().map(String::as_str).collect();
+        let mut state = recorded(&turns);
+        let config = MemoryConfig::default();
+        let messages = [crate::openai::ChatMessage::new(
+            "user",
+            "And the harbour walk?",
+        )];
+        let request = crate::memory::ComposeRequest {
+            session_id: "s",
+            messages: &messages,
+            model: "gpt-4o",
+        };
+        let summaries = |state: &MemoryState| -> Vec<ItemRef> {
+            let index = MemoryIndex::build(state);
+            crate::memory::compose(state, &index, &[], &request, &config)
+                .explain
+                .items
+                .iter()
+                .map(|item| item.item)
+                .filter(|item| matches!(item, ItemRef::Summary(_)))
+                .collect()
+        };
+        let before = summaries(&state);
+        assert!(!before.is_empty(), "older turns come back as summaries");
+        for item in before {
+            delete(&mut state, item).unwrap();
+        }
+        assert!(summaries(&state).is_empty());
+    }
+
+    #[test]
     fn an_episode_left_without_turns_goes_and_is_never_extended() {
         let mut state = recorded(&["The sourdough starter smells odd."]);
         state.turn_log[0].tier.tier = Tier::Old;
