@@ -141,11 +141,7 @@ impl AdminApi {
             .iter()
             .map(|segment| percent_decode(segment, false))
             .collect::<Result<Vec<String>, Error>>()?;
-        let known: &[&str] = match route.endpoint {
-            Endpoint::Items => &["q", "kind", "tier", "limit"],
-            _ => &[],
-        };
-        let query = query_params(request.uri().query(), known)?;
+        let query = query_params(request.uri().query(), route.query)?;
         let parameter = |at: usize| {
             parameters
                 .get(at)
@@ -588,6 +584,23 @@ mod tests {
             .iter()
             .map(|route| (route.method.to_string(), route.path.to_owned()))
             .collect();
+        // And each operation's query parameters are exactly the ones the route takes.
+        let document: Value = serde_json::from_str(OPENAPI).unwrap();
+        for route in &routes::ROUTES {
+            let operation =
+                &document["paths"][route.path][route.method.as_str().to_lowercase().as_str()];
+            let mut documented: Vec<&str> = operation["parameters"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|parameter| parameter["in"] == "query")
+                .filter_map(|parameter| parameter["name"].as_str())
+                .collect();
+            let mut taken = route.query.to_vec();
+            documented.sort_unstable();
+            taken.sort_unstable();
+            assert_eq!(documented, taken, "{} {}", route.method, route.path);
+        }
         let documented = documented();
         let undocumented: Vec<_> = served.difference(&documented).collect();
         let unserved: Vec<_> = documented.difference(&served).collect();

@@ -30,6 +30,8 @@ pub struct Route {
     pub endpoint: Endpoint,
     /// Only the global token reaches it (it is about every tenant).
     pub global_only: bool,
+    /// The query parameters it takes; any other is a 400.
+    pub query: &'static [&'static str],
 }
 
 const fn route(method: Method, path: &'static str, endpoint: Endpoint) -> Route {
@@ -38,6 +40,7 @@ const fn route(method: Method, path: &'static str, endpoint: Endpoint) -> Route 
         path,
         endpoint,
         global_only: false,
+        query: &[],
     }
 }
 
@@ -48,6 +51,7 @@ pub static ROUTES: [Route; 13] = [
         path: "/engram/v1/queue",
         endpoint: Endpoint::Queue,
         global_only: true,
+        query: &[],
     },
     route(
         Method::GET,
@@ -65,11 +69,13 @@ pub static ROUTES: [Route; 13] = [
         "/engram/v1/users/{user}/identity",
         Endpoint::Identity,
     ),
-    route(
-        Method::GET,
-        "/engram/v1/users/{user}/items",
-        Endpoint::Items,
-    ),
+    Route {
+        method: Method::GET,
+        path: "/engram/v1/users/{user}/items",
+        endpoint: Endpoint::Items,
+        global_only: false,
+        query: &["q", "kind", "tier", "limit"],
+    },
     route(
         Method::GET,
         "/engram/v1/users/{user}/items/{item}",
