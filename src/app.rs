@@ -12,7 +12,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::admin::AdminApi;
+use crate::admin::{AdminApi, AdminAuth};
 use crate::config::{Config, StoreBackend, StoreConfig};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
@@ -54,17 +54,17 @@ impl Engram {
     pub async fn build(
         config: Config,
         upstream_key: Option<String>,
-        admin_token: Option<String>,
+        admin: AdminAuth,
     ) -> Result<Engram> {
         let telemetry = Telemetry::from_config(&config)?;
-        Engram::build_with_telemetry(config, upstream_key, admin_token, telemetry).await
+        Engram::build_with_telemetry(config, upstream_key, admin, telemetry).await
     }
 
     /// [`Engram::build`] with the caller's tracing (tests pass an in-memory exporter's).
     pub async fn build_with_telemetry(
         config: Config,
         upstream_key: Option<String>,
-        admin_token: Option<String>,
+        admin: AdminAuth,
         telemetry: Telemetry,
     ) -> Result<Engram> {
         let upstream = Upstream::new(&config.upstream, upstream_key)?;
@@ -131,13 +131,13 @@ impl Engram {
         .with_telemetry(telemetry.clone());
         metrics.watch(Arc::clone(&store), Arc::clone(&outbox), worker.clone())?;
         let admin = AdminApi::new(
-            admin_token,
+            admin,
             store,
             cache,
             explains,
             Arc::clone(&outbox),
             worker.clone(),
-            config.identity.clone(),
+            &config,
         );
         let state = AppState::new(config, upstream, Arc::new(memory), metrics)
             .with_admin(Arc::new(admin))

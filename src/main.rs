@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use clap::Parser;
 use engram::app::Engram;
-use engram::cli::{Cli, Command, MockArgs, ServeArgs};
-use engram::config::{Config, LogFormat};
+use engram::cli::{AdminArgs, Cli, Command, MockArgs, ServeArgs, StoreFlag};
+use engram::config::{Config, LogFormat, StoreBackend};
 use engram::error::Error;
 use engram::mock::{MockOptions, MockServer};
 use engram::server::shutdown_signal;
@@ -18,6 +18,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => serve(args),
         Command::MockUpstream(args) => mock_upstream(args),
+        Command::Admin(args) => return admin(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -59,6 +60,17 @@ fn serve(args: ServeArgs) -> Result<(), Error> {
     if let Some(upstream) = args.upstream {
         config.upstream.base_url = upstream;
     }
+    match args.store {
+        Some(StoreFlag::Embedded(dir)) => {
+            config.store.backend = StoreBackend::Embedded;
+            config.store.data_dir = dir;
+        }
+        Some(StoreFlag::Redis(url)) => {
+            config.store.backend = StoreBackend::Redis;
+            config.store.redis_url = url;
+        }
+        None => {}
+    }
     config.validate()?;
     if args.check_config {
         let _ = writeln!(std::io::stdout(), "configuration is valid:\n{config:#?}");
@@ -72,12 +84,12 @@ fn serve(args: ServeArgs) -> Result<(), Error> {
         })?),
         None => None,
     };
-    let admin_token = std::env::var(engram::admin::TOKEN_ENV).ok();
+    let admin = engram::admin::AdminAuth::from_env(|name| std::env::var(name).ok())?;
     runtime(config.server.worker_threads)?.block_on(async move {
         let base_url = config.upstream.base_url.clone();
         let backend = config.store.backend;
-        let admin_api = admin_token.is_some();
-        let engram = Engram::build(config, api_key, admin_token).await?;
+        let admin_api = admin.is_enabled();
+        let engram = Engram::build(config, api_key, admin).await?;
         let address = engram.local_addr()?;
         tracing::info!(%address, upstream = %base_url, store = ?backend, admin_api, "engram listening");
         // Tests and scripts read this line to find the port.
@@ -85,6 +97,55 @@ fn serve(args: ServeArgs) -> Result<(), Error> {
         let _ = std::io::stdout().flush();
         engram.run(shutdown_signal()).await
     })
+}
+
+/// Runs one management API call against a running proxy: the JSON answer on stdout; a non-2xx
+/// answer's error message (or why there was none) on stderr, and a failing exit.
+fn admin(args: AdminArgs) -> ExitCode {
+    let failed = |message: &dyn std::fmt::Display| {
+        let _ = writeln!(std::io::stderr(), "engram: {message}");
+        ExitCode::FAILURE
+    };
+    let call = match engram::admin::client::call_for(&args.command) {
+        Ok(call) => call,
+        Err(error) => return failed(&error),
+    };
+    let base_url = match args.url {
+        Some(url) => url,
+        None => match Config::load(args.config.as_deref(), std::env::vars()) {
+            Ok(config) => {
+                let mut listen = config.server.listen;
+                if listen.ip().is_unspecified() {
+                    listen.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+                }
+                format!("http://{listen}")
+            }
+            Err(error) => return failed(&error),
+        },
+    };
+    let token = std::env::var(engram::admin::TOKEN_ENV).ok();
+    let reply = runtime(1).and_then(|runtime| {
+        runtime.block_on(engram::admin::client::send(
+            &base_url,
+            token.as_deref(),
+            args.tenant.as_deref(),
+            &call,
+        ))
+    });
+    match reply {
+        Ok(reply) if reply.status.is_success() => {
+            let mut stdout = std::io::stdout().lock();
+            if writeln!(stdout, "{}", reply.pretty())
+                .and_then(|()| stdout.flush())
+                .is_err()
+            {
+                return ExitCode::FAILURE;
+            }
+            ExitCode::SUCCESS
+        }
+        Ok(reply) => failed(&reply.error_message()),
+        Err(error) => failed(&error),
+    }
 }
 
 fn mock_upstream(args: MockArgs) -> Result<(), Error> {

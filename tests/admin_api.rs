@@ -1,5 +1,5 @@
-//! The management API's memory edits through the real binary: identity, pins, forget, and
-//! what the upstream then sees.
+//! The management API through the real binary: identity, pins, items (list, search, edit,
+//! delete), forget, explain, the OpenAPI routes, tokens, and what the upstream then sees.
 
 #![allow(
     clippy::unwrap_used,
@@ -205,4 +205,436 @@ async fn explain_names_what_a_turn_was_given_and_where_it_came_from() {
     ] {
         common::assert_openai_error(&admin(&proxy, &path, tenant).await, 404);
     }
+}
+
+fn item<'a>(list: &'a Value, id: &str) -> &'a Value {
+    list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|item| item["id"] == id)
+        .unwrap_or_else(|| panic!("no {id} in {list}"))
+}
+
+fn ids(list: &Value) -> Vec<String> {
+    list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|item| item["id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// The id of the fact whose text contains `needle`.
+fn fact_id(list: &Value, needle: &str) -> String {
+    list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|item| item["kind"] == "fact" && item["text"].as_str().unwrap().contains(needle))
+        .unwrap_or_else(|| panic!("no fact with {needle} in {list}"))["id"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+#[tokio::test]
+async fn items_are_listed_searched_read_edited_and_deleted() {
+    let record = temp_path("admin-items.jsonl");
+    let upstream = mock(&["--record", record.to_str().unwrap()]);
+    let proxy = proxy(&upstream.address, &[]);
+    let first = say(
+        &proxy,
+        "acme",
+        "ines",
+        "s",
+        "I live in Lisbon and my cat is called Miso. I am allergic to peanuts.",
+    )
+    .await;
+    wait_applied(&proxy, "acme", "ines", &first).await;
+    let turn = common::memory::header(&first, "x-engram-turn-id").to_owned();
+    let items = "/engram/v1/users/ines/items";
+
+    // Every kind with its tier, tokens and provenance.
+    let all = admin(&proxy, items, "acme").await;
+    assert_eq!(all.status.as_u16(), 200);
+    let all = all.json();
+    assert_eq!(all["total"].as_u64().unwrap() as usize, ids(&all).len());
+    for id in ["raw_turn:0", "summary:0"] {
+        let entry = item(&all, id);
+        assert_eq!(entry["tier"], "new", "{entry}");
+        assert_eq!(entry["provenance"][0]["turn_id"], turn.as_str(), "{entry}");
+        assert!(entry["tokens"].as_u64().unwrap() > 0, "{entry}");
+    }
+    let lives = fact_id(&all, "Lisbon");
+    let cat = fact_id(&all, "Miso");
+    let allergy = fact_id(&all, "peanuts");
+    assert_eq!(item(&all, &allergy)["fact"]["category"], "hard_constraint");
+
+    let facts = admin(
+        &proxy,
+        &format!("{items}?kind=fact&tier=new&limit=2"),
+        "acme",
+    )
+    .await
+    .json();
+    assert_eq!(facts["total"], 3, "{facts}");
+    assert_eq!(ids(&facts).len(), 2);
+    assert!(
+        facts["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|i| i["kind"] == "fact")
+    );
+    let old = admin(&proxy, &format!("{items}?tier=old"), "acme")
+        .await
+        .json();
+    assert_eq!(old["total"], 0, "{old}");
+
+    // Search ranks by the retrieval terms (stemmed: "peanut" finds "peanuts").
+    let found = admin(&proxy, &format!("{items}?q=peanut"), "acme")
+        .await
+        .json();
+    assert_eq!(found["items"][0]["id"], allergy.as_str(), "{found}");
+    assert!(found["items"][0]["score"].as_f64().unwrap() > 0.0);
+    assert!(ids(&found).contains(&"raw_turn:0".to_owned()), "{found}");
+    let raw = admin(&proxy, &format!("{items}?q=peanut&kind=raw_turn"), "acme")
+        .await
+        .json();
+    assert_eq!(ids(&raw), ["raw_turn:0"], "{raw}");
+    let none = admin(&proxy, &format!("{items}?q=zeppelin"), "acme")
+        .await
+        .json();
+    assert_eq!(none["total"], 0);
+
+    // Edit: a new revision without turns; the next prompt carries the new value.
+    let edited = admin_send(
+        &proxy,
+        "PATCH",
+        &format!("{items}/{lives}"),
+        "acme",
+        json!({"text": "lives in: Porto"}),
+    )
+    .await;
+    assert_eq!(
+        edited.status.as_u16(),
+        200,
+        "{}",
+        String::from_utf8_lossy(&edited.body)
+    );
+    let edited = edited.json();
+    assert_eq!(edited["item"]["text"], "lives in: Porto");
+    assert_eq!(edited["item"]["provenance"], json!([]));
+    assert_eq!(edited["item"]["fact"]["edited"], true);
+    let memory = export(&proxy, "acme", "ines").await;
+    // The export holds every layer with provenance: tiers, the turn log, manifests, the raw
+    // log (store) and raw turns (state), and the items view with turn ids.
+    let state = &memory["memory"];
+    assert_eq!(state["turn_log"][0]["tier"]["t"], "new", "{state}");
+    assert!(state["episodes"].is_array() && state["artifacts"].is_array());
+    assert_eq!(state["raw_turns"][0]["id"], turn.as_str());
+    assert_eq!(memory["raw_log"][0]["exchange"]["turn_id"], turn.as_str());
+    assert!(ids(&memory).contains(&"summary:0".to_owned()), "{memory}");
+    let index: usize = lives.trim_start_matches("fact:").parse().unwrap();
+    let history = &memory["memory"]["facts"][index]["history"][0];
+    assert_eq!(history["ended_by"], "edited", "{history}");
+    assert_eq!(history["value"], "Lisbon");
+    assert_eq!(history["provenance"], json!([0]));
+    say(&proxy, "acme", "ines", "s", "Where should I eat tonight?").await;
+    assert!(last_memory(&record).contains("lives in: Porto"));
+
+    // Pin the cat fact, then delete the fact: the pin goes with it.
+    let pinned = admin_send(
+        &proxy,
+        "POST",
+        "/engram/v1/users/ines/pins",
+        "acme",
+        json!({"item": cat}),
+    )
+    .await;
+    assert_eq!(
+        pinned.status.as_u16(),
+        201,
+        "{}",
+        String::from_utf8_lossy(&pinned.body)
+    );
+    let pin_item = pinned.json()["item"].as_str().unwrap().to_owned();
+    let cat_item = admin(&proxy, &format!("{items}/{cat}"), "acme")
+        .await
+        .json();
+    assert_eq!(cat_item["item"]["pinned"], true, "{cat_item}");
+    let pins = admin(&proxy, &format!("{items}?kind=pinned"), "acme")
+        .await
+        .json();
+    assert_eq!(item(&pins, &pin_item)["source"], cat.as_str());
+    let deleted = admin_send(
+        &proxy,
+        "DELETE",
+        &format!("{items}/{cat}"),
+        "acme",
+        Value::Null,
+    )
+    .await;
+    assert_eq!(deleted.status.as_u16(), 200);
+    assert_eq!(deleted.json()["deleted"], json!([cat, pin_item]));
+    common::assert_openai_error(&admin(&proxy, &format!("{items}/{cat}"), "acme").await, 404);
+    let again = admin_send(
+        &proxy,
+        "DELETE",
+        &format!("{items}/{cat}"),
+        "acme",
+        Value::Null,
+    )
+    .await;
+    common::assert_openai_error(&again, 404);
+    say(&proxy, "acme", "ines", "s", "Any plans for the weekend?").await;
+    let memory = last_memory(&record);
+    assert!(!memory.contains("cat named Miso"), "{memory}");
+    let exported = export(&proxy, "acme", "ines").await.to_string();
+    assert!(!exported.contains("cat named"), "{exported}");
+
+    // A summary can be deleted; the raw log cannot, item by item.
+    let gone = admin_send(
+        &proxy,
+        "DELETE",
+        &format!("{items}/summary:0"),
+        "acme",
+        Value::Null,
+    )
+    .await;
+    assert_eq!(gone.json()["deleted"], json!(["summary:0"]));
+    let summaries = admin(&proxy, &format!("{items}?kind=summary"), "acme")
+        .await
+        .json();
+    assert!(
+        !ids(&summaries).contains(&"summary:0".to_owned()),
+        "{summaries}"
+    );
+
+    // Identity through the item routes.
+    let missing = admin_send(
+        &proxy,
+        "DELETE",
+        &format!("{items}/identity"),
+        "acme",
+        Value::Null,
+    )
+    .await;
+    common::assert_openai_error(&missing, 404);
+    let set = admin_send(
+        &proxy,
+        "PATCH",
+        &format!("{items}/identity"),
+        "acme",
+        json!({"text": "Ines, a pilot."}),
+    )
+    .await;
+    assert_eq!(set.json()["item"]["text"], "Ines, a pilot.");
+    let cleared = admin_send(
+        &proxy,
+        "DELETE",
+        &format!("{items}/identity"),
+        "acme",
+        Value::Null,
+    )
+    .await;
+    assert_eq!(cleared.json()["deleted"], json!(["identity"]));
+
+    // Refusals.
+    for (method, path, body, status) in [
+        (
+            "PATCH",
+            format!("{items}/{allergy}"),
+            json!({"text": "lives in: Faro"}),
+            409,
+        ),
+        (
+            "PATCH",
+            format!("{items}/{allergy}"),
+            json!({"text": " "}),
+            400,
+        ),
+        (
+            "PATCH",
+            format!("{items}/{allergy}"),
+            json!({"txt": "x"}),
+            400,
+        ),
+        (
+            "PATCH",
+            format!("{items}/summary:1"),
+            json!({"text": "x"}),
+            400,
+        ),
+        (
+            "PATCH",
+            format!("{items}/fact:99"),
+            json!({"text": "a: b"}),
+            404,
+        ),
+        ("DELETE", format!("{items}/raw_turn:0"), Value::Null, 400),
+        ("DELETE", format!("{items}/raw_turn:99"), Value::Null, 404),
+        ("GET", format!("{items}/fact"), Value::Null, 400),
+        ("GET", format!("{items}/fact:x"), Value::Null, 400),
+        ("GET", format!("{items}?tier=hot"), Value::Null, 400),
+        ("GET", format!("{items}?kind=memo"), Value::Null, 400),
+        ("GET", format!("{items}?limit=0"), Value::Null, 400),
+        ("GET", format!("{items}?limit=1001"), Value::Null, 400),
+        ("GET", format!("{items}?q="), Value::Null, 400),
+        ("GET", format!("{items}?lmit=3"), Value::Null, 400),
+        ("GET", format!("{items}?q=a&q=b"), Value::Null, 400),
+        ("POST", items.to_owned(), Value::Null, 405),
+        (
+            "POST",
+            "/engram/v1/users/ines/pins".to_owned(),
+            json!({"item": "summary:1"}),
+            400,
+        ),
+        (
+            "POST",
+            "/engram/v1/users/ines/pins".to_owned(),
+            json!({"item": "fact:1", "text": "x"}),
+            400,
+        ),
+        (
+            "POST",
+            "/engram/v1/users/ines/pins".to_owned(),
+            json!({"item": "fact:98"}),
+            404,
+        ),
+    ] {
+        let reply = admin_send(&proxy, method, &path, "acme", body).await;
+        common::assert_openai_error(&reply, status);
+    }
+}
+
+#[tokio::test]
+async fn the_openapi_document_is_served_and_every_route_it_names_answers() {
+    let upstream = mock(&[]);
+    let proxy = proxy(&upstream.address, &[]);
+    let reply = admin(&proxy, "/engram/v1/openapi.json", "default").await;
+    assert_eq!(reply.status.as_u16(), 200);
+    let document = reply.json();
+    assert!(document["openapi"].as_str().unwrap().starts_with("3.1"));
+
+    let mut operations = 0;
+    for (path, operations_of) in document["paths"].as_object().unwrap() {
+        let concrete = path
+            .replace("{user}", "probe")
+            .replace("{job}", "j-1")
+            .replace("{item}", "fact:0")
+            .replace("{pin}", "0")
+            .replace("{turn}", "t-1");
+        for method in operations_of.as_object().unwrap().keys() {
+            if method == "parameters" {
+                continue;
+            }
+            operations += 1;
+            let method = method.to_uppercase();
+            let body = if matches!(method.as_str(), "PUT" | "POST" | "PATCH") {
+                json!({"text": "probe"})
+            } else {
+                Value::Null
+            };
+            let served = admin_send(&proxy, &method, &concrete, "default", body).await;
+            let text = String::from_utf8_lossy(&served.body).into_owned();
+            assert!(
+                !text.contains("Unknown route") && served.status != 405,
+                "{method} {concrete}: {} {text}",
+                served.status
+            );
+            // Without a token, or with a wrong one, every route is 401.
+            for auth in [None, Some("Bearer wrong-token")] {
+                let mut headers = vec![("content-type", "application/json")];
+                headers.extend(auth.map(|value| ("authorization", value)));
+                let refused = send(&method, &proxy.url(&concrete), &headers, "{}").await;
+                common::assert_openai_error(&refused, 401);
+            }
+        }
+    }
+    assert_eq!(operations, 13);
+}
+
+#[tokio::test]
+async fn without_any_token_the_api_is_off() {
+    let upstream = mock(&[]);
+    let proxy = proxy(&upstream.address, &[("ENGRAM_ADMIN_TOKEN", "")]);
+    for path in ["/engram/v1/openapi.json", "/engram/v1/users/u/items"] {
+        common::assert_openai_error(&admin(&proxy, path, "default").await, 404);
+    }
+}
+
+#[tokio::test]
+async fn a_tenant_token_reaches_its_own_tenant_only() {
+    let upstream = mock(&[]);
+    let proxy = proxy(
+        &upstream.address,
+        &[("ENGRAM_ADMIN_TENANT_TOKENS", "t1=token-one,t2=token-two")],
+    );
+    for tenant in ["t1", "t2"] {
+        let reply = say(
+            &proxy,
+            tenant,
+            "uma",
+            "s",
+            &format!("I work at the {tenant} lab."),
+        )
+        .await;
+        wait_applied(&proxy, tenant, "uma", &reply).await;
+    }
+    let call = |method: &'static str,
+                path: &'static str,
+                token: &'static str,
+                tenant: Option<&'static str>| {
+        let proxy = &proxy;
+        async move {
+            let auth = format!("Bearer {token}");
+            let mut headers = vec![
+                ("authorization", auth.as_str()),
+                ("content-type", "application/json"),
+            ];
+            headers.extend(tenant.map(|tenant| ("x-engram-tenant", tenant)));
+            send(method, &proxy.url(path), &headers, "").await
+        }
+    };
+    // Its own tenant, named or implied.
+    for tenant in [Some("t1"), None] {
+        let own = call("GET", "/engram/v1/users/uma/memory", "token-one", tenant).await;
+        assert_eq!(own.status.as_u16(), 200);
+        let own = own.json();
+        assert_eq!(own["tenant"], "t1");
+        assert!(own.to_string().contains("t1 lab"), "{own}");
+        assert!(!own.to_string().contains("t2 lab"), "{own}");
+    }
+    // Another tenant: 403 on every per-user route, reads and writes alike.
+    for (method, path) in [
+        ("GET", "/engram/v1/users/uma/memory"),
+        ("GET", "/engram/v1/users/uma/items"),
+        ("GET", "/engram/v1/users/uma/items/fact:0"),
+        ("DELETE", "/engram/v1/users/uma/items/fact:0"),
+        ("DELETE", "/engram/v1/users/uma"),
+    ] {
+        let refused = call(method, path, "token-one", Some("t2")).await;
+        let body = common::assert_openai_error(&refused, 403);
+        assert_eq!(body["error"]["type"], "permission_error");
+    }
+    // The global route is the global token's.
+    common::assert_openai_error(
+        &call("GET", "/engram/v1/queue", "token-two", None).await,
+        403,
+    );
+    assert_eq!(
+        call("GET", "/engram/v1/openapi.json", "token-two", None)
+            .await
+            .status,
+        200
+    );
+    // t2's memory is untouched; the global token still reaches both tenants.
+    let kept = export(&proxy, "t2", "uma").await;
+    assert!(kept.to_string().contains("t2 lab"));
+    let forgot = call("DELETE", "/engram/v1/users/uma", "token-two", None).await;
+    assert_eq!(forgot.status.as_u16(), 200);
+    assert!(export(&proxy, "t2", "uma").await["memory"].is_null());
+    assert!(!export(&proxy, "t1", "uma").await["memory"].is_null());
 }

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{Reply, post_json, send};
+use engram::admin::AdminAuth;
 use engram::app::Engram;
 use engram::config::Config;
 use engram::mock::{MockOptions, MockServer};
@@ -63,8 +64,10 @@ impl Running {
         config.server.drain_timeout_ms = 5_000;
         edit(&mut config);
         let engram = match telemetry {
-            Some(telemetry) => Engram::build_with_telemetry(config, None, None, telemetry).await,
-            None => Engram::build(config, None, None).await,
+            Some(telemetry) => {
+                Engram::build_with_telemetry(config, None, AdminAuth::default(), telemetry).await
+            }
+            None => Engram::build(config, None, AdminAuth::default()).await,
         }
         .unwrap();
         let url = format!("http://{}", engram.local_addr().unwrap());

@@ -43,6 +43,13 @@ pub enum Error {
     MethodNotAllowed { method: String, path: String },
     #[error("Missing or invalid bearer token.")]
     Unauthorized,
+    /// A valid credential that does not reach this resource (a tenant's admin token used for
+    /// another tenant).
+    #[error("{0}")]
+    Forbidden(String),
+    /// The request contradicts the current state of the resource.
+    #[error("{0}")]
+    Conflict(String),
     #[error("Rate limit exceeded; retry after {retry_after_secs} s.")]
     RateLimited { retry_after_secs: u64 },
     #[error("The upstream could not be reached: {0}")]
@@ -99,6 +106,8 @@ impl Error {
             Error::NotFound { .. } | Error::ResourceNotFound(_) => StatusCode::NOT_FOUND,
             Error::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             Error::Unauthorized => StatusCode::UNAUTHORIZED,
+            Error::Forbidden(_) => StatusCode::FORBIDDEN,
+            Error::Conflict(_) => StatusCode::CONFLICT,
             Error::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             Error::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
             Error::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
@@ -127,8 +136,10 @@ impl Error {
             | Error::PayloadTooLarge { .. }
             | Error::NotFound { .. }
             | Error::ResourceNotFound(_)
-            | Error::MethodNotAllowed { .. } => "invalid_request_error",
+            | Error::MethodNotAllowed { .. }
+            | Error::Conflict(_) => "invalid_request_error",
             Error::Unauthorized => "authentication_error",
+            Error::Forbidden(_) => "permission_error",
             Error::RateLimited { .. } => "rate_limit_error",
             Error::UpstreamUnreachable(_) | Error::UpstreamTimeout(_) => "upstream_error",
             Error::ShuttingDown => "service_unavailable",
@@ -151,6 +162,8 @@ impl Error {
             Error::NotFound { .. } | Error::ResourceNotFound(_) => "not_found",
             Error::MethodNotAllowed { .. } => "method_not_allowed",
             Error::Unauthorized => "invalid_api_key",
+            Error::Forbidden(_) => "forbidden",
+            Error::Conflict(_) => "conflict",
             Error::RateLimited { .. } => "rate_limit_exceeded",
             Error::UpstreamUnreachable(_) => "upstream_unreachable",
             Error::UpstreamTimeout(_) => "upstream_timeout",

@@ -396,7 +396,11 @@ pub fn compose(
     };
     // Summaries of the turns just before the window keep the thread (seed 001's turn log).
     for (age, seq) in recent_context.iter().enumerate() {
-        let Some(entry) = state.turn_log.get(*seq as usize) else {
+        let Some(entry) = state
+            .turn_log
+            .get(*seq as usize)
+            .filter(|entry| !entry.erased)
+        else {
             continue;
         };
         let item = ItemRef::Summary(*seq);

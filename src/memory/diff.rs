@@ -337,10 +337,10 @@ fn find_fact(state: &MemoryState, normalised_key: &str) -> Option<usize> {
             if fact.active {
                 return Some(index);
             }
-            // Merged facts stay retired; their survivor carries the key.
+            // Merged facts stay retired (their survivor carries the key), deleted ones gone.
             if !matches!(
                 fact.history.last().map(|revision| revision.ended_by),
-                Some(RevisionEnd::MergedInto(_))
+                Some(RevisionEnd::MergedInto(_) | RevisionEnd::Deleted)
             ) {
                 retired = Some(index);
             }
@@ -357,6 +357,7 @@ fn revision_of(fact: &Fact, ended_by: RevisionEnd, at: Option<TurnSeq>) -> FactR
         date: fact.date.clone(),
         ended_by,
         ended_at_turn: at,
+        key: None,
     }
 }
 

@@ -193,6 +193,7 @@ pub struct MemoryIndex {
     /// The state version this index reflects.
     pub state_version: u64,
     facts_version: u64,
+    rewrites: u64,
     episodes_version: u64,
     vocabulary: HashMap<String, TermId>,
     pub raw: Segment,
@@ -216,6 +217,7 @@ impl MemoryIndex {
     /// Whether the index reflects `state` exactly.
     pub fn is_current(&self, state: &MemoryState) -> bool {
         self.state_version == state.version
+            && self.rewrites == state.rewrites
             && self.raw.len() == state.raw_turns.len()
             && self.facts_version == state.facts_version
             && self.episodes_version == state.episodes_version
@@ -227,9 +229,14 @@ impl MemoryIndex {
         if self.raw.len() > state.raw_turns.len()
             || self.summaries.len() > state.turn_log.len()
             || self.artifacts.len() > state.artifacts.len()
+            || self.rewrites != state.rewrites
         {
-            // Not a later version of the same state: start over.
-            *self = MemoryIndex::default();
+            // Not a later version of the same state, or a deletion rewrote text the
+            // append-only segments hold: start over.
+            *self = MemoryIndex {
+                rewrites: state.rewrites,
+                ..MemoryIndex::default()
+            };
         }
         for seq in self.raw.len()..state.raw_turns.len() {
             let turn = &state.raw_turns[seq];

@@ -116,6 +116,7 @@ pub fn build_manifest(
         size_estimate_tokens: size,
         rehydrated_at,
         tokens: Default::default(),
+        erased: false,
     };
     recount_episode(&mut manifest);
     manifest
@@ -195,6 +196,7 @@ mod tests {
                 },
                 episode: None,
                 tokens: Default::default(),
+                erased: false,
             });
         }
         state

@@ -15,6 +15,7 @@ pub mod extract;
 pub mod fence;
 pub mod history;
 pub mod index;
+pub mod manage;
 pub mod manifest;
 pub mod model;
 pub mod record;

@@ -96,6 +96,10 @@ pub struct MemoryState {
     pub artifacts: Vec<Artifact>,
     #[serde(default)]
     pub sessions: Vec<SessionState>,
+    /// Bumped when a management deletion rewrites a turn summary or an artifact in place: the
+    /// index, which only appends to those segments, rebuilds them.
+    #[serde(default)]
+    pub rewrites: u64,
 }
 
 impl MemoryState {
@@ -226,6 +230,9 @@ pub struct FactRevision {
     pub ended_by: RevisionEnd,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ended_at_turn: Option<TurnSeq>,
+    /// The fact's key during this revision, when a management edit changed the key after it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -235,6 +242,11 @@ pub enum RevisionEnd {
     Replaced,
     Removed,
     MergedInto(FactId),
+    /// A management edit set a new text; the new value has no provenance turns.
+    Edited,
+    /// A management deletion erased the fact: key, value and history are gone, the slot stays
+    /// so ids keep resolving.
+    Deleted,
 }
 
 /// An item the user or app pinned: always injected (a projection; the source stays in place).
@@ -363,6 +375,10 @@ pub struct TurnLogEntry {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub episode: Option<EpisodeId>,
     pub tokens: TokenCount,
+    /// Deleted through the management API: both summaries are empty and the entry sits in OLD
+    /// outside any episode, so nothing injects it again (its raw turn stays).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub erased: bool,
 }
 
 impl TurnLogEntry {
@@ -400,6 +416,9 @@ pub struct EpisodeManifest {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rehydrated_at: Vec<TurnSeq>,
     pub tokens: TokenCount,
+    /// Deleted through the management API: emptied, without links, never rebuilt or extended.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub erased: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -421,6 +440,9 @@ pub struct Artifact {
     /// Tokens of the full rendering, and of the one-line reference used when it does not fit.
     pub tokens: TokenCount,
     pub reference_tokens: TokenCount,
+    /// Deleted through the management API: the content is gone (its raw turn stays).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub erased: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

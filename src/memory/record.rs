@@ -138,6 +138,7 @@ pub fn record_exchange(
             content: found.content,
             tokens: Default::default(),
             reference_tokens: Default::default(),
+            erased: false,
         };
         recount_artifact(&mut artifact, exchange.event_time.as_deref());
         state.artifacts.push(artifact);
@@ -159,6 +160,7 @@ pub fn record_exchange(
         tier: TierState::fresh(seq),
         episode: None,
         tokens: Default::default(),
+        erased: false,
     };
     recount_summary(&mut entry, state.raw_turns.last());
     state.turn_log.push(entry);
@@ -277,6 +279,7 @@ pub fn consolidate(state: &mut MemoryState) -> ConsolidationReport {
                 date: fact.date.clone(),
                 ended_by: RevisionEnd::MergedInto(into),
                 ended_at_turn: None,
+                key: None,
             });
             fact.active = false;
             fact.version += 1;

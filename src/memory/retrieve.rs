@@ -191,13 +191,23 @@ pub fn retrieve(
     }
 }
 
-fn exists(state: &MemoryState, item: ItemRef) -> bool {
+/// Whether `item` is in memory and may be injected (not retired, unpinned or deleted).
+pub fn exists(state: &MemoryState, item: ItemRef) -> bool {
     match item {
         ItemRef::Fact(id) => state.fact(id).is_some_and(|fact| fact.active),
-        ItemRef::Summary(seq) => (seq as usize) < state.turn_log.len(),
+        ItemRef::Summary(seq) => state
+            .turn_log
+            .get(seq as usize)
+            .is_some_and(|entry| !entry.erased),
         ItemRef::RawTurn(seq) => (seq as usize) < state.raw_turns.len(),
-        ItemRef::Episode(id) => (id as usize) < state.episodes.len(),
-        ItemRef::Artifact(id) => (id as usize) < state.artifacts.len(),
+        ItemRef::Episode(id) => state
+            .episodes
+            .get(id as usize)
+            .is_some_and(|episode| !episode.erased),
+        ItemRef::Artifact(id) => state
+            .artifacts
+            .get(id as usize)
+            .is_some_and(|artifact| !artifact.erased),
         ItemRef::Pinned(id) => state.pinned.get(id as usize).is_some_and(|pin| pin.active),
         ItemRef::Identity => state.identity.is_some(),
     }

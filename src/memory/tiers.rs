@@ -245,7 +245,7 @@ fn fold_into_episodes(
             .episodes
             .iter()
             .rev()
-            .find(|episode| episode.session == session);
+            .find(|episode| episode.session == session && !episode.erased);
         let joins = open.filter(|episode| {
             let last = episode.links.last().copied().unwrap_or(0);
             let close = *seq > last && seq - last <= config.episodes.max_gap_turns;
@@ -307,7 +307,8 @@ fn episode_terms(state: &MemoryState, links: &[TurnSeq]) -> HashSet<String> {
 
 /// Rebuilds an episode's manifest from its links.
 pub fn refresh_episode(state: &mut MemoryState, id: EpisodeId) {
-    let Some(episode) = state.episodes.get(id as usize) else {
+    // A deleted episode stays empty.
+    let Some(episode) = state.episodes.get(id as usize).filter(|e| !e.erased) else {
         return;
     };
     let rebuilt = build_manifest(

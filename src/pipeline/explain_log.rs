@@ -51,6 +51,25 @@ impl ExplainLog {
         drop(dropped);
     }
 
+    /// Drops every explanation of the user's turns (forget); returns how many there were.
+    pub fn forget(&self, user: &UserKey) -> usize {
+        let mut dropped = Vec::new();
+        {
+            let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+            inner.order.retain(|(owner, _)| owner != user);
+            let keys: Vec<TurnKey> = inner
+                .explains
+                .keys()
+                .filter(|(owner, _)| owner == user)
+                .cloned()
+                .collect();
+            for key in keys {
+                dropped.extend(inner.explains.remove(&key));
+            }
+        }
+        dropped.len()
+    }
+
     pub fn get(&self, user: &UserKey, turn_id: &str) -> Option<Arc<Explain>> {
         let inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         inner

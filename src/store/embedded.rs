@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use redb::{
     Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
-    WriteTransaction,
+    TableHandle, WriteTransaction,
 };
 use serde::{Deserialize, Serialize};
 
@@ -152,6 +152,162 @@ fn create_tables(db: &Database) -> Result<()> {
     txn.open_table(QUEUE).map_err(db_error)?;
     txn.open_table(COUNTERS).map_err(db_error)?;
     txn.commit().map_err(db_error)
+}
+
+/// One row of an embedded store file, for inspection (tests check what a forget left).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredRow {
+    pub table: String,
+    /// The key's parts as text.
+    pub key: Vec<String>,
+    /// The value as stored (numbers and tuples as text).
+    pub value: Vec<u8>,
+}
+
+impl EmbeddedStore {
+    /// Every row of every table of the store file in `data_dir` (the file must not be open in
+    /// another process). Fails if the file holds a table this function does not read, so a
+    /// table added later cannot escape inspection.
+    pub fn dump(data_dir: &Path) -> Result<Vec<StoredRow>> {
+        let db = Database::open(data_dir.join(FILE_NAME)).map_err(db_error)?;
+        let txn = db.begin_read().map_err(db_error)?;
+        let known = [
+            STATES.name(),
+            VERSIONS.name(),
+            PREFETCHED.name(),
+            RAW_LOG.name(),
+            RAW_IDS.name(),
+            JOBS.name(),
+            QUEUE.name(),
+            COUNTERS.name(),
+        ];
+        for table in txn.list_tables().map_err(db_error)? {
+            if !known.contains(&table.name()) {
+                return Err(Error::Store(format!(
+                    "table {} is not covered by EmbeddedStore::dump",
+                    table.name()
+                )));
+            }
+        }
+        if txn
+            .list_multimap_tables()
+            .map_err(db_error)?
+            .next()
+            .is_some()
+        {
+            return Err(Error::Store(
+                "multimap tables are not covered by dump".into(),
+            ));
+        }
+        let mut rows = Vec::new();
+        let mut push = |table: &str, key: Vec<String>, value: Vec<u8>| {
+            rows.push(StoredRow {
+                table: table.to_owned(),
+                key,
+                value,
+            });
+        };
+        for row in txn
+            .open_table(STATES)
+            .map_err(db_error)?
+            .iter()
+            .map_err(db_error)?
+        {
+            let (key, value) = row.map_err(db_error)?;
+            let (tenant, user) = key.value();
+            push(
+                STATES.name(),
+                vec![tenant.into(), user.into()],
+                value.value().to_vec(),
+            );
+        }
+        for row in txn
+            .open_table(VERSIONS)
+            .map_err(db_error)?
+            .iter()
+            .map_err(db_error)?
+        {
+            let (key, value) = row.map_err(db_error)?;
+            let (tenant, user) = key.value();
+            push(
+                VERSIONS.name(),
+                vec![tenant.into(), user.into()],
+                value.value().to_string().into_bytes(),
+            );
+        }
+        for definition in [PREFETCHED, JOBS] {
+            for row in txn
+                .open_table(definition)
+                .map_err(db_error)?
+                .iter()
+                .map_err(db_error)?
+            {
+                let (key, value) = row.map_err(db_error)?;
+                let (tenant, user, rest) = key.value();
+                push(
+                    definition.name(),
+                    vec![tenant.into(), user.into(), rest.into()],
+                    value.value().to_vec(),
+                );
+            }
+        }
+        for row in txn
+            .open_table(RAW_LOG)
+            .map_err(db_error)?
+            .iter()
+            .map_err(db_error)?
+        {
+            let (key, value) = row.map_err(db_error)?;
+            let (tenant, user, seq) = key.value();
+            push(
+                RAW_LOG.name(),
+                vec![tenant.into(), user.into(), seq.to_string()],
+                value.value().to_vec(),
+            );
+        }
+        for row in txn
+            .open_table(RAW_IDS)
+            .map_err(db_error)?
+            .iter()
+            .map_err(db_error)?
+        {
+            let (key, value) = row.map_err(db_error)?;
+            let (tenant, user, id) = key.value();
+            push(
+                RAW_IDS.name(),
+                vec![tenant.into(), user.into(), id.into()],
+                value.value().to_string().into_bytes(),
+            );
+        }
+        for row in txn
+            .open_table(QUEUE)
+            .map_err(db_error)?
+            .iter()
+            .map_err(db_error)?
+        {
+            let (key, value) = row.map_err(db_error)?;
+            let (tenant, user, job) = value.value();
+            push(
+                QUEUE.name(),
+                vec![key.value().to_string()],
+                format!("{tenant}\u{0}{user}\u{0}{job}").into_bytes(),
+            );
+        }
+        for row in txn
+            .open_table(COUNTERS)
+            .map_err(db_error)?
+            .iter()
+            .map_err(db_error)?
+        {
+            let (key, value) = row.map_err(db_error)?;
+            push(
+                COUNTERS.name(),
+                vec![key.value().to_owned()],
+                value.value().to_string().into_bytes(),
+            );
+        }
+        Ok(rows)
+    }
 }
 
 fn db_error(error: impl Into<redb::Error>) -> Error {

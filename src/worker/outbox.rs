@@ -15,7 +15,8 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::store::{Job, Store};
+use crate::error::Result;
+use crate::store::{ForgetReport, Job, Store, UserKey};
 
 /// Enqueue attempts before a job goes to the spool.
 const ATTEMPTS: u32 = 3;
@@ -98,6 +99,15 @@ impl Outbox {
     /// Jobs waiting in the local spool.
     pub fn spooled(&self) -> u64 {
         self.spooled.load(Ordering::Acquire)
+    }
+
+    /// Deletes the user's jobs from this process's local spool (part of forgetting a user).
+    pub async fn forget_user(&self, user: &UserKey) -> Result<ForgetReport> {
+        let spool = self.spool.store();
+        let report = spool.forget_user(user).await?;
+        let left = spool.queue_depth().await?;
+        self.spooled.store(left, Ordering::Release);
+        Ok(report)
     }
 
     /// Makes the job durable: in the store, or else in the spool. Logs (never panics) if
@@ -216,5 +226,63 @@ pub struct InFlight(Arc<Outbox>);
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.stats.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::ExchangeInput;
+    use crate::store::{EmbeddedStore, JobId};
+
+    fn job(user: &UserKey, key: &str) -> Job {
+        Job {
+            id: JobId {
+                user: user.clone(),
+                key: key.to_owned(),
+            },
+            exchange: ExchangeInput {
+                session_id: "s".into(),
+                turn_id: key.to_owned(),
+                user_text: "remember the zanzibar code".into(),
+                ..ExchangeInput::default()
+            },
+            trace: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn forgetting_a_user_empties_their_part_of_the_spool() {
+        let store_dir = tempfile::tempdir().unwrap();
+        let spool_dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(store_dir.path()).unwrap());
+        let spool = EmbeddedStore::open(spool_dir.path()).unwrap();
+        let (gone, kept) = (UserKey::new("t", "gone"), UserKey::new("t", "kept"));
+        for job in [job(&gone, "a"), job(&gone, "b"), job(&kept, "c")] {
+            spool.enqueue(&job).await.unwrap();
+        }
+        // One spooled job was forwarded already: its applied record stays in the spool.
+        spool.ack(&job(&gone, "a").id).await.unwrap();
+        let outbox = Outbox::new(
+            store,
+            Spool::Durable(Arc::new(spool)),
+            Arc::new(Notify::new()),
+        )
+        .await;
+        assert_eq!(outbox.spooled(), 2);
+
+        let report = outbox.forget_user(&gone).await.unwrap();
+        assert_eq!(report.jobs, 2);
+        assert_eq!(outbox.spooled(), 1);
+        drop(outbox);
+        let rows = EmbeddedStore::dump(spool_dir.path()).unwrap();
+        assert!(rows.iter().any(|row| row.key.contains(&"kept".to_owned())));
+        for row in rows {
+            assert!(!row.key.contains(&"gone".to_owned()), "{row:?}");
+            assert!(
+                !String::from_utf8_lossy(&row.value).contains("gone"),
+                "{row:?}"
+            );
+        }
     }
 }

@@ -163,6 +163,11 @@ pub fn mock_at(listen: &str, args: &[&str]) -> Process {
 /// gets a fresh embedded store (unless `env` names `ENGRAM_STORE__DATA_DIR`), the admin API
 /// with [`ADMIN_TOKEN`] (unless `env` sets `ENGRAM_ADMIN_TOKEN`) and a 5 s hot-path deadline.
 pub fn proxy(upstream: &str, env: &[(&str, &str)]) -> Process {
+    proxy_args(upstream, &[], env)
+}
+
+/// [`proxy`] with more `engram serve` arguments (they win over the env settings).
+pub fn proxy_args(upstream: &str, args: &[&str], env: &[(&str, &str)]) -> Process {
     let base = format!("{upstream}/v1");
     let data_dir = tempfile::tempdir().unwrap();
     let data_path = data_dir.path().display().to_string();
@@ -177,13 +182,24 @@ pub fn proxy(upstream: &str, env: &[(&str, &str)]) -> Process {
         ("ENGRAM_STORE__HOT_PATH_DEADLINE_MS", "5000"),
     ];
     all_env.extend_from_slice(env);
-    let mut process = Process::spawn(
-        &["serve", "--listen", "127.0.0.1:0", "--upstream", &base],
-        &all_env,
-        "engram listening on ",
-    );
+    let mut all_args = vec!["serve", "--listen", "127.0.0.1:0", "--upstream", &base];
+    all_args.extend_from_slice(args);
+    let mut process = Process::spawn(&all_args, &all_env, "engram listening on ");
     process.data_dir = Some(data_dir);
     process
+}
+
+/// Runs the binary to completion (a CLI command), with `env` added to the environment.
+pub fn run(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    let mut command = Command::new(BIN);
+    command
+        .args(args)
+        .stdin(Stdio::null())
+        .env_remove("RUST_LOG");
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    command.output().expect("run engram")
 }
 
 pub fn temp_path(name: &str) -> PathBuf {
