@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs engram's whole test suite. Installs what the tests need when it is missing:
-# a Python venv (.venv) with the official `openai` SDK for the end-to-end SDK test and the
+# a Python venv (.venv) with the official `openai` SDK for the end-to-end SDK test, schemathesis
+# for fuzzing the management API from its OpenAPI document, and the
 # deployment checks' helm-python-sdk and kubernetes-validate (scripts/common.sh), and
 # redis-server for the Redis store tests (they start their own servers; none is started here).
 set -euo pipefail  # pipefail: a failing cargo test fails the script through tee
