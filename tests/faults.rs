@@ -174,6 +174,10 @@ async fn a_client_that_stops_reading_gets_backpressure_not_buffering() {
     let proxy = proxy(&upstream.address, &[]);
     let pid = proxy.pid();
     let mut stream = open_stream(&proxy, "connection: close\r\n");
+    // Generous: this file's 1,000-stream test may be loading the machine at the same time.
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
     read_until(&mut stream, "\"content\":\"");
     let rss_reading = rss_bytes(pid);
     // Stop reading: the kernel buffers fill, then the proxy must stop pulling from upstream.

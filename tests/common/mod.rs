@@ -283,7 +283,7 @@ pub fn assert_openai_error(reply: &Reply, status: u16) -> Value {
 pub fn read_until(stream: &mut TcpStream, needle: &str) -> String {
     let mut seen = Vec::new();
     let mut buffer = [0u8; 4096];
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(60);
     while !String::from_utf8_lossy(&seen).contains(needle) {
         assert!(
             Instant::now() < deadline,
