@@ -21,6 +21,10 @@ use common::{Process, chat_body, client, mock, open_stream, proxy, read_until};
 use http::Request;
 use http_body_util::{BodyExt, Full};
 
+/// The two tests that measure the proxy's memory run one at a time, so neither measures (or
+/// starves) the other's load.
+static MEASURED: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Resident set size of a process, in bytes, from /proc.
 fn rss_bytes(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -128,6 +132,7 @@ async fn concurrent_streams(proxy: &Process, count: usize) -> (usize, u64) {
 
 #[tokio::test]
 async fn a_thousand_concurrent_slow_streams_keep_memory_and_descriptors_bounded() {
+    let _alone = MEASURED.lock().await;
     let upstream = mock(&[]);
     // Idle upstream connections close quickly, so descriptors must return to the baseline.
     let proxy = proxy(
@@ -169,6 +174,7 @@ async fn a_thousand_concurrent_slow_streams_keep_memory_and_descriptors_bounded(
 
 #[tokio::test]
 async fn a_client_that_stops_reading_gets_backpressure_not_buffering() {
+    let _alone = MEASURED.lock().await;
     // 4,000 chunks of 16 KiB: a 64 MB stream.
     let upstream = mock(&["--chunk-size", "16384", "--chunks", "4000"]);
     let proxy = proxy(&upstream.address, &[]);
