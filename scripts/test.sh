@@ -32,7 +32,7 @@ log "cargo test"
 # and the deployment checks.
 results=$(mktemp)
 trap 'rm -f "$results"' EXIT
-cargo test --locked --lib --bins --tests 2>&1 | tee "$results"
+cargo test --locked --no-fail-fast --lib --bins --tests 2>&1 | tee "$results"
 
 log "deployment files (helm lint, helm template, kubernetes-validate --strict)"
 # Prints a cargo-style `test result:` line, so its checks count in the totals below.
