@@ -312,12 +312,7 @@ async fn a_full_disk_under_the_embedded_store_fails_open_and_loses_no_turn() {
     let queue = wait_drained(&proxy, Duration::from_secs(60)).await;
     assert_eq!(queue["recorded"]["lost"], 0, "{queue}");
     let memory = export(&proxy, "t", "dana").await;
-    let raw: Vec<&str> = memory["raw_log"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|entry| entry["exchange"]["turn_id"].as_str().unwrap())
-        .collect();
+    let raw = common::memory::raw_turn_ids(&memory);
     assert_eq!(raw, turns, "every turn once, in order");
     let reply = say(&proxy, "t", "dana", "s2", "What fruit should I avoid?").await;
     assert_eq!(header(&reply, "x-engram-memory"), "injected");

@@ -357,12 +357,7 @@ async fn a_worker_killed_mid_job_applies_every_recorded_turn_exactly_once_after_
     let second = proxy(&upstream.address, &env);
     wait_drained(&second, Duration::from_secs(60)).await;
     let memory = export(&second, "default", "kim").await;
-    let raw: Vec<&str> = memory["raw_log"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|entry| entry["exchange"]["turn_id"].as_str().unwrap())
-        .collect();
+    let raw = common::memory::raw_turn_ids(&memory);
     assert_eq!(raw, turn_ids, "raw log: each turn once, in order");
     let applied: Vec<&str> = memory["memory"]["raw_turns"]
         .as_array()

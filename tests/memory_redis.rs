@@ -96,12 +96,7 @@ async fn redis_stopped_while_serving_answers_without_memory_and_loses_no_recorde
     assert_eq!(queue["recorded"]["lost"], 0, "{queue}");
 
     let memory = export(&proxy, "acme", "olga").await;
-    let raw: Vec<&str> = memory["raw_log"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|entry| entry["exchange"]["turn_id"].as_str().unwrap())
-        .collect();
+    let raw = common::memory::raw_turn_ids(&memory);
     assert_eq!(raw, turn_ids, "every turn once, in order");
     let applied = memory["memory"]["raw_turns"].as_array().unwrap().len();
     assert_eq!(applied, turn_ids.len());
@@ -165,12 +160,7 @@ async fn a_stalled_redis_costs_requests_no_more_than_the_deadline_and_loses_no_t
     let queue = wait_drained(&proxy, Duration::from_secs(60)).await;
     assert_eq!(queue["recorded"]["lost"], 0, "{queue}");
     let memory = export(&proxy, "acme", "pia").await;
-    let raw: Vec<&str> = memory["raw_log"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|entry| entry["exchange"]["turn_id"].as_str().unwrap())
-        .collect();
+    let raw = common::memory::raw_turn_ids(&memory);
     assert_eq!(raw, turn_ids, "every turn once, in order");
     let reply = say(&proxy, "acme", "pia", "s2", "What should I avoid?").await;
     assert_eq!(header(&reply, "x-engram-memory"), "injected");

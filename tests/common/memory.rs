@@ -119,6 +119,21 @@ pub async fn export(proxy: &Process, tenant: &str, user: &str) -> Value {
     reply.json()
 }
 
+/// The turn ids of an exported memory's raw log, in log order.
+pub fn raw_turn_ids(memory: &Value) -> Vec<String> {
+    memory["raw_log"]
+        .as_array()
+        .expect("raw_log")
+        .iter()
+        .map(|entry| {
+            entry["exchange"]["turn_id"]
+                .as_str()
+                .expect("turn id")
+                .to_owned()
+        })
+        .collect()
+}
+
 /// The requests the mock recorded, in arrival order.
 pub fn recorded(path: &Path) -> Vec<Value> {
     std::fs::read_to_string(path)
