@@ -163,6 +163,11 @@ impl Engram {
         self.server.local_addr()
     }
 
+    /// The address of `server.ops_listen`, when configured.
+    pub fn ops_addr(&self) -> Result<Option<SocketAddr>> {
+        self.server.ops_addr()
+    }
+
     /// Serves until `shutdown`, drains, then stops the worker after the job in hand.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<()> {
         let Engram {

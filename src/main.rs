@@ -92,8 +92,12 @@ fn serve(args: ServeArgs) -> Result<(), Error> {
         let engram = Engram::build(config, api_key, admin).await?;
         let address = engram.local_addr()?;
         tracing::info!(%address, upstream = %base_url, store = ?backend, admin_api, "engram listening");
-        // Tests and scripts read this line to find the port.
+        // Tests and scripts read this (first) line to find the port.
         let _ = writeln!(std::io::stdout(), "engram listening on http://{address}");
+        if let Some(ops) = engram.ops_addr()? {
+            tracing::info!(address = %ops, "health, readiness and metrics listening");
+            let _ = writeln!(std::io::stdout(), "engram ops listening on http://{ops}");
+        }
         let _ = std::io::stdout().flush();
         engram.run(shutdown_signal()).await
     })

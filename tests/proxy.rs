@@ -290,6 +290,45 @@ async fn health_and_readiness() {
 }
 
 #[tokio::test]
+async fn the_ops_listener_serves_health_readiness_and_metrics_only() {
+    let upstream = mock(&[]);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let ops_listen = format!("127.0.0.1:{port}");
+    let proxy = proxy(
+        &upstream.address,
+        &[("ENGRAM_SERVER__OPS_LISTEN", ops_listen.as_str())],
+    );
+    let ops = format!("http://{ops_listen}");
+    for path in ["/healthz", "/readyz", "/metrics"] {
+        let reply = send("GET", &format!("{ops}{path}"), &[], "").await;
+        assert_eq!(reply.status, 200, "{path}");
+    }
+    // Nothing else: no proxying, no memory, no management API on that address.
+    let reply = post_json(
+        &format!("{ops}/v1/chat/completions"),
+        &chat_body(false),
+        &[],
+    )
+    .await;
+    assert_openai_error(&reply, 404);
+    for path in ["/v1/models", "/engram/v1/queue"] {
+        let reply = send("GET", &format!("{ops}{path}"), &[], "").await;
+        assert_openai_error(&reply, 404);
+    }
+    // The proxy's own address serves everything as before.
+    let reply = post_json(&proxy.url("/v1/chat/completions"), &chat_body(false), &[]).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(
+        send("GET", &proxy.url("/metrics"), &[], "").await.status,
+        200
+    );
+}
+
+#[tokio::test]
 async fn http2_cleartext_is_served() {
     let upstream = mock(&[]);
     let proxy = proxy(&upstream.address, &[]);

@@ -108,6 +108,9 @@ pub enum StoreBackend {
 pub struct ServerConfig {
     /// Address to listen on; port 0 picks a free port (the chosen address is printed).
     pub listen: SocketAddr,
+    /// A second address serving only `/healthz`, `/readyz` and `/metrics`, so the proxy itself
+    /// can listen on loopback in a sidecar while the kubelet and Prometheus reach these.
+    pub ops_listen: Option<SocketAddr>,
     /// Largest accepted `/v1/chat/completions` body; larger gets 413.
     pub max_body_bytes: u64,
     /// How long in-flight requests and background tasks get to finish after SIGTERM/SIGINT.
@@ -160,6 +163,7 @@ impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            ops_listen: None,
             max_body_bytes: 10 * 1024 * 1024,
             drain_timeout_ms: 30_000,
             worker_threads: 0,

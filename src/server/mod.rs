@@ -104,26 +104,35 @@ impl AppState {
 
 pub struct Server {
     listener: TcpListener,
+    /// `server.ops_listen`: health, readiness and metrics only.
+    ops_listener: Option<TcpListener>,
     state: Arc<AppState>,
 }
 
 impl Server {
     pub async fn bind(state: AppState) -> Result<Server, Error> {
-        let listen = state.config.server.listen;
-        let listener = TcpListener::bind(listen)
-            .await
-            .map_err(|error| Error::Config {
-                path: "server.listen".into(),
-                message: format!("cannot listen on {listen}: {error}"),
-            })?;
+        let listener = bind(state.config.server.listen, "server.listen").await?;
+        let ops_listener = match state.config.server.ops_listen {
+            Some(address) => Some(bind(address, "server.ops_listen").await?),
+            None => None,
+        };
         Ok(Server {
             listener,
+            ops_listener,
             state: Arc::new(state),
         })
     }
 
     pub fn local_addr(&self) -> Result<SocketAddr, Error> {
         Ok(self.listener.local_addr()?)
+    }
+
+    /// The ops listener's address, when there is one.
+    pub fn ops_addr(&self) -> Result<Option<SocketAddr>, Error> {
+        Ok(match &self.ops_listener {
+            Some(listener) => Some(listener.local_addr()?),
+            None => None,
+        })
     }
 
     pub fn state(&self) -> Arc<AppState> {
@@ -133,7 +142,11 @@ impl Server {
     /// Serves until `shutdown` resolves, then drains: stops accepting, lets in-flight requests
     /// and streams finish, then waits for background tasks, all within the drain timeout.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
-        let Server { listener, state } = self;
+        let Server {
+            listener,
+            ops_listener,
+            state,
+        } = self;
         let mut connections = auto::Builder::new(TokioExecutor::new());
         connections
             .http1()
@@ -143,38 +156,46 @@ impl Server {
         tokio::pin!(shutdown);
 
         loop {
-            tokio::select! {
-                accepted = listener.accept() => {
-                    let (stream, peer) = match accepted {
-                        Ok(accepted) => accepted,
-                        Err(error) => {
-                            // EMFILE and friends: back off instead of spinning.
-                            tracing::warn!(%error, "accept failed");
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                            continue;
-                        }
-                    };
-                    let _ = stream.set_nodelay(true);
-                    let handler_state = state.clone();
-                    let service = service_fn(move |request| {
-                        let state = handler_state.clone();
-                        async move { Ok::<_, Infallible>(router::route(state, request).await) }
-                    });
-                    let connection = connections
-                        .serve_connection_with_upgrades(TokioIo::new(stream), service)
-                        .into_owned();
-                    let connection = graceful.watch(connection);
-                    state.tasks.spawn(async move {
-                        if let Err(error) = connection.await {
-                            tracing::debug!(%peer, error = %error, "connection ended with an error");
-                        }
-                    });
-                }
+            let (accepted, ops) = tokio::select! {
+                accepted = listener.accept() => (accepted, false),
+                accepted = accept_if_any(ops_listener.as_ref()) => (accepted, true),
                 () = &mut shutdown => break,
-            }
+            };
+            let (stream, peer) = match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let handler_state = state.clone();
+            let service = service_fn(move |request| {
+                let state = handler_state.clone();
+                async move {
+                    let response = if ops {
+                        router::route_ops(state, request).await
+                    } else {
+                        router::route(state, request).await
+                    };
+                    Ok::<_, Infallible>(response)
+                }
+            });
+            let connection = connections
+                .serve_connection_with_upgrades(TokioIo::new(stream), service)
+                .into_owned();
+            let connection = graceful.watch(connection);
+            state.tasks.spawn(async move {
+                if let Err(error) = connection.await {
+                    tracing::debug!(%peer, error = %error, "connection ended with an error");
+                }
+            });
         }
 
         drop(listener);
+        drop(ops_listener);
         state.draining.store(true, Ordering::Release);
         let drain = state.config.drain_timeout();
         let started = tokio::time::Instant::now();
@@ -204,6 +225,25 @@ impl Server {
         }
         tracing::info!("shutdown complete");
         Ok(())
+    }
+}
+
+async fn bind(address: SocketAddr, key: &str) -> Result<TcpListener, Error> {
+    TcpListener::bind(address)
+        .await
+        .map_err(|error| Error::Config {
+            path: key.to_owned(),
+            message: format!("cannot listen on {address}: {error}"),
+        })
+}
+
+/// The next connection on `listener`; never, without one.
+async fn accept_if_any(
+    listener: Option<&TcpListener>,
+) -> std::io::Result<(tokio::net::TcpStream, SocketAddr)> {
+    match listener {
+        Some(listener) => listener.accept().await,
+        None => std::future::pending().await,
     }
 }
 

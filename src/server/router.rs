@@ -66,6 +66,24 @@ pub async fn route(state: Arc<AppState>, request: Request<Incoming>) -> Response
     response
 }
 
+/// The ops listener's table (`server.ops_listen`): health, readiness and metrics, nothing else,
+/// so that address can be open to the kubelet and Prometheus while the proxy stays on loopback.
+pub async fn route_ops(state: Arc<AppState>, request: Request<Incoming>) -> Response<ProxyBody> {
+    if matches!(request.uri().path(), "/healthz" | "/readyz" | "/metrics") {
+        return route(state, request).await;
+    }
+    let response = Error::NotFound {
+        method: request.method().to_string(),
+        path: request.uri().path().to_owned(),
+    }
+    .into_response();
+    state
+        .metrics
+        .http
+        .count(Route::NotFound, response.status(), response.headers());
+    response
+}
+
 /// Prometheus text format; unauthenticated, like `/healthz` (a sidecar's port is not public).
 async fn metrics_page(state: &AppState) -> Result<Response<ProxyBody>, Error> {
     let page = state.metrics.render().await?;
