@@ -51,6 +51,9 @@ pub struct RecordPlan {
     pub session: String,
     /// The exchange's id, returned to the client as `x-engram-turn-id`.
     pub turn_id: String,
+    /// When the request arrived (µs since the epoch); orders the session's jobs across
+    /// replicas ([`crate::memory::ExchangeInput::arrival`]).
+    pub arrival_us: u64,
     /// The job the exchange becomes (with the user it belongs to); its key hashes the
     /// exchange's identity, so a replayed exchange maps to the same job and applies once.
     pub job: JobId,

@@ -76,6 +76,7 @@ impl StoreMemory {
         let user = UserKey::new(identity.tenant, identity.user);
         let session = identity.session;
         let turn_id = self.turn_ids.next();
+        let arrival_us = super::cache::first_version();
         let plan = resolved.records().then(|| {
             let turn_id = turn_id.clone();
             RecordPlan {
@@ -85,6 +86,7 @@ impl StoreMemory {
                 },
                 session: session.clone(),
                 turn_id,
+                arrival_us,
                 event_time: resolved.event_time.clone(),
                 prior_chain: None,
                 ticket: Some(Arc::new(
@@ -95,12 +97,20 @@ impl StoreMemory {
         });
 
         let cached = self.cache.get(&user);
-        let read = tokio::time::timeout(
-            self.deadline,
-            self.store
-                .hot_record(&user, &session, cached.as_ref().map(|m| m.version())),
-        )
-        .await;
+        let cached_version = cached.as_ref().map(|m| m.version());
+        // A turn that will be recorded is noted as arriving in the same read, so the session's
+        // later turns, whichever replica records them, queue behind its job.
+        let hot_record = match &plan {
+            Some(plan) => self.store.hot_record_arriving(
+                &user,
+                &session,
+                cached_version,
+                &plan.turn_id,
+                arrival_us,
+            ),
+            None => self.store.hot_record(&user, &session, cached_version),
+        };
+        let read = tokio::time::timeout(self.deadline, hot_record).await;
         let record = match read {
             Ok(Ok(record)) => record,
             Ok(Err(error)) => {
@@ -230,6 +240,7 @@ impl MemoryLayer for StoreMemory {
                     event_time: plan.event_time,
                     prior_chain: plan.prior_chain,
                     incomplete: exchange.capture.incomplete.is_some(),
+                    arrival: Some(plan.arrival_us),
                 },
             };
             outbox.submit(job).await;

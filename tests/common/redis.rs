@@ -13,20 +13,27 @@ pub struct RedisServer {
     /// With a directory the server keeps an append-only file there (fsync on every write), so
     /// a restart on the same port finds everything it acknowledged.
     dir: Option<PathBuf>,
+    /// The port of the server this one replicates.
+    replica_of: Option<u16>,
 }
 
 impl RedisServer {
     /// A throwaway server without persistence.
     pub async fn start() -> Option<RedisServer> {
-        RedisServer::spawn(None).await
+        RedisServer::spawn(None, None).await
     }
 
     /// A server that persists to `dir` and can be killed and restarted.
     pub async fn start_durable(dir: &Path) -> Option<RedisServer> {
-        RedisServer::spawn(Some(dir.to_owned())).await
+        RedisServer::spawn(Some(dir.to_owned()), None).await
     }
 
-    async fn spawn(dir: Option<PathBuf>) -> Option<RedisServer> {
+    /// A throwaway replica of the server on `port`.
+    pub async fn start_replica_of(port: u16) -> Option<RedisServer> {
+        RedisServer::spawn(None, Some(port)).await
+    }
+
+    async fn spawn(dir: Option<PathBuf>, replica_of: Option<u16>) -> Option<RedisServer> {
         if !installed() {
             if std::env::var("ENGRAM_REQUIRE_REDIS").is_ok_and(|value| value == "1") {
                 panic!(
@@ -40,6 +47,7 @@ impl RedisServer {
             child: None,
             port: free_port(),
             dir,
+            replica_of,
         };
         server.restart().await;
         Some(server)
@@ -95,6 +103,9 @@ impl RedisServer {
             None => {
                 command.args(["--appendonly", "no"]);
             }
+        }
+        if let Some(port) = self.replica_of {
+            command.args(["--replicaof", "127.0.0.1", &port.to_string()]);
         }
         self.child = Some(command.spawn().expect("start redis-server"));
         // Poll the port: the client's own reconnects back off for longer.
