@@ -193,7 +193,12 @@ async fn tokens_are_interchangeable_and_surplus_ones_are_dropped() {
     let bob_s1 = token(&bob, "s1");
     assert_eq!(
         tokens(&mut connection).await,
-        [alice_s1.clone(), alice_s1.clone(), alice_s1.clone(), bob_s1.clone()]
+        [
+            alice_s1.clone(),
+            alice_s1.clone(),
+            alice_s1.clone(),
+            bob_s1.clone()
+        ]
     );
     assert_eq!(store.queue_depth().await.unwrap(), 4);
 
@@ -263,13 +268,40 @@ async fn a_sessions_jobs_apply_in_arrival_order_and_wait_for_a_turn_still_record
     assert!(store.claim("w", lease).await.unwrap().is_none());
     let t3 = arriving("t3", at);
     store.enqueue(&t3).await.unwrap();
-    assert_eq!(store.claim("w", lease).await.unwrap().unwrap().job.id, t3.id);
+    assert_eq!(
+        store.claim("w", lease).await.unwrap().unwrap().job.id,
+        t3.id
+    );
     store.ack(&t3.id).await.unwrap();
-    assert_eq!(store.claim("w", lease).await.unwrap().unwrap().job.id, t4.id);
+    assert_eq!(
+        store.claim("w", lease).await.unwrap().unwrap().job.id,
+        t4.id
+    );
     store.ack(&t4.id).await.unwrap();
 
-    // …but not for longer than the grace: a turn that never gets recorded (its upstream call
-    // failed) holds the next one back only that long.
+    // A turn whose request failed ends its note, and holds nothing back. (It "arrives" 10 s
+    // ahead, so only ending the note, not the grace, can release the job behind it.)
+    let failed_at = now + 10_000_000;
+    store
+        .hot_record_arriving(&alice, "s1", None, "failed", failed_at)
+        .await
+        .unwrap();
+    let after_failed = arriving("after-failed", failed_at + 1_000);
+    store.enqueue(&after_failed).await.unwrap();
+    assert!(store.claim("w", lease).await.unwrap().is_none());
+    store.end_arrival(&alice, "s1", "failed").await.unwrap();
+    let nudge = arriving("nudge", failed_at + 2_000);
+    store.enqueue(&nudge).await.unwrap();
+    let claimed = store.claim("w", lease).await.unwrap().unwrap();
+    assert_eq!(claimed.job.id, after_failed.id);
+    store.ack(&after_failed.id).await.unwrap();
+    assert_eq!(
+        store.claim("w", lease).await.unwrap().unwrap().job.id,
+        nudge.id
+    );
+    store.ack(&nudge.id).await.unwrap();
+
+    // …and a turn whose replica died holds the next one back for the grace at most.
     let later = engram::pipeline::cache::first_version();
     store
         .hot_record_arriving(&alice, "s1", None, "t5", later)
@@ -279,7 +311,10 @@ async fn a_sessions_jobs_apply_in_arrival_order_and_wait_for_a_turn_still_record
     store.enqueue(&t6).await.unwrap();
     assert!(store.claim("w", lease).await.unwrap().is_none());
     tokio::time::sleep(Duration::from_millis(600)).await;
-    assert_eq!(store.claim("w", lease).await.unwrap().unwrap().job.id, t6.id);
+    assert_eq!(
+        store.claim("w", lease).await.unwrap().unwrap().job.id,
+        t6.id
+    );
 }
 
 #[tokio::test]

@@ -100,7 +100,8 @@ pub struct StoreConfig {
     pub redis_wait_replicas: u32,
     /// The longest `WAIT`; past it the enqueue fails (retried, then spooled locally).
     pub redis_wait_timeout_ms: u64,
-    /// How long a session's job waits for the job of an earlier turn still being recorded.
+    /// The longest a session's job waits for the job of an earlier turn still in flight
+    /// (being answered or recorded, on any replica).
     pub redis_order_grace_ms: u64,
     /// The hot path's store read must answer within this; past it (or on an error) the request
     /// goes upstream without memory (fail open).
@@ -217,7 +218,7 @@ impl Default for StoreConfig {
             redis_queue_shards: 1,
             redis_wait_replicas: 0,
             redis_wait_timeout_ms: 200,
-            redis_order_grace_ms: 2000,
+            redis_order_grace_ms: 60_000,
             hot_path_deadline_ms: 20,
         }
     }
@@ -347,7 +348,10 @@ impl Config {
                 "store.redis_response_timeout_ms",
                 self.store.redis_response_timeout_ms,
             ),
-            ("store.redis_wait_timeout_ms", self.store.redis_wait_timeout_ms),
+            (
+                "store.redis_wait_timeout_ms",
+                self.store.redis_wait_timeout_ms,
+            ),
         ] {
             if value == 0 {
                 return invalid(path, "must be greater than 0");
@@ -564,11 +568,13 @@ mod tests {
         assert!(error.to_string().contains("store.redis_url"), "{error}");
         let error = Config::from_yaml("store:\n  redis_queue_shards: 0\n").unwrap_err();
         assert!(error.to_string().contains("redis_queue_shards"), "{error}");
-        let error = Config::from_yaml(
-            "store:\n  redis_wait_replicas: 1\n  redis_wait_timeout_ms: 5000\n",
-        )
-        .unwrap_err();
-        assert!(error.to_string().contains("redis_wait_timeout_ms"), "{error}");
+        let error =
+            Config::from_yaml("store:\n  redis_wait_replicas: 1\n  redis_wait_timeout_ms: 5000\n")
+                .unwrap_err();
+        assert!(
+            error.to_string().contains("redis_wait_timeout_ms"),
+            "{error}"
+        );
     }
 
     #[test]

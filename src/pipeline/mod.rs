@@ -62,6 +62,9 @@ pub struct RecordPlan {
     pub prior_chain: Option<u64>,
     /// The request's place in its session's order; the recorder enqueues in that order.
     pub ticket: Option<Arc<order::Ticket>>,
+    /// The turn's arrival note in the store (the order across replicas); ended when the
+    /// request ends without a recording.
+    pub arrival: Option<Arc<order::Arrival>>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]

@@ -16,7 +16,7 @@ use http::HeaderMap;
 use super::cache::{CachedMemory, MemoryCache};
 use super::explain_log::ExplainLog;
 use super::identity::{self, IdentityConfig, RequestIdentity};
-use super::order::SessionOrder;
+use super::order::{Arrival, SessionOrder};
 use super::{BoxFuture, Exchange, MemoryLayer, MemoryOutcome, RecordPlan, Rewrite, log_capture};
 use crate::error::Error;
 use crate::memory::{self, ComposeRequest, ExchangeInput, MemoryConfig, MemoryState};
@@ -77,23 +77,26 @@ impl StoreMemory {
         let session = identity.session;
         let turn_id = self.turn_ids.next();
         let arrival_us = super::cache::first_version();
-        let plan = resolved.records().then(|| {
-            let turn_id = turn_id.clone();
-            RecordPlan {
-                job: JobId {
-                    key: job_key(&user, &session, &turn_id),
-                    user: user.clone(),
-                },
-                session: session.clone(),
-                turn_id,
-                arrival_us,
-                event_time: resolved.event_time.clone(),
-                prior_chain: None,
-                ticket: Some(Arc::new(
-                    self.order
-                        .ticket(format!("{}\u{0}{}\u{0}{session}", user.tenant, user.user)),
-                )),
-            }
+        let plan = resolved.records().then(|| RecordPlan {
+            job: JobId {
+                key: job_key(&user, &session, &turn_id),
+                user: user.clone(),
+            },
+            session: session.clone(),
+            turn_id: turn_id.clone(),
+            arrival_us,
+            event_time: resolved.event_time.clone(),
+            prior_chain: None,
+            ticket: Some(Arc::new(
+                self.order
+                    .ticket(format!("{}\u{0}{}\u{0}{session}", user.tenant, user.user)),
+            )),
+            arrival: Some(Arc::new(Arrival::new(
+                Arc::clone(&self.store),
+                user.clone(),
+                session.clone(),
+                turn_id.clone(),
+            ))),
         });
 
         let cached = self.cache.get(&user);
@@ -216,6 +219,7 @@ impl MemoryLayer for StoreMemory {
             // Released (dropped) only after the enqueue, so the session's next recording
             // queues after this one.
             let ticket = plan.ticket.take();
+            let arrival = plan.arrival.take();
             if let Some(ticket) = &ticket
                 && !ticket.wait_turn().await
             {
@@ -243,6 +247,11 @@ impl MemoryLayer for StoreMemory {
                     arrival: Some(plan.arrival_us),
                 },
             };
+            // The enqueue ends the arrival note (or, spooled, keeps holding the session's
+            // later jobs until it is forwarded).
+            if let Some(arrival) = &arrival {
+                arrival.recorded();
+            }
             outbox.submit(job).await;
             drop(ticket);
         })

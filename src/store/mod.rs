@@ -165,6 +165,18 @@ pub trait Store: Send + Sync + 'static {
         self.hot_record(user, session_id, cached_version)
     }
 
+    /// Ends the arrival note of a turn that will not be recorded (its request failed), so the
+    /// session's later jobs stop waiting for it. The default does nothing.
+    fn end_arrival<'a>(
+        &'a self,
+        user: &'a UserKey,
+        session_id: &'a str,
+        turn_id: &'a str,
+    ) -> BoxFuture<'a, Result<()>> {
+        let _ = (user, session_id, turn_id);
+        Box::pin(std::future::ready(Ok(())))
+    }
+
     /// The user's memory state; `None` when nothing is stored.
     fn load_state<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<Option<MemoryState>>>;
 

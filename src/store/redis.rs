@@ -103,8 +103,9 @@ pub struct RedisOptions {
     pub wait_replicas: u32,
     /// The longest `WAIT`.
     pub wait_timeout: Duration,
-    /// How long a session's job waits for the job of an earlier turn that is still being
-    /// recorded (by any replica).
+    /// The longest a session's job waits for the job of an earlier turn that is still in
+    /// flight (answered or being recorded, by any replica); a turn in flight for longer is
+    /// applied after the turns behind it.
     pub order_grace: Duration,
     /// Consumers idle this long without a lease leave the group.
     pub consumer_idle: Duration,
@@ -121,7 +122,7 @@ impl Default for RedisOptions {
             queue_shards: 1,
             wait_replicas: 0,
             wait_timeout: Duration::from_millis(200),
-            order_grace: Duration::from_secs(2),
+            order_grace: Duration::from_secs(60),
             consumer_idle: Duration::from_secs(60 * 60),
         }
     }
@@ -314,8 +315,9 @@ impl RedisStore {
         let stream = self.shard_key(shard, "tokens");
         let mut settle = Settle::Nothing;
         for _ in 0..TOKENS_PER_CLAIM {
-            let Some((entry, tag, session)) =
-                self.claim_token(&stream, consumer, lease, &settle, false).await?
+            let Some((entry, tag, session)) = self
+                .claim_token(&stream, consumer, lease, &settle, false)
+                .await?
             else {
                 return Ok(None);
             };
@@ -325,20 +327,25 @@ impl RedisStore {
                 continue;
             };
             let prefix = self.tag_prefix(&tag);
-            let (status, key, attempt, exchange): (String, Option<String>, Option<u32>, Option<Vec<u8>>) =
-                self.scripts
-                    .lease
-                    .key(format!("{prefix}session:{session}"))
-                    .key(format!("{prefix}leases"))
-                    .key(format!("{prefix}arriving"))
-                    .arg(&prefix)
-                    .arg(&session)
-                    .arg(&entry)
-                    .arg(duration_ms(lease))
-                    .arg(duration_us(self.order_grace))
-                    .invoke_async(&mut self.connection())
-                    .await
-                    .map_err(redis_error)?;
+            let (status, key, attempt, exchange): (
+                String,
+                Option<String>,
+                Option<u32>,
+                Option<Vec<u8>>,
+            ) = self
+                .scripts
+                .lease
+                .key(format!("{prefix}session:{session}"))
+                .key(format!("{prefix}leases"))
+                .key(format!("{prefix}arriving"))
+                .arg(&prefix)
+                .arg(&session)
+                .arg(&entry)
+                .arg(duration_ms(lease))
+                .arg(duration_us(self.order_grace))
+                .invoke_async(&mut self.connection())
+                .await
+                .map_err(redis_error)?;
             match (status.as_str(), key, attempt, exchange) {
                 ("job", Some(key), Some(attempt), Some(exchange)) => {
                     return Ok(Some(ClaimedJob {
@@ -350,7 +357,9 @@ impl RedisStore {
                     }));
                 }
                 ("wait", Some(wait_ms), _, _) => {
-                    let wait = wait_ms.parse().map_or(self.order_grace, Duration::from_millis);
+                    let wait = wait_ms
+                        .parse()
+                        .map_or(self.order_grace, Duration::from_millis);
                     settle = Settle::Postpone(entry, wait);
                 }
                 _ => settle = Settle::Drop(entry),
@@ -444,7 +453,12 @@ impl RedisStore {
         if now < due
             || self
                 .next_prune_ms
-                .compare_exchange(due, now + PRUNE_EVERY_MS, Ordering::AcqRel, Ordering::Relaxed)
+                .compare_exchange(
+                    due,
+                    now + PRUNE_EVERY_MS,
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                )
                 .is_err()
         {
             return;
@@ -464,10 +478,9 @@ impl RedisStore {
         arriving: Option<(&str, u64)>,
     ) -> Result<HotRecord> {
         let (marker, arrival) = match arriving {
-            Some((turn_id, arrival_us)) => (
-                arrival_marker(session_id, turn_id),
-                arrival_us.to_string(),
-            ),
+            Some((turn_id, arrival_us)) => {
+                (arrival_marker(session_id, turn_id), arrival_us.to_string())
+            }
             None => (String::new(), String::new()),
         };
         let (version, state, prefetched): (String, Option<Vec<u8>>, Option<Vec<u8>>) = self
@@ -586,6 +599,25 @@ impl Store for RedisStore {
             cached_version,
             Some((turn_id, arrival_us)),
         ))
+    }
+
+    fn end_arrival<'a>(
+        &'a self,
+        user: &'a UserKey,
+        session_id: &'a str,
+        turn_id: &'a str,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let _: i64 = self
+                .connection()
+                .zrem(
+                    self.user_key(user, "arriving"),
+                    arrival_marker(session_id, turn_id),
+                )
+                .await
+                .map_err(redis_error)?;
+            Ok(())
+        })
     }
 
     fn load_state<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<Option<MemoryState>>> {
@@ -722,7 +754,12 @@ impl Store for RedisStore {
                 .arg(encode(exchange)?)
                 .arg(encode(&JobState::Queued)?)
                 .arg(&session)
-                .arg(exchange.arrival.map(|us| us.to_string()).unwrap_or_default())
+                .arg(
+                    exchange
+                        .arrival
+                        .map(|us| us.to_string())
+                        .unwrap_or_default(),
+                )
                 .arg(arrival_marker(&exchange.session_id, &exchange.turn_id))
                 .invoke_async(&mut self.writer())
                 .await
@@ -883,11 +920,10 @@ impl Store for RedisStore {
                 };
                 invocation.arg(&job.id.key).arg(encode(&entry)?);
             }
-            let (status, detail, queued, released): (String, String, u64, Vec<String>) =
-                invocation
-                    .invoke_async(&mut self.writer())
-                    .await
-                    .map_err(redis_error)?;
+            let (status, detail, queued, released): (String, String, u64, Vec<String>) = invocation
+                .invoke_async(&mut self.writer())
+                .await
+                .map_err(redis_error)?;
             match status.as_str() {
                 "ok" => {}
                 "gone" => return Err(Error::JobGone(detail)),
@@ -899,10 +935,7 @@ impl Store for RedisStore {
                 }
                 other => return Err(Error::Store(format!("redis: commit said {other:?}"))),
             }
-            let released = if self
-                .replicated_or_warn(&version_key, "job commit")
-                .await
-            {
+            let released = if self.replicated_or_warn(&version_key, "job commit").await {
                 released
             } else {
                 Vec::new()
@@ -1064,6 +1097,9 @@ mod tests {
             .collect();
         assert!(slots.windows(2).all(|pair| pair[0] == pair[1]), "{slots:?}");
         assert!(arrival_marker("s 1", "t-1").starts_with(&format!("{} ", hex("s 1"))));
-        assert!(!queue_tag(0, 1).contains(':'), "user tags always have a ':'");
+        assert!(
+            !queue_tag(0, 1).contains(':'),
+            "user tags always have a ':'"
+        );
     }
 }

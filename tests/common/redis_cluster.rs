@@ -63,18 +63,31 @@ impl RedisCluster {
             dir: tempfile::tempdir().unwrap(),
         };
         let count = masters * (1 + replicas);
-        let mut ports = free_ports(count * 2).into_iter();
-        for _ in 0..count {
-            let mut node = Node {
-                port: ports.next().unwrap(),
-                bus_port: ports.next().unwrap(),
-                child: None,
-            };
-            node.spawn(cluster.dir.path(), launcher);
-            cluster.nodes.push(node);
-        }
-        for node in &cluster.nodes {
-            node.wait_accepting().await;
+        // Many test processes pick free ports at once: if another took one of ours, start
+        // over on new ones rather than join someone else's server.
+        for attempt in 0.. {
+            for node in &mut cluster.nodes {
+                node.kill();
+            }
+            cluster.nodes.clear();
+            let mut ports = free_ports(count * 2).into_iter();
+            for _ in 0..count {
+                let mut node = Node {
+                    port: ports.next().unwrap(),
+                    bus_port: ports.next().unwrap(),
+                    child: None,
+                };
+                node.spawn(cluster.dir.path(), launcher);
+                cluster.nodes.push(node);
+            }
+            let mut ours = true;
+            for node in &cluster.nodes {
+                ours &= node.wait_accepting().await;
+            }
+            if ours {
+                break;
+            }
+            assert!(attempt < 4, "no free ports for the cluster in five tries");
         }
         let mut create = Command::new("redis-cli");
         create.arg("--cluster").arg("create");
@@ -93,6 +106,9 @@ impl RedisCluster {
             String::from_utf8_lossy(&output.stderr)
         );
         cluster.wait_healthy(Duration::from_secs(30)).await;
+        if replicas > 0 {
+            cluster.wait_replicated(Duration::from_secs(30)).await;
+        }
         Some(cluster)
     }
 
@@ -120,6 +136,31 @@ impl RedisCluster {
                     .next()
                     .map(|node| cli(node.port, &["cluster", "nodes"]))
                     .unwrap_or_default()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits until every running master has a replica in sync (so `WAIT 1` can succeed).
+    pub async fn wait_replicated(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let port = self.running().next().expect("no node runs").port;
+            let masters = masters(&cli(port, &["cluster", "nodes"]));
+            let synced = masters
+                .iter()
+                .filter(|master| self.running().any(|node| node.port == master.port))
+                .all(|master| {
+                    cli(master.port, &["info", "replication"])
+                        .lines()
+                        .any(|line| line.starts_with("slave") && line.contains("state=online"))
+                });
+            if synced {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the masters' replicas did not come in sync within {within:?}"
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -164,6 +205,15 @@ impl RedisCluster {
             .expect("the master is one of ours")
     }
 
+    /// A command through `redis-cli -c` (following redirects to the key's master); its
+    /// output.
+    pub fn command(&self, args: &[&str]) -> String {
+        let port = self.running().next().expect("no node runs").port;
+        let mut all = vec!["-c"];
+        all.extend_from_slice(args);
+        cli(port, &all)
+    }
+
     /// Kills a node at once (SIGKILL): what it had not replicated is gone.
     pub fn kill(&mut self, node: usize) {
         self.nodes[node].kill();
@@ -174,7 +224,10 @@ impl RedisCluster {
     pub async fn restart(&mut self, node: usize) {
         let dir = self.dir.path().to_owned();
         self.nodes[node].spawn(&dir, &[]);
-        self.nodes[node].wait_accepting().await;
+        assert!(
+            self.nodes[node].wait_accepting().await,
+            "another process took the port of a restarted node"
+        );
     }
 
     /// `INFO commandstats` summed over the running masters and replicas: (command, calls).
@@ -183,7 +236,9 @@ impl RedisCluster {
         for node in self.running() {
             for line in cli(node.port, &["info", "commandstats"]).lines() {
                 // cmdstat_get:calls=12,usec=…
-                let Some((name, rest)) = line.strip_prefix("cmdstat_").and_then(|l| l.split_once(':'))
+                let Some((name, rest)) = line
+                    .strip_prefix("cmdstat_")
+                    .and_then(|l| l.split_once(':'))
                 else {
                     continue;
                 };
@@ -249,6 +304,8 @@ impl Node {
             .arg(&config)
             .args(["--cluster-node-timeout", &NODE_TIMEOUT_MS.to_string()])
             .args(["--save", "", "--appendonly", "no"])
+            // A new replica syncs at once (the default waits 5 s for more replicas).
+            .args(["--repl-diskless-sync-delay", "0"])
             .arg("--dir")
             .arg(dir)
             .stdout(Stdio::null())
@@ -256,13 +313,12 @@ impl Node {
         self.child = Some(command.spawn().expect("start redis-server"));
     }
 
-    async fn wait_accepting(&self) {
+    /// Waits until the node answers; false when another process answers on its port.
+    async fn wait_accepting(&self) -> bool {
+        let pid = self.child.as_ref().map(Child::id);
         for _ in 0..400 {
-            if tokio::net::TcpStream::connect(("127.0.0.1", self.port))
-                .await
-                .is_ok()
-            {
-                return;
+            if let Some(serving) = super::redis::serving_pid(self.port).await {
+                return Some(serving) == pid;
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
