@@ -163,13 +163,13 @@ async fn three_replicas_keep_a_conversation_in_order_and_share_one_memory() {
     // the second is answered and recorded first, yet it is applied after the first.
     let slow_upstream = mock(&["--latency-ms", "800"]);
     let slow = start_replica(&slow_upstream.address, &env);
-    let first = tokio::spawn({
-        let address = slow.address.clone();
-        async move { say_at(&address, "rita", "s4", "Concurrent turn one.").await }
-    });
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let second = say_at(&replicas[1].address, "rita", "s4", "Concurrent turn two.").await;
-    let first = first.await.unwrap();
+    let (first, second) = tokio::join!(
+        say_at(&slow.address, "rita", "s4", "Concurrent turn one."),
+        async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            say_at(&replicas[1].address, "rita", "s4", "Concurrent turn two.").await
+        }
+    );
     let (first, second) = (
         header_of(&first, "x-engram-turn-id"),
         header_of(&second, "x-engram-turn-id"),

@@ -178,7 +178,8 @@ impl Drop for Arrival {
         if self.recorded.load(std::sync::atomic::Ordering::Acquire) {
             return;
         }
-        // Without a runtime (shutdown) the note simply expires.
+        // Not on the shared TaskTracker: shutdown need not wait for it, since a note left
+        // behind expires after the grace. Without a runtime (shutdown) it simply expires.
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
