@@ -808,9 +808,10 @@ impl Store for RedisStore {
         Box::pin(async move { Ok(self.claim_batch(consumer, lease, 1).await?.pop()) })
     }
 
-    /// At most one job per session (its head); shards take turns being looked at first. A
-    /// shard that fails is skipped; the call fails only when nothing was claimed and a shard
-    /// failed.
+    /// At most one job per session (its head); shards take turns being looked at first, and
+    /// the call returns once a shard gave jobs (the worker calls again as soon as it has room,
+    /// so an idle shard costs a call only when the ones before it had nothing). A shard that
+    /// fails is skipped; the call fails only when nothing was claimed and a shard failed.
     fn claim_batch<'a>(
         &'a self,
         consumer: &'a str,
@@ -835,7 +836,7 @@ impl Store for RedisStore {
                         }
                     }
                 }
-                if claimed.len() >= max {
+                if !claimed.is_empty() {
                     break;
                 }
             }

@@ -230,15 +230,16 @@ impl RedisCluster {
         );
     }
 
-    /// `INFO commandstats` summed over the running masters and replicas: (command, calls).
+    /// `INFO commandstats` summed over the running masters: (command, calls). Commands a script
+    /// runs count too, under their own names.
     pub fn command_calls(&self) -> Vec<(String, u64)> {
         let mut totals: std::collections::BTreeMap<String, u64> = Default::default();
-        for node in self.running() {
-            for line in cli(node.port, &["info", "commandstats"]).lines() {
+        for port in self.master_ports() {
+            for line in cli(port, &["info", "commandstats"]).lines() {
                 // cmdstat_get:calls=12,usec=…
                 let Some((name, rest)) = line
                     .strip_prefix("cmdstat_")
-                    .and_then(|l| l.split_once(':'))
+                    .and_then(|line| line.split_once(':'))
                 else {
                     continue;
                 };
@@ -253,14 +254,39 @@ impl RedisCluster {
         totals.into_iter().collect()
     }
 
-    /// Used memory (bytes) summed over the running masters.
-    pub fn used_memory_of_masters(&self) -> u64 {
+    /// CPU seconds (user + system) the running masters have used.
+    pub fn cpu_seconds_of_masters(&self) -> f64 {
+        self.master_ports()
+            .into_iter()
+            .map(|port| {
+                cli(port, &["info", "cpu"])
+                    .lines()
+                    .filter_map(|line| {
+                        line.strip_prefix("used_cpu_sys:")
+                            .or_else(|| line.strip_prefix("used_cpu_user:"))
+                    })
+                    .filter_map(|value| value.trim().parse::<f64>().ok())
+                    .sum::<f64>()
+            })
+            .sum()
+    }
+
+    /// Ports of the running masters.
+    fn master_ports(&self) -> Vec<u16> {
         let port = self.running().next().expect("no node runs").port;
         masters(&cli(port, &["cluster", "nodes"]))
             .iter()
             .filter(|master| self.running().any(|node| node.port == master.port))
-            .map(|master| {
-                cli(master.port, &["info", "memory"])
+            .map(|master| master.port)
+            .collect()
+    }
+
+    /// Used memory (bytes) summed over the running masters.
+    pub fn used_memory_of_masters(&self) -> u64 {
+        self.master_ports()
+            .into_iter()
+            .map(|port| {
+                cli(port, &["info", "memory"])
                     .lines()
                     .find_map(|line| line.strip_prefix("used_memory:"))
                     .and_then(|value| value.trim().parse::<u64>().ok())
