@@ -7,6 +7,10 @@
 //! earlier answers) against the mock directly and through the proxy, one after the other at each
 //! rate. Added latency = proxy percentile − direct percentile.
 //!
+//! Memory on (`--memory embedded,redis,redis-cluster`): one proxy per store at `--memory-rate`,
+//! then (`redis-cluster`) three replicas on a local Redis Cluster at `--cluster-rates`, with job
+//! lag, Redis load and bytes per turn (docs/scaling.md).
+//!
 //! Not a test: it prints numbers and asserts nothing.
 
 #![allow(
@@ -872,6 +876,9 @@ async fn cluster_run(mock: &Process, args: &Args) {
     }
     // Bytes per user and per turn, from the keys of a sample of users (MEMORY USAGE).
     let (mut sampled_bytes, mut sampled_turns, mut sampled_users) = (0u64, 0u64, 0u64);
+    // Bytes by kind: memory state, raw log (with its id index), finished job records (with
+    // the job index), the rest.
+    let mut by_kind = [0u64; 4];
     let mut connection = redis.clone();
     for user in 0..args.users.min(50) {
         let prefix = format!(
@@ -912,16 +919,30 @@ async fn cluster_run(mock: &Process, args: &Args) {
                 .query_async(&mut connection)
                 .await
                 .unwrap_or(None);
-            sampled_bytes += bytes.unwrap_or(0);
+            let bytes = bytes.unwrap_or(0);
+            sampled_bytes += bytes;
+            let kind = &key[prefix.len()..];
+            let slot = match kind {
+                "state" | "version" => 0,
+                "raw" | "raw_ids" => 1,
+                _ if kind == "job_index" || kind.starts_with("job:") => 2,
+                _ => 3,
+            };
+            by_kind[slot] += bytes;
         }
         sampled_turns += raw;
         sampled_users += 1;
     }
+    let per_turn = |bytes: u64| bytes as f64 / sampled_turns.max(1) as f64;
     println!(
-        "Redis bytes per user (MEMORY USAGE of {sampled_users} users' keys): {:.0} bytes per user with {:.1} turns each, {:.0} bytes per turn",
+        "Redis bytes per user (MEMORY USAGE of {sampled_users} users' keys): {:.0} bytes per user with {:.1} turns each, {:.0} bytes per turn: memory state {:.0}, raw log {:.0}, finished job records {:.0}, other {:.0}",
         sampled_bytes as f64 / sampled_users.max(1) as f64,
         sampled_turns as f64 / sampled_users.max(1) as f64,
-        sampled_bytes as f64 / sampled_turns.max(1) as f64,
+        per_turn(sampled_bytes),
+        per_turn(by_kind[0]),
+        per_turn(by_kind[1]),
+        per_turn(by_kind[2]),
+        per_turn(by_kind[3]),
     );
     let memory_after = cluster.used_memory_of_masters();
     let grown = memory_after.saturating_sub(memory_before) as f64;
@@ -934,7 +955,7 @@ async fn cluster_run(mock: &Process, args: &Args) {
     );
     let stats = cluster.command_calls();
     let mut busiest: Vec<&(String, u64)> = stats.iter().collect();
-    busiest.sort_by(|a, b| b.1.cmp(&a.1));
+    busiest.sort_by_key(|entry| std::cmp::Reverse(entry.1));
     println!(
         "commands over the whole run (masters): {}",
         busiest
