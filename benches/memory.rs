@@ -276,6 +276,7 @@ fn build_fixture() -> Fixture {
                 )),
                 prior_chain: None,
                 incomplete: false,
+                arrival: None,
             },
             &HeuristicExtractor,
             &config,

@@ -7,6 +7,10 @@
 //! earlier answers) against the mock directly and through the proxy, one after the other at each
 //! rate. Added latency = proxy percentile − direct percentile.
 //!
+//! Memory on (`--memory embedded,redis,redis-cluster`): one proxy per store at `--memory-rate`,
+//! then (`redis-cluster`) three replicas on a local Redis Cluster at `--cluster-rates`, with job
+//! lag, Redis load and bytes per turn (docs/scaling.md).
+//!
 //! Not a test: it prints numbers and asserts nothing.
 
 #![allow(
@@ -20,6 +24,17 @@
 
 #[path = "support/redis.rs"]
 mod support;
+
+/// The Redis Cluster launcher of the tests (`redis_cluster` needs its sibling `redis`).
+#[path = "../tests/common"]
+mod cluster_support {
+    #[allow(
+        dead_code,
+        reason = "only the cluster launcher's helpers are used here"
+    )]
+    pub mod redis;
+    pub mod redis_cluster;
+}
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -393,8 +408,12 @@ struct Args {
     memory_rate: u64,
     /// Users taking turns in the memory-on runs.
     users: u32,
-    /// Memory-on backends to run: `embedded`, `redis`; empty skips memory.
+    /// Memory-on backends to run: `embedded`, `redis`, `redis-cluster`; empty skips memory.
     backends: Vec<String>,
+    /// Stepped rates (all replicas together) of the `redis-cluster` run.
+    cluster_rates: Vec<u64>,
+    /// engram replicas in the `redis-cluster` run.
+    replicas: usize,
 }
 
 fn parse_args() -> Args {
@@ -404,7 +423,13 @@ fn parse_args() -> Args {
         stream_rate: 200,
         memory_rate: 500,
         users: 100,
-        backends: vec!["embedded".to_owned(), "redis".to_owned()],
+        backends: vec![
+            "embedded".to_owned(),
+            "redis".to_owned(),
+            "redis-cluster".to_owned(),
+        ],
+        cluster_rates: vec![100, 200, 400],
+        replicas: 3,
     };
     let args: Vec<String> = std::env::args().collect();
     let mut i = 1;
@@ -433,6 +458,18 @@ fn parse_args() -> Args {
             }
             "--users" => {
                 parsed.users = value().parse().expect("users");
+                i += 1;
+            }
+            "--cluster-rates" => {
+                parsed.cluster_rates = value()
+                    .split(',')
+                    .filter(|r| !r.is_empty())
+                    .map(|r| r.parse().expect("rate"))
+                    .collect();
+                i += 1;
+            }
+            "--replicas" => {
+                parsed.replicas = value().parse().expect("replicas");
                 i += 1;
             }
             "--memory" => {
@@ -560,6 +597,382 @@ memory on ({backend} store), non-streaming at {} req/s, {} users taking turns (m
     let _ = std::fs::remove_dir_all(&data);
 }
 
+/// One recorded request of the cluster run: its latency, when its response ended (ms since the
+/// epoch) and its job.
+struct Recorded {
+    total_us: f64,
+    end_ms: u64,
+    user: String,
+    job: String,
+}
+
+/// Like `one_request` with memory on, keeping the job id and the wall-clock end.
+async fn one_recorded_request(
+    client: HttpClient,
+    url: String,
+    body: Bytes,
+    user: String,
+) -> Option<Recorded> {
+    let request = http::Request::post(url)
+        .header("content-type", "application/json")
+        .header("authorization", "Bearer sk-bench")
+        .header("x-engram-user", user.as_str())
+        .header("x-engram-session", "bench")
+        .body(Full::new(body))
+        .ok()?;
+    let started = Instant::now();
+    let response = client.request(request).await.ok()?;
+    if !response.status().is_success() {
+        return None;
+    }
+    let job = response
+        .headers()
+        .get("x-engram-job-id")
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_owned)?;
+    response.into_body().collect().await.ok()?;
+    let total_us = started.elapsed().as_secs_f64() * 1e6;
+    Some(Recorded {
+        total_us,
+        end_ms: epoch_ms(),
+        user,
+        job,
+    })
+}
+
+fn epoch_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_millis() as u64)
+}
+
+/// Open loop over several replicas: request `i` goes to replica `i % n` for user `i % users`.
+async fn open_loop_replicas(
+    urls: &[String],
+    body: &Bytes,
+    rate: u64,
+    duration: Duration,
+    users: u32,
+) -> (Vec<Recorded>, u64) {
+    let client = client();
+    let total = (rate as f64 * duration.as_secs_f64()) as u64;
+    let interval = Duration::from_secs_f64(1.0 / rate as f64);
+    let start = tokio::time::Instant::now() + Duration::from_millis(20);
+    let mut in_flight = JoinSet::new();
+    for i in 0..total {
+        tokio::time::sleep_until(start + interval.mul_f64(i as f64)).await;
+        in_flight.spawn(one_recorded_request(
+            client.clone(),
+            urls[i as usize % urls.len()].clone(),
+            body.clone(),
+            format!("cluster-user-{}", i % u64::from(users)),
+        ));
+    }
+    let (mut recorded, mut errors) = (Vec::new(), 0);
+    while let Some(result) = in_flight.join_next().await {
+        match result {
+            Ok(Some(request)) => recorded.push(request),
+            _ => errors += 1,
+        }
+    }
+    (recorded, errors)
+}
+
+fn hex(text: &str) -> String {
+    text.bytes().map(|byte| format!("{byte:02x}")).collect()
+}
+
+/// Three (`--replicas`) engram replicas, workers on, on a local Redis Cluster (3 masters + 3
+/// replicas), at stepped rates: added latency per percentile against the mock alone, job lag
+/// (response end → job applied, from the finished jobs' index scores), Redis operations per
+/// second (masters' INFO commandstats), engram CPU, summarizer calls, and Redis memory.
+async fn cluster_run(mock: &Process, args: &Args) {
+    let Some(cluster) = cluster_support::redis_cluster::RedisCluster::start_with(3, 1, &[]).await
+    else {
+        println!("\nmemory on (redis-cluster): skipped, redis-server or redis-cli is missing");
+        return;
+    };
+    let summaries = std::env::temp_dir().join(format!(
+        "engram-bench-{}-summaries.jsonl",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&summaries);
+    let summarizer = Process::start(
+        None,
+        &[
+            "mock-upstream",
+            "--listen",
+            "127.0.0.1:0",
+            "--worker-threads",
+            "1",
+            "--reply",
+            r#"{"user_summary":"The user asked for a summary.","assistant_summary":"The assistant summarised a story.","add":[],"update":[],"remove":[]}"#,
+            "--record",
+            summaries.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let urls = cluster.urls();
+    let upstream = format!("{}/v1", mock.address);
+    let summarizer_url = format!("{}/v1", summarizer.address);
+    let replicas: Vec<Process> = (0..args.replicas)
+        .map(|n| {
+            let data = std::env::temp_dir()
+                .join(format!("engram-bench-{}-replica-{n}", std::process::id()))
+                .display()
+                .to_string();
+            Process::start(
+                None,
+                &["serve", "--listen", "127.0.0.1:0", "--upstream", &upstream],
+                &[
+                    ("ENGRAM_SERVER__WORKER_THREADS", "1"),
+                    ("ENGRAM_STORE__DATA_DIR", &data),
+                    ("ENGRAM_ADMIN_TOKEN", "bench-admin"),
+                    ("ENGRAM_STORE__BACKEND", "redis"),
+                    ("ENGRAM_STORE__REDIS_CLUSTER", "true"),
+                    ("ENGRAM_STORE__REDIS_URL", &urls),
+                    ("ENGRAM_STORE__REDIS_QUEUE_SHARDS", "3"),
+                    ("ENGRAM_SUMMARIZER__BASE_URL", &summarizer_url),
+                    ("ENGRAM_SUMMARIZER__REQUESTS_PER_MINUTE", "0"),
+                ],
+            )
+        })
+        .collect();
+    let replica_urls: Vec<String> = replicas
+        .iter()
+        .map(|replica| format!("{}/v1/chat/completions", replica.address))
+        .collect();
+    let body = chat_body(false);
+    let direct_url = format!("{}/v1/chat/completions", mock.address);
+    // Warm the replicas (their first requests load the tokenizer).
+    let _ = open_loop_replicas(&replica_urls, &body, 50, Duration::from_secs(1), args.users).await;
+    let wait_drained = async || {
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(120) {
+            let mut drained = true;
+            for replica in &replicas {
+                let queue = queue_report(replica).await;
+                drained &= queue["depth"] == 0 && queue["recorded"]["in_flight"] == 0;
+            }
+            if drained {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    wait_drained().await;
+    let memory_before = cluster.used_memory_of_masters();
+    let redis = redis::cluster::ClusterClient::new(urls.split(',').collect::<Vec<_>>())
+        .unwrap()
+        .get_async_connection()
+        .await
+        .unwrap();
+    let calls = |stats: &[(String, u64)], name: Option<&str>| -> u64 {
+        stats
+            .iter()
+            .filter(|(command, _)| name.is_none_or(|name| command == name))
+            .map(|(_, calls)| calls)
+            .sum()
+    };
+    println!(
+        "\nmemory on, {} replicas on a Redis Cluster (3 masters + 3 replicas, 3 queue shards), summarizer mocked, {} users taking turns, non-streaming, {:?} per rate (ms, built-in open-loop client; all processes share the machine's cores, so figures are noisy)",
+        args.replicas, args.users, args.duration
+    );
+    // What idle replicas cost Redis: their workers poll every queue shard.
+    let idle_before = cluster.command_calls();
+    let idle_cpu_before = cluster.cpu_seconds_of_masters();
+    let idle_started = Instant::now();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let idle_ops = calls(&cluster.command_calls(), None) - calls(&idle_before, None);
+    let idle_seconds = idle_started.elapsed().as_secs_f64();
+    let idle_rate = idle_ops as f64 / idle_seconds;
+    let idle_cpu_rate = (cluster.cpu_seconds_of_masters() - idle_cpu_before) / idle_seconds;
+    println!(
+        "idle (no requests): {idle_rate:.0} Redis commands/s and {:.1} % of a core on the masters, from {} replicas' workers polling 3 queue shards every 100 ms",
+        idle_cpu_rate * 100.0,
+        args.replicas
+    );
+    println!(
+        "| rate (req/s) | added p50 | added p90 | added p99 | added p99.9 | job lag p50 | job lag p99 | Redis commands/s | EVALSHA/s | commands/request (net of idle) | EVALSHA/request (net) | engram CPU s/1,000 req | Redis masters' CPU s/1,000 req (net of idle) | summarizer calls/turn | errors |"
+    );
+    println!("|{}", "---|".repeat(15));
+    let idle_evalsha_rate = {
+        let before = cluster.command_calls();
+        let started = Instant::now();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        (calls(&cluster.command_calls(), Some("evalsha")) - calls(&before, Some("evalsha"))) as f64
+            / started.elapsed().as_secs_f64()
+    };
+    let mut turns = 0u64;
+    for &rate in &args.cluster_rates {
+        let direct = open_loop(&direct_url, &body, &[], rate, args.duration, None).await;
+        let stats_before = cluster.command_calls();
+        let cpu_before: f64 = replicas.iter().map(Process::cpu_seconds).sum();
+        let redis_cpu_before = cluster.cpu_seconds_of_masters();
+        let summaries_before = std::fs::read_to_string(&summaries)
+            .unwrap_or_default()
+            .lines()
+            .count();
+        let started = Instant::now();
+        let (recorded, errors) =
+            open_loop_replicas(&replica_urls, &body, rate, args.duration, args.users).await;
+        wait_drained().await;
+        let elapsed = started.elapsed().as_secs_f64();
+        let stats_after = cluster.command_calls();
+        let cpu = replicas.iter().map(Process::cpu_seconds).sum::<f64>() - cpu_before;
+        let redis_cpu = cluster.cpu_seconds_of_masters() - redis_cpu_before;
+        let summarizer_calls = std::fs::read_to_string(&summaries)
+            .unwrap_or_default()
+            .lines()
+            .count()
+            - summaries_before;
+        turns += recorded.len() as u64;
+        // Each applied job's index score is when its record expires: finished + retention.
+        let retention_ms = 7 * 24 * 60 * 60 * 1000u64;
+        let mut lags = Vec::new();
+        let mut connection = redis.clone();
+        for request in &recorded {
+            let index = format!(
+                "engram:{{{}:{}}}:job_index",
+                hex("default"),
+                hex(&request.user)
+            );
+            let score: Option<f64> = redis::cmd("ZSCORE")
+                .arg(&index)
+                .arg(&request.job)
+                .query_async(&mut connection)
+                .await
+                .unwrap_or(None);
+            if let Some(score) = score.filter(|score| score.is_finite()) {
+                let finished = score as u64 - retention_ms;
+                lags.push(finished.saturating_sub(request.end_ms) as f64 * 1000.0);
+            }
+        }
+        lags.sort_by(f64::total_cmp);
+        let mut proxied: Vec<f64> = recorded.iter().map(|request| request.total_us).collect();
+        proxied.sort_by(f64::total_cmp);
+        let added = PERCENTILES
+            .map(|p| (percentile(&proxied, p) - percentile(&direct.total_us, p)) / 1000.0);
+        let total_ops = calls(&stats_after, None) - calls(&stats_before, None);
+        let evalsha = calls(&stats_after, Some("evalsha")) - calls(&stats_before, Some("evalsha"));
+        let requests = recorded.len().max(1) as f64;
+        println!(
+            "| {rate} | {:.3} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.0} | {:.0} | {:.1} | {:.1} | {:.3} | {:.3} | {:.2} | {} |",
+            added[0],
+            added[1],
+            added[2],
+            added[3],
+            percentile(&lags, 50.0) / 1000.0,
+            percentile(&lags, 99.0) / 1000.0,
+            total_ops as f64 / elapsed,
+            evalsha as f64 / elapsed,
+            (total_ops as f64 - idle_rate * elapsed).max(0.0) / requests,
+            (evalsha as f64 - idle_evalsha_rate * elapsed).max(0.0) / requests,
+            cpu / requests * 1000.0,
+            (redis_cpu - idle_cpu_rate * elapsed).max(0.0) / requests * 1000.0,
+            summarizer_calls as f64 / requests,
+            errors + direct.errors,
+        );
+    }
+    // Bytes per user and per turn, from the keys of a sample of users (MEMORY USAGE).
+    let (mut sampled_bytes, mut sampled_turns, mut sampled_users) = (0u64, 0u64, 0u64);
+    // Bytes by kind: memory state, raw log (with its id index), finished job records (with
+    // the job index), the rest.
+    let mut by_kind = [0u64; 4];
+    let mut connection = redis.clone();
+    for user in 0..args.users.min(50) {
+        let prefix = format!(
+            "engram:{{{}:{}}}:",
+            hex("default"),
+            hex(&format!("cluster-user-{user}"))
+        );
+        let jobs: Vec<String> = redis::cmd("ZRANGE")
+            .arg(format!("{prefix}job_index"))
+            .arg(0)
+            .arg(-1)
+            .query_async(&mut connection)
+            .await
+            .unwrap_or_default();
+        let raw: u64 = redis::cmd("LLEN")
+            .arg(format!("{prefix}raw"))
+            .query_async(&mut connection)
+            .await
+            .unwrap_or(0);
+        let mut keys: Vec<String> = [
+            "state",
+            "version",
+            "prefetched",
+            "raw",
+            "raw_ids",
+            "job_index",
+        ]
+        .iter()
+        .map(|kind| format!("{prefix}{kind}"))
+        .collect();
+        keys.extend(jobs.iter().map(|job| format!("{prefix}job:{job}")));
+        for key in keys {
+            let bytes: Option<u64> = redis::cmd("MEMORY")
+                .arg("USAGE")
+                .arg(&key)
+                .arg("SAMPLES")
+                .arg(0)
+                .query_async(&mut connection)
+                .await
+                .unwrap_or(None);
+            let bytes = bytes.unwrap_or(0);
+            sampled_bytes += bytes;
+            let kind = &key[prefix.len()..];
+            let slot = match kind {
+                "state" | "version" => 0,
+                "raw" | "raw_ids" => 1,
+                _ if kind == "job_index" || kind.starts_with("job:") => 2,
+                _ => 3,
+            };
+            by_kind[slot] += bytes;
+        }
+        sampled_turns += raw;
+        sampled_users += 1;
+    }
+    let per_turn = |bytes: u64| bytes as f64 / sampled_turns.max(1) as f64;
+    println!(
+        "Redis bytes per user (MEMORY USAGE of {sampled_users} users' keys): {:.0} bytes per user with {:.1} turns each, {:.0} bytes per turn: memory state {:.0}, raw log {:.0}, finished job records {:.0}, other {:.0}",
+        sampled_bytes as f64 / sampled_users.max(1) as f64,
+        sampled_turns as f64 / sampled_users.max(1) as f64,
+        per_turn(sampled_bytes),
+        per_turn(by_kind[0]),
+        per_turn(by_kind[1]),
+        per_turn(by_kind[2]),
+        per_turn(by_kind[3]),
+    );
+    let memory_after = cluster.used_memory_of_masters();
+    let grown = memory_after.saturating_sub(memory_before) as f64;
+    println!(
+        "Redis memory (masters' used_memory): +{:.1} MiB for {turns} turns of {} users: {:.0} bytes per turn, {:.0} bytes per user (their memory states, raw logs, job records kept for the 7-day retention)",
+        grown / 1048576.0,
+        args.users,
+        grown / turns.max(1) as f64,
+        grown / f64::from(args.users.max(1)),
+    );
+    let stats = cluster.command_calls();
+    let mut busiest: Vec<&(String, u64)> = stats.iter().collect();
+    busiest.sort_by_key(|entry| std::cmp::Reverse(entry.1));
+    println!(
+        "commands over the whole run (masters): {}",
+        busiest
+            .iter()
+            .take(12)
+            .map(|(command, calls)| format!("{command} {calls}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    for n in 0..args.replicas {
+        let _ = std::fs::remove_dir_all(
+            std::env::temp_dir().join(format!("engram-bench-{}-replica-{n}", std::process::id())),
+        );
+    }
+    let _ = std::fs::remove_file(&summaries);
+}
+
 fn main() {
     // `cargo test --all-targets` runs harness-less benches with `--test`: nothing to check here.
     if std::env::args().any(|arg| arg == "--test") {
@@ -658,7 +1071,11 @@ fn main() {
             let body = chat_body(false);
             let direct = open_loop(&direct_url, &body, &[], args.memory_rate, duration, Some(args.users)).await;
             for backend in &args.backends {
-                memory_run(&mock, backend, &args, &direct).await;
+                if backend == "redis-cluster" {
+                    cluster_run(&mock, &args).await;
+                } else {
+                    memory_run(&mock, backend, &args, &direct).await;
+                }
             }
         }
     });

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The proxy's added latency, side by side with direct-to-mock, per percentile.
 # Usage: ./benches/overhead.sh [--duration-secs N] [--rates 500,1000,2000] [--stream-rate N]
+#   [--memory embedded,redis,redis-cluster] [--memory-rate N] [--users N]
+#   [--cluster-rates 100,200,400] [--replicas 3]
 # Installs its load generator (oha, from crates.io) and taskset when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."

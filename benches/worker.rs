@@ -54,6 +54,7 @@ fn job(user: usize, turn: usize) -> Job {
         event_time: None,
         prior_chain: None,
         incomplete: false,
+        arrival: None,
     };
     Job {
         id: JobId {

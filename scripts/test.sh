@@ -3,7 +3,8 @@
 # a Python venv (.venv) with the official `openai` SDK for the end-to-end SDK test, schemathesis
 # for fuzzing the management API from its OpenAPI document, and the
 # deployment checks' helm-python-sdk and kubernetes-validate (scripts/common.sh), and
-# redis-server for the Redis store tests (they start their own servers; none is started here).
+# redis-server and redis-cli for the Redis tests (they start their own servers and clusters; none
+# is started here).
 set -euo pipefail  # pipefail: a failing cargo test fails the script through tee
 cd "$(dirname "$0")/.."
 source scripts/common.sh
@@ -15,8 +16,10 @@ ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 ensure_venv
 export ENGRAM_TEST_PYTHON="$PWD/$VENV/bin/python"
 
-# redis-server for tests/store_redis.rs; requiring it makes a missing server fail, not skip.
-if ! command -v redis-server >/dev/null; then
+# redis-server for tests/store_redis.rs and tests/memory_redis.rs, and redis-cli (same package)
+# for tests/redis_cluster.rs, which joins six servers into a cluster; requiring them makes a
+# missing one fail, not skip.
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
   apt_install redis-server
 fi
 export ENGRAM_REQUIRE_REDIS=1

@@ -247,12 +247,7 @@ pub async fn open_store(config: &StoreConfig) -> Result<(Arc<dyn Store>, Spool)>
             Ok((Arc::new(store), spool))
         }
         StoreBackend::Redis => {
-            let options = RedisOptions {
-                prefix: config.redis_prefix.clone(),
-                finished_job_ttl: (config.redis_finished_job_ttl_secs > 0)
-                    .then(|| Duration::from_secs(config.redis_finished_job_ttl_secs)),
-                ..RedisOptions::default()
-            };
+            let options = RedisOptions::from_config(config);
             let store = RedisStore::connect_with(&config.redis_url, options)
                 .await
                 .map_err(|error| Error::Config {

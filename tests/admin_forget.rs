@@ -159,7 +159,7 @@ async fn forget_leaves_no_key_stream_entry_or_value_of_the_user_in_redis() {
     drop(first);
     let no_worker = [backend[0], backend[1], ("ENGRAM_WORKER__ENABLED", "false")];
     let second = proxy(&upstream.address, &no_worker);
-    // Two sessions: each has a head on the stream and the rest in its backlog.
+    // Two sessions: each has a token on the queue shard's stream and its jobs in its backlog.
     let turns = record_turns(&second, 3, 4).await;
     let explain = format!("/engram/v1/users/{GONE}/turns/{}/explain", turns[0]);
     assert_eq!(admin(&second, &explain, TENANT).await.status.as_u16(), 200);
@@ -177,8 +177,8 @@ async fn forget_leaves_no_key_stream_entry_or_value_of_the_user_in_redis() {
     assert!(
         before
             .iter()
-            .any(|(key, value)| key.ends_with(":jobs") && value.contains(&tag)),
-        "no stream entry of the user before the forget: {before:?}"
+            .any(|(key, value)| key.ends_with(":tokens") && value.contains(&tag)),
+        "no queue-shard stream entry of the user before the forget: {before:?}"
     );
 
     let report = forget(&second).await;

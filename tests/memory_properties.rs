@@ -104,6 +104,7 @@ fn build(scenario: &Scenario) -> (MemoryState, MemoryConfig, Vec<ChatMessage>) {
                 event_time: (n % 3 != 0).then(|| format!("2023-0{}-1{}", 1 + n % 9, n % 10)),
                 prior_chain: None,
                 incomplete: false,
+                arrival: None,
             },
             &HeuristicExtractor,
             &config,

@@ -41,6 +41,7 @@ impl Conversation {
                 )),
                 prior_chain: None,
                 incomplete: false,
+                arrival: None,
             },
             &HeuristicExtractor,
             &self.config,

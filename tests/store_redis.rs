@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use common::redis::RedisServer;
 use engram::memory::ItemRef;
-use engram::store::redis::{DEFAULT_FINISHED_JOB_TTL, LEASE_HORIZON_MS};
-use engram::store::{Enqueued, Job, JobId, JobState, RedisOptions, RedisStore, Store, UserKey};
+use engram::store::redis::{DEFAULT_FINISHED_JOB_TTL, LEASE_HORIZON_MS, queue_tag};
+use engram::store::{Enqueued, Job, JobState, RedisOptions, RedisStore, Store, UserKey};
 use redis::AsyncCommands;
 use redis::aio::MultiplexedConnection;
 use store_suite::{exchange, job, job_in, state_with};
@@ -33,7 +33,11 @@ async fn start_server() -> Option<(String, RedisServer)> {
 }
 
 const PREFIX: &str = "engram-test";
-const STREAM: &str = "engram-test:{queue}:jobs";
+
+/// The one queue shard's stream of a store with the default options.
+fn stream() -> String {
+    format!("{PREFIX}:{{{}}}:tokens", queue_tag(0, 1))
+}
 
 async fn fresh_store() -> Option<(RedisStore, RedisServer)> {
     let (url, server) = start_server().await?;
@@ -43,15 +47,15 @@ async fn fresh_store() -> Option<(RedisStore, RedisServer)> {
 
 store_suite!(optional fresh_store);
 
-/// A store with the given retention, and a plain connection to look at its keys.
-async fn store_and_connection(
-    finished_job_ttl: Option<Duration>,
+/// A store with the given options (the test prefix), and a plain connection to look at its
+/// keys.
+async fn store_with(
+    options: RedisOptions,
 ) -> Option<(RedisStore, MultiplexedConnection, RedisServer)> {
     let (url, server) = start_server().await?;
     let options = RedisOptions {
         prefix: PREFIX.to_owned(),
-        finished_job_ttl,
-        ..RedisOptions::default()
+        ..options
     };
     let store = RedisStore::connect_with(&url, options).await.unwrap();
     let connection = redis::Client::open(url.as_str())
@@ -62,16 +66,31 @@ async fn store_and_connection(
     Some((store, connection, server))
 }
 
+/// A store with the given retention, and a plain connection to look at its keys.
+async fn store_and_connection(
+    finished_job_ttl: Option<Duration>,
+) -> Option<(RedisStore, MultiplexedConnection, RedisServer)> {
+    store_with(RedisOptions {
+        finished_job_ttl,
+        ..RedisOptions::default()
+    })
+    .await
+}
+
 /// The hash tag of a user, as the store writes it.
 fn tag(user: &UserKey) -> String {
     let hex = |text: &str| -> String { text.bytes().map(|byte| format!("{byte:02x}")).collect() };
     format!("{}:{}", hex(&user.tenant), hex(&user.user))
 }
 
+fn hex(text: &str) -> String {
+    text.bytes().map(|byte| format!("{byte:02x}")).collect()
+}
+
 /// The stream's pending list: (entry id, consumer, idle ms, deliveries).
 async fn pending(connection: &mut MultiplexedConnection) -> Vec<(String, String, u64, u32)> {
     redis::cmd("XPENDING")
-        .arg(STREAM)
+        .arg(stream())
         .arg("workers")
         .arg("-")
         .arg("+")
@@ -81,10 +100,10 @@ async fn pending(connection: &mut MultiplexedConnection) -> Vec<(String, String,
         .unwrap()
 }
 
-/// The job refs on the stream, oldest first.
-async fn stream_refs(connection: &mut MultiplexedConnection) -> Vec<String> {
+/// The tokens on the stream, oldest first: (user tag, hex session).
+async fn tokens(connection: &mut MultiplexedConnection) -> Vec<(String, String)> {
     let entries: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
-        .arg(STREAM)
+        .arg(stream())
         .arg("-")
         .arg("+")
         .query_async(connection)
@@ -93,21 +112,25 @@ async fn stream_refs(connection: &mut MultiplexedConnection) -> Vec<String> {
     entries
         .into_iter()
         .map(|(_, fields)| {
-            fields
-                .into_iter()
-                .find(|(name, _)| name == "job")
-                .unwrap()
-                .1
+            let field = |name: &str| {
+                fields
+                    .iter()
+                    .find(|(field, _)| field == name)
+                    .unwrap()
+                    .1
+                    .clone()
+            };
+            (field("u"), field("s"))
         })
         .collect()
 }
 
-fn job_ref(id: &JobId) -> String {
-    format!("{} {}", tag(&id.user), id.key)
+fn token(user: &UserKey, session: &str) -> (String, String) {
+    (tag(user), hex(session))
 }
 
 #[tokio::test]
-async fn a_dead_consumers_job_is_autoclaimed_once_its_lease_ends() {
+async fn a_dead_consumers_token_is_autoclaimed_once_its_lease_ends() {
     let Some((store, mut connection, _server)) = store_and_connection(None).await else {
         return;
     };
@@ -121,7 +144,7 @@ async fn a_dead_consumers_job_is_autoclaimed_once_its_lease_ends() {
         .unwrap()
         .unwrap();
     assert_eq!((claimed.job, claimed.attempt), (queued.clone(), 1));
-    // The lease is the entry's idle time, 500 ms short of the horizon.
+    // The token's lease is its idle time, 500 ms short of the horizon.
     let [(_, consumer, idle, deliveries)] = pending(&mut connection).await.try_into().unwrap();
     assert_eq!((consumer.as_str(), deliveries), ("worker-a", 1));
     assert!(
@@ -131,7 +154,8 @@ async fn a_dead_consumers_job_is_autoclaimed_once_its_lease_ends() {
     let lease = Duration::from_secs(30);
     assert!(store.claim("worker-b", lease).await.unwrap().is_none());
 
-    // worker-a never acknowledges; XAUTOCLAIM hands the entry to worker-b.
+    // worker-a never acknowledges; XAUTOCLAIM hands the token to worker-b, and the job's own
+    // lease (in the user's slot) has ended too.
     tokio::time::sleep(Duration::from_millis(650)).await;
     let again = store.claim("worker-b", lease).await.unwrap().unwrap();
     assert_eq!(
@@ -142,15 +166,15 @@ async fn a_dead_consumers_job_is_autoclaimed_once_its_lease_ends() {
     assert_eq!((consumer.as_str(), deliveries), ("worker-b", 2));
     assert!(idle < LEASE_HORIZON_MS - 29_000, "{idle}");
 
-    // The acknowledgement takes the entry off the pending list and the stream.
+    // The acknowledgement takes the token off the pending list and the stream.
     assert!(store.ack(&queued.id).await.unwrap());
     assert!(pending(&mut connection).await.is_empty());
-    assert!(stream_refs(&mut connection).await.is_empty());
+    assert!(tokens(&mut connection).await.is_empty());
     assert_eq!(store.queue_depth().await.unwrap(), 0);
 }
 
 #[tokio::test]
-async fn only_each_sessions_head_is_on_the_stream() {
+async fn tokens_are_interchangeable_and_surplus_ones_are_dropped() {
     let Some((store, mut connection, _server)) = store_and_connection(None).await else {
         return;
     };
@@ -164,32 +188,257 @@ async fn only_each_sessions_head_is_on_the_stream() {
     for queued in alice_jobs.iter().chain([&bob_job]) {
         store.enqueue(queued).await.unwrap();
     }
+    // One token per job; the backlog (in Alice's slot) holds the order.
+    let alice_s1 = token(&alice, "s1");
+    let bob_s1 = token(&bob, "s1");
     assert_eq!(
-        stream_refs(&mut connection).await,
-        [job_ref(&alice_jobs[0].id), job_ref(&bob_job.id)]
+        tokens(&mut connection).await,
+        [
+            alice_s1.clone(),
+            alice_s1.clone(),
+            alice_s1.clone(),
+            bob_s1.clone()
+        ]
     );
     assert_eq!(store.queue_depth().await.unwrap(), 4);
 
-    // Finishing the head appends the session's next job: sessions take turns in the order
-    // their jobs became next, so Bob's job goes before Alice's second.
+    // Alice's head goes first; her other tokens find it leased and are dropped on the way to
+    // Bob's.
     let lease = Duration::from_secs(30);
     let first = store.claim("worker-a", lease).await.unwrap().unwrap();
     assert_eq!(first.job.id, alice_jobs[0].id);
+    let second = store.claim("worker-a", lease).await.unwrap().unwrap();
+    assert_eq!(second.job.id, bob_job.id);
+    assert_eq!(
+        tokens(&mut connection).await,
+        [alice_s1.clone(), bob_s1.clone()]
+    );
+    assert!(store.claim("worker-a", lease).await.unwrap().is_none());
+
+    // Finishing the head swaps its token for a fresh one, since the session has jobs left.
     store.ack(&first.job.id).await.unwrap();
     assert_eq!(
-        stream_refs(&mut connection).await,
-        [job_ref(&bob_job.id), job_ref(&alice_jobs[1].id)]
+        tokens(&mut connection).await,
+        [bob_s1.clone(), alice_s1.clone()]
     );
-    let next: Vec<JobId> = [
-        store.claim("worker-a", lease).await.unwrap(),
-        store.claim("worker-a", lease).await.unwrap(),
-        store.claim("worker-a", lease).await.unwrap(),
-    ]
-    .into_iter()
-    .flatten()
-    .map(|claimed| claimed.job.id)
-    .collect();
-    assert_eq!(next, [bob_job.id.clone(), alice_jobs[1].id.clone()]);
+    let next = store.claim("worker-a", lease).await.unwrap().unwrap();
+    assert_eq!(next.job.id, alice_jobs[1].id);
+    assert_eq!(store.queue_depth().await.unwrap(), 3);
+}
+
+#[tokio::test]
+async fn a_sessions_jobs_apply_in_arrival_order_and_wait_for_a_turn_still_recording() {
+    let Some((store, _connection, _server)) = store_with(RedisOptions {
+        order_grace: Duration::from_millis(400),
+        ..RedisOptions::default()
+    })
+    .await
+    else {
+        return;
+    };
+    let alice = UserKey::new("acme", "alice");
+    let lease = Duration::from_secs(30);
+    let arriving = |key: &str, arrival: u64| {
+        let mut job = job_in(&alice, "s1", key);
+        job.exchange.arrival = Some(arrival);
+        job
+    };
+    let now = engram::pipeline::cache::first_version();
+
+    // Recorded out of order (another replica was slower): applied in arrival order.
+    let (early, late) = (arriving("t1", now), arriving("t2", now + 1_000));
+    store.enqueue(&late).await.unwrap();
+    store.enqueue(&early).await.unwrap();
+    let first = store.claim("w", lease).await.unwrap().unwrap();
+    assert_eq!(first.job.id, early.id);
+    store.ack(&early.id).await.unwrap();
+    let second = store.claim("w", lease).await.unwrap().unwrap();
+    assert_eq!(second.job.id, late.id);
+    store.ack(&late.id).await.unwrap();
+
+    // t3 arrived (the hot path noted it) but is still being recorded; t4, which arrived after
+    // it, waits for its job…
+    let at = now + 10_000;
+    store
+        .hot_record_arriving(&alice, "s1", None, "t3", at)
+        .await
+        .unwrap();
+    let t4 = arriving("t4", at + 1_000);
+    store.enqueue(&t4).await.unwrap();
+    assert!(store.claim("w", lease).await.unwrap().is_none());
+    let t3 = arriving("t3", at);
+    store.enqueue(&t3).await.unwrap();
+    assert_eq!(
+        store.claim("w", lease).await.unwrap().unwrap().job.id,
+        t3.id
+    );
+    store.ack(&t3.id).await.unwrap();
+    assert_eq!(
+        store.claim("w", lease).await.unwrap().unwrap().job.id,
+        t4.id
+    );
+    store.ack(&t4.id).await.unwrap();
+
+    // A turn whose request failed ends its note, and holds nothing back. (It "arrives" 10 s
+    // ahead, so only ending the note, not the grace, can release the job behind it.)
+    let failed_at = now + 10_000_000;
+    store
+        .hot_record_arriving(&alice, "s1", None, "failed", failed_at)
+        .await
+        .unwrap();
+    let after_failed = arriving("after-failed", failed_at + 1_000);
+    store.enqueue(&after_failed).await.unwrap();
+    assert!(store.claim("w", lease).await.unwrap().is_none());
+    store.end_arrival(&alice, "s1", "failed").await.unwrap();
+    let nudge = arriving("nudge", failed_at + 2_000);
+    store.enqueue(&nudge).await.unwrap();
+    let claimed = store.claim("w", lease).await.unwrap().unwrap();
+    assert_eq!(claimed.job.id, after_failed.id);
+    store.ack(&after_failed.id).await.unwrap();
+    assert_eq!(
+        store.claim("w", lease).await.unwrap().unwrap().job.id,
+        nudge.id
+    );
+    store.ack(&nudge.id).await.unwrap();
+
+    // …and a turn whose replica died holds the next one back for the grace at most.
+    let later = engram::pipeline::cache::first_version();
+    store
+        .hot_record_arriving(&alice, "s1", None, "t5", later)
+        .await
+        .unwrap();
+    let t6 = arriving("t6", later + 1_000);
+    store.enqueue(&t6).await.unwrap();
+    assert!(store.claim("w", lease).await.unwrap().is_none());
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(
+        store.claim("w", lease).await.unwrap().unwrap().job.id,
+        t6.id
+    );
+}
+
+#[tokio::test]
+async fn consumers_that_left_are_pruned() {
+    let Some((store, mut connection, _server)) = store_with(RedisOptions {
+        consumer_idle: Duration::from_millis(200),
+        ..RedisOptions::default()
+    })
+    .await
+    else {
+        return;
+    };
+    let alice = UserKey::new("acme", "alice");
+    let lease = Duration::from_secs(30);
+    for (key, session) in [("a1", "s1"), ("a2", "s2")] {
+        store.enqueue(&job_in(&alice, session, key)).await.unwrap();
+    }
+    // `gone` finished its job and stopped; `holding` still holds one.
+    let done = store.claim("gone", lease).await.unwrap().unwrap();
+    store.ack(&done.job.id).await.unwrap();
+    store.claim("holding", lease).await.unwrap().unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(store.prune_consumers().await.unwrap(), 1);
+    let consumers: Vec<Vec<redis::Value>> = redis::cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg(stream())
+        .arg("workers")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let names: Vec<String> = consumers
+        .iter()
+        .map(|fields| redis::from_redis_value(&fields[1]).unwrap())
+        .collect();
+    assert_eq!(names, ["holding"]);
+}
+
+#[tokio::test]
+async fn with_wait_an_enqueue_needs_a_replica() {
+    let Some((url, _server)) = start_server().await else {
+        return;
+    };
+    let options = RedisOptions {
+        prefix: PREFIX.to_owned(),
+        wait_replicas: 1,
+        wait_timeout: Duration::from_millis(100),
+        ..RedisOptions::default()
+    };
+    let store = RedisStore::connect_with(&url, options).await.unwrap();
+    let alice = UserKey::new("acme", "alice");
+    let queued = job(&alice, "hash-1");
+    // No replica acknowledges: the enqueue fails (the outbox would retry, then spool it)…
+    let error = store.enqueue(&queued).await.unwrap_err();
+    assert!(error.to_string().contains("replicas"), "{error}");
+
+    // …and with one, the retry goes through.
+    let port = url.rsplit(':').next().unwrap();
+    let Some(_replica) = RedisServer::start_replica_of(port.parse().unwrap()).await else {
+        return;
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match store.enqueue(&queued).await {
+            Ok(outcome) => {
+                assert_eq!(outcome, Enqueued::Duplicate(JobState::Queued));
+                break;
+            }
+            Err(error) => assert!(std::time::Instant::now() < deadline, "{error}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let claimed = store
+        .claim("w", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(claimed.job, queued);
+}
+
+#[tokio::test]
+async fn several_queue_shards_serve_every_session() {
+    let Some((store, mut connection, _server)) = store_with(RedisOptions {
+        queue_shards: 4,
+        ..RedisOptions::default()
+    })
+    .await
+    else {
+        return;
+    };
+    store_suite::random_operations_follow_a_model_of_sessions(&store).await;
+    store_suite::concurrent_claims_never_share_a_job(&store).await;
+    // Users' tokens spread over the shards.
+    for user in 0..16 {
+        let user = UserKey::new("spread", format!("u{user}"));
+        store.enqueue(&job(&user, "k")).await.unwrap();
+    }
+    let mut used = 0;
+    for shard in 0..4 {
+        let length: u64 = redis::cmd("XLEN")
+            .arg(format!("{PREFIX}:{{{}}}:tokens", queue_tag(shard, 4)))
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        used += usize::from(length > 0);
+    }
+    assert!(used >= 3, "{used}");
+    // A batch comes from one shard; the next batches serve the others.
+    let mut claimed = 0;
+    for _ in 0..4 {
+        let batch = store
+            .claim_batch("w", Duration::from_secs(30), 100)
+            .await
+            .unwrap();
+        assert!(!batch.is_empty());
+        claimed += batch.len();
+    }
+    assert_eq!(claimed, 16);
+    assert!(
+        store
+            .claim_batch("w", Duration::from_secs(30), 100)
+            .await
+            .unwrap()
+            .is_empty()
+    );
 }
 
 #[tokio::test]
@@ -333,7 +582,7 @@ async fn forget_leaves_no_key_and_no_entry_of_the_user() {
         cursor = next;
     }
     assert!(keys.is_empty(), "{keys:?}");
-    assert_eq!(stream_refs(&mut connection).await, [job_ref(&bob_job.id)]);
+    assert_eq!(tokens(&mut connection).await, [token(&bob, "s1")]);
     assert!(pending(&mut connection).await.is_empty(), "{leased:?}");
     assert_eq!(store.queue_depth().await.unwrap(), 1);
     // A late acknowledgement from the worker that held Alice's job changes nothing.

@@ -81,13 +81,30 @@ pub struct StoreConfig {
     pub backend: StoreBackend,
     /// Directory of the embedded store's file (`engram.redb`); created if missing.
     pub data_dir: PathBuf,
-    /// The Redis server of the `redis` backend.
+    /// The Redis server of the `redis` backend; with `redis_cluster`, one or more nodes of the
+    /// cluster, comma-separated.
     pub redis_url: String,
+    /// `redis_url` names nodes of a Redis Cluster.
+    pub redis_cluster: bool,
     /// Prefix of every Redis key.
     pub redis_prefix: String,
     /// How long Redis keeps an applied or failed job's record (its state for read-your-writes
     /// and replay detection); 0 keeps it until the user is forgotten.
     pub redis_finished_job_ttl_secs: u64,
+    /// Each connection attempt to a Redis node gives up after this.
+    pub redis_connect_timeout_ms: u64,
+    /// A Redis command (with its retries, on a cluster) fails after this without an answer.
+    pub redis_response_timeout_ms: u64,
+    /// Streams the job queue is spread over, each in its own hash slot.
+    pub redis_queue_shards: u32,
+    /// Replicas that must acknowledge (`WAIT`) a recorded exchange before its enqueue counts
+    /// as done, and a job commit before its queue token is released; 0 does not wait.
+    pub redis_wait_replicas: u32,
+    /// The longest `WAIT`; past it the enqueue fails (retried, then spooled locally).
+    pub redis_wait_timeout_ms: u64,
+    /// The longest a session's job waits for the job of an earlier turn still in flight
+    /// (being answered or recorded, on any replica).
+    pub redis_order_grace_ms: u64,
     /// The hot path's store read must answer within this; past it (or on an error) the request
     /// goes upstream without memory (fail open).
     pub hot_path_deadline_ms: u64,
@@ -199,8 +216,15 @@ impl Default for StoreConfig {
             backend: StoreBackend::Embedded,
             data_dir: PathBuf::from("data"),
             redis_url: "redis://127.0.0.1:6379".to_owned(),
+            redis_cluster: false,
             redis_prefix: crate::store::redis::DEFAULT_PREFIX.to_owned(),
             redis_finished_job_ttl_secs: crate::store::redis::DEFAULT_FINISHED_JOB_TTL.as_secs(),
+            redis_connect_timeout_ms: 2000,
+            redis_response_timeout_ms: 2000,
+            redis_queue_shards: 1,
+            redis_wait_replicas: 0,
+            redis_wait_timeout_ms: 200,
+            redis_order_grace_ms: 60_000,
             hot_path_deadline_ms: 20,
         }
     }
@@ -297,13 +321,54 @@ impl Config {
         if self.store.data_dir.as_os_str().is_empty() {
             return invalid("store.data_dir", "must name a directory");
         }
-        if !self.store.redis_url.starts_with("redis://")
-            && !self.store.redis_url.starts_with("rediss://")
-            && !self.store.redis_url.starts_with("unix://")
+        let redis_urls: Vec<&str> = self.store.redis_url.split(',').map(str::trim).collect();
+        if self.store.redis_cluster {
+            if !redis_urls
+                .iter()
+                .all(|url| url.starts_with("redis://") || url.starts_with("rediss://"))
+            {
+                return invalid(
+                    "store.redis_url",
+                    "with redis_cluster, must list redis:// or rediss:// URLs of cluster nodes, comma-separated",
+                );
+            }
+        } else if redis_urls.len() != 1
+            || !["redis://", "rediss://", "unix://"]
+                .iter()
+                .any(|scheme| self.store.redis_url.starts_with(scheme))
         {
             return invalid(
                 "store.redis_url",
-                "must be a redis://, rediss:// or unix:// URL",
+                "must be a redis://, rediss:// or unix:// URL (several only with redis_cluster)",
+            );
+        }
+        if !(1..=1024).contains(&self.store.redis_queue_shards) {
+            return invalid("store.redis_queue_shards", "must be between 1 and 1024");
+        }
+        for (path, value) in [
+            (
+                "store.redis_connect_timeout_ms",
+                self.store.redis_connect_timeout_ms,
+            ),
+            (
+                "store.redis_response_timeout_ms",
+                self.store.redis_response_timeout_ms,
+            ),
+            (
+                "store.redis_wait_timeout_ms",
+                self.store.redis_wait_timeout_ms,
+            ),
+        ] {
+            if value == 0 {
+                return invalid(path, "must be greater than 0");
+            }
+        }
+        if self.store.redis_wait_replicas > 0
+            && self.store.redis_wait_timeout_ms >= self.store.redis_response_timeout_ms
+        {
+            return invalid(
+                "store.redis_wait_timeout_ms",
+                "must be shorter than store.redis_response_timeout_ms",
             );
         }
         if self.store.redis_prefix.is_empty() || self.store.redis_prefix.contains(['{', '}', ' ']) {
@@ -499,6 +564,32 @@ mod tests {
         let config = Config::load(None, env).unwrap();
         assert_eq!(config.store.backend, StoreBackend::Redis);
         assert_eq!(config.store.redis_url, "redis://cache:6380");
+    }
+
+    #[test]
+    fn a_redis_cluster_is_a_list_of_nodes_and_only_a_cluster_takes_several() {
+        let env = |cluster: &str, url: &str| {
+            vec![
+                ("ENGRAM_STORE__REDIS_CLUSTER".to_owned(), cluster.to_owned()),
+                ("ENGRAM_STORE__REDIS_URL".to_owned(), url.to_owned()),
+            ]
+        };
+        let nodes = "redis://10.0.0.1:6379, redis://10.0.0.2:6379";
+        let config = Config::load(None, env("true", nodes)).unwrap();
+        assert!(config.store.redis_cluster);
+        let error = Config::load(None, env("false", nodes)).unwrap_err();
+        assert!(error.to_string().contains("store.redis_url"), "{error}");
+        let error = Config::load(None, env("true", "unix:///tmp/redis.sock")).unwrap_err();
+        assert!(error.to_string().contains("store.redis_url"), "{error}");
+        let error = Config::from_yaml("store:\n  redis_queue_shards: 0\n").unwrap_err();
+        assert!(error.to_string().contains("redis_queue_shards"), "{error}");
+        let error =
+            Config::from_yaml("store:\n  redis_wait_replicas: 1\n  redis_wait_timeout_ms: 5000\n")
+                .unwrap_err();
+        assert!(
+            error.to_string().contains("redis_wait_timeout_ms"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -984,6 +984,7 @@ mod tests {
                     event_time: Some(format!("2024-02-{:02}T12:00:00Z", n % 28 + 1)),
                     prior_chain: None,
                     incomplete: false,
+                    arrival: None,
                 },
                 &HeuristicExtractor,
                 &config,

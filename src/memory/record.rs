@@ -41,6 +41,11 @@ pub struct ExchangeInput {
     /// The answer did not finish streaming.
     #[serde(default)]
     pub incomplete: bool,
+    /// When the request arrived (µs since the epoch, the recording process's clock). The
+    /// memory engine does not read it; the Redis store orders a session's jobs by it, so
+    /// turns recorded by different replicas apply in the order they happened.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arrival: Option<u64>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -368,6 +373,7 @@ mod tests {
             event_time: Some(format!("2024-05-{:02}T09:00:00Z", (n % 28) + 1)),
             prior_chain: None,
             incomplete: false,
+            arrival: None,
         }
     }
 

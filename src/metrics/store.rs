@@ -20,6 +20,7 @@ use crate::store::{
 #[derive(Debug, Clone, Copy)]
 enum Operation {
     HotRecord,
+    EndArrival,
     LoadState,
     SaveState,
     SaveEncodedState,
@@ -38,8 +39,9 @@ enum Operation {
     ForgetUser,
 }
 
-const OPERATIONS: [&str; 17] = [
+const OPERATIONS: [&str; 18] = [
     "hot_record",
+    "end_arrival",
     "load_state",
     "save_state",
     "save_encoded_state",
@@ -158,6 +160,35 @@ impl Store for MeteredStore {
         self.timed(
             Operation::HotRecord,
             self.inner.hot_record(user, session_id, cached_version),
+        )
+    }
+
+    // Every method is forwarded, defaulted ones included: the default would bypass the inner
+    // store's own version (Redis notes arrivals here; without it cross-replica order broke).
+    fn hot_record_arriving<'a>(
+        &'a self,
+        user: &'a UserKey,
+        session_id: &'a str,
+        cached_version: Option<u64>,
+        turn_id: &'a str,
+        arrival_us: u64,
+    ) -> BoxFuture<'a, Result<HotRecord>> {
+        self.timed(
+            Operation::HotRecord,
+            self.inner
+                .hot_record_arriving(user, session_id, cached_version, turn_id, arrival_us),
+        )
+    }
+
+    fn end_arrival<'a>(
+        &'a self,
+        user: &'a UserKey,
+        session_id: &'a str,
+        turn_id: &'a str,
+    ) -> BoxFuture<'a, Result<()>> {
+        self.timed(
+            Operation::EndArrival,
+            self.inner.end_arrival(user, session_id, turn_id),
         )
     }
 
@@ -288,6 +319,7 @@ mod tests {
     #[test]
     fn operation_labels_follow_the_enum() {
         assert_eq!(OPERATIONS[Operation::HotRecord as usize], "hot_record");
+        assert_eq!(OPERATIONS[Operation::EndArrival as usize], "end_arrival");
         assert_eq!(OPERATIONS[Operation::CommitJobs as usize], "commit_jobs");
         assert_eq!(OPERATIONS[Operation::ForgetUser as usize], "forget_user");
     }

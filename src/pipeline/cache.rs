@@ -201,9 +201,7 @@ mod tests {
                 turn_id: format!("t{n}"),
                 user_text: (*user).into(),
                 assistant_text: (*assistant).into(),
-                event_time: None,
-                prior_chain: None,
-                incomplete: false,
+                ..ExchangeInput::default()
             };
             crate::memory::record_exchange(
                 &mut state,

@@ -67,6 +67,9 @@ pub struct RecordPlan {
     pub session: String,
     /// The exchange's id, returned to the client as `x-engram-turn-id`.
     pub turn_id: String,
+    /// When the request arrived (µs since the epoch); orders the session's jobs across
+    /// replicas ([`crate::memory::ExchangeInput::arrival`]).
+    pub arrival_us: u64,
     /// The job the exchange becomes (with the user it belongs to); its key hashes the
     /// exchange's identity, so a replayed exchange maps to the same job and applies once.
     pub job: JobId,
@@ -75,6 +78,9 @@ pub struct RecordPlan {
     pub prior_chain: Option<u64>,
     /// The request's place in its session's order; the recorder enqueues in that order.
     pub ticket: Option<Arc<order::Ticket>>,
+    /// The turn's arrival note in the store (the order across replicas); ended when the
+    /// request ends without a recording.
+    pub arrival: Option<Arc<order::Arrival>>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]

@@ -4,12 +4,19 @@
 //! waits for the session's earlier tickets to be released before it enqueues. A ticket is
 //! released when dropped, so a request that ends without a recording (an upstream error, a
 //! client gone before the headers) never holds up the ones behind it.
+//!
+//! Across processes (replicas sharing Redis) the store keeps the order: the hot path notes each
+//! recorded turn as arriving, and the store holds the session's later jobs until its job is
+//! queued. An [`Arrival`] ends the note when the request ends without a recording, so it does
+//! not hold them up either.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::Notify;
+
+use crate::store::{Store, UserKey};
 
 /// Longest a recorder waits for an earlier one of its session; past it, it goes ahead (and
 /// says so), rather than hold a recording back forever.
@@ -134,6 +141,72 @@ impl PartialEq for Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         self.order.release(&self.session, self.number);
+    }
+}
+
+/// A recorded turn noted in the store as arriving (`Store::hot_record_arriving`). Dropped
+/// without [`Arrival::recorded`], it ends the note in the background, so a request that ends
+/// without a job does not hold the session's later jobs back.
+pub struct Arrival {
+    store: Arc<dyn Store>,
+    user: UserKey,
+    session: String,
+    turn_id: String,
+    recorded: std::sync::atomic::AtomicBool,
+}
+
+impl Arrival {
+    pub fn new(store: Arc<dyn Store>, user: UserKey, session: String, turn_id: String) -> Arrival {
+        Arrival {
+            store,
+            user,
+            session,
+            turn_id,
+            recorded: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// The turn's job is on its way to the store (its enqueue ends the note).
+    pub fn recorded(&self) {
+        self.recorded
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
+impl Drop for Arrival {
+    fn drop(&mut self) {
+        if self.recorded.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
+        // Not on the shared TaskTracker: shutdown need not wait for it, since a note left
+        // behind expires after the grace. Without a runtime (shutdown) it simply expires.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = Arc::clone(&self.store);
+        let user = self.user.clone();
+        let session = std::mem::take(&mut self.session);
+        let turn_id = std::mem::take(&mut self.turn_id);
+        runtime.spawn(async move {
+            if let Err(error) = store.end_arrival(&user, &session, &turn_id).await {
+                tracing::debug!(%error, "could not end a turn's arrival note; it expires");
+            }
+        });
+    }
+}
+
+impl std::fmt::Debug for Arrival {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("Arrival")
+            .field("turn_id", &self.turn_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PartialEq for Arrival {
+    fn eq(&self, other: &Arrival) -> bool {
+        self.user == other.user && self.session == other.session && self.turn_id == other.turn_id
     }
 }
 

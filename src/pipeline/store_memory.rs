@@ -16,7 +16,7 @@ use http::HeaderMap;
 use super::cache::{CachedMemory, MemoryCache};
 use super::explain_log::ExplainLog;
 use super::identity::{self, IdentityConfig, RequestIdentity};
-use super::order::SessionOrder;
+use super::order::{Arrival, SessionOrder};
 use super::{
     BoxFuture, Exchange, MemoryLayer, MemoryMeasures, MemoryOutcome, RecordPlan, Rewrite,
     log_capture,
@@ -88,32 +88,45 @@ impl StoreMemory {
         let user = UserKey::new(identity.tenant, identity.user);
         let session = identity.session;
         let turn_id = self.turn_ids.next();
-        let plan = resolved.records().then(|| {
-            let turn_id = turn_id.clone();
-            RecordPlan {
-                job: JobId {
-                    key: job_key(&user, &session, &turn_id),
-                    user: user.clone(),
-                },
-                session: session.clone(),
-                turn_id,
-                event_time: resolved.event_time.clone(),
-                prior_chain: None,
-                ticket: Some(Arc::new(
-                    self.order
-                        .ticket(format!("{}\u{0}{}\u{0}{session}", user.tenant, user.user)),
-                )),
-            }
+        let arrival_us = super::cache::first_version();
+        let plan = resolved.records().then(|| RecordPlan {
+            job: JobId {
+                key: job_key(&user, &session, &turn_id),
+                user: user.clone(),
+            },
+            session: session.clone(),
+            turn_id: turn_id.clone(),
+            arrival_us,
+            event_time: resolved.event_time.clone(),
+            prior_chain: None,
+            ticket: Some(Arc::new(
+                self.order
+                    .ticket(format!("{}\u{0}{}\u{0}{session}", user.tenant, user.user)),
+            )),
+            arrival: Some(Arc::new(Arrival::new(
+                Arc::clone(&self.store),
+                user.clone(),
+                session.clone(),
+                turn_id.clone(),
+            ))),
         });
 
         let mut load = self.telemetry.child("engram.memory.load");
         let cached = self.cache.get(&user);
-        let read = tokio::time::timeout(
-            self.deadline,
-            self.store
-                .hot_record(&user, &session, cached.as_ref().map(|m| m.version())),
-        )
-        .await;
+        let cached_version = cached.as_ref().map(|m| m.version());
+        // A turn that will be recorded is noted as arriving in the same read, so the session's
+        // later turns, whichever replica records them, queue behind its job.
+        let hot_record = match &plan {
+            Some(plan) => self.store.hot_record_arriving(
+                &user,
+                &session,
+                cached_version,
+                &plan.turn_id,
+                arrival_us,
+            ),
+            None => self.store.hot_record(&user, &session, cached_version),
+        };
+        let read = tokio::time::timeout(self.deadline, hot_record).await;
         let record = match read {
             Ok(Ok(record)) => record,
             Ok(Err(error)) => {
@@ -238,6 +251,7 @@ impl MemoryLayer for StoreMemory {
             // Released (dropped) only after the enqueue, so the session's next recording
             // queues after this one.
             let ticket = plan.ticket.take();
+            let arrival = plan.arrival.take();
             if let Some(ticket) = &ticket
                 && !ticket.wait_turn().await
             {
@@ -262,9 +276,15 @@ impl MemoryLayer for StoreMemory {
                     event_time: plan.event_time,
                     prior_chain: plan.prior_chain,
                     incomplete: exchange.capture.incomplete.is_some(),
+                    arrival: Some(plan.arrival_us),
                 },
                 trace: telemetry.current_trace_parent(),
             };
+            // The enqueue ends the arrival note (or, spooled, keeps holding the session's
+            // later jobs until it is forwarded).
+            if let Some(arrival) = &arrival {
+                arrival.recorded();
+            }
             outbox.submit(job).await;
             drop(ticket);
         })

@@ -154,6 +154,35 @@ pub trait Store: Send + Sync + 'static {
         cached_version: Option<u64>,
     ) -> BoxFuture<'a, Result<HotRecord>>;
 
+    /// [`Store::hot_record`] for a request whose exchange will be recorded as `turn_id`, which
+    /// arrived at `arrival_us` (µs since the epoch, the recording process's clock). A store
+    /// shared by several processes (Redis) also notes the turn as arriving, in the same round
+    /// trip, so that the session's later jobs wait for its job rather than overtake it when
+    /// another process records it (see docs/scaling.md). The default is `hot_record`.
+    fn hot_record_arriving<'a>(
+        &'a self,
+        user: &'a UserKey,
+        session_id: &'a str,
+        cached_version: Option<u64>,
+        turn_id: &'a str,
+        arrival_us: u64,
+    ) -> BoxFuture<'a, Result<HotRecord>> {
+        let _ = (turn_id, arrival_us);
+        self.hot_record(user, session_id, cached_version)
+    }
+
+    /// Ends the arrival note of a turn that will not be recorded (its request failed), so the
+    /// session's later jobs stop waiting for it. The default does nothing.
+    fn end_arrival<'a>(
+        &'a self,
+        user: &'a UserKey,
+        session_id: &'a str,
+        turn_id: &'a str,
+    ) -> BoxFuture<'a, Result<()>> {
+        let _ = (user, session_id, turn_id);
+        Box::pin(std::future::ready(Ok(())))
+    }
+
     /// The user's memory state; `None` when nothing is stored.
     fn load_state<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<Option<MemoryState>>>;
 
@@ -207,8 +236,9 @@ pub trait Store: Send + Sync + 'static {
     /// Leases the oldest queued job that no live lease holds, for `lease`, skipping jobs of a
     /// session whose earlier job is leased (a session's jobs apply in order). A consumer that
     /// dies holding a job loses it when the lease ends. "Oldest" is by enqueue time in the
-    /// embedded store; Redis ranks a job by when it became its session's next job, so
-    /// sessions take turns (see docs/storage.md).
+    /// embedded store; Redis orders a session's jobs by their turns' arrival
+    /// ([`ExchangeInput::arrival`]) and serves sessions in the order they got work, one queue
+    /// shard at a time (see docs/storage.md).
     fn claim<'a>(
         &'a self,
         consumer: &'a str,
@@ -259,9 +289,11 @@ pub trait Store: Send + Sync + 'static {
     /// The worker's whole write for applied jobs of one session (in order): their raw-log
     /// appends, the state after them (with the version check of `save_state`), the session's
     /// prefetched candidates, and the jobs marked applied. Fails with `Error::JobGone`, writing
-    /// nothing, if a job no longer exists (its user was forgotten while it was applied). Backends that can do it in one
-    /// atomic step override this sequence; in the sequence every step is idempotent, so a
-    /// worker that dies half-way and a re-claim that repeats it apply each job once.
+    /// nothing, if a job no longer exists (its user was forgotten while it was applied). Both
+    /// backends override this with one atomic step. In the provided sequence every step is
+    /// idempotent, so a worker that dies half-way and a re-claim that repeats it apply each job
+    /// once; but its job check is a separate read, so a forget landing between it and the
+    /// writes can slip through.
     fn commit_jobs<'a>(
         &'a self,
         jobs: &'a [Job],

@@ -1,41 +1,51 @@
-//! The Redis backend: every per-user record under `<prefix>:{<tag>}:<kind>`, where the tag is
-//! the hex-encoded tenant and user joined by `:` (hex has no `:`, so `("t1:u", "x")` and
-//! `("t1", "u:x")` get different tags, and any byte is safe). One user's keys share the hash tag
-//! and so one cluster slot.
+//! The Redis backend, on one server or a Redis Cluster (see docs/storage.md and
+//! docs/scaling.md).
 //!
-//! Each call is one round trip: a single command or one Lua script, so the multi-key updates
-//! (version check, idempotent appends, queue moves) are atomic.
+//! Every per-user record is under `<prefix>:{<tag>}:<kind>`, where the tag is the hex-encoded
+//! tenant and user joined by `:` (hex has no `:`, so `("t1:u", "x")` and `("t1", "u:x")` get
+//! different tags, and any byte is safe). One user's keys share the hash tag and so one cluster
+//! slot, and every script touches one slot only: one user's, or one queue shard's.
 //!
-//! The job queue is a Redis Stream, `<prefix>:{queue}:jobs`, read by the consumer group
-//! `workers`. Per-session order is kept by putting only each session's *head* (its oldest
-//! unfinished job) on the stream: later jobs wait in the session's backlog list (a user key),
-//! and finishing the head (XACK + XDEL) appends the next one. So every stream entry is
-//! claimable the moment no live lease holds it, and a claim is O(1) plus the pending list.
+//! The job queue is split between the two. The user's slot holds the truth: each job's record
+//! and exchange, each session's backlog (ranked by the turns' arrival times) and the session's
+//! lease. A queue shard (`<prefix>:{queue-<n>-…}:tokens`, a Stream read by the consumer group
+//! `workers`; a user always maps to the same shard) holds *tokens*: "this session has work".
+//! A claim leases a token, then, in the user's slot, leases the session's head job; a token
+//! that finds the session empty, or its head leased under another token, is dropped. Finishing
+//! the leased job drops its token and, when the session has jobs left, adds a fresh one. So
+//! each session with work has a token (tokens are interchangeable: any of them serves the
+//! session's head), a session's jobs apply one at a time in arrival order, and a claim never
+//! looks at jobs waiting in a backlog.
 //!
-//! Leases live in the pending-entries list. A claim sets the entry's idle time to
-//! [`LEASE_HORIZON_MS`] minus the lease, so the entry reaches the horizon exactly when the
-//! lease ends, and one `XAUTOCLAIM` with min-idle-time = horizon finds the entries whose
-//! consumer died, whatever lease each was given. The attempt is the entry's delivery count.
-//! Lease ends are the Redis server's clock, one clock for every worker.
-//!
-//! Cluster: `claim` and `queue_depth` touch only the queue's keys (one slot, `{queue}`);
-//! `enqueue`, `finish` and `forget_user` touch one user's keys and the queue's, which a Redis
-//! Cluster rejects as cross-slot (see docs/storage.md).
+//! Leases: a token's lease is its pending-list entry, whose idle time a claim sets so that it
+//! reaches [`LEASE_HORIZON_MS`] exactly when the lease ends, so one `XAUTOCLAIM` with
+//! min-idle-time = horizon finds the tokens whose holder died; the job's lease (token and end)
+//! is in its record. Writes that span the two slots go user slot first, then queue shard, and
+//! each step is safe to repeat, so a process that dies between them leaves nothing stuck for
+//! longer than a lease (see docs/storage.md for the one exception).
 
+mod connection;
+mod scripts;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{AsyncCommands, Script};
+use redis::AsyncCommands;
 use serde::{Deserialize, Serialize};
 
+use self::connection::{Connection, Target};
+use self::scripts::Scripts;
 use super::{
     Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobState,
-    RawEntry, Store, UserKey, decode,
+    RawEntry, Store, UserKey, decode, now_ms,
 };
 use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
 use crate::pipeline::BoxFuture;
 use crate::telemetry::TraceParent;
+
+pub use self::connection::{queue_tag, slot};
 
 /// The key prefix when none is given.
 pub const DEFAULT_PREFIX: &str = "engram";
@@ -66,170 +76,6 @@ struct ClaimedExchange {
     trace: Option<TraceParent>,
 }
 
-/// Version, then state unless current or absent, then the session's prefetched candidates.
-const HOT_RECORD: &str = r"
-local version = redis.call('GET', KEYS[1]) or '0'
-local state = false
-if version ~= '0' and version ~= ARGV[1] then
-  state = redis.call('GET', KEYS[2]) or false
-end
-local prefetched = redis.call('HGET', KEYS[3], ARGV[2]) or false
-return {version, state, prefetched}
-";
-
-/// Writes state and version if the stored version equals ARGV[1]; else returns the found one.
-const SAVE_STATE: &str = r"
-local found = redis.call('GET', KEYS[1]) or '0'
-if found ~= ARGV[1] then
-  return found
-end
-redis.call('SET', KEYS[1], ARGV[2])
-redis.call('SET', KEYS[2], ARGV[3])
-return false
-";
-
-/// Appends once per exchange id; returns {seq, duplicate (0/1)}.
-const APPEND_RAW: &str = r"
-local known = redis.call('HGET', KEYS[2], ARGV[1])
-if known then
-  return {tonumber(known), 1}
-end
-local seq = redis.call('RPUSH', KEYS[1], ARGV[2]) - 1
-redis.call('HSET', KEYS[2], ARGV[1], seq)
-return {seq, 0}
-";
-
-/// Queues a job once per id; returns the existing job's state (JSON) for a duplicate.
-/// KEYS: job record, job index, session backlog, stream, depth. ARGV: job key, exchange JSON,
-/// queued state JSON, job ref, hex session, group.
-const ENQUEUE: &str = r"
-local known = redis.call('HGET', KEYS[1], 'state')
-if known then
-  return known
-end
-redis.call('ZADD', KEYS[2], '+inf', ARGV[1])
-redis.call('INCR', KEYS[5])
-if redis.call('RPUSH', KEYS[3], ARGV[1]) == 1 then
-  -- Nothing of the session is unfinished: the job is its head and goes on the stream.
-  if redis.call('EXISTS', KEYS[4]) == 0 then
-    redis.call('XGROUP', 'CREATE', KEYS[4], ARGV[6], '0', 'MKSTREAM')
-  end
-  local entry = redis.call('XADD', KEYS[4], '*', 'job', ARGV[4], 'exchange', ARGV[2])
-  redis.call('HSET', KEYS[1], 'state', ARGV[3], 'session', ARGV[5], 'entry', entry)
-else
-  -- Waits in the backlog, exchange and all, until the jobs before it finish.
-  redis.call('HSET', KEYS[1], 'state', ARGV[3], 'session', ARGV[5], 'exchange', ARGV[2])
-end
-return false
-";
-
-/// Leases a stream entry: first one whose lease ended (XAUTOCLAIM), else a new one
-/// (XREADGROUP); then sets its idle time so that it reaches the horizon when this lease ends.
-/// Returns {job ref, attempt, exchange JSON} or nil.
-/// KEYS: stream. ARGV: group, consumer, lease horizon ms, idle to set (horizon − lease).
-const CLAIM: &str = r"
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  return false
-end
-local entry = false
--- XAUTOCLAIM scans a bounded part of the pending list per call; go on until it is done.
-local cursor = '0-0'
-repeat
-  local reply = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], cursor, 'COUNT', 1)
-  cursor = reply[1]
-  entry = reply[2][1] or false
-until entry or cursor == '0-0'
-if not entry then
-  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1,
-    'STREAMS', KEYS[1], '>')
-  if not reply then
-    return false
-  end
-  entry = reply[1][2][1]
-end
-local id = entry[1]
--- JUSTID leaves the delivery count alone: it counts XREADGROUP and XAUTOCLAIM deliveries.
-redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'IDLE', ARGV[4], 'JUSTID')
-local pending = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
-local fields = {}
-for index = 1, #entry[2], 2 do
-  fields[entry[2][index]] = entry[2][index + 1]
-end
-return {fields['job'], pending[1][4], fields['exchange']}
-";
-
-/// Records a job's final state; a queued job leaves its session's backlog and, if it was the
-/// head, the stream (XACK + XDEL), and the session's next job goes on the stream. Finished
-/// records expire after the retention. Returns 0 when the job is unknown.
-/// KEYS: job record, job index, stream, depth. ARGV: job key, state JSON, group, user key
-/// prefix (`<prefix>:{tag}:`), user tag, retention ms ('' keeps the record).
-const FINISH: &str = r"
-local record = redis.call('HMGET', KEYS[1], 'state', 'session', 'entry')
-if not record[1] then
-  return 0
-end
-local session, entry = record[2], record[3]
-if session then
-  local backlog = ARGV[4] .. 'session:' .. session
-  redis.call('LREM', backlog, 1, ARGV[1])
-  redis.call('DECR', KEYS[4])
-  if entry then
-    redis.call('XACK', KEYS[3], ARGV[3], entry)
-    redis.call('XDEL', KEYS[3], entry)
-    local next_key = redis.call('LINDEX', backlog, 0)
-    if next_key then
-      local next_record = ARGV[4] .. 'job:' .. next_key
-      local exchange = redis.call('HGET', next_record, 'exchange')
-      local next_entry = redis.call('XADD', KEYS[3], '*', 'job', ARGV[5] .. ' ' .. next_key,
-        'exchange', exchange)
-      redis.call('HSET', next_record, 'entry', next_entry)
-      redis.call('HDEL', next_record, 'exchange')
-    end
-  end
-  redis.call('HDEL', KEYS[1], 'session', 'entry', 'exchange')
-end
-redis.call('HSET', KEYS[1], 'state', ARGV[2])
-local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-if ARGV[6] == '' then
-  redis.call('ZADD', KEYS[2], '+inf', ARGV[1])
-else
-  redis.call('PEXPIRE', KEYS[1], ARGV[6])
-  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[6]), ARGV[1])
-end
--- Index entries of records that have expired by now.
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. now)
-return 1
-";
-
-/// Deletes every key of one user and their stream entries; returns counts per kind.
-/// KEYS: state, version, prefetched, raw, raw ids, job index, stream, depth.
-/// ARGV: user key prefix (`<prefix>:{tag}:`), group.
-const FORGET: &str = r"
-local states = redis.call('EXISTS', KEYS[1])
-local prefetched = redis.call('HLEN', KEYS[3])
-local raw = redis.call('LLEN', KEYS[4])
-local jobs, queued = 0, 0
-for _, key in ipairs(redis.call('ZRANGE', KEYS[6], 0, -1)) do
-  local record = ARGV[1] .. 'job:' .. key
-  local fields = redis.call('HMGET', record, 'session', 'entry')
-  if fields[1] then
-    queued = queued + 1
-    redis.call('DEL', ARGV[1] .. 'session:' .. fields[1])
-  end
-  if fields[2] then
-    redis.call('XACK', KEYS[7], ARGV[2], fields[2])
-    redis.call('XDEL', KEYS[7], fields[2])
-  end
-  jobs = jobs + redis.call('DEL', record)
-end
-if queued > 0 then
-  redis.call('DECRBY', KEYS[8], queued)
-end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
-return {states, prefetched, raw, jobs}
-";
-
 /// The consumer group every worker claims through.
 const GROUP: &str = "workers";
 
@@ -244,6 +90,16 @@ const MAX_TTL_MS: u64 = 1_000_000_000_000;
 /// How long a finished job's record is kept when [`RedisOptions`] do not say.
 pub const DEFAULT_FINISHED_JOB_TTL: Duration = Duration::from_secs(7 * 24 * 60 * 60);
 
+/// Tokens one claim looks at in one shard before it moves on (each dropped token costs two
+/// round trips; the rest are dropped by later claims).
+const TOKENS_PER_CLAIM: usize = 32;
+
+/// Stream entries one forget step reads.
+const FORGET_CHUNK: usize = 1000;
+
+/// How often a process removes idle consumers from the group.
+const PRUNE_EVERY_MS: u64 = 5 * 60 * 1000;
+
 /// Settings of a [`RedisStore`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisOptions {
@@ -255,8 +111,24 @@ pub struct RedisOptions {
     /// Each connection attempt gives up after this.
     pub connect_timeout: Duration,
     /// A command without an answer within this fails (a stalled server must not hang the
-    /// worker or the recorder; the hot path has its own, shorter deadline).
+    /// worker or the recorder; the hot path has its own, shorter deadline). On a cluster it
+    /// bounds a command with its retries (a slot moving, a failover).
     pub response_timeout: Duration,
+    /// The URL (or the comma-separated URLs) name nodes of a Redis Cluster.
+    pub cluster: bool,
+    /// Streams the job queue is spread over (each its own hash slot).
+    pub queue_shards: u32,
+    /// Replicas that must acknowledge a write that records or applies exchanges (`WAIT`)
+    /// before it counts as done; 0 does not wait.
+    pub wait_replicas: u32,
+    /// The longest `WAIT`.
+    pub wait_timeout: Duration,
+    /// The longest a session's job waits for the job of an earlier turn that is still in
+    /// flight (answered or being recorded, by any replica); a turn in flight for longer is
+    /// applied after the turns behind it.
+    pub order_grace: Duration,
+    /// Consumers idle this long without a lease leave the group.
+    pub consumer_idle: Duration,
 }
 
 impl Default for RedisOptions {
@@ -266,32 +138,67 @@ impl Default for RedisOptions {
             finished_job_ttl: Some(DEFAULT_FINISHED_JOB_TTL),
             connect_timeout: Duration::from_secs(2),
             response_timeout: Duration::from_secs(2),
+            cluster: false,
+            queue_shards: 1,
+            wait_replicas: 0,
+            wait_timeout: Duration::from_millis(200),
+            order_grace: Duration::from_secs(60),
+            consumer_idle: Duration::from_secs(60 * 60),
+        }
+    }
+}
+
+impl RedisOptions {
+    /// The options `store.*` configures.
+    pub fn from_config(config: &crate::config::StoreConfig) -> RedisOptions {
+        RedisOptions {
+            prefix: config.redis_prefix.clone(),
+            finished_job_ttl: (config.redis_finished_job_ttl_secs > 0)
+                .then(|| Duration::from_secs(config.redis_finished_job_ttl_secs)),
+            connect_timeout: Duration::from_millis(config.redis_connect_timeout_ms),
+            response_timeout: Duration::from_millis(config.redis_response_timeout_ms),
+            cluster: config.redis_cluster,
+            queue_shards: config.redis_queue_shards,
+            wait_replicas: config.redis_wait_replicas,
+            wait_timeout: Duration::from_millis(config.redis_wait_timeout_ms),
+            order_grace: Duration::from_millis(config.redis_order_grace_ms),
+            ..RedisOptions::default()
         }
     }
 }
 
 #[derive(Clone)]
 pub struct RedisStore {
-    connection: ConnectionManager,
+    /// Reads, leases and the queue's claims.
+    connection: Connection,
+    /// Writes that may be followed by `WAIT`, which blocks its connection while it waits: a
+    /// connection of their own when waiting is on, so reads never queue behind a `WAIT`.
+    writer: Connection,
     prefix: String,
     /// The retention in ms as a script argument; empty keeps finished records.
     finished_job_ttl_ms: String,
-    scripts: std::sync::Arc<Scripts>,
+    /// Each shard's key prefix, `<prefix>:{<queue tag>}:`.
+    shards: Arc<Vec<String>>,
+    /// Where the next claim starts, so shards take turns.
+    next_shard: Arc<AtomicUsize>,
+    wait: Option<(u32, Duration)>,
+    order_grace: Duration,
+    consumer_idle: Duration,
+    /// When this process next removes idle consumers (ms since the epoch).
+    next_prune_ms: Arc<AtomicU64>,
+    scripts: Arc<Scripts>,
 }
 
-struct Scripts {
-    hot_record: Script,
-    save_state: Script,
-    append_raw: Script,
-    enqueue: Script,
-    claim: Script,
-    finish: Script,
-    forget: Script,
+/// A token's fate, settled with the next claim step.
+enum Settle {
+    Nothing,
+    Drop(String),
+    Postpone(String, Duration),
 }
 
 impl RedisStore {
     /// Connects to `url` (e.g. `redis://127.0.0.1:6379`) with every key under `prefix` and the
-    /// default retention of finished jobs.
+    /// default options.
     pub async fn connect(url: &str, prefix: &str) -> Result<RedisStore> {
         let options = RedisOptions {
             prefix: prefix.to_owned(),
@@ -300,43 +207,60 @@ impl RedisStore {
         RedisStore::connect_with(url, options).await
     }
 
-    /// Connects to `url` with the given options.
+    /// Connects to `url` with the given options; with `options.cluster`, `url` lists one or
+    /// more nodes of the cluster, comma-separated.
     pub async fn connect_with(url: &str, options: RedisOptions) -> Result<RedisStore> {
-        let client = redis::Client::open(url).map_err(redis_error)?;
-        // Reconnects back off from 10 ms up to 1 s, so a restarted server is found quickly.
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(options.connect_timeout)
-            .set_response_timeout(options.response_timeout)
-            .set_exponent_base(2)
-            .set_factor(10)
-            .set_max_delay(1000)
-            .set_number_of_retries(6);
-        let connection = ConnectionManager::new_with_config(client, config)
-            .await
-            .map_err(redis_error)?;
+        let target = Target {
+            urls: url
+                .split(',')
+                .map(str::trim)
+                .filter(|url| !url.is_empty())
+                .map(str::to_owned)
+                .collect(),
+            cluster: options.cluster,
+            connect_timeout: options.connect_timeout,
+            response_timeout: options.response_timeout,
+        };
+        let connection = Connection::open(&target).await.map_err(redis_error)?;
+        let wait = (options.wait_replicas > 0).then_some((
+            options.wait_replicas,
+            options.wait_timeout.max(Duration::from_millis(1)),
+        ));
+        let writer = match wait {
+            Some(_) => Connection::open(&target).await.map_err(redis_error)?,
+            None => connection.clone(),
+        };
+        let shards = options.queue_shards.max(1);
         Ok(RedisStore {
             connection,
+            writer,
+            shards: Arc::new(
+                (0..shards)
+                    .map(|shard| format!("{}:{{{}}}:", options.prefix, queue_tag(shard, shards)))
+                    .collect(),
+            ),
             prefix: options.prefix,
             finished_job_ttl_ms: options
                 .finished_job_ttl
                 // At least 1 ms: PEXPIRE 0 would delete the record at once.
                 .map(|ttl| duration_ms(ttl).clamp(1, MAX_TTL_MS).to_string())
                 .unwrap_or_default(),
-            scripts: std::sync::Arc::new(Scripts {
-                hot_record: Script::new(HOT_RECORD),
-                save_state: Script::new(SAVE_STATE),
-                append_raw: Script::new(APPEND_RAW),
-                enqueue: Script::new(ENQUEUE),
-                claim: Script::new(CLAIM),
-                finish: Script::new(FINISH),
-                forget: Script::new(FORGET),
-            }),
+            next_shard: Arc::default(),
+            wait,
+            order_grace: options.order_grace,
+            consumer_idle: options.consumer_idle,
+            next_prune_ms: Arc::new(AtomicU64::new(now_ms() + PRUNE_EVERY_MS)),
+            scripts: Arc::new(Scripts::new()),
         })
     }
 
     /// The start of every key of one user: `<prefix>:{<tag>}:`.
     fn user_prefix(&self, user: &UserKey) -> String {
-        format!("{}:{{{}}}:", self.prefix, user_tag(user))
+        self.tag_prefix(&user_tag(user))
+    }
+
+    fn tag_prefix(&self, tag: &str) -> String {
+        format!("{}:{{{tag}}}:", self.prefix)
     }
 
     /// A key of one user: `<prefix>:{<tag>}:<kind>`.
@@ -344,24 +268,280 @@ impl RedisStore {
         format!("{}{kind}", self.user_prefix(user))
     }
 
-    /// A job's record: a hash of its state and, while queued, its session and stream entry.
+    /// A job's record: a hash of its state and, while queued, its session, exchange and lease.
     fn job_record_key(&self, job: &JobId) -> String {
         format!("{}job:{}", self.user_prefix(&job.user), job.key)
     }
 
-    /// A key of the queue; `{queue}` keeps them on one cluster slot (no user tag is `queue`,
-    /// as tags are hex).
-    fn queue_key(&self, kind: &str) -> String {
-        format!("{}:{{queue}}:{kind}", self.prefix)
+    /// The queue shard of a user's tokens: a hash of the tag, so it never changes.
+    fn shard_of(&self, tag: &str) -> usize {
+        let hash = tag.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+            (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+        });
+        usize::try_from(hash % self.shards.len() as u64).unwrap_or(0)
     }
 
-    fn connection(&self) -> ConnectionManager {
+    fn shard_key(&self, shard: usize, kind: &str) -> String {
+        format!("{}{kind}", self.shards[shard % self.shards.len()])
+    }
+
+    fn connection(&self) -> Connection {
         self.connection.clone()
+    }
+
+    fn writer(&self) -> Connection {
+        self.writer.clone()
+    }
+
+    /// Waits until the configured number of replicas hold the writer's writes to `key`'s node.
+    /// True when they do or waiting is off.
+    async fn replicated(&self, key: &str) -> Result<bool> {
+        let Some((replicas, timeout)) = self.wait else {
+            return Ok(true);
+        };
+        let acknowledged = self
+            .writer()
+            .wait_for_replicas(key, replicas, timeout)
+            .await
+            .map_err(redis_error)?;
+        Ok(acknowledged >= replicas)
+    }
+
+    /// [`RedisStore::replicated`] for writes whose failure to replicate is logged, not
+    /// returned: they are done on the master, and a failover that lost them is repaired by
+    /// the jobs staying claimable.
+    async fn replicated_or_warn(&self, key: &str, what: &str) -> bool {
+        match self.replicated(key).await {
+            Ok(true) => true,
+            Ok(false) => {
+                tracing::warn!(what, "a write was not acknowledged by the replicas in time");
+                false
+            }
+            Err(error) => {
+                tracing::warn!(%error, what, "waiting for the replicas failed");
+                false
+            }
+        }
+    }
+
+    /// One claim from one shard: leases tokens until one yields a job or the shard has none
+    /// left (or [`TOKENS_PER_CLAIM`] were looked at).
+    async fn claim_from_shard(
+        &self,
+        shard: usize,
+        consumer: &str,
+        lease: Duration,
+    ) -> Result<Option<ClaimedJob>> {
+        let stream = self.shard_key(shard, "tokens");
+        let mut settle = Settle::Nothing;
+        for _ in 0..TOKENS_PER_CLAIM {
+            let Some((entry, tag, session)) = self
+                .claim_token(&stream, consumer, lease, &settle, false)
+                .await?
+            else {
+                return Ok(None);
+            };
+            let Some(user) = parse_tag(&tag) else {
+                tracing::warn!(entry, "malformed token on the job queue; dropped");
+                settle = Settle::Drop(entry);
+                continue;
+            };
+            let prefix = self.tag_prefix(&tag);
+            let (status, key, attempt, exchange): (
+                String,
+                Option<String>,
+                Option<u32>,
+                Option<Vec<u8>>,
+            ) = self
+                .scripts
+                .lease
+                .key(format!("{prefix}session:{session}"))
+                .key(format!("{prefix}leases"))
+                .key(format!("{prefix}arriving"))
+                .arg(&prefix)
+                .arg(&session)
+                .arg(&entry)
+                .arg(duration_ms(lease))
+                .arg(duration_us(self.order_grace))
+                .invoke_async(&mut self.connection())
+                .await
+                .map_err(redis_error)?;
+            match (status.as_str(), key, attempt, exchange) {
+                ("job", Some(key), Some(attempt), Some(exchange)) => {
+                    let claimed: ClaimedExchange = decode(&exchange)?;
+                    return Ok(Some(ClaimedJob {
+                        job: Job {
+                            id: JobId { user, key },
+                            exchange: claimed.exchange,
+                            trace: claimed.trace,
+                        },
+                        attempt,
+                    }));
+                }
+                ("wait", Some(wait_ms), _, _) => {
+                    let wait = wait_ms
+                        .parse()
+                        .map_or(self.order_grace, Duration::from_millis);
+                    settle = Settle::Postpone(entry, wait);
+                }
+                _ => settle = Settle::Drop(entry),
+            }
+        }
+        // Looked at enough tokens for one claim: settle the last one and move on.
+        self.claim_token(&stream, consumer, lease, &settle, true)
+            .await?;
+        Ok(None)
+    }
+
+    /// Settles the previous token, then (unless `settle_only`) leases the shard's next one:
+    /// (entry id, user tag, hex session).
+    async fn claim_token(
+        &self,
+        stream: &str,
+        consumer: &str,
+        lease: Duration,
+        settle: &Settle,
+        settle_only: bool,
+    ) -> Result<Option<(String, String, String)>> {
+        let (drop, postpone, postpone_idle) = match settle {
+            Settle::Nothing => ("", "", 0),
+            Settle::Drop(entry) => (entry.as_str(), "", 0),
+            Settle::Postpone(entry, wait) => ("", entry.as_str(), lease_idle_ms(*wait)),
+        };
+        self.scripts
+            .claim_token
+            .key(stream)
+            .arg(GROUP)
+            .arg(consumer)
+            .arg(LEASE_HORIZON_MS)
+            .arg(lease_idle_ms(lease))
+            .arg(drop)
+            .arg(postpone)
+            .arg(postpone_idle)
+            .arg(if settle_only { "1" } else { "0" })
+            .invoke_async(&mut self.connection())
+            .await
+            .map_err(redis_error)
+    }
+
+    /// The queue step after jobs of `user` finished: drops the released tokens (adding fresh
+    /// ones for sessions with jobs left) and lowers the depth. Logged, not returned, when it
+    /// fails: the jobs are finished, and a token left behind is dropped by the claim that
+    /// finds it once its lease ends.
+    async fn release_tokens(&self, user: &UserKey, queued: u64, released: &[String]) {
+        if queued == 0 && released.is_empty() {
+            return;
+        }
+        let tag = user_tag(user);
+        let shard = self.shard_of(&tag);
+        let mut invocation = self.scripts.release_tokens.prepare_invoke();
+        invocation
+            .key(self.shard_key(shard, "tokens"))
+            .key(self.shard_key(shard, "depth"))
+            .arg(GROUP)
+            .arg(&tag)
+            .arg(queued);
+        for field in released {
+            invocation.arg(field);
+        }
+        let result: redis::RedisResult<i64> = invocation.invoke_async(&mut self.writer()).await;
+        if let Err(error) = result {
+            tracing::warn!(%error, "releasing finished jobs' tokens failed; they expire with their lease");
+        }
+    }
+
+    /// Removes consumers that left (no lease, idle for `consumer_idle`) from every shard's
+    /// group; returns how many. Claims call it every few minutes.
+    pub async fn prune_consumers(&self) -> Result<u64> {
+        let mut removed = 0;
+        for shard in 0..self.shards.len() {
+            let count: u64 = self
+                .scripts
+                .prune_consumers
+                .key(self.shard_key(shard, "tokens"))
+                .arg(GROUP)
+                .arg(duration_ms(self.consumer_idle))
+                .invoke_async(&mut self.connection())
+                .await
+                .map_err(redis_error)?;
+            removed += count;
+        }
+        Ok(removed)
+    }
+
+    async fn prune_now_and_then(&self) {
+        let now = now_ms();
+        let due = self.next_prune_ms.load(Ordering::Relaxed);
+        if now < due
+            || self
+                .next_prune_ms
+                .compare_exchange(
+                    due,
+                    now + PRUNE_EVERY_MS,
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                )
+                .is_err()
+        {
+            return;
+        }
+        match self.prune_consumers().await {
+            Ok(0) => {}
+            Ok(removed) => tracing::info!(removed, "removed idle consumers from the job queue"),
+            Err(error) => tracing::debug!(%error, "removing idle consumers failed"),
+        }
+    }
+
+    async fn hot_record_with(
+        &self,
+        user: &UserKey,
+        session_id: &str,
+        cached_version: Option<u64>,
+        arriving: Option<(&str, u64)>,
+    ) -> Result<HotRecord> {
+        let (marker, arrival) = match arriving {
+            Some((turn_id, arrival_us)) => {
+                (arrival_marker(session_id, turn_id), arrival_us.to_string())
+            }
+            None => (String::new(), String::new()),
+        };
+        let (version, state, prefetched): (String, Option<Vec<u8>>, Option<Vec<u8>>) = self
+            .scripts
+            .hot_record
+            .key(self.user_key(user, "version"))
+            .key(self.user_key(user, "state"))
+            .key(self.user_key(user, "prefetched"))
+            .key(self.user_key(user, "arriving"))
+            .arg(
+                cached_version
+                    .map(|version| version.to_string())
+                    .unwrap_or_default(),
+            )
+            .arg(session_id)
+            .arg(marker)
+            .arg(arrival)
+            // Markers live for the grace; the key goes once its last marker is this old.
+            .arg(duration_ms(self.order_grace).max(1) * 2)
+            .invoke_async(&mut self.connection())
+            .await
+            .map_err(redis_error)?;
+        Ok(HotRecord {
+            version: parse_version(&version)?,
+            state: state.as_deref().map(decode).transpose()?,
+            prefetched: match prefetched {
+                Some(bytes) => decode(&bytes)?,
+                None => Vec::new(),
+            },
+        })
     }
 }
 
 fn duration_ms(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+fn duration_us(duration: Duration) -> u64 {
+    u64::try_from(duration.as_micros()).unwrap_or(u64::MAX)
 }
 
 /// The idle time a claim gives its entry, so it reaches the horizon when the lease ends.
@@ -374,22 +554,14 @@ fn user_tag(user: &UserKey) -> String {
     format!("{}:{}", hex(&user.tenant), hex(&user.user))
 }
 
-/// A job's ref in its stream entry: the user's tag, a space, the job key.
-fn job_ref(job: &JobId) -> String {
-    format!("{} {}", user_tag(&job.user), job.key)
+fn parse_tag(tag: &str) -> Option<UserKey> {
+    let (tenant, user) = tag.split_once(':')?;
+    Some(UserKey::new(unhex(tenant)?, unhex(user)?))
 }
 
-fn parse_job_ref(member: &str) -> Result<JobId> {
-    let malformed = || Error::Store(format!("malformed job ref on the stream: {member:?}"));
-    let (tag, key) = member.split_once(' ').ok_or_else(malformed)?;
-    let (tenant, user) = tag.split_once(':').ok_or_else(malformed)?;
-    Ok(JobId {
-        user: UserKey::new(
-            unhex(tenant).ok_or_else(malformed)?,
-            unhex(user).ok_or_else(malformed)?,
-        ),
-        key: key.to_owned(),
-    })
+/// A turn being recorded, in the user's `arriving` set: hex session, space, turn id.
+fn arrival_marker(session_id: &str, turn_id: &str) -> String {
+    format!("{} {turn_id}", hex(session_id))
 }
 
 fn hex(text: &str) -> String {
@@ -432,30 +604,41 @@ impl Store for RedisStore {
         session_id: &'a str,
         cached_version: Option<u64>,
     ) -> BoxFuture<'a, Result<HotRecord>> {
+        Box::pin(self.hot_record_with(user, session_id, cached_version, None))
+    }
+
+    fn hot_record_arriving<'a>(
+        &'a self,
+        user: &'a UserKey,
+        session_id: &'a str,
+        cached_version: Option<u64>,
+        turn_id: &'a str,
+        arrival_us: u64,
+    ) -> BoxFuture<'a, Result<HotRecord>> {
+        Box::pin(self.hot_record_with(
+            user,
+            session_id,
+            cached_version,
+            Some((turn_id, arrival_us)),
+        ))
+    }
+
+    fn end_arrival<'a>(
+        &'a self,
+        user: &'a UserKey,
+        session_id: &'a str,
+        turn_id: &'a str,
+    ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            let (version, state, prefetched): (String, Option<Vec<u8>>, Option<Vec<u8>>) = self
-                .scripts
-                .hot_record
-                .key(self.user_key(user, "version"))
-                .key(self.user_key(user, "state"))
-                .key(self.user_key(user, "prefetched"))
-                .arg(
-                    cached_version
-                        .map(|version| version.to_string())
-                        .unwrap_or_default(),
+            let _: i64 = self
+                .connection()
+                .zrem(
+                    self.user_key(user, "arriving"),
+                    arrival_marker(session_id, turn_id),
                 )
-                .arg(session_id)
-                .invoke_async(&mut self.connection())
                 .await
                 .map_err(redis_error)?;
-            Ok(HotRecord {
-                version: parse_version(&version)?,
-                state: state.as_deref().map(decode).transpose()?,
-                prefetched: match prefetched {
-                    Some(bytes) => decode(&bytes)?,
-                    None => Vec::new(),
-                },
-            })
+            Ok(())
         })
     }
 
@@ -477,19 +660,23 @@ impl Store for RedisStore {
         expected_version: u64,
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
+            let version_key = self.user_key(user, "version");
             let found: Option<String> = self
                 .scripts
                 .save_state
-                .key(self.user_key(user, "version"))
+                .key(&version_key)
                 .key(self.user_key(user, "state"))
                 .arg(expected_version.to_string())
                 .arg(state.version.to_string())
                 .arg(state.json.as_slice())
-                .invoke_async(&mut self.connection())
+                .invoke_async(&mut self.writer())
                 .await
                 .map_err(redis_error)?;
             match found {
-                None => Ok(()),
+                None => {
+                    self.replicated_or_warn(&version_key, "memory state").await;
+                    Ok(())
+                }
                 Some(found) => Err(Error::StoreConflict {
                     expected: expected_version,
                     found: parse_version(&found)?,
@@ -568,34 +755,73 @@ impl Store for RedisStore {
         })
     }
 
+    /// User step (record, backlog), then queue step (a token); each waits for the replicas
+    /// when configured, and a write they did not acknowledge fails the enqueue (the outbox
+    /// retries it, then keeps it in the local spool). A repeated enqueue of a job still queued
+    /// adds a token again, in case the first one's queue step was lost.
     fn enqueue<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Enqueued>> {
         Box::pin(async move {
             let user = &job.id.user;
-            let session = hex(&job.exchange.session_id);
-            let known: Option<Vec<u8>> = self
+            let exchange = &job.exchange;
+            let session = hex(&exchange.session_id);
+            let record_key = self.job_record_key(&job.id);
+            let (outcome, state): (u8, Option<Vec<u8>>) = self
                 .scripts
                 .enqueue
-                .key(self.job_record_key(&job.id))
+                .key(&record_key)
                 .key(self.user_key(user, "job_index"))
                 .key(self.user_key(user, &format!("session:{session}")))
-                .key(self.queue_key("jobs"))
-                .key(self.queue_key("depth"))
+                .key(self.user_key(user, "arriving"))
                 .arg(&job.id.key)
                 .arg(encode(&QueuedExchange {
-                    exchange: &job.exchange,
+                    exchange,
                     trace: job.trace,
                 })?)
                 .arg(encode(&JobState::Queued)?)
-                .arg(job_ref(&job.id))
-                .arg(session)
-                .arg(GROUP)
-                .invoke_async(&mut self.connection())
+                .arg(&session)
+                .arg(
+                    exchange
+                        .arrival
+                        .map(|us| us.to_string())
+                        .unwrap_or_default(),
+                )
+                .arg(arrival_marker(&exchange.session_id, &exchange.turn_id))
+                .invoke_async(&mut self.writer())
                 .await
                 .map_err(redis_error)?;
-            match known {
-                None => Ok(Enqueued::Queued),
-                Some(state) => Ok(Enqueued::Duplicate(decode(&state)?)),
+            let result = match state {
+                None => Enqueued::Queued,
+                Some(state) => Enqueued::Duplicate(decode(&state)?),
+            };
+            if outcome == 2 {
+                return Ok(result);
             }
+            if !self.replicated(&record_key).await? {
+                return Err(Error::Store(
+                    "redis: the job was not acknowledged by the replicas in time".into(),
+                ));
+            }
+            let tag = user_tag(user);
+            let shard = self.shard_of(&tag);
+            let stream = self.shard_key(shard, "tokens");
+            let _: i64 = self
+                .scripts
+                .add_token
+                .key(&stream)
+                .key(self.shard_key(shard, "depth"))
+                .arg(GROUP)
+                .arg(&tag)
+                .arg(&session)
+                .arg(if outcome == 0 { "1" } else { "0" })
+                .invoke_async(&mut self.writer())
+                .await
+                .map_err(redis_error)?;
+            if !self.replicated(&stream).await? {
+                return Err(Error::Store(
+                    "redis: the job's token was not acknowledged by the replicas in time".into(),
+                ));
+            }
+            Ok(result)
         })
     }
 
@@ -604,52 +830,144 @@ impl Store for RedisStore {
         consumer: &'a str,
         lease: Duration,
     ) -> BoxFuture<'a, Result<Option<ClaimedJob>>> {
+        Box::pin(async move { Ok(self.claim_batch(consumer, lease, 1).await?.pop()) })
+    }
+
+    /// At most one job per session (its head); shards take turns being looked at first, and
+    /// the call returns once a shard gave jobs (the worker calls again as soon as it has room,
+    /// so an idle shard costs a call only when the ones before it had nothing). A shard that
+    /// fails is skipped; the call fails only when nothing was claimed and a shard failed.
+    fn claim_batch<'a>(
+        &'a self,
+        consumer: &'a str,
+        lease: Duration,
+        max: usize,
+    ) -> BoxFuture<'a, Result<Vec<ClaimedJob>>> {
         Box::pin(async move {
-            let claimed: Option<(String, u32, Vec<u8>)> = self
-                .scripts
-                .claim
-                .key(self.queue_key("jobs"))
-                .arg(GROUP)
-                .arg(consumer)
-                .arg(LEASE_HORIZON_MS)
-                .arg(lease_idle_ms(lease))
-                .invoke_async(&mut self.connection())
-                .await
-                .map_err(redis_error)?;
-            let Some((job_ref, attempt, exchange)) = claimed else {
-                return Ok(None);
-            };
-            let claimed: ClaimedExchange = decode(&exchange)?;
-            Ok(Some(ClaimedJob {
-                job: Job {
-                    id: parse_job_ref(&job_ref)?,
-                    exchange: claimed.exchange,
-                    trace: claimed.trace,
-                },
-                attempt,
-            }))
+            self.prune_now_and_then().await;
+            let shards = self.shards.len();
+            let start = self.next_shard.fetch_add(1, Ordering::Relaxed);
+            let mut claimed = Vec::new();
+            let mut failure = None;
+            for offset in 0..shards {
+                let shard = (start + offset) % shards;
+                while claimed.len() < max {
+                    match self.claim_from_shard(shard, consumer, lease).await {
+                        Ok(Some(job)) => claimed.push(job),
+                        Ok(None) => break,
+                        Err(error) => {
+                            failure.get_or_insert(error);
+                            break;
+                        }
+                    }
+                }
+                if !claimed.is_empty() {
+                    break;
+                }
+            }
+            match failure {
+                Some(error) if claimed.is_empty() => Err(error),
+                _ => Ok(claimed),
+            }
         })
     }
 
     fn finish<'a>(&'a self, job: &'a JobId, state: JobState) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
-            let finished: i64 = self
+            let record_key = self.job_record_key(job);
+            let finished: Option<(u64, Option<String>, Option<String>, u64)> = self
                 .scripts
                 .finish
-                .key(self.job_record_key(job))
-                .key(self.user_key(&job.user, "job_index"))
-                .key(self.queue_key("jobs"))
-                .key(self.queue_key("depth"))
+                .key(&record_key)
+                .arg(self.user_prefix(&job.user))
                 .arg(&job.key)
                 .arg(encode(&state)?)
-                .arg(GROUP)
-                .arg(self.user_prefix(&job.user))
-                .arg(user_tag(&job.user))
                 .arg(&self.finished_job_ttl_ms)
-                .invoke_async(&mut self.connection())
+                .invoke_async(&mut self.writer())
                 .await
                 .map_err(redis_error)?;
-            Ok(finished == 1)
+            let Some((queued, token, session, left)) = finished else {
+                return Ok(false);
+            };
+            // An unreplicated finish keeps its token: if a failover loses the finish, the
+            // token brings the job back.
+            let released = match (token, session) {
+                (Some(token), Some(session))
+                    if self.replicated_or_warn(&record_key, "job finish").await =>
+                {
+                    vec![token, session, left.to_string()]
+                }
+                _ => Vec::new(),
+            };
+            self.release_tokens(&job.user, queued, &released).await;
+            Ok(true)
+        })
+    }
+
+    /// One script in the user's slot (job check, raw log, state, prefetched, jobs applied),
+    /// then the queue step that releases the tokens.
+    fn commit_jobs<'a>(
+        &'a self,
+        jobs: &'a [Job],
+        state: &'a EncodedState,
+        expected_version: u64,
+        prefetched: &'a [CandidateId],
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let Some(first) = jobs.first() else {
+                return Ok(());
+            };
+            let user = &first.id.user;
+            if jobs.iter().any(|job| job.id.user != *user) {
+                return Err(Error::Internal(
+                    "commit_jobs was given jobs of more than one user".into(),
+                ));
+            }
+            let version_key = self.user_key(user, "version");
+            let mut invocation = self.scripts.commit.prepare_invoke();
+            invocation
+                .key(&version_key)
+                .key(self.user_key(user, "state"))
+                .key(self.user_key(user, "raw"))
+                .key(self.user_key(user, "raw_ids"))
+                .key(self.user_key(user, "prefetched"))
+                .arg(self.user_prefix(user))
+                .arg(expected_version.to_string())
+                .arg(state.version.to_string())
+                .arg(state.json.as_slice())
+                .arg(&first.exchange.session_id)
+                .arg(encode(prefetched)?)
+                .arg(encode(&JobState::Applied)?)
+                .arg(&self.finished_job_ttl_ms);
+            for job in jobs {
+                let entry = StoredRawEntry {
+                    exchange_id: job.id.key.clone(),
+                    exchange: job.exchange.clone(),
+                };
+                invocation.arg(&job.id.key).arg(encode(&entry)?);
+            }
+            let (status, detail, queued, released): (String, String, u64, Vec<String>) = invocation
+                .invoke_async(&mut self.writer())
+                .await
+                .map_err(redis_error)?;
+            match status.as_str() {
+                "ok" => {}
+                "gone" => return Err(Error::JobGone(detail)),
+                "conflict" => {
+                    return Err(Error::StoreConflict {
+                        expected: expected_version,
+                        found: parse_version(&detail)?,
+                    });
+                }
+                other => return Err(Error::Store(format!("redis: commit said {other:?}"))),
+            }
+            let released = if self.replicated_or_warn(&version_key, "job commit").await {
+                released
+            } else {
+                Vec::new()
+            };
+            self.release_tokens(user, queued, &released).await;
+            Ok(())
         })
     }
 
@@ -664,17 +982,25 @@ impl Store for RedisStore {
         })
     }
 
+    /// The sum of the shards' counters (exact unless a process died between the two steps of
+    /// an enqueue or a finish).
     fn queue_depth(&self) -> BoxFuture<'_, Result<u64>> {
         Box::pin(async move {
-            let depth: Option<i64> = self
-                .connection()
-                .get(self.queue_key("depth"))
-                .await
-                .map_err(redis_error)?;
-            Ok(depth.map_or(0, |depth| u64::try_from(depth).unwrap_or(0)))
+            let mut total = 0u64;
+            for shard in 0..self.shards.len() {
+                let depth: Option<i64> = self
+                    .connection()
+                    .get(self.shard_key(shard, "depth"))
+                    .await
+                    .map_err(redis_error)?;
+                total += depth.map_or(0, |depth| u64::try_from(depth).unwrap_or(0));
+            }
+            Ok(total)
         })
     }
 
+    /// One script deletes the user's keys; then the user's tokens leave their shard's stream,
+    /// a chunk at a time.
     fn forget_user<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<ForgetReport>> {
         Box::pin(async move {
             let mut invocation = self.scripts.forget.prepare_invoke();
@@ -685,18 +1011,48 @@ impl Store for RedisStore {
                 "raw",
                 "raw_ids",
                 "job_index",
+                "leases",
+                "arriving",
             ] {
                 invocation.key(self.user_key(user, kind));
             }
-            let (memory_states, prefetched_sessions, raw_entries, jobs): (u64, u64, u64, u64) =
-                invocation
-                    .key(self.queue_key("jobs"))
-                    .key(self.queue_key("depth"))
-                    .arg(self.user_prefix(user))
+            let (memory_states, prefetched_sessions, raw_entries, jobs, queued): (
+                u64,
+                u64,
+                u64,
+                u64,
+                u64,
+            ) = invocation
+                .arg(self.user_prefix(user))
+                .invoke_async(&mut self.writer())
+                .await
+                .map_err(redis_error)?;
+            self.replicated_or_warn(&self.user_key(user, "state"), "forget")
+                .await;
+            let tag = user_tag(user);
+            let shard = self.shard_of(&tag);
+            let mut start = "-".to_owned();
+            let mut decrement = queued;
+            loop {
+                let next: Option<String> = self
+                    .scripts
+                    .forget_tokens
+                    .key(self.shard_key(shard, "tokens"))
+                    .key(self.shard_key(shard, "depth"))
                     .arg(GROUP)
-                    .invoke_async(&mut self.connection())
+                    .arg(&tag)
+                    .arg(decrement)
+                    .arg(&start)
+                    .arg(FORGET_CHUNK)
+                    .invoke_async(&mut self.writer())
                     .await
                     .map_err(redis_error)?;
+                decrement = 0;
+                match next {
+                    Some(next) => start = next,
+                    None => break,
+                }
+            }
             Ok(ForgetReport {
                 memory_states,
                 prefetched_sessions,
@@ -714,20 +1070,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn job_refs_round_trip_any_bytes() {
-        for (tenant, user, key) in [
-            ("acme", "alice", "hash-1"),
-            ("t1:u", "x", "k"),
-            ("t1", "u:x", "k"),
-            ("", "", ""),
-            ("t\u{0}}{", "ü ser", "key with spaces"),
+    fn tags_round_trip_any_bytes() {
+        for (tenant, user) in [
+            ("acme", "alice"),
+            ("t1:u", "x"),
+            ("t1", "u:x"),
+            ("", ""),
+            ("t\u{0}}{", "ü ser"),
         ] {
-            let id = JobId {
-                user: UserKey::new(tenant, user),
-                key: key.to_owned(),
-            };
-            assert_eq!(parse_job_ref(&job_ref(&id)).unwrap(), id);
+            let key = UserKey::new(tenant, user);
+            assert_eq!(parse_tag(&user_tag(&key)).unwrap(), key);
         }
+        assert_eq!(parse_tag("zz:00"), None);
+        assert_eq!(parse_tag("no-colon"), None);
     }
 
     #[test]
@@ -780,9 +1135,26 @@ mod tests {
     }
 
     #[test]
-    fn options_default_to_the_production_prefix_and_a_week_of_retention() {
+    fn options_default_to_the_production_prefix_a_week_of_retention_and_no_wait() {
         let options = RedisOptions::default();
         assert_eq!(options.prefix, "engram");
         assert_eq!(options.finished_job_ttl, Some(Duration::from_secs(604_800)));
+        assert_eq!((options.queue_shards, options.wait_replicas), (1, 0));
+    }
+
+    #[test]
+    fn a_users_keys_and_markers_share_one_slot_and_never_the_queues() {
+        let user = UserKey::new("acme", "alice");
+        let prefix = format!("engram:{{{}}}:", user_tag(&user));
+        let slots: Vec<u16> = ["state", "job:abc", "session:7331", "arriving"]
+            .iter()
+            .map(|kind| slot(format!("{prefix}{kind}").as_bytes()))
+            .collect();
+        assert!(slots.windows(2).all(|pair| pair[0] == pair[1]), "{slots:?}");
+        assert!(arrival_marker("s 1", "t-1").starts_with(&format!("{} ", hex("s 1"))));
+        assert!(
+            !queue_tag(0, 1).contains(':'),
+            "user tags always have a ':'"
+        );
     }
 }

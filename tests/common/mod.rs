@@ -15,6 +15,7 @@
 
 pub mod memory;
 pub mod redis;
+pub mod redis_cluster;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;

@@ -13,20 +13,30 @@ pub struct RedisServer {
     /// With a directory the server keeps an append-only file there (fsync on every write), so
     /// a restart on the same port finds everything it acknowledged.
     dir: Option<PathBuf>,
+    /// The port of the server this one replicates.
+    replica_of: Option<u16>,
+    /// The working directory of a throwaway server: a replica writes the data it syncs there,
+    /// and a server reads what it finds there at start, so it must not be the crate's.
+    scratch: tempfile::TempDir,
 }
 
 impl RedisServer {
     /// A throwaway server without persistence.
     pub async fn start() -> Option<RedisServer> {
-        RedisServer::spawn(None).await
+        RedisServer::spawn(None, None).await
     }
 
     /// A server that persists to `dir` and can be killed and restarted.
     pub async fn start_durable(dir: &Path) -> Option<RedisServer> {
-        RedisServer::spawn(Some(dir.to_owned())).await
+        RedisServer::spawn(Some(dir.to_owned()), None).await
     }
 
-    async fn spawn(dir: Option<PathBuf>) -> Option<RedisServer> {
+    /// A throwaway replica of the server on `port`.
+    pub async fn start_replica_of(port: u16) -> Option<RedisServer> {
+        RedisServer::spawn(None, Some(port)).await
+    }
+
+    async fn spawn(dir: Option<PathBuf>, replica_of: Option<u16>) -> Option<RedisServer> {
         if !installed() {
             if std::env::var("ENGRAM_REQUIRE_REDIS").is_ok_and(|value| value == "1") {
                 panic!(
@@ -40,9 +50,18 @@ impl RedisServer {
             child: None,
             port: free_port(),
             dir,
+            replica_of,
+            scratch: tempfile::tempdir().unwrap(),
         };
-        server.restart().await;
-        Some(server)
+        // Many test processes pick free ports at once: if another took ours first, take a new
+        // one rather than talk to someone else's server.
+        for _ in 0..5 {
+            if server.try_start().await {
+                return Some(server);
+            }
+            server.port = free_port();
+        }
+        panic!("redis-server did not start on a free port in five tries");
     }
 
     pub fn url(&self) -> String {
@@ -80,6 +99,15 @@ impl RedisServer {
 
     /// Starts the server (again) on its port and waits until it accepts connections.
     pub async fn restart(&mut self) {
+        assert!(
+            self.try_start().await,
+            "port {} was taken by another process",
+            self.port
+        );
+    }
+
+    /// Starts the server on its port; false when another process serves that port.
+    async fn try_start(&mut self) -> bool {
         self.kill();
         let mut command = Command::new("redis-server");
         command
@@ -93,17 +121,19 @@ impl RedisServer {
                 command.arg(dir);
             }
             None => {
-                command.args(["--appendonly", "no"]);
+                command.args(["--appendonly", "no", "--dir"]);
+                command.arg(self.scratch.path());
             }
         }
+        if let Some(port) = self.replica_of {
+            command.args(["--replicaof", "127.0.0.1", &port.to_string()]);
+        }
         self.child = Some(command.spawn().expect("start redis-server"));
+        let pid = self.child.as_ref().map(Child::id);
         // Poll the port: the client's own reconnects back off for longer.
         for _ in 0..400 {
-            if tokio::net::TcpStream::connect(("127.0.0.1", self.port))
-                .await
-                .is_ok()
-            {
-                return;
+            if let Some(serving) = serving_pid(self.port).await {
+                return Some(serving) == pid;
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
@@ -118,6 +148,34 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// The process id of the Redis server answering on `port` (`INFO server`), if one answers.
+pub async fn serving_pid(port: u16) -> Option<u32> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    stream
+        .write_all(b"*2\r\n$4\r\nINFO\r\n$6\r\nserver\r\n")
+        .await
+        .ok()?;
+    let mut reply = Vec::new();
+    let mut buffer = [0u8; 4096];
+    while !String::from_utf8_lossy(&reply).contains("process_id:") || !reply.ends_with(b"\r\n") {
+        let read = tokio::time::timeout(Duration::from_secs(2), stream.read(&mut buffer))
+            .await
+            .ok()?
+            .ok()?;
+        if read == 0 {
+            return None;
+        }
+        reply.extend_from_slice(&buffer[..read]);
+    }
+    String::from_utf8_lossy(&reply)
+        .lines()
+        .find_map(|line| line.strip_prefix("process_id:"))
+        .and_then(|pid| pid.trim().parse().ok())
 }
 
 fn installed() -> bool {

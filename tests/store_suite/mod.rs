@@ -27,17 +27,24 @@ use engram::telemetry::TraceParent;
 /// Generates one `#[tokio::test]` per suite case against `$fresh().await`.
 /// `store_suite!(optional $fresh)`: `$fresh().await` returns `Option<(store, guard)>`, and
 /// `None` skips the case (a backend whose server is not installed).
+/// `store_suite!(shared $setup, $fresh)`: one test runs every case in turn against one
+/// server (a cluster is slow to start): `$setup().await` returns `Option<shared>` (`None`
+/// skips), and `$fresh(&shared, case_name).await` returns `(store, guard)` for each case,
+/// e.g. a store with a key prefix of its own.
 #[macro_export]
 macro_rules! store_suite {
     ($fresh:path) => {
-        $crate::store_suite!(@list required $fresh);
+        $crate::store_suite!(@list required [$fresh]);
     };
     (optional $fresh:path) => {
-        $crate::store_suite!(@list optional $fresh);
+        $crate::store_suite!(@list optional [$fresh]);
     };
-    // The one list of cases, for both forms.
-    (@list $form:ident $fresh:path) => {
-        $crate::store_suite!(@ $form $fresh;
+    (shared $setup:path, $fresh:path) => {
+        $crate::store_suite!(@list shared [$setup, $fresh]);
+    };
+    // The one list of cases, for every form.
+    (@list $form:ident [$($args:tt)*]) => {
+        $crate::store_suite!(@ $form [$($args)*];
             hot_record_reads_version_state_and_prefetched,
             save_state_detects_version_conflicts,
             concurrent_saves_from_one_version_let_one_win,
@@ -60,7 +67,7 @@ macro_rules! store_suite {
             tenants_and_users_are_isolated
         );
     };
-    (@optional $fresh:path; $($case:ident),+) => {
+    (@optional [$fresh:path]; $($case:ident),+) => {
         $(
             #[tokio::test]
             async fn $case() {
@@ -71,7 +78,7 @@ macro_rules! store_suite {
             }
         )+
     };
-    (@required $fresh:path; $($case:ident),+) => {
+    (@required [$fresh:path]; $($case:ident),+) => {
         $(
             #[tokio::test]
             async fn $case() {
@@ -79,6 +86,18 @@ macro_rules! store_suite {
                 store_suite::$case(&store).await;
             }
         )+
+    };
+    (@shared [$setup:path, $fresh:path]; $($case:ident),+) => {
+        #[tokio::test]
+        async fn every_case_of_the_store_suite() {
+            let Some(shared) = $setup().await else {
+                return;
+            };
+            $(
+                let (store, _guard) = $fresh(&shared, stringify!($case)).await;
+                store_suite::$case(&store).await;
+            )+
+        }
     };
 }
 

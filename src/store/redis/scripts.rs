@@ -1,0 +1,408 @@
+//! The Lua scripts of the Redis store. Each touches the keys of one hash slot only: either one
+//! user's (`<prefix>:{<user tag>}:…`) or one queue shard's (`<prefix>:{queue-…}:…`), so each
+//! runs on a Redis Cluster as it does on one server. Keys a script derives from the user prefix
+//! it is given (a job record, a session backlog) share the user's hash tag.
+//!
+//! Numbers that leave Lua as command arguments go through `int()`: Lua 5.1 prints large
+//! numbers (microsecond times) in exponent notation with 14 digits otherwise.
+
+use redis::Script;
+
+/// Helpers prepended to the scripts that need them.
+const COMMON: &str = r"
+local function int(n)
+  return string.format('%.0f', n)
+end
+local function clock()
+  local time = redis.call('TIME')
+  local seconds, micros = tonumber(time[1]), tonumber(time[2])
+  return seconds * 1000 + math.floor(micros / 1000), seconds * 1000000 + micros
+end
+";
+
+/// Ends one job (ARGV-independent, shared by FINISH and COMMIT): records its final state; a
+/// queued job leaves its session's backlog, and if it held the session's lease, the lease ends
+/// and its token is returned for the queue step. Finished records expire after the retention.
+/// Returns nil for an unknown job, else {queued (0/1), token or false, session or false,
+/// jobs left in the session}.
+const FINISH_JOB: &str = r"
+local function finish_job(prefix, key, state, retention, now_ms)
+  local record = prefix .. 'job:' .. key
+  local fields = redis.call('HMGET', record, 'state', 'session')
+  if not fields[1] then
+    return nil
+  end
+  local queued, token, session, left = 0, false, fields[2] or false, 0
+  if session then
+    queued = 1
+    local backlog = prefix .. 'session:' .. session
+    redis.call('ZREM', backlog, key)
+    if redis.call('HGET', prefix .. 'leases', session) == key then
+      redis.call('HDEL', prefix .. 'leases', session)
+      token = redis.call('HGET', record, 'token') or false
+    end
+    left = redis.call('ZCARD', backlog)
+    redis.call('HDEL', record, 'session', 'exchange', 'attempts', 'token', 'until')
+  end
+  redis.call('HSET', record, 'state', state)
+  local index = prefix .. 'job_index'
+  if retention == '' then
+    redis.call('ZADD', index, '+inf', key)
+  else
+    redis.call('PEXPIRE', record, retention)
+    redis.call('ZADD', index, int(now_ms + tonumber(retention)), key)
+  end
+  -- Index entries of records that have expired by now.
+  redis.call('ZREMRANGEBYSCORE', index, '-inf', '(' .. int(now_ms))
+  return {queued, token, session, left}
+end
+";
+
+/// Creates the shard's stream and consumer group when missing.
+const ENSURE_GROUP: &str = r"
+local function ensure_group(stream, group)
+  if redis.call('EXISTS', stream) == 0 then
+    redis.call('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
+  end
+end
+";
+
+/// Version, then state unless current or absent, then the session's prefetched candidates.
+/// With a marker, notes the turn as arriving (its job will follow) and keeps the arrivals key
+/// alive for the grace.
+/// KEYS: version, state, prefetched, arriving. ARGV: cached version, session id, marker or '',
+/// arrival µs, marker ttl ms.
+const HOT_RECORD: &str = r"
+local version = redis.call('GET', KEYS[1]) or '0'
+local state = false
+if version ~= '0' and version ~= ARGV[1] then
+  state = redis.call('GET', KEYS[2]) or false
+end
+local prefetched = redis.call('HGET', KEYS[3], ARGV[2]) or false
+if ARGV[3] ~= '' then
+  redis.call('ZADD', KEYS[4], ARGV[4], ARGV[3])
+  redis.call('PEXPIRE', KEYS[4], ARGV[5])
+end
+return {version, state, prefetched}
+";
+
+/// Writes state and version if the stored version equals ARGV[1]; else returns the found one.
+const SAVE_STATE: &str = r"
+local found = redis.call('GET', KEYS[1]) or '0'
+if found ~= ARGV[1] then
+  return found
+end
+redis.call('SET', KEYS[1], ARGV[2])
+redis.call('SET', KEYS[2], ARGV[3])
+return false
+";
+
+/// Appends once per exchange id; returns {seq, duplicate (0/1)}.
+const APPEND_RAW: &str = r"
+local known = redis.call('HGET', KEYS[2], ARGV[1])
+if known then
+  return {tonumber(known), 1}
+end
+local seq = redis.call('RPUSH', KEYS[1], ARGV[2]) - 1
+redis.call('HSET', KEYS[2], ARGV[1], seq)
+return {seq, 0}
+";
+
+/// The user step of an enqueue: the job record and its place in the session's backlog, ranked
+/// by arrival time (or, without one, after the backlog's last job); the turn's arrival marker
+/// goes. Returns {0} for a new job, {1, state} for a known job still queued, {2, state} for a
+/// finished one.
+/// KEYS: job record, job index, session backlog, arriving. ARGV: job key, exchange JSON,
+/// queued state JSON, hex session, arrival µs or '', marker.
+const ENQUEUE: &str = r"
+local known = redis.call('HMGET', KEYS[1], 'state', 'session')
+if known[1] then
+  if known[2] then
+    return {1, known[1]}
+  end
+  return {2, known[1]}
+end
+redis.call('ZREM', KEYS[4], ARGV[6])
+local score = tonumber(ARGV[5])
+if not score then
+  local _, now_us = clock()
+  score = now_us
+  local last = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')
+  if last[2] and tonumber(last[2]) >= score then
+    score = tonumber(last[2]) + 1
+  end
+end
+redis.call('ZADD', KEYS[2], '+inf', ARGV[1])
+redis.call('ZADD', KEYS[3], int(score), ARGV[1])
+redis.call('HSET', KEYS[1], 'state', ARGV[3], 'session', ARGV[4], 'exchange', ARGV[2])
+return {0, false}
+";
+
+/// The queue step of an enqueue: a token saying the session has work, and the depth.
+/// KEYS: stream, depth. ARGV: group, user tag, hex session, count (0/1).
+const ADD_TOKEN: &str = r"
+ensure_group(KEYS[1], ARGV[1])
+redis.call('XADD', KEYS[1], '*', 'u', ARGV[2], 's', ARGV[3])
+if ARGV[4] == '1' then
+  redis.call('INCR', KEYS[2])
+end
+return 1
+";
+
+/// Settles the previous token of a claim (drops it, or postpones it by setting its idle time),
+/// then, unless ARGV[8] is '1', leases the next one: first one whose lease ended
+/// (XAUTOCLAIM), else a new one (XREADGROUP); its idle time is set so that it reaches the
+/// horizon when this lease ends. Returns {entry id, user tag, hex session} or nil.
+/// KEYS: stream. ARGV: group, consumer, lease horizon ms, idle to set (horizon − lease),
+/// drop id or '', postpone id or '', postpone idle, settle only.
+const CLAIM_TOKEN: &str = r"
+if ARGV[5] ~= '' then
+  redis.call('XACK', KEYS[1], ARGV[1], ARGV[5])
+  redis.call('XDEL', KEYS[1], ARGV[5])
+end
+if ARGV[6] ~= '' then
+  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[6], 'IDLE', ARGV[7], 'JUSTID')
+end
+if ARGV[8] == '1' or redis.call('EXISTS', KEYS[1]) == 0 then
+  return false
+end
+local entry = false
+-- XAUTOCLAIM scans a bounded part of the pending list per call; go on until it is done.
+local cursor = '0-0'
+repeat
+  local reply = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], cursor, 'COUNT', 1)
+  cursor = reply[1]
+  entry = reply[2][1] or false
+until entry or cursor == '0-0'
+if not entry then
+  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1,
+    'STREAMS', KEYS[1], '>')
+  if not reply then
+    return false
+  end
+  entry = reply[1][2][1]
+end
+local id = entry[1]
+-- JUSTID leaves the delivery count alone.
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'IDLE', ARGV[4], 'JUSTID')
+local fields = {}
+for index = 1, #entry[2], 2 do
+  fields[entry[2][index]] = entry[2][index + 1]
+end
+return {id, fields['u'] or '', fields['s'] or ''}
+";
+
+/// The user step of a claim, for a token of the session: leases the session's head unless
+/// the session has no job ('empty'), another token's lease on it is live ('busy'), or a turn
+/// of the session that arrived before the head is still being recorded ('wait', ms: until its
+/// marker is older than the grace). Returns {'job', key, attempt, exchange JSON} otherwise.
+/// KEYS: session backlog, leases, arriving. ARGV: user prefix, hex session, token, lease ms,
+/// grace µs.
+const LEASE: &str = r"
+local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+if not head[1] then
+  return {'empty', false, false, false}
+end
+local now_ms, now_us = clock()
+local held = redis.call('HGET', KEYS[2], ARGV[2])
+if held then
+  local lease = redis.call('HMGET', ARGV[1] .. 'job:' .. held, 'token', 'until')
+  if lease[1] and lease[1] ~= ARGV[3] and tonumber(lease[2]) > now_ms then
+    return {'busy', false, false, false}
+  end
+end
+local grace = tonumber(ARGV[5])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. int(now_us - grace))
+local mine = ARGV[2] .. ' '
+local earlier = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. head[2], 'WITHSCORES')
+for index = 1, #earlier, 2 do
+  if string.sub(earlier[index], 1, #mine) == mine then
+    local wait_us = tonumber(earlier[index + 1]) + grace - now_us
+    return {'wait', math.max(1, math.ceil(wait_us / 1000)), false, false}
+  end
+end
+local key = head[1]
+local record = ARGV[1] .. 'job:' .. key
+local attempt = redis.call('HINCRBY', record, 'attempts', 1)
+redis.call('HSET', record, 'token', ARGV[3], 'until', int(now_ms + tonumber(ARGV[4])))
+redis.call('HSET', KEYS[2], ARGV[2], key)
+return {'job', key, attempt, redis.call('HGET', record, 'exchange') or ''}
+";
+
+/// Ends one job. Returns nil when it is unknown, else what `finish_job` returns.
+/// KEYS: job record. ARGV: user prefix, job key, state JSON, retention ms ('' keeps it).
+const FINISH: &str = r"
+local now_ms = clock()
+return finish_job(ARGV[1], ARGV[2], ARGV[3], ARGV[4], now_ms) or false
+";
+
+/// The worker's whole write for applied jobs, atomically: every job must still exist, the
+/// version must match; then the raw-log appends, state, version, prefetched candidates, and
+/// the jobs marked applied. Returns {'gone', job key, 0, {}}, {'conflict', found version, 0,
+/// {}} or {'ok', '', queued jobs finished, {token, session, jobs left, …}}.
+/// KEYS: version, state, raw, raw ids, prefetched. ARGV: user prefix, expected version, new
+/// version, state JSON, prefetched session, prefetched JSON, applied state JSON, retention,
+/// then (job key, raw entry JSON) per job.
+const COMMIT: &str = r"
+for index = 9, #ARGV, 2 do
+  if redis.call('EXISTS', ARGV[1] .. 'job:' .. ARGV[index]) == 0 then
+    return {'gone', ARGV[index], 0, {}}
+  end
+end
+local found = redis.call('GET', KEYS[1]) or '0'
+if found ~= ARGV[2] then
+  return {'conflict', found, 0, {}}
+end
+for index = 9, #ARGV, 2 do
+  if not redis.call('HGET', KEYS[4], ARGV[index]) then
+    local seq = redis.call('RPUSH', KEYS[3], ARGV[index + 1]) - 1
+    redis.call('HSET', KEYS[4], ARGV[index], seq)
+  end
+end
+redis.call('SET', KEYS[2], ARGV[4])
+redis.call('SET', KEYS[1], ARGV[3])
+redis.call('HSET', KEYS[5], ARGV[5], ARGV[6])
+local now_ms = clock()
+local queued, tokens = 0, {}
+for index = 9, #ARGV, 2 do
+  local finished = finish_job(ARGV[1], ARGV[index], ARGV[7], ARGV[8], now_ms)
+  if finished then
+    queued = queued + finished[1]
+    if finished[2] then
+      table.insert(tokens, finished[2])
+      table.insert(tokens, finished[3])
+      table.insert(tokens, finished[4])
+    end
+  end
+end
+return {'ok', '', queued, tokens}
+";
+
+/// The queue step after jobs finished: their tokens leave the stream (a session with jobs left
+/// gets a fresh token in their place) and the depth goes down.
+/// KEYS: stream, depth. ARGV: group, user tag, finished queued jobs, then (token, hex session,
+/// jobs left) per released lease.
+const RELEASE_TOKENS: &str = r"
+ensure_group(KEYS[1], ARGV[1])
+for index = 4, #ARGV, 3 do
+  redis.call('XACK', KEYS[1], ARGV[1], ARGV[index])
+  redis.call('XDEL', KEYS[1], ARGV[index])
+  if tonumber(ARGV[index + 2]) > 0 then
+    redis.call('XADD', KEYS[1], '*', 'u', ARGV[2], 's', ARGV[index + 1])
+  end
+end
+if tonumber(ARGV[3]) > 0 then
+  if redis.call('DECRBY', KEYS[2], ARGV[3]) < 0 then
+    redis.call('SET', KEYS[2], 0)
+  end
+end
+return 1
+";
+
+/// Deletes every key of one user; returns counts per kind and the queued jobs among them.
+/// KEYS: state, version, prefetched, raw, raw ids, job index, leases, arriving.
+/// ARGV: user prefix.
+const FORGET: &str = r"
+local states = redis.call('EXISTS', KEYS[1])
+local prefetched = redis.call('HLEN', KEYS[3])
+local raw = redis.call('LLEN', KEYS[4])
+local jobs, queued = 0, 0
+for _, key in ipairs(redis.call('ZRANGE', KEYS[6], 0, -1)) do
+  local record = ARGV[1] .. 'job:' .. key
+  local session = redis.call('HGET', record, 'session')
+  if session then
+    queued = queued + 1
+    redis.call('DEL', ARGV[1] .. 'session:' .. session)
+  end
+  jobs = jobs + redis.call('DEL', record)
+end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8])
+return {states, prefetched, raw, jobs, queued}
+";
+
+/// The queue step of a forget, one chunk of the stream at a time: deletes the user's tokens
+/// (leased or not) and, on the first chunk, lowers the depth. Returns the exclusive start of
+/// the next chunk, or nil at the end.
+/// KEYS: stream, depth. ARGV: group, user tag, decrement, start, count.
+const FORGET_TOKENS: &str = r"
+if tonumber(ARGV[3]) > 0 then
+  if redis.call('DECRBY', KEYS[2], ARGV[3]) < 0 then
+    redis.call('SET', KEYS[2], 0)
+  end
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return false
+end
+local entries = redis.call('XRANGE', KEYS[1], ARGV[4], '+', 'COUNT', ARGV[5])
+for _, entry in ipairs(entries) do
+  local fields = entry[2]
+  for index = 1, #fields, 2 do
+    if fields[index] == 'u' and fields[index + 1] == ARGV[2] then
+      redis.call('XACK', KEYS[1], ARGV[1], entry[1])
+      redis.call('XDEL', KEYS[1], entry[1])
+    end
+  end
+end
+if #entries < tonumber(ARGV[5]) then
+  return false
+end
+return '(' .. entries[#entries][1]
+";
+
+/// Removes consumers of the group that hold no token and have been idle at least ARGV[2] ms
+/// (workers that stopped); returns how many.
+/// KEYS: stream. ARGV: group, idle ms.
+const PRUNE_CONSUMERS: &str = r"
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return 0
+end
+local removed = 0
+for _, consumer in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local fields = {}
+  for index = 1, #consumer, 2 do
+    fields[consumer[index]] = consumer[index + 1]
+  end
+  if fields['pending'] == 0 and fields['idle'] >= tonumber(ARGV[2]) then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], fields['name'])
+    removed = removed + 1
+  end
+end
+return removed
+";
+
+pub struct Scripts {
+    pub hot_record: Script,
+    pub save_state: Script,
+    pub append_raw: Script,
+    pub enqueue: Script,
+    pub add_token: Script,
+    pub claim_token: Script,
+    pub lease: Script,
+    pub finish: Script,
+    pub commit: Script,
+    pub release_tokens: Script,
+    pub forget: Script,
+    pub forget_tokens: Script,
+    pub prune_consumers: Script,
+}
+
+impl Scripts {
+    pub fn new() -> Scripts {
+        let with = |parts: &[&str]| Script::new(&parts.concat());
+        Scripts {
+            hot_record: Script::new(HOT_RECORD),
+            save_state: Script::new(SAVE_STATE),
+            append_raw: Script::new(APPEND_RAW),
+            enqueue: with(&[COMMON, ENQUEUE]),
+            add_token: with(&[ENSURE_GROUP, ADD_TOKEN]),
+            claim_token: Script::new(CLAIM_TOKEN),
+            lease: with(&[COMMON, LEASE]),
+            finish: with(&[COMMON, FINISH_JOB, FINISH]),
+            commit: with(&[COMMON, FINISH_JOB, COMMIT]),
+            release_tokens: with(&[ENSURE_GROUP, RELEASE_TOKENS]),
+            forget: Script::new(FORGET),
+            forget_tokens: Script::new(FORGET_TOKENS),
+            prune_consumers: Script::new(PRUNE_CONSUMERS),
+        }
+    }
+}
