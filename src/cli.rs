@@ -67,6 +67,10 @@ pub struct LocomoArgs {
     /// No progress bar (summary lines are still printed).
     #[arg(long)]
     pub no_progress: bool,
+    /// Also write locomo-trace.jsonl: each question's prompt and explanation at the headline
+    /// budget (it holds the data's text: keep it out of the repository).
+    #[arg(long)]
+    pub trace: bool,
 }
 
 #[derive(Debug, Args)]

@@ -132,6 +132,7 @@ fn eval_locomo(args: LocomoArgs) -> Result<(), Error> {
         admin_token: std::env::var(engram::admin::TOKEN_ENV).ok(),
         config,
         progress: engram::eval::progress::Progress::new(bar, true),
+        trace: args.trace,
     };
     let output = runtime(0)?.block_on(engram::eval::locomo::run(options))?;
     let mut stdout = std::io::stdout();

@@ -4,14 +4,16 @@
 //!
 //! - **full history**: every exchange so far as chat messages (what a full-history client sends);
 //! - **window**: the last `WINDOW_EXCHANGES` exchanges as chat messages;
-//! - **BM25**: raw dialogue turns ranked by BM25 against the question, each a dated line, best
-//!   first while the lines fit a token target (engram's mean prompt tokens at the same budget).
+//! - **BM25**: raw dialogue turns (indexed with their session's date, in words too, as engram
+//!   indexes its raw turns) ranked by BM25 against the question, each a dated line, best first
+//!   while the lines fit a token target (engram's mean prompt tokens at the same budget).
 
 use std::collections::HashSet;
 
 use super::bm25::Bm25Index;
 use super::dataset::{Conversation, TurnPos};
 use super::metrics::normalise;
+use crate::memory::text::date_search_text;
 use crate::memory::tokens::{Encoding, count_in};
 
 /// Exchanges the window baseline keeps (engram's default raw window is 6 turns).
@@ -82,7 +84,19 @@ impl ConversationBaselines {
                 lines.push(((s, t), line, tokens));
             }
         }
-        let bm25 = Bm25Index::new(lines.iter().map(|(_, line, _)| line.as_str()));
+        // Indexed with the date in words too, as engram indexes its raw turns.
+        let documents: Vec<String> = conversation
+            .sessions
+            .iter()
+            .flat_map(|session| {
+                let date = date_search_text(&session.event_time);
+                session
+                    .turns
+                    .iter()
+                    .map(move |turn| format!("{} {date}", turn.rendered()))
+            })
+            .collect();
+        let bm25 = Bm25Index::new(documents.iter().map(String::as_str));
         ConversationBaselines {
             full_history: chat_prompt(conversation, &all, encoding),
             window: chat_prompt(conversation, recent, encoding),

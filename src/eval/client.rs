@@ -131,6 +131,46 @@ impl ProxyClient {
         reply.json()
     }
 
+    /// Waits until the job is applied (a failed job is an error).
+    pub async fn wait_job(&self, user: &str, job: &str, within: Duration) -> Result<()> {
+        let deadline = Instant::now() + within;
+        loop {
+            let path = format!("/engram/v1/users/{user}/jobs/{job}");
+            let auth = format!("Bearer {}", self.admin_token);
+            let reply = self
+                .send(
+                    Method::GET,
+                    &path,
+                    &[("authorization", auth.as_str())],
+                    Bytes::new(),
+                )
+                .await?;
+            // 404 until the recorder has queued it.
+            if reply.status == StatusCode::OK {
+                let state = reply.json()?;
+                match state["state"].as_str() {
+                    Some("applied") => return Ok(()),
+                    Some("failed") => {
+                        return Err(Error::Internal(format!("job {job} failed: {state}")));
+                    }
+                    _ => {}
+                }
+            } else if reply.status != StatusCode::NOT_FOUND {
+                return Err(Error::Internal(format!(
+                    "the management API answered {path} with {}: {}",
+                    reply.status,
+                    String::from_utf8_lossy(&reply.body)
+                )));
+            }
+            if Instant::now() > deadline {
+                return Err(Error::Internal(format!(
+                    "job {job} was not applied within {within:?}"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// The queue report (`GET /engram/v1/queue`).
     pub async fn queue(&self) -> Result<Value> {
         self.admin(Method::GET, "queue").await

@@ -65,6 +65,9 @@ pub struct EvalOptions {
     /// set by the harness).
     pub config: Config,
     pub progress: Progress,
+    /// Also write `locomo-trace.jsonl`: per question of the headline budget, the prompt the
+    /// upstream received and the turn's explanation (for finding what loses evidence).
+    pub trace: bool,
 }
 
 /// One system's figures for one question.
@@ -128,6 +131,7 @@ struct Probe {
     score: QuestionScore,
     missed: Vec<Missed>,
     degraded: bool,
+    trace: Option<Value>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -405,6 +409,7 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
             let progress = progress.clone();
             let turn_ids = ingested[index].turn_ids.clone();
             let seq_map = seq_maps[index].clone();
+            let trace = options.trace && round == 0;
             tasks.push(tokio::spawn(async move {
                 let started = Instant::now();
                 let probes = ask(
@@ -415,6 +420,7 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
                     &turn_ids,
                     &seq_map,
                     &progress,
+                    trace,
                 )
                 .await?;
                 Ok::<_, Error>((probes, started.elapsed().as_secs_f64()))
@@ -513,6 +519,18 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
     let mut written = Vec::new();
     if let Some(out) = &options.out {
         written = write_outputs(out, &report, &markdown, &svg)?;
+        if options.trace {
+            let mut lines = String::new();
+            for probe in per_budget.iter().take(1).flat_map(|(_, probes)| probes.iter().flatten()) {
+                if let Some(trace) = &probe.trace {
+                    lines.push_str(&trace.to_string());
+                    lines.push('\n');
+                }
+            }
+            let path = out.join("locomo-trace.jsonl");
+            std::fs::write(&path, lines)?;
+            written.push(path);
+        }
     }
     Ok(EvalOutput {
         report,
@@ -556,6 +574,7 @@ async fn ingest(
     let started = Instant::now();
     let mut turn_ids = Vec::new();
     let mut violations = 0;
+    let mut last_job: Option<String> = None;
     for session in &conversation.sessions {
         let mut ids = Vec::new();
         for (index, exchange) in session.exchanges.iter().enumerate() {
@@ -592,7 +611,15 @@ async fn ingest(
                 violations += 1;
             }
             ids.push(turn_id);
+            last_job = reply.header("x-engram-job-id").map(str::to_owned);
             progress.inc(1);
+        }
+        // The next session starts once this one is applied, so memory records the turns in
+        // replay order on every run.
+        if let Some(job) = last_job.take() {
+            client
+                .wait_job(&conversation.sample_id, &job, Duration::from_secs(120))
+                .await?;
         }
         turn_ids.push(ids);
     }
@@ -610,8 +637,8 @@ fn raw_turns(export: &Value) -> Vec<Value> {
         .unwrap_or_default()
 }
 
-/// Checks the user's raw log against the replay: one raw turn per exchange, in order, under the
-/// exchange's session and event time. Returns the raw turn count, the mismatches, and the map
+/// Checks the user's raw log against the replay: one raw turn per exchange, in replay order,
+/// under the exchange's session and event time. Returns the raw turn count, the mismatches, and the map
 /// from raw turn sequence number to (session index, exchange index).
 fn check_export(
     conversation: &Conversation,
@@ -636,12 +663,18 @@ fn check_export(
     let turns = raw_turns(export);
     let mut mismatches = 0;
     let mut seq_map = HashMap::new();
+    let mut previous = None;
     for (seq, turn) in turns.iter().enumerate() {
         let id = turn["id"].as_str().unwrap_or_default();
         let Some(&(s, e)) = by_id.get(id) else {
             mismatches += 1;
             continue;
         };
+        // Recorded in replay order.
+        if previous.is_some_and(|previous| previous > (s, e)) {
+            mismatches += 1;
+        }
+        previous = Some((s, e));
         let session = &conversation.sessions[s];
         let session_id = turn["session"]
             .as_u64()
@@ -667,7 +700,10 @@ async fn ask(
     turn_ids: &[Vec<String>],
     seq_map: &HashMap<u64, (usize, usize)>,
     progress: &Progress,
+    trace: bool,
 ) -> Result<Vec<Probe>> {
+    let seq_of: HashMap<(usize, usize), u64> =
+        seq_map.iter().map(|(seq, exchange)| (*exchange, *seq)).collect();
     let mut exchange_of_turn: HashMap<TurnPos, (usize, usize)> = HashMap::new();
     for (s, session) in conversation.sessions.iter().enumerate() {
         for (e, exchange) in session.exchanges.iter().enumerate() {
@@ -748,7 +784,29 @@ async fn ask(
                 why,
             });
         }
+        let trace = trace.then(|| {
+            let evidence: Vec<Value> = question
+                .evidence
+                .iter()
+                .map(|pos| {
+                    serde_json::json!({
+                        "dia_id": conversation.turn(*pos).map(|turn| turn.dia_id.as_str()),
+                        "seq": exchange_of_turn.get(pos).and_then(|exchange| seq_of.get(exchange)),
+                    })
+                })
+                .collect();
+            serde_json::json!({
+                "conversation": conversation.sample_id,
+                "index": index,
+                "category": question.category,
+                "evidence": evidence,
+                "missed": missed,
+                "prompt": prompt,
+                "explain": explain["explain"],
+            })
+        });
         probes.push(Probe {
+            trace,
             score: score(
                 question.category,
                 &context,

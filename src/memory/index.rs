@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use super::model::{ItemRef, MemoryState, TurnSeq};
-use super::text::{display_date, terms};
+use super::text::{date_search_text, terms};
 
 pub type TermId = u32;
 
@@ -236,7 +236,7 @@ impl MemoryIndex {
             let date = turn
                 .event_time
                 .as_deref()
-                .and_then(display_date)
+                .map(date_search_text)
                 .unwrap_or_default();
             let text = format!("{} {} {}", turn.user, turn.assistant, date);
             let ids = self.term_ids(&text);
