@@ -159,7 +159,12 @@ mod tests {
         let conversation = conversation();
         let baselines = ConversationBaselines::new(&conversation);
         assert_eq!(baselines.full_history.turns.len(), 16);
-        assert!(baselines.full_history.context.starts_with("ann: message number 1 "));
+        assert!(
+            baselines
+                .full_history
+                .context
+                .starts_with("ann: message number 1 ")
+        );
         // 8 exchanges of one turn per side; the window keeps the last 6, turns 5..16.
         assert_eq!(baselines.window.turns.len(), 12);
         assert!(!baselines.window.turns.contains(&(0, 3)));
@@ -177,7 +182,10 @@ mod tests {
         assert_eq!(one.turns.len(), 1);
         assert!(one.turns.contains(&(0, 2)));
         assert_eq!(one.tokens, line.2);
-        assert!(one.context.contains("[2023-05-08] ann: message number 3 about topic3"));
+        assert!(
+            one.context
+                .contains("[2023-05-08] ann: message number 3 about topic3")
+        );
         let none = baselines.bm25("topic3", line.2 - 1);
         assert!(none.turns.is_empty());
         assert_eq!(none.tokens, 0);

@@ -137,7 +137,10 @@ impl Conversation {
     }
 
     pub fn exchange_count(&self) -> usize {
-        self.sessions.iter().map(|session| session.exchanges.len()).sum()
+        self.sessions
+            .iter()
+            .map(|session| session.exchanges.len())
+            .sum()
     }
 
     pub fn evaluated_questions(&self) -> impl Iterator<Item = &Question> {

@@ -226,10 +226,8 @@ impl TempDir {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |elapsed| elapsed.as_nanos());
-        let path = std::env::temp_dir().join(format!(
-            "engram-eval-{}-{nanos:x}",
-            std::process::id()
-        ));
+        let path =
+            std::env::temp_dir().join(format!("engram-eval-{}-{nanos:x}", std::process::id()));
         std::fs::create_dir_all(&path)?;
         Ok(TempDir(path))
     }
@@ -434,8 +432,10 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
             if round == 0 {
                 conversation_seconds[index] = ingested[index].seconds + seconds;
                 let conversation = &conversations[index];
-                let scores: Vec<QuestionScore> =
-                    conversation_probes.iter().map(|probe| probe.score).collect();
+                let scores: Vec<QuestionScore> = conversation_probes
+                    .iter()
+                    .map(|probe| probe.score)
+                    .collect();
                 let summary = Breakdown::of(&scores).overall;
                 progress.line(&format!(
                     "{}: {} sessions, {} exchanges, {} questions; engram at {budget}: evidence \
@@ -521,7 +521,11 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
         written = write_outputs(out, &report, &markdown, &svg)?;
         if options.trace {
             let mut lines = String::new();
-            for probe in per_budget.iter().take(1).flat_map(|(_, probes)| probes.iter().flatten()) {
+            for probe in per_budget
+                .iter()
+                .take(1)
+                .flat_map(|(_, probes)| probes.iter().flatten())
+            {
                 if let Some(trace) = &probe.trace {
                     lines.push_str(&trace.to_string());
                     lines.push('\n');
@@ -702,8 +706,10 @@ async fn ask(
     progress: &Progress,
     trace: bool,
 ) -> Result<Vec<Probe>> {
-    let seq_of: HashMap<(usize, usize), u64> =
-        seq_map.iter().map(|(seq, exchange)| (*exchange, *seq)).collect();
+    let seq_of: HashMap<(usize, usize), u64> = seq_map
+        .iter()
+        .map(|(seq, exchange)| (*exchange, *seq))
+        .collect();
     let mut exchange_of_turn: HashMap<TurnPos, (usize, usize)> = HashMap::new();
     for (s, session) in conversation.sessions.iter().enumerate() {
         for (e, exchange) in session.exchanges.iter().enumerate() {

@@ -184,7 +184,10 @@ mod tests {
 
     #[test]
     fn normalising_lowercases_and_collapses_whitespace() {
-        assert_eq!(normalise("  Ann:\tI  ADOPTED\n a Cat. "), "ann: i adopted a cat.");
+        assert_eq!(
+            normalise("  Ann:\tI  ADOPTED\n a Cat. "),
+            "ann: i adopted a cat."
+        );
         assert_eq!(normalise("Über"), "über");
     }
 

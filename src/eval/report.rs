@@ -166,7 +166,11 @@ pub fn build(
                             .map(|turn| turn.dia_id.clone())
                             .collect(),
                         engram: SystemScore { score, missed },
-                        full_history: baseline_score(conversation, question, &baseline.full_history),
+                        full_history: baseline_score(
+                            conversation,
+                            question,
+                            &baseline.full_history,
+                        ),
                         window: baseline_score(conversation, question, &baseline.window),
                         bm25,
                     });
@@ -191,7 +195,11 @@ pub fn build(
             }
         }
         let bm25_breakdown = Breakdown::of(&bm25_scores);
-        sweep.push(point(ENGRAM, Some(*round_budget), &engram_breakdown.overall));
+        sweep.push(point(
+            ENGRAM,
+            Some(*round_budget),
+            &engram_breakdown.overall,
+        ));
         sweep.push(point(BM25, Some(*round_budget), &bm25_breakdown.overall));
         if round == 0 {
             let engram_overall = engram_breakdown.overall;
@@ -399,7 +407,11 @@ pub fn markdown(report: &Report) -> String {
     ));
     for (category, rows) in &categories {
         for (system, summary) in rows {
-            let _ = writeln!(out, "| {category} | {system} | {} |", summary_cells(summary));
+            let _ = writeln!(
+                out,
+                "| {category} | {system} | {} |",
+                summary_cells(summary)
+            );
         }
     }
 

@@ -156,7 +156,10 @@ impl Script {
             .and_then(|key| lock(&self.replies).get(key).cloned());
         let Some(key) = key.filter(|_| reply.is_some()) else {
             self.unscripted.fetch_add(1, Ordering::Relaxed);
-            return error(StatusCode::BAD_REQUEST, "no scripted reply for this request");
+            return error(
+                StatusCode::BAD_REQUEST,
+                "no scripted reply for this request",
+            );
         };
         let model = parsed.model.clone();
         lock(&self.prompts).insert(key, parsed.messages);

@@ -532,7 +532,14 @@ pub fn compose(
             .saturating_add(new_left)
             .saturating_add(budgets.old),
     );
-    pack_recall(state, &ranked, &mut recall, &mut packer, encoding, &mut explain_items);
+    pack_recall(
+        state,
+        &ranked,
+        &mut recall,
+        &mut packer,
+        encoding,
+        &mut explain_items,
+    );
 
     // ---- OLD: episode manifests, in what recall left ----
     packer.stage(packer.total_left);
