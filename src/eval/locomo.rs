@@ -25,6 +25,7 @@ use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+use tokio_util::task::TaskTracker;
 
 use super::baselines::{BaselinePrompt, ConversationBaselines};
 use super::client::ProxyClient;
@@ -117,6 +118,16 @@ pub struct QuestionRecord {
     pub bm25: SystemScore,
 }
 
+/// Raw turn sequence number → (session index, exchange index).
+type SeqMap = HashMap<u64, (usize, usize)>;
+
+/// How a conversation's exchanges map to engram's turns: their turn ids (per session, per
+/// exchange) and raw turn sequence numbers.
+struct Replayed {
+    turn_ids: Vec<Vec<String>>,
+    seq_map: Arc<SeqMap>,
+}
+
 /// What one conversation's replay did.
 struct Ingested {
     /// Per session, per exchange: the engram turn id the proxy gave it.
@@ -183,7 +194,7 @@ struct LocalProxy {
 }
 
 impl LocalProxy {
-    async fn start(config: &Config, token: &str) -> Result<LocalProxy> {
+    async fn start(config: &Config, token: &str, tasks: &TaskTracker) -> Result<LocalProxy> {
         // The previous proxy on the same store may still be letting go of the file.
         let mut attempts = 0;
         let engram = loop {
@@ -198,7 +209,7 @@ impl LocalProxy {
         };
         let address = engram.local_addr()?;
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(engram.run(async move {
+        let task = tasks.spawn(engram.run(async move {
             let _ = stopped.await;
         }));
         Ok(LocalProxy {
@@ -272,6 +283,7 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
         return Err(Error::Internal("the data holds no conversation".into()));
     }
     let budgets = budgets(&options);
+    let tracker = TaskTracker::new();
     let upstream = Arc::new(ScriptedUpstream::start(options.mock_listen).await?);
     let store_dir = TempDir::new()?;
     let mut config = options.config.clone();
@@ -298,7 +310,7 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
         }
         None => {
             let token = random_token();
-            let proxy = LocalProxy::start(&config, &token).await?;
+            let proxy = LocalProxy::start(&config, &token, &tracker).await?;
             (
                 ProxyClient::new(&format!("http://{}", proxy.address), &token),
                 Some((proxy, token)),
@@ -341,9 +353,10 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
         let client = client.clone();
         let upstream = Arc::clone(&upstream);
         let progress = progress.clone();
-        tasks.push(tokio::spawn(async move {
-            ingest(&conversation, &client, &upstream, &progress).await
-        }));
+        tasks.push(
+            tracker
+                .spawn(async move { ingest(&conversation, &client, &upstream, &progress).await }),
+        );
     }
     let mut ingested = Vec::new();
     for task in tasks {
@@ -394,7 +407,7 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
             };
             proxy.stop().await?;
             config.memory.budget_tokens = budget;
-            let proxy = LocalProxy::start(&config, &token).await?;
+            let proxy = LocalProxy::start(&config, &token, &tracker).await?;
             let client = ProxyClient::new(&format!("http://{}", proxy.address), &token);
             local = Some((proxy, token));
             client
@@ -405,18 +418,19 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
             let client = client.clone();
             let upstream = Arc::clone(&upstream);
             let progress = progress.clone();
-            let turn_ids = ingested[index].turn_ids.clone();
-            let seq_map = seq_maps[index].clone();
+            let replayed = Replayed {
+                turn_ids: ingested[index].turn_ids.clone(),
+                seq_map: Arc::clone(&seq_maps[index]),
+            };
             let trace = options.trace && round == 0;
-            tasks.push(tokio::spawn(async move {
+            tasks.push(tracker.spawn(async move {
                 let started = Instant::now();
                 let probes = ask(
                     &conversation,
                     budget,
                     &client,
                     &upstream,
-                    &turn_ids,
-                    &seq_map,
+                    &replayed,
                     &progress,
                     trace,
                 )
@@ -648,7 +662,7 @@ fn check_export(
     conversation: &Conversation,
     ingested: &Ingested,
     export: &Value,
-) -> (usize, usize, Arc<HashMap<u64, (usize, usize)>>) {
+) -> (usize, usize, Arc<SeqMap>) {
     let sessions: Vec<String> = export["memory"]["sessions"]
         .as_array()
         .map(|sessions| {
@@ -701,11 +715,11 @@ async fn ask(
     budget: u32,
     client: &ProxyClient,
     upstream: &ScriptedUpstream,
-    turn_ids: &[Vec<String>],
-    seq_map: &HashMap<u64, (usize, usize)>,
+    replayed: &Replayed,
     progress: &Progress,
     trace: bool,
 ) -> Result<Vec<Probe>> {
+    let (turn_ids, seq_map) = (&replayed.turn_ids, &*replayed.seq_map);
     let seq_of: HashMap<(usize, usize), u64> = seq_map
         .iter()
         .map(|(seq, exchange)| (*exchange, *seq))
@@ -896,13 +910,14 @@ pub fn prompt_context(prompt: &[ChatMessage], question: &str) -> (String, u32) {
     let last = prompt.len().saturating_sub(1);
     for (index, message) in prompt.iter().enumerate() {
         let text = message.text();
-        if index == last && message.role == "user" {
-            if let Some(prefix) = text.strip_suffix(question) {
-                if !prefix.trim().is_empty() {
-                    parts.push(prefix.to_owned());
-                }
-                continue;
+        if index == last
+            && message.role == "user"
+            && let Some(prefix) = text.strip_suffix(question)
+        {
+            if !prefix.trim().is_empty() {
+                parts.push(prefix.to_owned());
             }
+            continue;
         }
         parts.push(text);
     }

@@ -21,6 +21,7 @@ use hyper_util::server::conn::auto;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
+use tokio_util::task::TaskTracker;
 
 use crate::error::{Error, Result};
 use crate::openai::ChatMessage;
@@ -50,7 +51,9 @@ impl ScriptedUpstream {
         let address = listener.local_addr()?;
         let script = Arc::new(Script::default());
         let serving = Arc::clone(&script);
-        let task = tokio::spawn(async move {
+        let tracker = TaskTracker::new();
+        let connections_tracker = tracker.clone();
+        let task = tracker.spawn(async move {
             let connections = auto::Builder::new(TokioExecutor::new());
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
@@ -65,7 +68,7 @@ impl ScriptedUpstream {
                 let connection = connections
                     .serve_connection(TokioIo::new(stream), service)
                     .into_owned();
-                tokio::spawn(async move {
+                connections_tracker.spawn(async move {
                     let _ = connection.await;
                 });
             }
