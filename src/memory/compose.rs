@@ -11,8 +11,9 @@
 //! Packing order, all charged against one budget so the blocks always fit: reserved items
 //! (hard constraints, pinned, identity) first; then the rest is split NEW / CURRENT / OLD; core
 //! facts take part of CURRENT; the raw window takes NEW (dropping old turns to summaries when it
-//! overflows); recall takes the rest of CURRENT plus NEW's leftover; episode manifests take OLD
-//! plus what recall left. Only stored token counts are added here; nothing is tokenized.
+//! overflows); recall takes the rest of CURRENT, NEW's leftover and OLD (old raw turns are OLD-tier
+//! content), each turn once in the fullest form that fits; episode manifests take what recall
+//! left. Only stored token counts are added here; nothing is tokenized.
 
 use std::collections::HashSet;
 
@@ -1311,6 +1312,60 @@ mod tests {
         assert_eq!(composition.outcome, MemoryOutcome::ReservedOverBudget);
         assert!(composition.tokens.total <= 200);
         assert!(composition.items > 0);
+        assert_eq!(
+            injected_tokens(&state, &composition, &config, Encoding::O200k),
+            composition.tokens.total
+        );
+    }
+
+    #[test]
+    fn a_recalled_turn_is_shown_once_and_raw_when_it_fits() {
+        let mut turns: Vec<(String, String)> = (0..40)
+            .map(|n| {
+                (
+                    format!("Let's talk about subject {n} and item{n}."),
+                    format!("Reply {n}."),
+                )
+            })
+            .collect();
+        turns[5] = (
+            "My cousin Ines keeps bees on her balcony in Porto.".into(),
+            "Bees on a balcony, how brave!".into(),
+        );
+        let borrowed: Vec<(&str, &str)> = turns
+            .iter()
+            .map(|(u, a)| (u.as_str(), a.as_str()))
+            .collect();
+        let state = recorded(&borrowed);
+        let config = MemoryConfig::default();
+        let messages = vec![ChatMessage::new("user", "Where does Ines keep her bees?")];
+        let composition = compose_for(&state, &messages, &config);
+        let shown: Vec<&ExplainedItem> = composition
+            .explain
+            .items
+            .iter()
+            .filter(|item| matches!(item.item, ItemRef::RawTurn(5) | ItemRef::Summary(5)))
+            .collect();
+        assert_eq!(shown.len(), 1, "{shown:?}");
+        assert_eq!(shown[0].item, ItemRef::RawTurn(5));
+        assert_eq!(shown[0].form, Form::Full);
+        let recall = composition
+            .messages
+            .iter()
+            .map(ChatMessage::text)
+            .find(|text| text.contains("kind=\"recall\""))
+            .unwrap();
+        // Not again as a summary (the episode manifest indexing it is another item).
+        assert_eq!(
+            recall.matches("user: My cousin Ines keeps bees").count(),
+            1,
+            "{recall}"
+        );
+        assert!(
+            recall
+                .contains("user: My cousin Ines keeps bees on her balcony in Porto. | assistant:"),
+            "{recall}"
+        );
         assert_eq!(
             injected_tokens(&state, &composition, &config, Encoding::O200k),
             composition.tokens.total
