@@ -18,6 +18,9 @@ struct Style {
     colour: &'static str,
     /// Marker: circle, square, diamond or triangle.
     marker: &'static str,
+    /// Whether a point's budget label sits left of the marker (so two systems' labels at the
+    /// same point do not overlap).
+    label_left: bool,
 }
 
 const STYLES: [Style; 4] = [
@@ -25,21 +28,25 @@ const STYLES: [Style; 4] = [
         system: ENGRAM,
         colour: "#1f6feb",
         marker: "circle",
+        label_left: false,
     },
     Style {
         system: BM25,
         colour: "#d9822b",
         marker: "square",
+        label_left: true,
     },
     Style {
         system: FULL_HISTORY,
         colour: "#6e7781",
         marker: "diamond",
+        label_left: false,
     },
     Style {
         system: WINDOW,
         colour: "#2da44e",
         marker: "triangle",
+        label_left: false,
     },
 ];
 
@@ -215,11 +222,16 @@ pub fn svg(report: &Report) -> String {
             let (x, y) = (x_of(point.tokens.mean), y_of(point.evidence_recall));
             marker(&mut out, style.marker, x, y, style.colour);
             if let Some(budget) = point.budget {
+                let (dx, anchor) = if style.label_left {
+                    (-7.0, "end")
+                } else {
+                    (7.0, "start")
+                };
                 let _ = writeln!(
                     out,
-                    r#"<text x="{:.1}" y="{:.1}" font-size="10" fill="{}">{budget}</text>"#,
-                    x + 7.0,
-                    y - 6.0,
+                    r#"<text x="{:.1}" y="{:.1}" font-size="10" text-anchor="{anchor}" fill="{}">{budget}</text>"#,
+                    x + dx,
+                    y - 7.0,
                     style.colour
                 );
             }
