@@ -365,14 +365,13 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
                 .map_err(|error| Error::Internal(format!("a replay task failed: {error}")))??,
         );
     }
-    let after_replay = client
+    client
         .wait_applied(
             applied_before + exchanges as u64,
             Duration::from_secs(60 + exchanges as u64 / 10),
         )
         .await?;
     let ingest_seconds = ingest_started.elapsed().as_secs_f64();
-    let queued_after_replay = after_replay["recorded"]["queued"].as_u64().unwrap_or(0);
 
     let mut protocol = ProtocolCheck {
         exchanges_sent: exchanges,
@@ -412,6 +411,7 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
             local = Some((proxy, token));
             client
         };
+        let queued_before = queued(&client.queue().await?);
         let mut tasks = Vec::new();
         for (index, conversation) in conversations.iter().enumerate() {
             let conversation = Arc::clone(conversation);
@@ -469,16 +469,14 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
         protocol.questions_sent += probes.iter().map(Vec::len).sum::<usize>();
         protocol.degraded_questions += probes.iter().flatten().filter(|p| p.degraded).count();
         per_budget.push((budget, probes));
+        // Read-only: this round's questions queued nothing and left nothing in flight.
+        let queue = client.queue().await?;
+        protocol.jobs_recorded_by_questions += queued(&queue).saturating_sub(queued_before)
+            + queue["recorded"]["in_flight"].as_u64().unwrap_or(0);
     }
     let probe_seconds = probe_started.elapsed().as_secs_f64();
 
-    // ---- read-only check: nothing the questions did was recorded ----
-    let queue = client_for(&local, &client).queue().await?;
-    protocol.jobs_recorded_by_questions = queue["recorded"]["queued"]
-        .as_u64()
-        .unwrap_or(0)
-        .saturating_sub(queued_after_replay)
-        + queue["recorded"]["in_flight"].as_u64().unwrap_or(0);
+    // ---- read-only check: the raw log is what the replay left ----
     for conversation in &conversations {
         let export = client_for(&local, &client)
             .admin(
@@ -556,6 +554,11 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
         svg,
         written,
     })
+}
+
+/// Jobs the proxy's recorder has queued since it started.
+fn queued(queue: &Value) -> u64 {
+    queue["recorded"]["queued"].as_u64().unwrap_or(0)
 }
 
 fn client_for(local: &Option<(LocalProxy, String)>, fallback: &ProxyClient) -> ProxyClient {
