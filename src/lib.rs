@@ -5,6 +5,7 @@ pub mod app;
 pub mod cli;
 pub mod config;
 pub mod error;
+pub mod eval;
 pub mod memory;
 pub mod metrics;
 pub mod mock;

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use clap::Parser;
 use engram::app::Engram;
-use engram::cli::{AdminArgs, Cli, Command, MockArgs, ServeArgs, StoreFlag};
+use engram::cli::{
+    AdminArgs, Cli, Command, EvalBenchmark, LocomoArgs, MockArgs, ServeArgs, StoreFlag,
+};
 use engram::config::{Config, LogFormat, StoreBackend};
 use engram::error::Error;
 use engram::mock::{MockOptions, MockServer};
@@ -19,6 +21,9 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve(args),
         Command::MockUpstream(args) => mock_upstream(args),
         Command::Admin(args) => return admin(args),
+        Command::Eval(args) => match args.benchmark {
+            EvalBenchmark::Locomo(args) => eval_locomo(args),
+        },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -177,4 +182,40 @@ fn mock_upstream(args: MockArgs) -> Result<(), Error> {
             () = shutdown_signal() => Ok(()),
         }
     })
+}
+
+fn eval_locomo(args: LocomoArgs) -> Result<(), Error> {
+    let config = Config::load(args.config.as_deref(), std::env::vars())?;
+    init_logging("warn", LogFormat::Text);
+    let budget = args.budget.unwrap_or(config.memory.budget_tokens);
+    let bar = !args.no_progress && std::io::stderr().is_terminal();
+    let options = engram::eval::locomo::EvalOptions {
+        data: args.data,
+        budget,
+        sweep: args.sweep,
+        out: Some(args.out),
+        proxy: args.proxy,
+        mock_listen: args.mock_listen,
+        admin_token: std::env::var(engram::admin::TOKEN_ENV).ok(),
+        config,
+        progress: engram::eval::progress::Progress::new(bar, true),
+        trace: args.trace,
+    };
+    let output = runtime(0)?.block_on(engram::eval::locomo::run(options))?;
+    let mut stdout = std::io::stdout();
+    let _ = writeln!(stdout, "\n{}", output.markdown);
+    for path in &output.written {
+        let _ = writeln!(stdout, "wrote {}", path.display());
+    }
+    let _ = writeln!(
+        stdout,
+        "total runtime {:.1} s",
+        output.report.timing.total_seconds
+    );
+    if !output.report.protocol_holds {
+        return Err(Error::Internal(
+            "the replay protocol check failed (see the report's protocol section)".into(),
+        ));
+    }
+    Ok(())
 }

@@ -11,8 +11,9 @@
 //! Packing order, all charged against one budget so the blocks always fit: reserved items
 //! (hard constraints, pinned, identity) first; then the rest is split NEW / CURRENT / OLD; core
 //! facts take part of CURRENT; the raw window takes NEW (dropping old turns to summaries when it
-//! overflows); recall takes the rest of CURRENT plus NEW's leftover; episode manifests take OLD
-//! plus what recall left. Only stored token counts are added here; nothing is tokenized.
+//! overflows); recall takes the rest of CURRENT, NEW's leftover and OLD (old raw turns are OLD-tier
+//! content), each turn once in the fullest form that fits; episode manifests take what recall
+//! left. Only stored token counts are added here; nothing is tokenized.
 
 use std::collections::HashSet;
 
@@ -157,6 +158,69 @@ impl BlockPlan {
 
     fn contains(&self, item: ItemRef) -> bool {
         self.lines.iter().any(|line| line.item == item)
+    }
+
+    /// Whether the block already shows what `item` would add: a summary is covered by its raw
+    /// turn too (a raw hit still adds the raw text to a turn shown as a summary).
+    fn shows(&self, item: ItemRef) -> bool {
+        match item {
+            ItemRef::Summary(seq) => {
+                self.contains(ItemRef::RawTurn(seq)) || self.contains(ItemRef::Summary(seq))
+            }
+            _ => self.contains(item),
+        }
+    }
+}
+
+/// The group a hit's relevance is compared within for the relative cutoff: facts, turns (raw
+/// or summarised), episodes, artifacts.
+fn cutoff_kind(item: ItemRef) -> usize {
+    match item {
+        ItemRef::RawTurn(_) | ItemRef::Summary(_) => 1,
+        ItemRef::Episode(_) => 2,
+        ItemRef::Artifact(_) => 3,
+        _ => 0,
+    }
+}
+
+/// Packs ranked recall candidates (episodes excepted) that are not shown yet, each in the first
+/// of its forms that fits.
+fn pack_recall(
+    state: &MemoryState,
+    ranked: &[(f32, f32, ItemRef, Reason)],
+    recall: &mut BlockPlan,
+    packer: &mut Packer,
+    encoding: Encoding,
+    explain_items: &mut Vec<ExplainedItem>,
+) {
+    for (score, relevance, item, reason) in ranked.iter().copied() {
+        if matches!(item, ItemRef::Episode(_)) || recall.shows(item) {
+            continue;
+        }
+        for (shown, section, order, form, tokens) in render_options(state, item, encoding) {
+            if recall.contains(shown) {
+                continue;
+            }
+            let line = Line {
+                section,
+                order,
+                item: shown,
+                form,
+            };
+            if recall.try_add(packer, line, tokens, encoding) {
+                explain_items.push(explained(
+                    state,
+                    shown,
+                    Block::Recall,
+                    score,
+                    Some(relevance),
+                    tokens,
+                    reason,
+                    form,
+                ));
+                break;
+            }
+        }
     }
 }
 
@@ -442,12 +506,20 @@ pub fn compose(
     } else {
         Default::default()
     };
-    let best = retrieval.hits.first().map_or(0.0, |hit| hit.relevance);
-    let cutoff = best * config.retrieval.min_relative_score;
+    // Each segment is normalised on its own, so a hit is compared with the best of its kind: a
+    // broad episode manifest scoring high must not cut every raw turn.
+    let mut best = [0.0f32; 4];
+    for hit in &retrieval.hits {
+        let kind = &mut best[cutoff_kind(hit.item)];
+        *kind = kind.max(hit.relevance);
+    }
     let mut ranked: Vec<(f32, f32, ItemRef, Reason)> = retrieval
         .hits
         .iter()
-        .filter(|hit| hit.relevance >= cutoff && !in_prompt.contains(&hit.item))
+        .filter(|hit| {
+            hit.relevance >= best[cutoff_kind(hit.item)] * config.retrieval.min_relative_score
+                && !in_prompt.contains(&hit.item)
+        })
         .map(|hit| {
             let tier = item_tier_score(state, config, hit.item);
             (
@@ -459,53 +531,26 @@ pub fn compose(
         })
         .collect();
     ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.2.cmp(&b.2)));
-    let mut left_out = Vec::new();
+    // The OLD share pays for OLD-tier content too: the raw turns recall finds there (most of
+    // an old conversation's evidence) come before the manifests that index them.
     packer.stage(
         budgets
             .current
             .saturating_sub(core_facts_used)
-            .saturating_add(new_left),
+            .saturating_add(new_left)
+            .saturating_add(budgets.old),
     );
-    for (score, relevance, item, reason) in ranked.iter().copied() {
-        if matches!(item, ItemRef::Episode(_)) {
-            continue;
-        }
-        if let ItemRef::Summary(seq) = item
-            && recall.contains(ItemRef::RawTurn(seq))
-        {
-            continue;
-        }
-        let options = render_options(state, item, encoding);
-        let mut added = false;
-        for (section, order, form, tokens) in options {
-            let line = Line {
-                section,
-                order,
-                item,
-                form,
-            };
-            if recall.try_add(&mut packer, line, tokens, encoding) {
-                explain_items.push(explained(
-                    state,
-                    item,
-                    Block::Recall,
-                    score,
-                    Some(relevance),
-                    tokens,
-                    reason,
-                    form,
-                ));
-                added = true;
-                break;
-            }
-        }
-        if !added && left_out.len() < 16 {
-            left_out.push(item);
-        }
-    }
+    pack_recall(
+        state,
+        &ranked,
+        &mut recall,
+        &mut packer,
+        encoding,
+        &mut explain_items,
+    );
 
-    // ---- OLD: episode manifests ----
-    packer.stage(budgets.old.saturating_add(packer.stage_left));
+    // ---- OLD: episode manifests, in what recall left ----
+    packer.stage(packer.total_left);
     for (score, relevance, item, reason) in ranked.iter().copied() {
         let ItemRef::Episode(id) = item else {
             continue;
@@ -531,10 +576,15 @@ pub fn compose(
                 reason,
                 Form::Full,
             ));
-        } else if left_out.len() < 16 {
-            left_out.push(item);
         }
     }
+
+    let left_out: Vec<ItemRef> = ranked
+        .iter()
+        .map(|(_, _, item, _)| *item)
+        .filter(|item| !recall.shows(*item))
+        .take(16)
+        .collect();
 
     // ---- final guard: the blocks fit the budget, always ----
     let mut tokens = BlockTokens {
@@ -614,18 +664,25 @@ pub fn compose(
     }
 }
 
-/// The ways an item can be rendered in the recall block, preferred first:
-/// `(section, order, form, tokens)`.
+/// A summary hit is shown as its raw turn when the raw line costs at most this many times the
+/// summary line: the raw text is what was said, and short exchanges summarise to nearly the
+/// same length.
+const RAW_FOR_SUMMARY_COST: u32 = 2;
+
+/// The ways an item can be shown in the recall block, preferred first:
+/// `(item shown, section, order, form, tokens)`. A turn is shown once, in the fullest form that
+/// fits: its raw line, the raw line clipped, or its summary.
 fn render_options(
     state: &MemoryState,
     item: ItemRef,
     encoding: Encoding,
-) -> Vec<(Section, u64, Form, u32)> {
+) -> Vec<(ItemRef, Section, u64, Form, u32)> {
     match item {
         ItemRef::Fact(id) => state
             .fact(id)
             .map(|fact| {
                 vec![(
+                    item,
                     Section::RelevantFacts,
                     u64::from(id),
                     Form::Full,
@@ -633,51 +690,56 @@ fn render_options(
                 )]
             })
             .unwrap_or_default(),
-        ItemRef::RawTurn(seq) => state
-            .raw_turns
-            .get(seq as usize)
-            .map(|turn| {
-                let order = u64::from(seq) * 2;
-                vec![
-                    (
-                        Section::Conversation,
-                        order,
-                        Form::Full,
-                        turn.tokens.line.get(encoding),
-                    ),
-                    (
-                        Section::Conversation,
-                        order,
-                        Form::Clipped,
-                        turn.tokens.clipped_line.get(encoding),
-                    ),
-                ]
-            })
-            .unwrap_or_default(),
-        ItemRef::Summary(seq) => state
-            .turn_log
-            .get(seq as usize)
-            .map(|entry| {
-                vec![(
+        ItemRef::RawTurn(seq) | ItemRef::Summary(seq) => {
+            let Some(turn) = state.raw_turns.get(seq as usize) else {
+                return Vec::new();
+            };
+            let raw = ItemRef::RawTurn(seq);
+            let full = turn.tokens.line.get(encoding);
+            let clipped = turn.tokens.clipped_line.get(encoding);
+            let summary = state
+                .turn_log
+                .get(seq as usize)
+                .map(|entry| entry.tokens.get(encoding));
+            let order = u64::from(seq) * 2;
+            let mut options = Vec::new();
+            let affordable = |tokens: u32| match (item, summary) {
+                (ItemRef::Summary(_), Some(summary)) => {
+                    tokens <= summary.saturating_mul(RAW_FOR_SUMMARY_COST)
+                }
+                _ => true,
+            };
+            if affordable(full) {
+                options.push((raw, Section::Conversation, order, Form::Full, full));
+            }
+            if clipped < full && affordable(clipped) {
+                options.push((raw, Section::Conversation, order, Form::Clipped, clipped));
+            }
+            if let Some(summary) = summary {
+                options.push((
+                    ItemRef::Summary(seq),
                     Section::Conversation,
-                    u64::from(seq) * 2 + 1,
+                    order + 1,
                     Form::Full,
-                    entry.tokens.get(encoding),
-                )]
-            })
-            .unwrap_or_default(),
+                    summary,
+                ));
+            }
+            options
+        }
         ItemRef::Artifact(id) => state
             .artifacts
             .get(id as usize)
             .map(|artifact| {
                 vec![
                     (
+                        item,
                         Section::Artifacts,
                         u64::from(id),
                         Form::Full,
                         artifact.tokens.get(encoding),
                     ),
                     (
+                        item,
                         Section::Artifacts,
                         u64::from(id),
                         Form::Reference,
@@ -1274,6 +1336,60 @@ mod tests {
         assert_eq!(composition.outcome, MemoryOutcome::ReservedOverBudget);
         assert!(composition.tokens.total <= 200);
         assert!(composition.items > 0);
+        assert_eq!(
+            injected_tokens(&state, &composition, &config, Encoding::O200k),
+            composition.tokens.total
+        );
+    }
+
+    #[test]
+    fn a_recalled_turn_is_shown_once_and_raw_when_it_fits() {
+        let mut turns: Vec<(String, String)> = (0..40)
+            .map(|n| {
+                (
+                    format!("Let's talk about subject {n} and item{n}."),
+                    format!("Reply {n}."),
+                )
+            })
+            .collect();
+        turns[5] = (
+            "My cousin Ines keeps bees on her balcony in Porto.".into(),
+            "Bees on a balcony, how brave!".into(),
+        );
+        let borrowed: Vec<(&str, &str)> = turns
+            .iter()
+            .map(|(u, a)| (u.as_str(), a.as_str()))
+            .collect();
+        let state = recorded(&borrowed);
+        let config = MemoryConfig::default();
+        let messages = vec![ChatMessage::new("user", "Where does Ines keep her bees?")];
+        let composition = compose_for(&state, &messages, &config);
+        let shown: Vec<&ExplainedItem> = composition
+            .explain
+            .items
+            .iter()
+            .filter(|item| matches!(item.item, ItemRef::RawTurn(5) | ItemRef::Summary(5)))
+            .collect();
+        assert_eq!(shown.len(), 1, "{shown:?}");
+        assert_eq!(shown[0].item, ItemRef::RawTurn(5));
+        assert_eq!(shown[0].form, Form::Full);
+        let recall = composition
+            .messages
+            .iter()
+            .map(ChatMessage::text)
+            .find(|text| text.contains("kind=\"recall\""))
+            .unwrap();
+        // Not again as a summary (the episode manifest indexing it is another item).
+        assert_eq!(
+            recall.matches("user: My cousin Ines keeps bees").count(),
+            1,
+            "{recall}"
+        );
+        assert!(
+            recall
+                .contains("user: My cousin Ines keeps bees on her balcony in Porto. | assistant:"),
+            "{recall}"
+        );
         assert_eq!(
             injected_tokens(&state, &composition, &config, Encoding::O200k),
             composition.tokens.total

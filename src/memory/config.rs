@@ -191,7 +191,8 @@ pub struct RetrievalConfig {
     /// Escalate to raw turns when the summary tier covers less than this share of the query's
     /// term weight (seed 003).
     pub escalate_below_coverage: f32,
-    /// Raw-turn hits are scaled by this when the summary tier already covers the query.
+    /// Raw-turn hits are scaled by this when the summary tier already covers the query (1: not
+    /// at all, since a summary hit is shown as its raw turn when that fits anyway).
     pub raw_weight_when_covered: f32,
     /// How much the tier score adds to relevance when ranking recall candidates.
     pub tier_score_blend: f32,
@@ -213,8 +214,8 @@ impl Default for RetrievalConfig {
             top_artifacts: 2,
             neighbour_weight: 0.5,
             escalate_below_coverage: 0.6,
-            raw_weight_when_covered: 0.6,
-            tier_score_blend: 0.2,
+            raw_weight_when_covered: 1.0,
+            tier_score_blend: 0.1,
             min_relative_score: 0.15,
             prefetch_limit: 96,
         }

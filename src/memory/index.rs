@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use super::model::{ItemRef, MemoryState, TurnSeq};
-use super::text::{display_date, terms};
+use super::text::{date_search_text, terms};
 
 pub type TermId = u32;
 
@@ -243,7 +243,7 @@ impl MemoryIndex {
             let date = turn
                 .event_time
                 .as_deref()
-                .and_then(display_date)
+                .map(date_search_text)
                 .unwrap_or_default();
             let text = format!("{} {} {}", turn.user, turn.assistant, date);
             let ids = self.term_ids(&text);
@@ -436,5 +436,32 @@ mod tests {
         let (query, _) = index.query_terms("apple");
         let hits = segment.search(&query, BM25, 2);
         assert_eq!(hits.iter().map(|hit| hit.0).collect::<Vec<_>>(), [0, 1]);
+    }
+
+    #[test]
+    fn raw_turns_are_found_by_their_date_in_words() {
+        let mut state = MemoryState::new();
+        for (n, time) in ["2023-05-08T13:56:00Z", "2023-06-20T10:00:00Z"]
+            .into_iter()
+            .enumerate()
+        {
+            crate::memory::record::record_exchange(
+                &mut state,
+                &crate::memory::record::ExchangeInput {
+                    session_id: "s".into(),
+                    turn_id: format!("t{n}"),
+                    user_text: "We went to the lake.".into(),
+                    assistant_text: "Sounds fun.".into(),
+                    event_time: Some(time.into()),
+                    ..Default::default()
+                },
+                &crate::memory::extract::HeuristicExtractor,
+                &crate::memory::config::MemoryConfig::default(),
+            );
+        }
+        let index = MemoryIndex::build(&state);
+        let (query, _) = index.query_terms("What did we do on 20 June, 2023?");
+        let hits = index.raw.search(&query, BM25, 5);
+        assert_eq!(hits[0].0, 1, "{hits:?}");
     }
 }

@@ -314,6 +314,40 @@ pub fn display_date(event_time: &str) -> Option<String> {
     Some(clip_chars(&one_line(trimmed), 40))
 }
 
+/// The words a dated item is searched by: its display date and, for a calendar date, the same
+/// day in words (`2023-05-08` → `2023-05-08 8 May 2023`), so "what did she do in May 2023?"
+/// or "on 8 May, 2023" finds it.
+pub fn date_search_text(event_time: &str) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    let Some(date) = display_date(event_time) else {
+        return String::new();
+    };
+    let parts: Vec<&str> = date.split('-').collect();
+    let words = match parts.as_slice() {
+        [year, month, day] if year.len() == 4 && month.len() == 2 && day.len() == 2 => month
+            .parse::<usize>()
+            .ok()
+            .and_then(|month| MONTHS.get(month.wrapping_sub(1)))
+            .zip(day.parse::<u32>().ok())
+            .map(|(month, day)| format!(" {day} {month} {year}")),
+        _ => None,
+    };
+    format!("{date}{}", words.unwrap_or_default())
+}
+
 /// FNV-1a, 64-bit: a stable hash (unlike std's randomly seeded one) for chains and dedup keys.
 pub fn fnv1a(seed: u64, bytes: &[u8]) -> u64 {
     let mut hash = if seed == 0 {
@@ -379,6 +413,16 @@ mod tests {
             Some("1:56 pm on 8 May, 2023")
         );
         assert_eq!(display_date("  "), None);
+    }
+
+    #[test]
+    fn dates_are_searchable_in_words() {
+        assert_eq!(
+            date_search_text("2023-05-08T13:56:00Z"),
+            "2023-05-08 8 May 2023"
+        );
+        assert_eq!(date_search_text("last spring"), "last spring");
+        assert_eq!(date_search_text(""), "");
     }
 
     #[test]
