@@ -94,7 +94,7 @@ struct Series {
 pub struct MeteredStore {
     inner: Arc<dyn Store>,
     /// By `Operation as usize`.
-    series: [Series; 17],
+    series: [Series; OPERATIONS.len()],
 }
 
 impl MeteredStore {
@@ -322,6 +322,8 @@ mod tests {
         assert_eq!(OPERATIONS[Operation::EndArrival as usize], "end_arrival");
         assert_eq!(OPERATIONS[Operation::CommitJobs as usize], "commit_jobs");
         assert_eq!(OPERATIONS[Operation::ForgetUser as usize], "forget_user");
+        // The last variant indexes the last label, so every variant has its series.
+        assert_eq!(Operation::ForgetUser as usize, OPERATIONS.len() - 1);
     }
 
     #[tokio::test]
