@@ -38,8 +38,12 @@ async fn the_management_api_answers_every_generated_request_without_a_server_err
     say(&proxy, "default", "alice", "s", "I'm allergic to peanuts.").await;
     let examples = std::env::var("ENGRAM_SCHEMATHESIS_EXAMPLES").unwrap_or_else(|_| "25".into());
     let schema = proxy.url("/engram/v1/openapi.json");
+    // Its example cache goes in a scratch directory, not the checkout.
+    let scratch = tempfile::tempdir().unwrap();
+    let workdir = scratch.path().to_owned();
     let output = tokio::task::spawn_blocking(move || {
         Command::new(schemathesis)
+            .current_dir(workdir)
             .args(["run", &schema])
             .args(["--header", &format!("Authorization: Bearer {ADMIN_TOKEN}")])
             .args(["--checks", "not_a_server_error"])
