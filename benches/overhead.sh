@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# The proxy's added latency, side by side with direct-to-mock, per percentile.
-# Usage: ./benches/overhead.sh [--duration-secs N] [--rates 500,1000,2000] [--stream-rate N]
-#   [--memory embedded,redis,redis-cluster] [--memory-rate N] [--users N]
-#   [--cluster-rates 100,200,400] [--replicas 3]
-# Installs its load generator (oha, from crates.io) and taskset when missing.
+# engram's added latency over direct-to-mock, side by side with LiteLLM's proxy, in one run:
+# direct, engram memory off, memory on (embedded), memory on (Redis), LiteLLM; stepped rates,
+# saturation, streaming time to first chunk, large bodies, many streams in flight.
+# Writes overhead.md, overhead.svg and overhead.json to docs/benchmarks/ (or --out DIR).
+#
+# Usage: ./benches/overhead.sh [--quick] [--duration-secs N] [--systems LIST] [--scenarios LIST]
+#        ./benches/overhead.sh --help     (every option)
+# The Redis Cluster scale-out benchmark is its own: ./benches/cluster.sh (docs/scaling.md).
+# Installs what it needs when missing: oha (cargo install), taskset (apt, as root), and, when
+# LiteLLM is measured, litellm[proxy] from PyPI into .venv-bench (done by the benchmark itself).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v oha >/dev/null && [ ! -x "$HOME/.cargo/bin/oha" ]; then
@@ -13,4 +18,9 @@ fi
 if ! command -v taskset >/dev/null && [ "$(id -u)" = 0 ]; then
   apt-get update -qq && apt-get install -y -qq util-linux >/dev/null
 fi
+if ! command -v redis-server >/dev/null && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq && apt-get install -y -qq redis-server >/dev/null || true
+fi
+# 1,000 streams in flight hold ~2,000 sockets in the proxy: raise the descriptor limit.
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || ulimit -n 65536 2>/dev/null || true
 exec cargo bench --bench overhead -- "$@"

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use super::model::{ItemRef, MemoryState, TurnSeq};
-use super::text::{date_search_text, terms};
+use super::text::{date_search_text, distinct_terms, terms};
 
 pub type TermId = u32;
 
@@ -314,19 +314,12 @@ impl MemoryIndex {
 
     /// The query's known terms (deduplicated, in first-seen order) and how many terms it had.
     pub fn query_terms(&self, text: &str) -> (Vec<TermId>, usize) {
-        let mut ids = Vec::new();
-        let mut total = 0;
-        let mut seen = std::collections::HashSet::new();
-        for term in terms(text) {
-            if !seen.insert(term.clone()) {
-                continue;
-            }
-            total += 1;
-            if let Some(id) = self.vocabulary.get(&term) {
-                ids.push(*id);
-            }
-        }
-        (ids, total)
+        let terms = distinct_terms(text);
+        let ids = terms
+            .iter()
+            .filter_map(|term| self.vocabulary.get(term).copied())
+            .collect();
+        (ids, terms.len())
     }
 
     pub fn segment(&self, kind: SegmentKind) -> &Segment {

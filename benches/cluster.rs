@@ -1,15 +1,11 @@
-//! The proxy's own added latency, measured side by side with a direct-to-mock run.
+//! The scale-out benchmark (docs/scaling.md): three engram replicas on a local Redis Cluster at
+//! stepped rates (`--cluster-rates`), with added latency, job lag, Redis load and bytes per turn.
 //!
-//! Run with `./benches/overhead.sh` (or `cargo bench --bench overhead -- [--duration-secs N]
-//! [--rates 500,1000,2000]`). It starts the mock upstream and the proxy (the real release
-//! binaries), pins the proxy to core 1 and itself plus the mock to core 0 when `taskset` exists,
-//! and drives an open-loop load (requests are sent on a fixed schedule, never waiting for
-//! earlier answers) against the mock directly and through the proxy, one after the other at each
-//! rate. Added latency = proxy percentile − direct percentile.
-//!
-//! Memory on (`--memory embedded,redis,redis-cluster`): one proxy per store at `--memory-rate`,
-//! then (`redis-cluster`) three replicas on a local Redis Cluster at `--cluster-rates`, with job
-//! lag, Redis load and bytes per turn (docs/scaling.md).
+//! Run with `./benches/cluster.sh [--duration-secs N] [--cluster-rates 100,200,400] [--users N]
+//! [--replicas 3]`. It grew out of the earlier single-file overhead benchmark (the one-run
+//! comparison with LiteLLM is now `benches/overhead/`) and can still run that benchmark's
+//! memory-off and single-store memory-on parts (`--rates`, `--memory embedded,redis`); by default
+//! it runs only the cluster.
 //!
 //! Not a test: it prints numbers and asserts nothing.
 
@@ -419,15 +415,11 @@ struct Args {
 fn parse_args() -> Args {
     let mut parsed = Args {
         duration: Duration::from_secs(10),
-        rates: vec![500, 1000, 2000],
+        rates: Vec::new(),
         stream_rate: 200,
         memory_rate: 500,
         users: 100,
-        backends: vec![
-            "embedded".to_owned(),
-            "redis".to_owned(),
-            "redis-cluster".to_owned(),
-        ],
+        backends: vec!["redis-cluster".to_owned()],
         cluster_rates: vec![100, 200, 400],
         replicas: 3,
     };
@@ -976,7 +968,7 @@ async fn cluster_run(mock: &Process, args: &Args) {
 fn main() {
     // `cargo test --all-targets` runs harness-less benches with `--test`: nothing to check here.
     if std::env::args().any(|arg| arg == "--test") {
-        println!("overhead benchmark: skipped in test mode (run ./benches/overhead.sh)");
+        println!("cluster benchmark: skipped in test mode (run ./benches/cluster.sh)");
         return;
     }
     let args = parse_args();
