@@ -68,11 +68,8 @@ impl Engram {
         telemetry: Telemetry,
     ) -> Result<Engram> {
         let upstream = Upstream::new(&config.upstream, upstream_key)?;
-        // Load the tokenizers now, off the runtime, not on the first memory request (~2 s in a
-        // debug build).
-        tokio::task::spawn_blocking(crate::memory::warm_up)
-            .await
-            .map_err(|error| Error::Internal(format!("loading the tokenizers: {error}")))?;
+        // The tokenizers (~70 MB) load on the first request that names a user, not here: a
+        // proxy whose requests never use memory stays small (the RSS budget).
         let metrics = Arc::new(Metrics::new()?);
         let (store, spool) = open_store(&config.store).await?;
         let backend = match config.store.backend {
