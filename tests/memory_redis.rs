@@ -88,6 +88,8 @@ async fn redis_stopped_while_serving_answers_without_memory_and_loses_no_recorde
     redis.restart().await;
     let after = say(&proxy, "acme", "olga", "s", "After the outage, turn 9.").await;
     turn_ids.push(header(&after, "x-engram-turn-id").to_owned());
+    // The last turn's own job state, not only the queue's depth, says it is applied.
+    wait_applied(&proxy, "acme", "olga", &after).await;
     let queue = wait_drained(&proxy, Duration::from_secs(30)).await;
     // The outage's recordings went through the spool.
     let spooled = queue["recorded"]["spooled"].as_u64().unwrap();
@@ -157,6 +159,7 @@ async fn a_stalled_redis_costs_requests_no_more_than_the_deadline_and_loses_no_t
 
     let after = say(&proxy, "acme", "pia", "s", "After the stall, turn 3.").await;
     turn_ids.push(header(&after, "x-engram-turn-id").to_owned());
+    wait_applied(&proxy, "acme", "pia", &after).await;
     let queue = wait_drained(&proxy, Duration::from_secs(60)).await;
     assert_eq!(queue["recorded"]["lost"], 0, "{queue}");
     let memory = export(&proxy, "acme", "pia").await;
