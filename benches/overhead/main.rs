@@ -429,6 +429,7 @@ fn run_step(context: &Context, system: System, step: &Step, mock: &Mock) -> Meas
             "warm-up: memory injected into {injected} of {warm_ok} answers, {drained}"
         ));
     }
+    let degraded_before = running.degraded_so_far();
     let cpu_before = systems::cpu_seconds(&running.pids);
     let redis_cpu_before = running.redis_pid.map(|pid| systems::cpu_seconds(&[pid]));
     let sampler = RssSampler::start(&running.pids);
@@ -462,6 +463,14 @@ fn run_step(context: &Context, system: System, step: &Step, mock: &Mock) -> Meas
             return measurement;
         }
     };
+    if system.memory() {
+        let degraded = running.degraded_so_far() - degraded_before;
+        if degraded > 0 {
+            result.notes.push(format!(
+                "{degraded} requests answered without memory (store error or read past the hot-path deadline)"
+            ));
+        }
+    }
     if let Some(token) = running.admin_token {
         result
             .notes

@@ -39,17 +39,22 @@ fn pinned(core: Option<&str>, program: &str) -> Command {
     }
 }
 
-/// Starts `engram` with `args`; returns the child and the address it printed.
+/// Starts `engram` with `args`, its warnings going to `log` (or nowhere); returns the child
+/// and the address it printed.
 fn start_engram(
     core: Option<&str>,
     args: &[&str],
     env: &[(String, String)],
+    log: Option<&Path>,
 ) -> Result<(Child, String), String> {
     let mut command = pinned(core, BIN);
+    let stderr = log
+        .and_then(|path| std::fs::File::create(path).ok())
+        .map_or_else(Stdio::null, Stdio::from);
     command
         .args(args)
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(stderr)
         .env("ENGRAM_LOGGING__LEVEL", "warn");
     for (key, value) in env {
         command.env(key, value);
@@ -94,6 +99,7 @@ impl Mock {
                 &latency,
             ],
             &[],
+            None,
         )?;
         Ok(Mock { child, address })
     }
@@ -116,6 +122,8 @@ pub struct Running {
     pub redis_pid: Option<u32>,
     /// The admin token, when the system is engram with memory (for its queue report).
     pub admin_token: Option<&'static str>,
+    /// engram's warnings (one per request answered without memory because of the store).
+    log: Option<PathBuf>,
     scratch: Option<PathBuf>,
 }
 
@@ -128,8 +136,22 @@ impl Running {
             pids: Vec::new(),
             redis_pid: None,
             admin_token: None,
+            log: None,
             scratch: None,
         }
+    }
+}
+
+impl Running {
+    /// Requests engram has answered without memory because the store failed or missed the
+    /// hot-path deadline (it warns once for each).
+    pub fn degraded_so_far(&self) -> u64 {
+        self.log.as_ref().map_or(0, |log| {
+            std::fs::read_to_string(log)
+                .unwrap_or_default()
+                .matches("answering without memory")
+                .count() as u64
+        })
     }
 }
 
@@ -203,10 +225,12 @@ pub fn start(
                     format!("redis://127.0.0.1:{port}"),
                 ));
             }
+            let log = scratch.join("engram.log");
             let (child, address) = start_engram(
                 cores.system,
                 &["serve", "--listen", "127.0.0.1:0", "--upstream", &upstream],
                 &env,
+                Some(&log),
             )?;
             Ok(Running {
                 base_url: address,
@@ -215,6 +239,7 @@ pub fn start(
                 child: Some(child),
                 redis,
                 admin_token: system.memory().then_some("bench-admin"),
+                log: Some(log),
                 scratch: Some(scratch),
             })
         }
@@ -266,6 +291,7 @@ fn start_litellm(litellm: &Path, upstream: &str, core: Option<&str>) -> Result<R
         redis: None,
         redis_pid: None,
         admin_token: None,
+        log: None,
         scratch: Some(scratch.clone()),
     };
     let started = Instant::now();

@@ -10,7 +10,7 @@ use std::borrow::Cow;
 
 use serde::{Deserialize, Serialize};
 
-use super::text::one_line;
+use super::text::{one_line, one_line_prefix};
 use super::tokens::TokenCount;
 
 /// Position of a turn in the user's raw log (0-based, across all sessions).
@@ -343,7 +343,7 @@ impl SummaryText {
         match self {
             SummaryText::Text(text) => Cow::Borrowed(text),
             SummaryText::Span([start, end]) => Cow::Owned(
-                one_line(raw)
+                one_line_prefix(raw, *end as usize)
                     .get(*start as usize..*end as usize)
                     .unwrap_or_default()
                     .to_string(),

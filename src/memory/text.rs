@@ -278,6 +278,22 @@ pub fn one_line(text: &str) -> String {
     out
 }
 
+/// `one_line(text)` up to at least its first `len` bytes (all of it when shorter), computed
+/// only that far: a summary span near the start of a long raw turn needs no more.
+pub fn one_line_prefix(text: &str, len: usize) -> String {
+    let mut out = String::with_capacity(len.min(text.len()));
+    for word in text.split_whitespace() {
+        if out.len() >= len {
+            break;
+        }
+        if !out.is_empty() {
+            out.push(' ');
+        }
+        out.push_str(word);
+    }
+    out
+}
+
 pub fn word_count(text: &str) -> usize {
     text.split_whitespace().count()
 }
@@ -414,6 +430,14 @@ mod tests {
     }
 
     proptest::proptest! {
+        #[test]
+        fn one_line_prefix_is_a_prefix_of_one_line(text in "([a-zé]{0,5}[ \n\t]{0,3}){0,30}", len in 0usize..120) {
+            let full = one_line(&text);
+            let prefix = one_line_prefix(&text, len);
+            proptest::prop_assert!(full.starts_with(&prefix));
+            proptest::prop_assert!(prefix.len() >= len.min(full.len()));
+        }
+
         #[test]
         fn distinct_terms_match_deduplicated_terms(text in "([A-Za-zé0-9]{1,6}[ ,.!]{1,2}){0,40}") {
             let mut expected: Vec<String> = Vec::new();
