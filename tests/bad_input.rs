@@ -32,6 +32,29 @@ fn raw(address: &str, request: &[u8]) -> String {
     String::from_utf8_lossy(&response).into_owned()
 }
 
+/// Posts `body` as a chat request and expects OpenAI's 400 `invalid_json`.
+async fn assert_invalid_json(proxy: &common::Process, body: Vec<u8>) {
+    let reply = send(
+        "POST",
+        &proxy.url(CHAT),
+        &[("content-type", "application/json")],
+        body,
+    )
+    .await;
+    let error = assert_openai_error(&reply, 400);
+    assert_eq!(error["error"]["code"], "invalid_json", "{error}");
+}
+
+/// hyper answers 431 when a request head outgrows its limits; a reset would also do, as long
+/// as nothing was served.
+fn assert_head_refused(response: &str) {
+    assert!(
+        response.is_empty() || response.starts_with("HTTP/1.1 431"),
+        "{}",
+        &response[..response.len().min(200)]
+    );
+}
+
 async fn still_serving(proxy: &common::Process) {
     let reply = post_json(&proxy.url(CHAT), &chat_body(false), &[]).await;
     assert_eq!(reply.status, 200, "the proxy stopped serving");
@@ -46,15 +69,7 @@ async fn deeply_nested_json_is_a_400_not_a_stack_overflow() {
         let body = format!(
             r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"metadata":{nested}}}"#
         );
-        let reply = send(
-            "POST",
-            &proxy.url(CHAT),
-            &[("content-type", "application/json")],
-            body,
-        )
-        .await;
-        let error = assert_openai_error(&reply, 400);
-        assert_eq!(error["error"]["code"], "invalid_json", "{error}");
+        assert_invalid_json(&proxy, body.into_bytes()).await;
     }
     still_serving(&proxy).await;
 }
@@ -66,15 +81,7 @@ async fn invalid_utf8_in_a_body_is_a_400() {
     let mut body = br#"{"model":"m","messages":[{"role":"user","content":"caf"#.to_vec();
     body.extend_from_slice(&[0xC3, 0x28, 0xFF]);
     body.extend_from_slice(br#""}]}"#);
-    let reply = send(
-        "POST",
-        &proxy.url(CHAT),
-        &[("content-type", "application/json")],
-        body,
-    )
-    .await;
-    let error = assert_openai_error(&reply, 400);
-    assert_eq!(error["error"]["code"], "invalid_json", "{error}");
+    assert_invalid_json(&proxy, body).await;
     still_serving(&proxy).await;
 }
 
@@ -93,13 +100,7 @@ async fn huge_headers_are_refused_and_the_proxy_keeps_serving() {
     })
     .await
     .unwrap();
-    // hyper answers 431 when the head outgrows its buffer; a reset would also be acceptable
-    // as long as no 2xx slips through and nothing went upstream.
-    assert!(
-        response.is_empty() || response.starts_with("HTTP/1.1 431"),
-        "{}",
-        &response[..response.len().min(200)]
-    );
+    assert_head_refused(&response);
     // Many headers: beyond hyper's header count limit.
     let address = proxy.address.clone();
     let many: String = (0..500).map(|i| format!("x-h{i}: v\r\n")).collect();
@@ -111,11 +112,7 @@ async fn huge_headers_are_refused_and_the_proxy_keeps_serving() {
     })
     .await
     .unwrap();
-    assert!(
-        response.is_empty() || response.starts_with("HTTP/1.1 431"),
-        "{}",
-        &response[..response.len().min(200)]
-    );
+    assert_head_refused(&response);
     still_serving(&proxy).await;
 }
 
