@@ -51,7 +51,7 @@ impl Default for MemoryConfig {
             budget_tokens: 2048,
             new_fraction: 0.2,
             current_fraction: 0.6,
-            core_fact_share: 0.5,
+            core_fact_share: 0.25,
             raw_window_turns: 6,
             long_turn_extra_window: 2,
             new_ttl_turns: 8,
@@ -97,6 +97,7 @@ impl MemoryConfig {
                 "episodes.min_topic_overlap",
                 self.episodes.min_topic_overlap,
             ),
+            ("retrieval.feedback_weight", self.retrieval.feedback_weight),
         ] {
             if !(0.0..=1.0).contains(&value) {
                 return fail(key, "must be between 0 and 1");
@@ -200,6 +201,14 @@ pub struct RetrievalConfig {
     pub min_relative_score: f32,
     /// Candidates `prefetch` returns at most.
     pub prefetch_limit: usize,
+    /// Pseudo-relevance feedback: the best this many raw-turn hits lend their most telling
+    /// other words to a second raw-turn search (0: off). Finds evidence that shares no word with
+    /// the question but shares words with the turns that do.
+    pub feedback_turns: usize,
+    /// Words added to the query by feedback.
+    pub feedback_terms: usize,
+    /// Weight of the best added word, relative to a word of the message (the others scale down).
+    pub feedback_weight: f32,
 }
 
 impl Default for RetrievalConfig {
@@ -218,6 +227,9 @@ impl Default for RetrievalConfig {
             tier_score_blend: 0.1,
             min_relative_score: 0.15,
             prefetch_limit: 96,
+            feedback_turns: 6,
+            feedback_terms: 96,
+            feedback_weight: 0.3,
         }
     }
 }

@@ -24,6 +24,9 @@ pub struct Segment {
     total_len: u64,
     /// Postings sorted by document.
     postings: HashMap<TermId, Vec<Posting>>,
+    /// Each document's distinct terms (the forward index), for query expansion from the best
+    /// hits without re-reading their text on the hot path.
+    doc_terms: Vec<Box<[TermId]>>,
 }
 
 /// BM25 parameters.
@@ -34,7 +37,20 @@ pub struct Bm25 {
 }
 
 impl Segment {
-    fn add(&mut self, key: u32, mut term_ids: Vec<TermId>) {
+    fn add(&mut self, key: u32, term_ids: Vec<TermId>) {
+        self.add_with_context(key, term_ids, Vec::new());
+    }
+
+    /// Adds a document whose `context` terms (a raw turn's date words) are searchable but left
+    /// out of its forward index: they say when, not what, and would lend every turn of that day
+    /// to query expansion.
+    fn add_with_context(&mut self, key: u32, said: Vec<TermId>, context: Vec<TermId>) {
+        let mut distinct = said.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        self.doc_terms.push(distinct.into_boxed_slice());
+        let mut term_ids = said;
+        term_ids.extend(context);
         let doc = u32::try_from(self.doc_keys.len()).unwrap_or(u32::MAX);
         self.doc_keys.push(key);
         self.doc_len
@@ -69,6 +85,11 @@ impl Segment {
         }
     }
 
+    /// Documents holding `term`.
+    pub fn doc_freq(&self, term: TermId) -> usize {
+        self.postings.get(&term).map_or(0, Vec::len)
+    }
+
     pub fn idf(&self, term: TermId) -> f32 {
         let n = self.doc_keys.len() as f32;
         let df = self.postings.get(&term).map_or(0, Vec::len) as f32;
@@ -80,7 +101,7 @@ impl Segment {
 
     /// The best score any document could reach for `query`: normalises scores to about `0..1`
     /// so segments can be compared.
-    fn ceiling(&self, query: &[TermId], bm25: Bm25) -> f32 {
+    pub fn ceiling(&self, query: &[TermId], bm25: Bm25) -> f32 {
         query
             .iter()
             .map(|term| self.idf(*term) * (bm25.k1 + 1.0))
@@ -97,18 +118,27 @@ impl Segment {
     /// The `top` best documents for `query` as `(key, normalised score)`, best first, ties by
     /// key.
     pub fn search(&self, query: &[TermId], bm25: Bm25, top: usize) -> Vec<(u32, f32)> {
-        if self.doc_keys.is_empty() || query.is_empty() || top == 0 {
-            return Vec::new();
-        }
-        let ceiling = self.ceiling(query, bm25);
-        if ceiling <= 0.0 {
+        let weighted: Vec<(TermId, f32)> = query.iter().map(|term| (*term, 1.0)).collect();
+        self.search_weighted(&weighted, self.ceiling(query, bm25), bm25, top)
+    }
+
+    /// `search` with a weight per query term, scores divided by `ceiling` (the caller's
+    /// normaliser: an expanded query keeps its original query's scale).
+    pub fn search_weighted(
+        &self,
+        query: &[(TermId, f32)],
+        ceiling: f32,
+        bm25: Bm25,
+        top: usize,
+    ) -> Vec<(u32, f32)> {
+        if self.doc_keys.is_empty() || query.is_empty() || top == 0 || ceiling <= 0.0 {
             return Vec::new();
         }
         let average = self.average_len();
         // Dense accumulation: a few kilobytes per query, no hashing on the hot path.
         let mut scores = vec![0.0f32; self.doc_keys.len()];
         let mut touched: Vec<u32> = Vec::new();
-        for term in query {
+        for (term, weight) in query {
             let Some(postings) = self.postings.get(term) else {
                 continue;
             };
@@ -118,7 +148,7 @@ impl Segment {
                 if *slot == 0.0 {
                     touched.push(posting.doc);
                 }
-                *slot += self.term_score(idf, posting.tf, posting.doc, average, bm25);
+                *slot += weight * self.term_score(idf, posting.tf, posting.doc, average, bm25);
             }
         }
         let mut hits: Vec<(u32, f32)> = touched
@@ -163,6 +193,13 @@ impl Segment {
             }
         }
         score / ceiling
+    }
+
+    /// The distinct terms of the document with `key` (empty when absent).
+    pub fn terms_of(&self, key: u32) -> &[TermId] {
+        self.doc_of(key)
+            .and_then(|doc| self.doc_terms.get(doc as usize))
+            .map_or(&[], |terms| terms)
     }
 
     /// Whether the document with `key` contains `term`.
@@ -245,10 +282,10 @@ impl MemoryIndex {
                 .as_deref()
                 .map(date_search_text)
                 .unwrap_or_default();
-            let text = format!("{} {} {}", turn.user, turn.assistant, date);
-            let ids = self.term_ids(&text);
+            let said = self.term_ids(&format!("{} {}", turn.user, turn.assistant));
+            let date = self.term_ids(&date);
             let key = u32::try_from(seq).unwrap_or(u32::MAX);
-            self.raw.add(key, ids);
+            self.raw.add_with_context(key, said, date);
             self.chains.insert(turn.chain, key);
         }
         for seq in self.summaries.len()..state.turn_log.len() {
@@ -349,6 +386,11 @@ impl MemoryIndex {
     pub fn estimated_bytes(&self) -> usize {
         let segment = |segment: &Segment| {
             segment.doc_keys.len() * 8
+                + segment
+                    .doc_terms
+                    .iter()
+                    .map(|terms| terms.len() * 4 + 16)
+                    .sum::<usize>()
                 + segment
                     .postings
                     .values()
@@ -456,5 +498,17 @@ mod tests {
         let (query, _) = index.query_terms("What did we do on 20 June, 2023?");
         let hits = index.raw.search(&query, BM25, 5);
         assert_eq!(hits[0].0, 1, "{hits:?}");
+
+        // The forward index holds what was said, not the date words.
+        let (said, _) = index.query_terms("We went to the lake. Sounds fun.");
+        let (date, _) = index.query_terms("20 June 2023");
+        let mut expected = said.clone();
+        expected.sort_unstable();
+        assert_eq!(index.raw.terms_of(1), expected.as_slice());
+        assert!(
+            date.iter()
+                .all(|term| !index.raw.terms_of(1).contains(term))
+        );
+        assert!(index.raw.terms_of(7).is_empty());
     }
 }

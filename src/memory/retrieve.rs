@@ -54,6 +54,11 @@ pub struct Retrieval {
 const PREFETCH_CONTEXT_BONUS: f32 = 0.1;
 /// A linked raw turn inherits this share of its summary hit's relevance.
 const ESCALATION_INHERIT: f32 = 0.9;
+/// Feedback skips words found in more than one raw turn in this many: they tell little about a
+/// topic, and their long postings are most of the second search's cost.
+const FEEDBACK_COMMON_DIVISOR: usize = 10;
+/// Feedback never skips a word for being common in a memory this small (in documents).
+const FEEDBACK_MIN_COMMON: usize = 8;
 /// Summary-tier hits whose coverage and links are considered.
 const COVERAGE_HITS: usize = 8;
 
@@ -138,7 +143,11 @@ pub fn retrieve(
     } else {
         config.raw_weight_when_covered
     };
-    for (key, relevance) in index.raw.search(&terms, params, config.top_raw_turns) {
+    let mut raw_hits = index.raw.search(&terms, params, config.top_raw_turns);
+    if config.feedback_turns > 0 && config.feedback_weight > 0.0 {
+        raw_hits = with_feedback(index, &terms, &raw_hits, config);
+    }
+    for (key, relevance) in raw_hits {
         offer(
             &mut best,
             ItemRef::RawTurn(key),
@@ -189,6 +198,49 @@ pub fn retrieve(
         query_terms: total,
         known_terms: terms.len(),
     }
+}
+
+/// Pseudo-relevance feedback over raw turns (RM3-like): the words that the best raw hits share,
+/// weighted by the hit's score and the word's rarity, are added to the query at a fraction of a
+/// message word's weight, and the raw turns are searched again. Scores stay on the original
+/// query's scale. A turn that matches only the added words ranks below one that matches the
+/// message, but can now be found at all.
+fn with_feedback(
+    index: &MemoryIndex,
+    terms: &[TermId],
+    hits: &[(u32, f32)],
+    config: &RetrievalConfig,
+) -> Vec<(u32, f32)> {
+    let params = bm25(config);
+    let mut lent: BTreeMap<TermId, f32> = BTreeMap::new();
+    let common = (index.raw.len() / FEEDBACK_COMMON_DIVISOR).max(FEEDBACK_MIN_COMMON);
+    for (seq, relevance) in hits.iter().take(config.feedback_turns) {
+        let words = index.raw.terms_of(*seq);
+        let share = relevance / words.len().max(1) as f32;
+        for word in words
+            .iter()
+            .filter(|word| !terms.contains(word) && index.raw.doc_freq(**word) <= common)
+        {
+            *lent.entry(*word).or_default() += share * index.raw.idf(*word);
+        }
+    }
+    let mut lent: Vec<(TermId, f32)> = lent.into_iter().collect();
+    lent.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    lent.truncate(config.feedback_terms);
+    let Some(strongest) = lent.first().map(|(_, weight)| *weight).filter(|w| *w > 0.0) else {
+        return hits.to_vec();
+    };
+    // Added words score on the message's own scale (divided by its ceiling), so a turn that
+    // shares many words with the best hits can outrank one that shares a single message word.
+    let mut query: Vec<(TermId, f32)> = terms.iter().map(|term| (*term, 1.0)).collect();
+    query.extend(
+        lent.into_iter()
+            .map(|(word, weight)| (word, config.feedback_weight * weight / strongest)),
+    );
+    let ceiling = index.raw.ceiling(terms, params);
+    index
+        .raw
+        .search_weighted(&query, ceiling, params, config.top_raw_turns)
 }
 
 /// Whether `item` is in memory and may be injected (not retired, unpinned or deleted).
@@ -405,4 +457,92 @@ pub fn prefetch(
     ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
     ranked.truncate(config.prefetch_limit);
     ranked.into_iter().map(|(item, _)| item).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::config::MemoryConfig;
+    use crate::memory::extract::HeuristicExtractor;
+    use crate::memory::record::{ExchangeInput, record_exchange};
+
+    fn recorded(turns: &[(&str, &str)]) -> MemoryState {
+        let mut state = MemoryState::new();
+        let config = MemoryConfig::default();
+        for (n, (user, assistant)) in turns.iter().enumerate() {
+            record_exchange(
+                &mut state,
+                &ExchangeInput {
+                    session_id: format!("s{n}"),
+                    turn_id: format!("t{n}"),
+                    user_text: user.to_string(),
+                    assistant_text: assistant.to_string(),
+                    event_time: None,
+                    prior_chain: None,
+                    incomplete: false,
+                    arrival: None,
+                },
+                &HeuristicExtractor,
+                &config,
+            );
+        }
+        state
+    }
+
+    /// Rank of raw turn `seq` among the raw-turn hits.
+    fn raw_rank(retrieval: &Retrieval, seq: TurnSeq) -> Option<usize> {
+        retrieval
+            .hits
+            .iter()
+            .filter(|hit| matches!(hit.item, ItemRef::RawTurn(_)))
+            .position(|hit| hit.item == ItemRef::RawTurn(seq))
+    }
+
+    /// Turn 1 shares no word with the question, but shares "pottery" and "clay" with turn 0,
+    /// which does: feedback finds it, and ranks it below the turn that matches the question.
+    /// Each turn is its own session, so neighbour expansion cannot be what finds it.
+    #[test]
+    fn feedback_finds_a_turn_that_shares_no_word_with_the_question() {
+        let state = recorded(&[
+            (
+                "How do you destress after work these days?",
+                "Pottery class: shaping clay on the wheel calms me down completely.",
+            ),
+            (
+                "I glazed the clay bowl from my pottery class yesterday.",
+                "Lovely, a glazed bowl is a great first piece.",
+            ),
+            (
+                "My car needs new tyres before winter.",
+                "Winter tyres grip better.",
+            ),
+            (
+                "The train to Leeds was late again.",
+                "Trains are often late.",
+            ),
+        ]);
+        let index = MemoryIndex::build(&state);
+        let question = "What does she do to destress?";
+        let mut config = MemoryConfig::default().retrieval;
+        config.feedback_turns = 0;
+        let without = retrieve(&state, &index, question, &[], &config);
+        assert_eq!(raw_rank(&without, 0), Some(0));
+        assert_eq!(raw_rank(&without, 1), None, "{without:?}");
+
+        config.feedback_turns = 6;
+        let with = retrieve(&state, &index, question, &[], &config);
+        let (first, second) = (raw_rank(&with, 0), raw_rank(&with, 1));
+        assert!(first.is_some() && second.is_some(), "{with:?}");
+        assert!(first < second, "{with:?}");
+        assert_eq!(
+            raw_rank(&with, 2),
+            None,
+            "unrelated turns stay out: {with:?}"
+        );
+        assert_eq!(
+            raw_rank(&with, 3),
+            None,
+            "unrelated turns stay out: {with:?}"
+        );
+    }
 }
