@@ -98,11 +98,12 @@ pub fn retrieve(
 
     // Re-rank the prefetched candidates against the actual message.
     let count = prefetched.len().max(1) as f32;
+    let scorer = index.item_scorer(&terms, params);
     for (rank, candidate) in prefetched.iter().enumerate() {
         if !exists(state, *candidate) {
             continue;
         }
-        let relevance = index.score_item(*candidate, &terms, params);
+        let relevance = scorer.score(*candidate);
         let context = PREFETCH_CONTEXT_BONUS * (1.0 - rank as f32 / count);
         offer(
             &mut best,
@@ -302,10 +303,11 @@ fn linked_turns(
             let Some(episode) = state.episodes.get(id as usize) else {
                 return Vec::new();
             };
+            let scorer = index.raw.scorer(terms, params);
             let mut scored: Vec<(TurnSeq, f32)> = episode
                 .links
                 .iter()
-                .map(|seq| (*seq, index.raw.score_key(*seq, terms, params)))
+                .map(|seq| (*seq, scorer.score(*seq)))
                 .filter(|(_, score)| *score > 0.0)
                 .collect();
             scored.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));

@@ -268,6 +268,11 @@ fn undouble(base: &str) -> String {
 /// Collapses every run of whitespace (newlines included) into one space and trims the ends, so
 /// a rendered memory line never spans lines.
 pub fn one_line(text: &str) -> String {
+    // Most texts are one line already: copying them is several times cheaper than rebuilding
+    // them word by word, and a composed prompt renders dozens.
+    if is_one_line(text) {
+        return text.to_owned();
+    }
     let mut out = String::with_capacity(text.len());
     for word in text.split_whitespace() {
         if !out.is_empty() {
@@ -276,6 +281,27 @@ pub fn one_line(text: &str) -> String {
         out.push_str(word);
     }
     out
+}
+
+/// Whether `one_line(text)` is `text`: no whitespace but single spaces between words.
+fn is_one_line(text: &str) -> bool {
+    if text.starts_with(' ') || text.ends_with(' ') {
+        return false;
+    }
+    let mut after_space = false;
+    for c in text.chars() {
+        if c == ' ' {
+            if after_space {
+                return false;
+            }
+            after_space = true;
+        } else if c.is_whitespace() {
+            return false;
+        } else {
+            after_space = false;
+        }
+    }
+    true
 }
 
 /// `one_line(text)` up to at least its first `len` bytes (all of it when shorter), computed
@@ -430,6 +456,12 @@ mod tests {
     }
 
     proptest::proptest! {
+        #[test]
+        fn one_line_matches_word_by_word_joining(text in "([a-zé]{0,5}[ \n\t\u{a0}\u{3000}]{0,3}){0,30}") {
+            let joined = text.split_whitespace().collect::<Vec<_>>().join(" ");
+            proptest::prop_assert_eq!(one_line(&text), joined);
+        }
+
         #[test]
         fn one_line_prefix_is_a_prefix_of_one_line(text in "([a-zé]{0,5}[ \n\t]{0,3}){0,30}", len in 0usize..120) {
             let full = one_line(&text);
