@@ -1028,31 +1028,16 @@ fn assemble(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::extract::HeuristicExtractor;
-    use crate::memory::record::{ExchangeInput, pin, record_exchange, set_identity};
+    use crate::memory::record::test_support::recorded_with;
+    use crate::memory::record::{pin, set_identity};
     use crate::memory::tokens::count_in;
 
     fn recorded(turns: &[(&str, &str)]) -> MemoryState {
-        let mut state = MemoryState::new();
-        let config = MemoryConfig::default();
-        for (n, (user, assistant)) in turns.iter().enumerate() {
-            record_exchange(
-                &mut state,
-                &ExchangeInput {
-                    session_id: "s".into(),
-                    turn_id: format!("t{n}"),
-                    user_text: user.to_string(),
-                    assistant_text: assistant.to_string(),
-                    event_time: Some(format!("2024-02-{:02}T12:00:00Z", n % 28 + 1)),
-                    prior_chain: None,
-                    incomplete: false,
-                    arrival: None,
-                },
-                &HeuristicExtractor,
-                &config,
-            );
-        }
-        state
+        recorded_with(
+            turns,
+            |_| "s".into(),
+            |n| Some(format!("2024-02-{:02}T12:00:00Z", n % 28 + 1)),
+        )
     }
 
     fn compose_for(

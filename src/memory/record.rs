@@ -358,6 +358,39 @@ pub fn same_key(a: &str, b: &str) -> bool {
     normalise(a) == normalise(b)
 }
 
+/// For other modules' tests: a state built by recording turns the way the worker does.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::{ExchangeInput, MemoryState, record_exchange};
+    use crate::memory::config::MemoryConfig;
+    use crate::memory::extract::HeuristicExtractor;
+
+    /// Records `turns` (user, assistant) in order with the heuristic extractor and the default
+    /// config; turn `n` is `t{n}`, in session `session(n)`, at `event_time(n)`.
+    pub fn recorded_with(
+        turns: &[(&str, &str)],
+        session: impl Fn(usize) -> String,
+        event_time: impl Fn(usize) -> Option<String>,
+    ) -> MemoryState {
+        let mut state = MemoryState::new();
+        let config = MemoryConfig::default();
+        for (n, (user, assistant)) in turns.iter().enumerate() {
+            let exchange = ExchangeInput {
+                session_id: session(n),
+                turn_id: format!("t{n}"),
+                user_text: user.to_string(),
+                assistant_text: assistant.to_string(),
+                event_time: event_time(n),
+                prior_chain: None,
+                incomplete: false,
+                arrival: None,
+            };
+            record_exchange(&mut state, &exchange, &HeuristicExtractor, &config);
+        }
+        state
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

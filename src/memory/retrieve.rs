@@ -465,30 +465,11 @@ pub fn prefetch(
 mod tests {
     use super::*;
     use crate::memory::config::MemoryConfig;
-    use crate::memory::extract::HeuristicExtractor;
-    use crate::memory::record::{ExchangeInput, record_exchange};
+    use crate::memory::record::test_support::recorded_with;
 
+    /// Each turn in a session of its own, so no turn is another's neighbour.
     fn recorded(turns: &[(&str, &str)]) -> MemoryState {
-        let mut state = MemoryState::new();
-        let config = MemoryConfig::default();
-        for (n, (user, assistant)) in turns.iter().enumerate() {
-            record_exchange(
-                &mut state,
-                &ExchangeInput {
-                    session_id: format!("s{n}"),
-                    turn_id: format!("t{n}"),
-                    user_text: user.to_string(),
-                    assistant_text: assistant.to_string(),
-                    event_time: None,
-                    prior_chain: None,
-                    incomplete: false,
-                    arrival: None,
-                },
-                &HeuristicExtractor,
-                &config,
-            );
-        }
-        state
+        recorded_with(turns, |n| format!("s{n}"), |_| None)
     }
 
     /// Rank of raw turn `seq` among the raw-turn hits.
