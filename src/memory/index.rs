@@ -249,12 +249,10 @@ impl Segment {
                 Some((postings.as_slice(), self.idf(*term)))
             })
             .collect();
-        // Absent terms have idf 0, so this is `ceiling(query)`.
-        let ceiling = terms.iter().map(|(_, idf)| idf * (bm25.k1 + 1.0)).sum();
         KeyScorer {
             segment: self,
             terms,
-            ceiling,
+            ceiling: self.ceiling(query, bm25),
             average: self.average_len(),
             bm25,
         }
