@@ -5,6 +5,7 @@
 //! Update path (worker): `record_exchange` → `MemoryIndex::refresh` → `prefetch`.
 //! Hot path (per request): `compose` with the cached index and the prefetched candidates.
 
+pub mod bpe;
 pub mod budget;
 pub mod compose;
 pub mod config;

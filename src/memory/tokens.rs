@@ -1,4 +1,4 @@
-//! Token counting with tiktoken. Every memory item is counted once, when it is written, in both
+//! Token counting with tiktoken's vocabularies (through the compact counter in `bpe.rs`). Every memory item is counted once, when it is written, in both
 //! encodings engram serves (o200k for current OpenAI models, cl100k otherwise); the hot path only
 //! adds stored counts.
 //!
@@ -7,8 +7,12 @@
 //! newline with such a character, so `tokens(a + b) == tokens(a) + tokens(b)` for rendered items.
 //! The property is checked by a test below and by the budget property tests.
 
+use std::sync::LazyLock;
+
 use serde::{Deserialize, Serialize};
-use tiktoken_rs::CoreBPE;
+use tiktoken_rs::{CoreBPE, O200K_BASE_PAT_STR};
+
+use super::bpe::Bpe;
 
 /// The BPE encoding of a request's model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -50,10 +54,37 @@ impl Encoding {
         }
     }
 
-    fn bpe(self) -> &'static CoreBPE {
+    pub(crate) fn bpe(self) -> &'static Bpe {
+        static O200K: LazyLock<Bpe> = LazyLock::new(|| {
+            compact(
+                Encoding::O200k,
+                tiktoken_rs::o200k_base(),
+                O200K_BASE_PAT_STR,
+            )
+        });
+        static CL100K: LazyLock<Bpe> =
+            LazyLock::new(|| compact(Encoding::Cl100k, tiktoken_rs::cl100k_base(), CL100K_PATTERN));
         match self {
-            Encoding::O200k => tiktoken_rs::o200k_base_singleton(),
-            Encoding::Cl100k => tiktoken_rs::cl100k_base_singleton(),
+            Encoding::O200k => &O200K,
+            Encoding::Cl100k => &CL100K,
+        }
+    }
+}
+
+/// cl100k's pre-tokenizer, as tiktoken-rs builds `cl100k_base` with it (it does not export it).
+const CL100K_PATTERN: &str = "'(?i:[sdmt]|ll|ve|re)|[^\\r\\n\\p{L}\\p{N}]?+\\p{L}++|\\p{N}{1,3}+| ?[^\\s\\p{L}\\p{N}]++[\\r\\n]*+|\\s++$|\\s*[\\r\\n]|\\s+(?!\\S)|\\s";
+
+/// The compact counter for `encoding`, read out of tiktoken-rs's tables, which are then dropped.
+fn compact<E: std::fmt::Display>(
+    encoding: Encoding,
+    tiktoken: Result<CoreBPE, E>,
+    pattern: &str,
+) -> Bpe {
+    match tiktoken {
+        Ok(tiktoken) => Bpe::from_tiktoken(&tiktoken, pattern),
+        Err(error) => {
+            tracing::error!(encoding = encoding.name(), %error, "tokenizer failed to load; counting a token per byte");
+            Bpe::byte_counter()
         }
     }
 }
@@ -95,7 +126,7 @@ pub fn count_in(encoding: Encoding, text: &str) -> u32 {
     if text.is_empty() {
         return 0;
     }
-    u32::try_from(encoding.bpe().count_ordinary(text)).unwrap_or(u32::MAX)
+    u32::try_from(encoding.bpe().count(text)).unwrap_or(u32::MAX)
 }
 
 /// Loads both encodings (a few hundred milliseconds, once per process) and the counts of
