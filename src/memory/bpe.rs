@@ -33,8 +33,8 @@ pub struct Bpe {
 }
 
 impl Bpe {
-    /// Reads the ordinary (non-special) tokens out of `tiktoken` and drops nothing of its
-    /// behaviour: `pattern` must be the pattern `tiktoken` was built with.
+    /// Reads the ordinary (non-special) tokens out of `tiktoken`; `pattern` must be the
+    /// pre-tokenizer pattern `tiktoken` was built with.
     pub fn from_tiktoken(tiktoken: &CoreBPE, pattern: &str) -> Bpe {
         let special = tiktoken.special_tokens();
         let mut bytes = Vec::new();
