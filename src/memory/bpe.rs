@@ -89,6 +89,7 @@ impl Bpe {
     }
 
     /// Tokens in the vocabulary (special tokens not included).
+    #[cfg(test)]
     pub fn vocabulary_len(&self) -> usize {
         self.slots.iter().filter(|&&rank| rank != NO_RANK).count()
     }

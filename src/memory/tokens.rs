@@ -1,6 +1,6 @@
-//! Token counting with tiktoken's vocabularies (through the compact counter in `bpe.rs`). Every memory item is counted once, when it is written, in both
-//! encodings engram serves (o200k for current OpenAI models, cl100k otherwise); the hot path only
-//! adds stored counts.
+//! Token counting with tiktoken's vocabularies, through the compact counter in `bpe.rs`. Every
+//! memory item is counted once, when it is written, in both encodings engram serves (o200k for
+//! current OpenAI models, cl100k otherwise); the hot path only adds stored counts.
 //!
 //! Counts of memory lines add up exactly: every rendered item is one or more whole lines that
 //! start with a non-space character other than `/`, and tiktoken's pre-tokenizer never joins a
