@@ -32,6 +32,10 @@ use crate::telemetry::TraceParent;
 
 /// The file name inside the data directory.
 pub const FILE_NAME: &str = "engram.redb";
+/// How long a recorder's enqueue waits for others to share its commit. A durable commit costs an
+/// fsync; at 1,000 recorded requests/s one commit per enqueue took ~15 % of the proxy's CPU
+/// samples, 7 % with the wait. It comes after the answer has gone back: no client waits for it.
+const ENQUEUE_LINGER: Duration = Duration::from_millis(2);
 
 /// (tenant, user) → the memory state as JSON.
 const STATES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("memory_state");
@@ -98,7 +102,7 @@ impl EmbeddedStore {
         let db = DbHandle::open(&data_dir.join(FILE_NAME), create_tables)?;
         Ok(EmbeddedStore {
             db: Arc::new(db),
-            enqueues: GroupCommit::new(write_enqueue),
+            enqueues: GroupCommit::in_background(write_enqueue, ENQUEUE_LINGER, "engram-recorder")?,
             commits: GroupCommit::new(write_commit),
         })
     }

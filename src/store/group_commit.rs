@@ -3,17 +3,25 @@
 //! gathered and committed together in the next transaction: under load, many recorders' jobs
 //! (or many workers' results) share one commit; alone, a write commits at once as before.
 //!
+//! A store on disk can also have its rounds wait a moment for company and run on a thread of
+//! their own at low priority (`GroupCommit::in_background`): recorders' enqueues arrive one
+//! at a time between responses, rarely while a commit runs, so without the wait nearly every
+//! enqueue paid its own fsync, and on the request path's blocking threads, which share the
+//! request threads' time slices.
+//!
 //! Each caller still gets its own result. An operation may fail cleanly (it wrote nothing, e.g.
 //! a version conflict) without affecting the others; any other failure aborts the batch, and
 //! its operations are then retried one transaction each, so one bad write never fails another.
 
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use redb::{Database, WriteTransaction};
 use tokio::sync::oneshot;
 
 use super::db_handle::DbHandle;
 use crate::error::{Error, Result};
+use crate::worker::priority::{self, WorkerRuntime};
 
 /// Applies one operation inside a transaction; a clean failure must have written nothing.
 pub type Apply<Op, Out> = fn(&WriteTransaction, &Op) -> Result<Out>;
@@ -21,6 +29,10 @@ pub type Apply<Op, Out> = fn(&WriteTransaction, &Op) -> Result<Out>;
 pub struct GroupCommit<Op, Out> {
     state: Mutex<Pending<Op, Out>>,
     apply: Apply<Op, Out>,
+    /// How long a round waits after its first write before it commits.
+    linger: Duration,
+    /// Where rounds run; `None`: the submitting runtime's blocking pool.
+    pool: Option<WorkerRuntime>,
 }
 
 struct Pending<Op, Out> {
@@ -35,13 +47,35 @@ where
     Out: Send + 'static,
 {
     pub fn new(apply: Apply<Op, Out>) -> Arc<GroupCommit<Op, Out>> {
-        Arc::new(GroupCommit {
+        Arc::new(GroupCommit::with(apply, Duration::ZERO, None))
+    }
+
+    /// A group commit whose rounds run on a low-priority thread of their own (`thread` names
+    /// it) and start `linger` after their first write, so the writes arriving meanwhile share
+    /// its commit and its fsync.
+    pub fn in_background(
+        apply: Apply<Op, Out>,
+        linger: Duration,
+        thread: &str,
+    ) -> Result<Arc<GroupCommit<Op, Out>>> {
+        let pool = priority::recorder_pool(thread)?;
+        Ok(Arc::new(GroupCommit::with(apply, linger, Some(pool))))
+    }
+
+    fn with(
+        apply: Apply<Op, Out>,
+        linger: Duration,
+        pool: Option<WorkerRuntime>,
+    ) -> GroupCommit<Op, Out> {
+        GroupCommit {
             state: Mutex::new(Pending {
                 queue: Vec::new(),
                 running: false,
             }),
             apply,
-        })
+            linger,
+            pool,
+        }
     }
 
     /// Queues `op` for the next commit and waits for its result.
@@ -55,7 +89,11 @@ where
         if lead {
             let batcher = Arc::clone(self);
             let db = Arc::clone(db);
-            tokio::task::spawn_blocking(move || batcher.drain(db));
+            let round = move || batcher.drain(db);
+            match self.pool.as_ref().and_then(WorkerRuntime::handle) {
+                Some(pool) => drop(pool.spawn_blocking(round)),
+                None => drop(tokio::task::spawn_blocking(round)),
+            }
         }
         receiver
             .await
@@ -67,6 +105,10 @@ where
     /// answered can reopen the file at once.
     fn drain(&self, handle: Arc<DbHandle>) {
         let mut handle = Some(handle);
+        // Only the first round lingers: later ones hold what arrived during the commit before.
+        if !self.linger.is_zero() {
+            std::thread::sleep(self.linger);
+        }
         let mut batch = self.take_or_stop();
         while let (Some(ops), Some(open)) = (batch, handle.as_ref()) {
             let answers = match open.get_or_reopen() {
