@@ -33,6 +33,7 @@ use super::render::{
 };
 use super::retrieve::retrieve;
 use super::score::{fact_score, summary_score};
+use super::text::excerpt;
 use super::tokens::Encoding;
 use crate::openai::ChatMessage;
 
@@ -496,10 +497,15 @@ pub fn compose(
     let new_left = packer.stage_left;
 
     // ---- CURRENT: recall for the latest user message ----
+    // A pasted document is searched by its two ends: scoring every word of a 1 MB message
+    // against the index cost milliseconds on the hot path.
     let query = shape
         .last_user
         .and_then(|at| request.messages.get(at))
-        .map(|message| strip_fences(&message.text()))
+        .map(|message| {
+            let text = message.text();
+            strip_fences(&excerpt(&text, QUERY_MAX_BYTES))
+        })
         .unwrap_or_default();
     let retrieval = if shape.last_user.is_some() {
         retrieve(state, index, &query, prefetched, &config.retrieval)
@@ -668,6 +674,9 @@ pub fn compose(
 /// summary line: the raw text is what was said, and short exchanges summarise to nearly the
 /// same length.
 const RAW_FOR_SUMMARY_COST: u32 = 2;
+
+/// The latest user message is searched by at most this much of it (head and tail).
+const QUERY_MAX_BYTES: usize = 4096;
 
 /// The ways an item can be shown in the recall block, preferred first:
 /// `(item shown, section, order, form, tokens)`. A turn is shown once, in the fullest form that

@@ -112,6 +112,9 @@ impl MemoryConfig {
         if self.depth.short_words > self.depth.long_words {
             return fail("depth.short_words", "must not exceed depth.long_words");
         }
+        if self.depth.max_message_bytes < 1024 {
+            return fail("depth.max_message_bytes", "must be at least 1024");
+        }
         if self.episodes.max_turns == 0 {
             return fail("episodes.max_turns", "must be greater than 0");
         }
@@ -164,6 +167,10 @@ pub struct DepthConfig {
     pub short_words: usize,
     /// Either side at or over this: kept raw longer, and a long reply is stored as a draft.
     pub long_words: usize,
+    /// A message longer than this (in bytes) enters memory as an excerpt of about this size,
+    /// its head and tail (`text::excerpt`); the raw log keeps it whole. Bounds what one turn
+    /// costs the worker: a 100 KB paste took ~0.4 s of token counting and extraction.
+    pub max_message_bytes: usize,
 }
 
 impl Default for DepthConfig {
@@ -171,6 +178,7 @@ impl Default for DepthConfig {
         DepthConfig {
             short_words: 40,
             long_words: 200,
+            max_message_bytes: 16_384,
         }
     }
 }

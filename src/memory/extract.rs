@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use super::depth::without_code;
 use super::diff::{FactDiff, FactEdit};
 use super::model::{Depth, FactCategory};
-use super::text::{clip_words, one_line, word_count};
+use super::text::{clip_words, excerpt, one_line, word_count};
 
 /// The exchange as the extractor sees it (engram's own fences already stripped).
 #[derive(Debug, Clone, Copy)]
@@ -53,15 +53,22 @@ impl Extractor for Precomputed {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HeuristicExtractor;
 
+/// The heuristic extractor reads at most this much of each side (head and tail, see
+/// `text::excerpt`). Its patterns cost ~2 ms per KB of prose; a person's own statements around
+/// a pasted document sit at its ends.
+pub const HEURISTIC_MAX_BYTES: usize = 4096;
+
 impl Extractor for HeuristicExtractor {
     fn extract(&self, exchange: &ExchangeView<'_>) -> Extraction {
+        let user = excerpt(exchange.user, HEURISTIC_MAX_BYTES);
+        let assistant = excerpt(exchange.assistant, HEURISTIC_MAX_BYTES);
         let mut diff = FactDiff::default();
-        for sentence in sentences(&normalise_quotes(exchange.user)) {
+        for sentence in sentences(&normalise_quotes(&user)) {
             extract_sentence(&sentence, &mut diff);
         }
         Extraction {
-            user_summary: summarise(exchange.user, USER_SUMMARY_WORDS),
-            assistant_summary: summarise(exchange.assistant, ASSISTANT_SUMMARY_WORDS),
+            user_summary: summarise(&user, USER_SUMMARY_WORDS),
+            assistant_summary: summarise(&assistant, ASSISTANT_SUMMARY_WORDS),
             diff,
         }
     }

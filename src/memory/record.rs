@@ -20,7 +20,7 @@ use super::render::{
     recount_artifact, recount_fact, recount_identity, recount_pinned, recount_raw_turn,
     recount_summary,
 };
-use super::text::{clip_words, terms, word_count};
+use super::text::{clip_words, excerpt, terms, word_count};
 use super::tiers::{TierReport, maintain, refresh_episode, rehydrate, touch_related};
 
 /// One exchange to record, as the proxy saw it.
@@ -79,9 +79,14 @@ pub fn record_exchange(
             ..RecordOutcome::default()
         };
     }
-    // Memory is never re-extracted from its own echo, and forged fences stay inert.
-    let user = neutralise_fences(&strip_fences(&exchange.user_text)).into_owned();
-    let assistant = neutralise_fences(&strip_fences(&exchange.assistant_text)).into_owned();
+    // Memory is never re-extracted from its own echo, and forged fences stay inert. A very long
+    // message enters memory as an excerpt (the raw log keeps it whole).
+    let kept = |text: &str| {
+        let text = neutralise_fences(&strip_fences(text)).into_owned();
+        excerpt(&text, config.depth.max_message_bytes).into_owned()
+    };
+    let user = kept(&exchange.user_text);
+    let assistant = kept(&exchange.assistant_text);
 
     let session = match state.session_index(&exchange.session_id) {
         Some(index) => index,
@@ -435,6 +440,41 @@ mod tests {
         assert_eq!(fact.date.as_deref(), Some("2024-05-01"));
         assert_eq!(state.turn_log[0].facts, [fact.id]);
         assert!(state.version > 0);
+    }
+
+    #[test]
+    fn a_very_long_message_enters_memory_as_an_excerpt_of_both_ends() {
+        let mut state = MemoryState::new();
+        let config = MemoryConfig::default();
+        let limit = config.depth.max_message_bytes;
+        let middle = "The report covers quarterly figures in detail. ".repeat(20_000);
+        let user =
+            format!("I'm allergic to peanuts. {middle}Please summarise the lighthouse memo.");
+        let input = exchange(0, &user, "Done.");
+        record_exchange(&mut state, &input, &HeuristicExtractor, &config);
+        let raw = &state.raw_turns[0];
+        assert!(raw.user.len() < limit + 64, "{}", raw.user.len());
+        assert!(raw.user.starts_with("I'm allergic to peanuts."));
+        assert!(raw.user.ends_with("Please summarise the lighthouse memo."));
+        assert!(raw.user.contains("bytes left out"));
+        // Extraction still saw the statement at the head.
+        assert!(
+            state
+                .facts
+                .iter()
+                .any(|fact| fact.text().contains("peanuts")),
+            "{:?}",
+            state.facts
+        );
+        // The history chain is of the message as sent, so a client resending it is recognised.
+        assert_eq!(
+            state.sessions[0].last_chain,
+            link(super::super::history::CHAIN_ORIGIN, &user, "Done.")
+        );
+        // A message within the limit is kept as it is.
+        let short = exchange(1, "I live in Oslo.", "Nice.");
+        record_exchange(&mut state, &short, &HeuristicExtractor, &config);
+        assert_eq!(state.raw_turns[1].user, "I live in Oslo.");
     }
 
     #[test]

@@ -1,5 +1,8 @@
 //! Text helpers shared by retrieval, extraction and rendering: word tokenising, a light stemmer,
-//! stop-words, whitespace normalising, word-bounded clipping and date display.
+//! stop-words, whitespace normalising, word-bounded clipping, excerpts of very long texts and
+//! date display.
+
+use std::borrow::Cow;
 
 /// English function words that carry no retrieval signal.
 const STOP_WORDS: &[&str] = &[
@@ -361,6 +364,38 @@ pub fn clip_chars(text: &str, max_chars: usize) -> String {
     out
 }
 
+/// `text` when it is at most `max_bytes` long; otherwise an excerpt of about that size: its
+/// head (three quarters) and its tail, on character boundaries, joined by a line saying how
+/// many bytes were left out. A pasted document's own words are mostly at its two ends, and the
+/// memory engine's costs (token counts, extraction, indexing) grow with the text it is given.
+pub fn excerpt(text: &str, max_bytes: usize) -> Cow<'_, str> {
+    if text.len() <= max_bytes {
+        return Cow::Borrowed(text);
+    }
+    let head_end = floor_boundary(text, max_bytes / 4 * 3);
+    let tail_start = ceil_boundary(text, text.len() - (max_bytes / 4));
+    let left_out = tail_start - head_end;
+    Cow::Owned(format!(
+        "{}\n[… {left_out} bytes left out …]\n{}",
+        &text[..head_end],
+        &text[tail_start..]
+    ))
+}
+
+fn floor_boundary(text: &str, mut index: usize) -> usize {
+    while !text.is_char_boundary(index) {
+        index -= 1;
+    }
+    index
+}
+
+fn ceil_boundary(text: &str, mut index: usize) -> usize {
+    while !text.is_char_boundary(index) {
+        index += 1;
+    }
+    index
+}
+
 /// The display form of an event time: the calendar date of an RFC 3339 stamp
 /// (`2023-05-08T13:56:00Z` -> `2023-05-08`), or a preformatted date as given (one line, at most
 /// 40 characters).
@@ -432,6 +467,25 @@ pub fn fnv1a(seed: u64, bytes: &[u8]) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_excerpt_keeps_both_ends_of_a_long_text_on_char_boundaries() {
+        assert_eq!(super::excerpt("short", 8), "short");
+        let text = format!("{}{}", "é".repeat(3000), "z".repeat(1000));
+        let cut = super::excerpt(&text, 1000);
+        assert!(
+            cut.starts_with("éé") && cut.ends_with(&"z".repeat(250)),
+            "{cut}"
+        );
+        // 750 bytes of head is 375 two-byte characters; 250 bytes of tail are all 'z'.
+        assert_eq!(cut.matches('é').count(), 375);
+        assert!(cut.contains(&format!("[… {} bytes left out …]", 7000 - 750 - 250)));
+        assert!(cut.len() < 1100, "{}", cut.len());
+        // An odd cut point inside a character moves to its edge.
+        let wide = "é".repeat(1000);
+        let odd = super::excerpt(&wide, 101);
+        assert!(odd.starts_with(&"é".repeat(37)), "{odd}");
+    }
+
     use super::*;
 
     #[test]
