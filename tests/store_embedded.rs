@@ -105,3 +105,42 @@ async fn killed_process_loses_no_committed_write() {
         .unwrap();
     assert_eq!(claimed.attempt, 1);
 }
+
+/// Enqueues commit on a thread of their own at the lowest normal priority (nice 19), so the
+/// recorder's fsyncs do not take time slices from the threads serving requests; and enqueues
+/// arriving together still each get their own answer.
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn enqueues_commit_on_a_low_priority_thread_of_their_own() {
+    let (store, _dir) = fresh_store().await;
+    let store = std::sync::Arc::new(store);
+    let user = UserKey::new("t", "recorded");
+    let mut enqueues = tokio::task::JoinSet::new();
+    for n in 0..8 {
+        let store = std::sync::Arc::clone(&store);
+        let job = job(&user, &format!("job-{n}"));
+        enqueues.spawn(async move { store.enqueue(&job).await });
+    }
+    for answer in enqueues.join_all().await {
+        assert_eq!(answer.unwrap(), Enqueued::Queued);
+    }
+    assert_eq!(store.queue_depth().await.unwrap(), 8);
+    let mut recorder_nice = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").unwrap() {
+        let path = task.unwrap().path();
+        let comm = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
+        if comm.trim() != "engram-recorder" {
+            continue;
+        }
+        let stat = std::fs::read_to_string(path.join("stat")).unwrap();
+        // Fields after the command's closing parenthesis start at field 3 (state); nice is 19.
+        let after = stat.rsplit_once(')').unwrap().1;
+        let nice: i32 = after.split_whitespace().nth(16).unwrap().parse().unwrap();
+        recorder_nice.push(nice);
+    }
+    assert!(!recorder_nice.is_empty(), "no engram-recorder thread");
+    assert!(
+        recorder_nice.iter().all(|&nice| nice == 19),
+        "{recorder_nice:?}"
+    );
+}

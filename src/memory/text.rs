@@ -467,11 +467,13 @@ pub fn fnv1a(seed: u64, bytes: &[u8]) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn an_excerpt_keeps_both_ends_of_a_long_text_on_char_boundaries() {
-        assert_eq!(super::excerpt("short", 8), "short");
+        assert_eq!(excerpt("short", 8), "short");
         let text = format!("{}{}", "é".repeat(3000), "z".repeat(1000));
-        let cut = super::excerpt(&text, 1000);
+        let cut = excerpt(&text, 1000);
         assert!(
             cut.starts_with("éé") && cut.ends_with(&"z".repeat(250)),
             "{cut}"
@@ -482,11 +484,9 @@ mod tests {
         assert!(cut.len() < 1100, "{}", cut.len());
         // An odd cut point inside a character moves to its edge.
         let wide = "é".repeat(1000);
-        let odd = super::excerpt(&wide, 101);
+        let odd = excerpt(&wide, 101);
         assert!(odd.starts_with(&"é".repeat(37)), "{odd}");
     }
-
-    use super::*;
 
     #[test]
     fn stop_words_are_sorted_for_binary_search() {
