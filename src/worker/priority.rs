@@ -58,41 +58,87 @@ pub fn recorder_pool(name: &str) -> Result<WorkerRuntime> {
     Ok(WorkerRuntime(Some(runtime)))
 }
 
-#[cfg(target_os = "linux")]
+/// The recorder's thread: `SCHED_OTHER` at nice 19. Raising a thread's nice value needs no
+/// privilege, and on Linux it applies to the calling thread only.
 fn nice_lowest() {
-    use thread_priority::unix::{
-        NormalThreadSchedulePolicy, ThreadSchedulePolicy, set_thread_priority_and_policy,
-        thread_native_id,
-    };
-    // Raising a thread's nice value needs no privilege; it applies to this thread only.
-    let policy = ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Other);
-    if let Err(error) = set_thread_priority_and_policy(
-        thread_native_id(),
-        thread_priority::ThreadPriority::Min,
-        policy,
-    ) {
-        tracing::debug!(?error, "could not lower the recorder thread's priority");
-    }
+    lowest_in(Policy::Other, "recorder");
 }
 
-#[cfg(not(target_os = "linux"))]
-fn nice_lowest() {}
-
-#[cfg(target_os = "linux")]
+/// The worker's threads: `SCHED_IDLE`.
 fn lower_priority() {
+    lowest_in(Policy::Idle, "worker");
+}
+
+/// The normal scheduling policies this module uses.
+enum Policy {
+    Other,
+    Idle,
+}
+
+/// Puts the calling thread in `policy` at its lowest priority; on failure (or off Linux) the
+/// thread keeps running at normal priority.
+#[cfg(target_os = "linux")]
+fn lowest_in(policy: Policy, thread: &str) {
     use thread_priority::unix::{
         NormalThreadSchedulePolicy, ThreadSchedulePolicy, set_thread_priority_and_policy,
         thread_native_id,
     };
-    let policy = ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Idle);
+    let policy = ThreadSchedulePolicy::Normal(match policy {
+        Policy::Other => NormalThreadSchedulePolicy::Other,
+        Policy::Idle => NormalThreadSchedulePolicy::Idle,
+    });
     if let Err(error) = set_thread_priority_and_policy(
         thread_native_id(),
         thread_priority::ThreadPriority::Min,
         policy,
     ) {
-        tracing::debug!(?error, "could not lower the worker thread's priority");
+        tracing::debug!(?error, thread, "could not lower the thread's priority");
     }
 }
 
 #[cfg(not(target_os = "linux"))]
-fn lower_priority() {}
+fn lowest_in(_policy: Policy, _thread: &str) {}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+
+    use super::*;
+
+    /// Field `n` of the calling thread's stat line, numbered as in proc(5).
+    fn own_stat_field(n: usize) -> i64 {
+        let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap();
+        // The fields after the command's closing parenthesis start at field 3.
+        let after = stat.rsplit_once(')').unwrap().1;
+        after
+            .split_whitespace()
+            .nth(n - 3)
+            .unwrap()
+            .parse()
+            .unwrap()
+    }
+
+    const POLICY: usize = 41;
+    const NICE: usize = 19;
+    const SCHED_IDLE: i64 = 5;
+
+    #[test]
+    fn the_worker_runs_at_idle_policy_and_the_recorder_at_nice_19() {
+        let worker = worker_runtime(true).unwrap();
+        let worker = worker.handle().unwrap();
+        let async_thread = worker.block_on(worker.spawn(async { own_stat_field(POLICY) }));
+        let blocking_thread = worker.block_on(worker.spawn_blocking(|| own_stat_field(POLICY)));
+        assert_eq!(async_thread.unwrap(), SCHED_IDLE);
+        assert_eq!(blocking_thread.unwrap(), SCHED_IDLE);
+
+        let recorder = recorder_pool("test-recorder").unwrap();
+        let recorder = recorder.handle().unwrap();
+        let nice = recorder.block_on(recorder.spawn_blocking(|| own_stat_field(NICE)));
+        assert_eq!(nice.unwrap(), 19);
+        // And a worker runtime asked for normal priority stays there.
+        let normal = worker_runtime(false).unwrap();
+        let normal = normal.handle().unwrap();
+        let policy = normal.block_on(normal.spawn(async { own_stat_field(POLICY) }));
+        assert_eq!(policy.unwrap(), 0);
+    }
+}
