@@ -534,6 +534,12 @@ mod tests {
         assert!(error.to_string().contains("store.redis_url"), "{error}");
         let error = Config::from_yaml("memory:\n  new_fraction: 1.5\n").unwrap_err();
         assert!(error.to_string().contains("memory.new_fraction"), "{error}");
+        let error =
+            Config::from_yaml("memory:\n  depth:\n    max_message_bytes: 100\n").unwrap_err();
+        assert!(
+            error.to_string().contains("memory.depth.max_message_bytes"),
+            "{error}"
+        );
         let error = Config::from_yaml("memory:\n  weights:\n    recnecy: 1\n").unwrap_err();
         assert!(error.to_string().contains("memory.weights"), "{error}");
         let error = Config::from_yaml("summarizer:\n  base_url: nowhere\n").unwrap_err();
