@@ -196,6 +196,8 @@ where
             }
             results.push(result);
         }
+        // The commit writes the pages and syncs them: kernel time no request can preempt.
+        priority::yield_to_requests();
         txn.commit().map_err(db_error)?;
         Ok(results)
     }
@@ -203,6 +205,7 @@ where
     fn commit_one(&self, db: &Database, op: &Op) -> Result<Out> {
         let txn = db.begin_write().map_err(db_error)?;
         let out = (self.apply)(&txn, op)?;
+        priority::yield_to_requests();
         txn.commit().map_err(db_error)?;
         Ok(out)
     }

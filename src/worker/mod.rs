@@ -473,6 +473,7 @@ fn compute(
     };
     let mut outcomes = Vec::with_capacity(exchanges.len());
     for (exchange, extractor) in exchanges.iter().zip(extractors) {
+        priority::yield_to_requests();
         let outcome = memory::record_exchange(&mut state, exchange, extractor, config);
         outcomes.push(if outcome.duplicate {
             Applied::Duplicate
@@ -495,9 +496,13 @@ fn compute(
         .first()
         .map(|exchange| exchange.session_id.as_str())
         .unwrap_or_default();
+    priority::yield_to_requests();
     let memory = CachedMemory::after(base.as_deref(), state);
+    priority::yield_to_requests();
     let prefetched = memory::prefetch(&memory.state, &memory.index, session, &config.retrieval);
+    priority::yield_to_requests();
     let encoded = EncodedState::of(&memory.state)?;
+    priority::yield_to_requests();
     Ok(Computed {
         outcomes,
         written: Some((memory, prefetched, encoded)),

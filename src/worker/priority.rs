@@ -11,6 +11,11 @@
 //! core, the request path's normal-priority blocking threads ran those commits for up to a slice
 //! at a time; measured at 1,000 req/s with memory on (20 s runs), moving them, with the
 //! enqueues' shared commits, took the added p99 from 2.2–2.6 ms to 1.5–2.1 ms.
+//!
+//! Neither policy stops a background thread that the scheduler has already picked from keeping
+//! the core until the next tick, so the worker also yields between its steps
+//! ([`yield_to_requests`]). With those yields the added p99 at 1,000 req/s fell to 0.5–0.6 ms,
+//! and at 2,000 req/s to 0.8–1.0 ms (20 s runs of `benches/overhead.sh`).
 
 use tokio::runtime::{Builder, Runtime};
 
@@ -56,6 +61,19 @@ pub fn recorder_pool(name: &str) -> Result<WorkerRuntime> {
         .on_thread_start(nice_lowest)
         .build()?;
     Ok(WorkerRuntime(Some(runtime)))
+}
+
+/// Offers the core to a runnable request thread before the next step of background work.
+///
+/// A low policy alone does not keep a background thread from delaying requests: under Linux's
+/// EEVDF scheduler a request thread that wakes with negative lag (it has had more than its
+/// share) is not yet eligible, so the idle worker or the niced recorder is picked, and it keeps
+/// the core until the next tick (1 ms at `HZ=1000`) unless it blocks or yields. Traced at
+/// 1,000 req/s with memory on, those waits were most of the request thread's delays over
+/// 0.3 ms. The worker runs its steps (each engine pass, the index refresh, the prefetch, the
+/// encoding, each commit) between yields; a yield with nobody waiting returns at once.
+pub fn yield_to_requests() {
+    std::thread::yield_now();
 }
 
 /// The recorder's thread: `SCHED_OTHER` at nice 19. Raising a thread's nice value needs no
