@@ -196,7 +196,8 @@ where
             }
             results.push(result);
         }
-        // The commit writes the pages and syncs them: kernel time no request can preempt.
+        // The commit writes the pages and syncs them, in the kernel, where a kernel built
+        // without preemption (as this VM's) lets no request in until it returns.
         priority::yield_to_requests();
         txn.commit().map_err(db_error)?;
         Ok(results)

@@ -69,11 +69,11 @@ pub fn recorder_pool(name: &str) -> Result<WorkerRuntime> {
 /// `perf sched` trace at 1,000 req/s with memory on, 53 of the request runtime's 120 waits over
 /// 0.3 ms were spent while the idle worker or the niced recorder ran on, until it blocked or
 /// the next tick (1 ms at `HZ=1000`) took the core back; the rest followed other threads of the
-/// request runtime. Under Linux's EEVDF
-/// scheduler a thread that wakes having had more than its share is not yet eligible, which is
-/// the likely reason. The worker runs its steps (each engine pass, the index refresh, the
-/// prefetch, the encoding, each commit) between yields; a yield with nobody waiting returns at
-/// once. With them, the same trace showed no wait over 0.3 ms.
+/// request runtime. Under Linux's EEVDF scheduler a thread that wakes having had more than its
+/// share is not yet eligible, which is the likely reason. The worker runs its steps (each
+/// engine pass, the index refresh, the prefetch, the encoding, each commit) between yields; a
+/// yield with nobody waiting returns at once. With them, the same trace showed no wait over
+/// 0.3 ms.
 pub fn yield_to_requests() {
     std::thread::yield_now();
 }
