@@ -2,6 +2,7 @@
 //! consolidate, and the small management edits (identity, pins). Pure: the caller passes the
 //! exchange, its time and id, and persists the state afterwards.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashSet};
 
 use serde::{Deserialize, Serialize};
@@ -83,7 +84,10 @@ pub fn record_exchange(
     // message enters memory as an excerpt (the raw log keeps it whole).
     let kept = |text: &str| {
         let text = neutralise_fences(&strip_fences(text)).into_owned();
-        excerpt(&text, config.depth.max_message_bytes).into_owned()
+        match excerpt(&text, config.depth.max_message_bytes) {
+            Cow::Owned(cut) => cut,
+            Cow::Borrowed(_) => text,
+        }
     };
     let user = kept(&exchange.user_text);
     let assistant = kept(&exchange.assistant_text);
