@@ -44,11 +44,16 @@ use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
 use crate::pipeline::BoxFuture;
 use crate::telemetry::TraceParent;
+use crate::worker::priority::{self, WorkerRuntime};
 
 pub use self::connection::{queue_tag, slot};
 
 /// The key prefix when none is given.
 pub const DEFAULT_PREFIX: &str = "engram";
+
+/// Exchanges with more text than this are encoded for the enqueue on the recorder's thread;
+/// smaller ones encode faster than a hand-off to that thread takes.
+const ENCODE_IN_BACKGROUND_BYTES: usize = 64 * 1024;
 
 /// A raw-log element; its seq is its list index.
 #[derive(Serialize, Deserialize)]
@@ -187,6 +192,10 @@ pub struct RedisStore {
     /// When this process next removes idle consumers (ms since the epoch).
     next_prune_ms: Arc<AtomicU64>,
     scripts: Arc<Scripts>,
+    /// A niced thread that encodes large exchanges for the enqueue, as the embedded store's
+    /// recorder does: encoding a 1 MB exchange takes about a millisecond, which on the request
+    /// threads would delay the requests that arrive meanwhile.
+    encoder: Arc<WorkerRuntime>,
 }
 
 /// A token's fate, settled with the next claim step.
@@ -251,7 +260,29 @@ impl RedisStore {
             consumer_idle: options.consumer_idle,
             next_prune_ms: Arc::new(AtomicU64::new(now_ms() + PRUNE_EVERY_MS)),
             scripts: Arc::new(Scripts::new()),
+            encoder: Arc::new(priority::recorder_pool("engram-recorder")?),
         })
+    }
+
+    /// A job's exchange as its record holds it; a large one is encoded on [`Self::encoder`].
+    async fn encode_queued(&self, job: &Job) -> Result<String> {
+        let text_bytes = job.exchange.user_text.len() + job.exchange.assistant_text.len();
+        let pool = self.encoder.handle();
+        let Some(pool) = pool.filter(|_| text_bytes > ENCODE_IN_BACKGROUND_BYTES) else {
+            return encode(&QueuedExchange {
+                exchange: &job.exchange,
+                trace: job.trace,
+            });
+        };
+        let (exchange, trace) = (job.exchange.clone(), job.trace);
+        pool.spawn_blocking(move || {
+            encode(&QueuedExchange {
+                exchange: &exchange,
+                trace,
+            })
+        })
+        .await
+        .map_err(|error| Error::Store(format!("encode: the recorder's thread failed: {error}")))?
     }
 
     /// The start of every key of one user: `<prefix>:{<tag>}:`.
@@ -773,10 +804,7 @@ impl Store for RedisStore {
                 .key(self.user_key(user, &format!("session:{session}")))
                 .key(self.user_key(user, "arriving"))
                 .arg(&job.id.key)
-                .arg(encode(&QueuedExchange {
-                    exchange,
-                    trace: job.trace,
-                })?)
+                .arg(self.encode_queued(job).await?)
                 .arg(encode(&JobState::Queued)?)
                 .arg(&session)
                 .arg(
