@@ -14,6 +14,8 @@ use fancy_regex::Regex;
 use rustc_hash::FxHasher;
 use tiktoken_rs::CoreBPE;
 
+use crate::worker::priority;
+
 /// Ranks are below this in every encoding engram serves (o200k's last is 200,018).
 const RANK_LIMIT: u32 = 1 << 18;
 const NO_RANK: u32 = u32::MAX;
@@ -110,6 +112,8 @@ impl Bpe {
             };
             counted_to = piece.end();
             count += self.piece_count(piece.as_str().as_bytes());
+            // Long texts take milliseconds to count; on the worker, requests come first.
+            priority::checkpoint();
         }
         count
     }

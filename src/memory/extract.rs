@@ -8,6 +8,7 @@ use super::depth::without_code;
 use super::diff::{FactDiff, FactEdit};
 use super::model::{Depth, FactCategory};
 use super::text::{clip_words, excerpt, one_line, word_count};
+use crate::worker::priority;
 
 /// The exchange as the extractor sees it (engram's own fences already stripped).
 #[derive(Debug, Clone, Copy)]
@@ -65,6 +66,7 @@ impl Extractor for HeuristicExtractor {
         let mut diff = FactDiff::default();
         for sentence in sentences(&normalise_quotes(&user)) {
             extract_sentence(&sentence, &mut diff);
+            priority::checkpoint();
         }
         Extraction {
             user_summary: summarise(&user, USER_SUMMARY_WORDS),

@@ -14,6 +14,7 @@ use super::model::{EpisodeId, ItemRef, MemoryState, Tier, TierState, TurnSeq};
 use super::score::{fact_score, summary_score};
 use super::text::distinct_terms;
 use super::tokens::Encoding;
+use crate::worker::priority;
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct TierReport {
@@ -48,6 +49,7 @@ pub fn touch_related(
             && shared as f32 >= 0.3 * item_terms.len() as f32
     };
     for fact in state.facts.iter_mut().filter(|fact| fact.active) {
+        priority::checkpoint();
         if matches!(fact.tier.tier, Tier::Old) || fact.tier.last_touched_turn == turn {
             continue;
         }
@@ -59,6 +61,7 @@ pub fn touch_related(
     }
     let raw_turns = &state.raw_turns;
     for entry in &mut state.turn_log {
+        priority::checkpoint();
         if matches!(entry.tier.tier, Tier::Old) || entry.turn == turn {
             continue;
         }

@@ -17,6 +17,9 @@
 //! ([`yield_to_requests`]). With those yields the added p99 at 1,000 req/s fell to 0.5–0.6 ms,
 //! and at 2,000 req/s to 0.8–1.0 ms (20 s runs of `benches/overhead.sh`).
 
+use std::cell::Cell;
+use std::time::{Duration, Instant};
+
 use tokio::runtime::{Builder, Runtime};
 
 use crate::error::Result;
@@ -76,17 +79,81 @@ pub fn recorder_pool(name: &str) -> Result<WorkerRuntime> {
 /// 0.3 ms.
 pub fn yield_to_requests() {
     std::thread::yield_now();
+    SLICE.with(|slice| {
+        if let Some(mut current) = slice.get() {
+            current.since = Instant::now();
+            slice.set(Some(current));
+        }
+    });
+}
+
+/// How long a background thread runs before a [`checkpoint`] yields. Some steps are long: with
+/// 100 KB or 1 MB exchanges one engine pass counts the tokens of 16 KiB excerpts in two
+/// encodings and runs the extractor over every sentence, which takes milliseconds.
+const BACKGROUND_SLICE: Duration = Duration::from_micros(100);
+
+/// Checkpoints between two looks at the clock: reading it costs about as much as counting a
+/// short piece of text, so most checkpoints only count down.
+const CHECKPOINTS_PER_CLOCK_READ: u32 = 32;
+
+#[derive(Clone, Copy)]
+struct Slice {
+    /// Checkpoints left before the next look at the clock.
+    countdown: u32,
+    /// When this thread last yielded.
+    since: Instant,
+}
+
+thread_local! {
+    /// `Some` on the worker's and the recorder's threads once their priority is lowered; on
+    /// every other thread (the request threads among them) a checkpoint does nothing.
+    static SLICE: Cell<Option<Slice>> = const { Cell::new(None) };
+}
+
+/// A point inside a long loop of background work where it may give way: on a worker or
+/// recorder thread that has run [`BACKGROUND_SLICE`] since it last yielded, yields to a waiting
+/// request thread; elsewhere, or sooner, returns at once. The engine's long loops (token
+/// counting, the extractor's sentences) call it, so a request waits for a slice at most,
+/// not for a whole step.
+pub fn checkpoint() {
+    SLICE.with(|slice| {
+        let Some(mut current) = slice.get() else {
+            return;
+        };
+        if current.countdown > 0 {
+            current.countdown -= 1;
+        } else {
+            current.countdown = CHECKPOINTS_PER_CLOCK_READ;
+            if current.since.elapsed() >= BACKGROUND_SLICE {
+                std::thread::yield_now();
+                current.since = Instant::now();
+            }
+        }
+        slice.set(Some(current));
+    });
+}
+
+/// Makes [`checkpoint`] yield on the calling thread.
+fn mark_background() {
+    SLICE.with(|slice| {
+        slice.set(Some(Slice {
+            countdown: CHECKPOINTS_PER_CLOCK_READ,
+            since: Instant::now(),
+        }));
+    });
 }
 
 /// The recorder's thread: `SCHED_OTHER` at nice 19. Raising a thread's nice value needs no
 /// privilege, and on Linux it applies to the calling thread only.
 fn nice_lowest() {
     lowest_in(Policy::Other, "recorder");
+    mark_background();
 }
 
 /// The worker's threads: `SCHED_IDLE`.
 fn lower_priority() {
     lowest_in(Policy::Idle, "worker");
+    mark_background();
 }
 
 /// The normal scheduling policies this module uses.
@@ -150,15 +217,71 @@ mod tests {
         let blocking_thread = worker.block_on(worker.spawn_blocking(|| own_stat_field(POLICY)));
         assert_eq!(async_thread.unwrap(), SCHED_IDLE);
         assert_eq!(blocking_thread.unwrap(), SCHED_IDLE);
+        let checkpoints_on = |handle: &tokio::runtime::Handle| {
+            handle
+                .block_on(handle.spawn_blocking(|| SLICE.with(Cell::get).is_some()))
+                .unwrap()
+        };
+        assert!(checkpoints_on(worker));
 
         let recorder = recorder_pool("test-recorder").unwrap();
         let recorder = recorder.handle().unwrap();
         let nice = recorder.block_on(recorder.spawn_blocking(|| own_stat_field(NICE)));
         assert_eq!(nice.unwrap(), 19);
+        assert!(checkpoints_on(recorder));
         // And a worker runtime asked for normal priority stays there.
         let normal = worker_runtime(false).unwrap();
         let normal = normal.handle().unwrap();
         let policy = normal.block_on(normal.spawn(async { own_stat_field(POLICY) }));
         assert_eq!(policy.unwrap(), 0);
+        assert!(!checkpoints_on(normal));
+    }
+
+    /// When the calling thread's checkpoints last yielded.
+    fn last_yield() -> Instant {
+        SLICE.with(Cell::get).unwrap().since
+    }
+
+    #[test]
+    fn checkpoints_yield_on_background_threads_once_a_slice_has_passed() {
+        // A thread that was never marked (a request thread) keeps no slice.
+        checkpoint();
+        assert!(SLICE.with(Cell::get).is_none());
+
+        std::thread::spawn(|| {
+            mark_background();
+            let a_slice_ago = Instant::now().checked_sub(2 * BACKGROUND_SLICE).unwrap();
+            SLICE.with(|slice| {
+                slice.set(Some(Slice {
+                    countdown: CHECKPOINTS_PER_CLOCK_READ,
+                    since: a_slice_ago,
+                }));
+            });
+            // The clock is read once per CHECKPOINTS_PER_CLOCK_READ + 1 checkpoints.
+            for _ in 0..CHECKPOINTS_PER_CLOCK_READ {
+                checkpoint();
+            }
+            assert_eq!(
+                last_yield(),
+                a_slice_ago,
+                "yielded before reading the clock"
+            );
+            checkpoint();
+            let yielded = last_yield();
+            assert!(yielded > a_slice_ago, "a slice passed without a yield");
+
+            // Within a slice the checkpoints only count.
+            for _ in 0..=CHECKPOINTS_PER_CLOCK_READ {
+                checkpoint();
+            }
+            if yielded.elapsed() < BACKGROUND_SLICE {
+                assert_eq!(last_yield(), yielded, "yielded within a slice");
+            }
+            // An explicit yield starts a new slice.
+            yield_to_requests();
+            assert!(last_yield() >= yielded);
+        })
+        .join()
+        .unwrap();
     }
 }
