@@ -36,6 +36,17 @@ fn defaults_cover_every_system_and_scenario() {
 }
 
 #[test]
+fn low_rates_run_until_they_have_sent_the_minimum_of_requests() {
+    let parsed = args::parse(&strings(&["--min-requests", "1500"])).unwrap();
+    // 1,500 requests at 25 req/s take 60 s; at 100 req/s the 20 s run already sends 2,000.
+    assert_eq!(parsed.run_length(25), Duration::from_secs(60));
+    assert_eq!(parsed.run_length(33), Duration::from_secs(46));
+    assert_eq!(parsed.run_length(100), Duration::from_secs(20));
+    let quick = args::parse(&strings(&["--quick"])).unwrap();
+    assert_eq!(quick.run_length(25), quick.duration);
+}
+
+#[test]
 fn quick_shortens_runs_and_explicit_flags_still_win() {
     let parsed = args::parse(&strings(&["--duration-secs", "3", "--quick"])).unwrap();
     assert!(parsed.quick);

@@ -14,6 +14,9 @@ usage: ./benches/overhead.sh [options]
 
   --quick                      smoke test: 2 s per run, fewer steps, output in target/bench-quick
   --duration-secs N            seconds per measured run (default 20)
+  --min-requests N             open-loop runs at low rates last until they have sent N
+                               requests, so a p99 rests on N / 100 of them (default 1500;
+                               60 s at 25 req/s; 0 with --quick)
   --systems LIST               of direct,off,embedded,redis,litellm (default all; direct is
                                always measured, it is the baseline)
   --scenarios LIST             of rates,saturation,stream,body,inflight (default all)
@@ -35,8 +38,10 @@ usage: ./benches/overhead.sh [options]
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Args {
-    /// Length of each measured run.
+    /// Length of each measured run...
     pub duration: Duration,
+    /// ...or, for an open-loop run, long enough to send this many requests.
+    pub min_requests: u64,
     /// Systems to measure, in report order; always starts with `System::Direct`.
     pub systems: Vec<System>,
     /// Scenarios to run, in report order.
@@ -69,6 +74,9 @@ impl Args {
     fn full() -> Args {
         Args {
             duration: Duration::from_secs(20),
+            // 500 requests (20 s at 25 req/s) put a p99 on the fifth slowest: in runs at that
+            // rate it moved between 0.3 and 4.4 ms from one run to the next.
+            min_requests: 1500,
             systems: System::ALL.to_vec(),
             scenarios: Scenario::ALL.to_vec(),
             // The low rates are where LiteLLM still keeps up (DESIGN.md §8a), so the two can be
@@ -92,6 +100,7 @@ impl Args {
     fn quick() -> Args {
         Args {
             duration: Duration::from_secs(2),
+            min_requests: 0,
             rates: vec![25, 1000],
             stream_rates: vec![25],
             body_rates: vec![25],
@@ -99,6 +108,13 @@ impl Args {
             quick: true,
             ..Args::full()
         }
+    }
+
+    /// How long an open-loop run at `rate` req/s lasts: `duration`, or longer when that would
+    /// send fewer than `min_requests`.
+    pub fn run_length(&self, rate: u64) -> Duration {
+        let for_requests = Duration::from_secs(self.min_requests.div_ceil(rate.max(1)));
+        self.duration.max(for_requests)
     }
 
     /// The rate that keeps `in_flight` requests open against a mock answering after the latency.
@@ -140,6 +156,7 @@ pub fn parse(args: &[String]) -> Result<Args, String> {
                 }
                 parsed.duration = Duration::from_secs(secs);
             }
+            "--min-requests" => parsed.min_requests = number(flag, value()?)?,
             "--systems" => {
                 let mut systems = vec![System::Direct];
                 for name in list(value()?) {

@@ -329,8 +329,17 @@ fn describe(context: &Context, pinned: bool, raw: &[String]) -> Vec<String> {
             "engram {commit} (release profile), 1 worker thread; mock upstream 1 thread; {oha}; {litellm} (1 worker)"
         ),
         format!(
-            "{} per measured run, each system started fresh for every step and warmed with 200 requests; memory on: {} users taking turns",
+            "{} per measured run{}, each system started fresh for every step and warmed with 200 requests; memory on: {} users taking turns",
             humantime(args.duration),
+            match (args.min_requests, lowest_rate(args)) {
+                (0, _) | (_, None) => String::new(),
+                (n, Some(rate)) => format!(
+                    " and, open loop, at least {} requests ({} at {})",
+                    thousands(n as f64),
+                    humantime(args.run_length(rate)),
+                    rate_label(rate),
+                ),
+            },
             args.users
         ),
         format!(
@@ -342,6 +351,15 @@ fn describe(context: &Context, pinned: bool, raw: &[String]) -> Vec<String> {
                 .join(" ")
         ),
     ]
+}
+
+/// The lowest offered rate of any open-loop run.
+fn lowest_rate(args: &Args) -> Option<u64> {
+    [&args.rates, &args.stream_rates, &args.body_rates]
+        .into_iter()
+        .flatten()
+        .copied()
+        .min()
 }
 
 fn humantime(duration: Duration) -> String {
@@ -449,7 +467,7 @@ fn run_step(context: &Context, system: System, step: &Step, mock: &Mock) -> Meas
                 &client,
                 &spec,
                 rate,
-                args.duration,
+                args.run_length(rate),
                 max_in_flight,
                 args.timeout,
                 stream,
@@ -551,7 +569,7 @@ fn oha_step(
         body_lines,
         rate,
         connections,
-        duration: args.duration,
+        duration: rate.map_or(args.duration, |rate| args.run_length(rate)),
         pin_core: context.cores.rest,
     })
 }
