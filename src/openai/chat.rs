@@ -5,6 +5,7 @@
 //! `reasoning_effort`, a vendor extension) is never dropped.
 
 use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use crate::error::Error;
@@ -83,6 +84,55 @@ impl ChatRequest {
         serde_json::to_vec(self).unwrap_or_default()
     }
 
+    /// Serialises a rewrite of `client` (the request parsed from `body`): each message equal to
+    /// one of the client's, in order, is copied from `body` as sent instead of being escaped
+    /// again. Serialising a 1 MB message took 0.6 ms of the request thread's time; copying it
+    /// takes a memcpy. Small bodies are serialised as usual.
+    pub fn to_vec_reusing(&self, client: &ChatRequest, body: &[u8]) -> Vec<u8> {
+        #[derive(Deserialize)]
+        struct RawMessages<'a> {
+            #[serde(borrow)]
+            messages: Vec<&'a RawValue>,
+        }
+        if body.len() < REUSE_FROM_BYTES {
+            return self.to_vec();
+        }
+        let raw = match serde_json::from_slice::<RawMessages<'_>>(body) {
+            Ok(raw) if raw.messages.len() == client.messages.len() => raw.messages,
+            _ => return self.to_vec(),
+        };
+        let mut next = 0;
+        let messages = self
+            .messages
+            .iter()
+            .map(|message| {
+                let found = client.messages[next..]
+                    .iter()
+                    .position(|sent| sent == message)
+                    .map(|offset| next + offset);
+                match found {
+                    Some(at) => {
+                        next = at + 1;
+                        Outgoing::Sent(raw[at])
+                    }
+                    None => Outgoing::Rewritten(message),
+                }
+            })
+            .collect();
+        let request = OutgoingRequest {
+            model: &self.model,
+            messages,
+            stream: self.stream,
+            stream_options: self.stream_options.as_ref(),
+            extra: &self.extra,
+        };
+        let mut out = Vec::with_capacity(body.len() + 4096);
+        match serde_json::to_writer(&mut out, &request) {
+            Ok(()) => out,
+            Err(_) => self.to_vec(),
+        }
+    }
+
     /// The body-level end-user id (`user`, or its successor `safety_identifier`).
     pub fn end_user(&self) -> Option<&str> {
         ["user", "safety_identifier"]
@@ -97,6 +147,31 @@ impl ChatRequest {
             .rev()
             .find(|message| message.role == "user")
     }
+}
+
+/// Bodies from this size on are rewritten by [`ChatRequest::to_vec_reusing`]; below it, the
+/// second look at the body costs more than escaping the messages again.
+const REUSE_FROM_BYTES: usize = 64 * 1024;
+
+/// [`ChatRequest`] as it is written upstream, field for field in the same order, with each
+/// message either the client's own bytes or a serialised rewrite.
+#[derive(Serialize)]
+struct OutgoingRequest<'a> {
+    model: &'a str,
+    messages: Vec<Outgoing<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream_options: Option<&'a StreamOptions>,
+    #[serde(flatten)]
+    extra: &'a Map<String, Value>,
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Outgoing<'a> {
+    Sent(&'a RawValue),
+    Rewritten(&'a ChatMessage),
 }
 
 impl ChatMessage {
@@ -175,6 +250,53 @@ mod tests {
     fn missing_and_empty_messages_are_rejected() {
         assert!(ChatRequest::from_slice(br#"{"model":"m"}"#).is_err());
         assert!(ChatRequest::from_slice(br#"{"model":"m","messages":[]}"#).is_err());
+    }
+
+    /// A body over `REUSE_FROM_BYTES`, with a message written the way serde_json would not
+    /// write it (an escaped `é`, spaces), and the request parsed from it.
+    fn large_client_request() -> (Vec<u8>, ChatRequest) {
+        let pasted = "word ".repeat(REUSE_FROM_BYTES / 5 + 1);
+        let body = format!(
+            r#"{{"model":"m","temperature":0.5,"messages":[{{"role":"system","content":"be brief"}},{{ "role" : "user", "content" : "caf\u00e9 {pasted}" }},{{"role":"assistant","content":"ok"}},{{"role":"user","content":"and now?"}}],"stream":true,"user":"u1"}}"#
+        );
+        let client = ChatRequest::from_slice(body.as_bytes()).unwrap();
+        (body.into_bytes(), client)
+    }
+
+    #[test]
+    fn a_rewrite_of_a_large_body_copies_the_unchanged_messages_as_sent() {
+        let (body, client) = large_client_request();
+        let mut rewritten = client.clone();
+        rewritten.messages.insert(
+            1,
+            ChatMessage::new("system", "<engram-memory>…</engram-memory>"),
+        );
+        rewritten.messages[3] = ChatMessage::new("assistant", "ok, rewritten");
+        rewritten.stream_options = Some(StreamOptions {
+            include_usage: Some(true),
+            extra: Map::new(),
+        });
+
+        let out = rewritten.to_vec_reusing(&client, &body);
+        // The same JSON as serialising the rewrite...
+        let parsed: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(parsed, serde_json::to_value(&rewritten).unwrap());
+        // ...with the pasted message copied byte for byte (serialising it would write `é`).
+        let sent = br#"{ "role" : "user", "content" : "caf\u00e9 word "#;
+        assert!(out.windows(sent.len()).any(|window| window == sent));
+        // The rewritten assistant message is the rewrite's, not the client's.
+        assert!(String::from_utf8_lossy(&out).contains("ok, rewritten"));
+    }
+
+    #[test]
+    fn small_bodies_and_unreadable_ones_are_serialised_as_usual() {
+        let body = br#"{"model":"m","messages":[{ "role" : "user", "content" : "caf\u00e9" }]}"#;
+        let client = ChatRequest::from_slice(body).unwrap();
+        assert_eq!(client.to_vec_reusing(&client, body), client.to_vec());
+
+        let (_, large) = large_client_request();
+        let not_the_body = vec![b' '; REUSE_FROM_BYTES];
+        assert_eq!(large.to_vec_reusing(&large, &not_the_body), large.to_vec());
     }
 
     #[test]

@@ -208,9 +208,13 @@ impl StoreMemory {
                 ..Rewrite::default()
             });
         }
+        // Field by field: `..request.clone()` would copy every message only to drop it.
         let rewritten = ChatRequest {
+            model: request.model.clone(),
             messages: composition.messages,
-            ..request.clone()
+            stream: request.stream,
+            stream_options: request.stream_options.clone(),
+            extra: request.extra.clone(),
         };
         Ok(Rewrite {
             outcome: MemoryOutcome::Injected,

@@ -64,7 +64,7 @@ async fn proxy(
             .include_usage = Some(true);
     }
     let upstream_body = match outgoing {
-        Some(rewritten) => Bytes::from(rewritten.to_vec()),
+        Some(rewritten) => Bytes::from(rewritten.to_vec_reusing(&original, &body)),
         None => body,
     };
     let mut upstream_request = upstream_request(state, &parts, upstream_body)?;
