@@ -282,8 +282,17 @@ mod tests {
                 assert_eq!(last_yield(), yielded, "yielded within a slice");
             }
             // An explicit yield starts a new slice.
+            SLICE.with(|slice| {
+                slice.set(Some(Slice {
+                    countdown: CHECKPOINTS_PER_CLOCK_READ,
+                    since: a_slice_ago,
+                }));
+            });
             yield_to_requests();
-            assert!(last_yield() >= yielded);
+            assert!(
+                last_yield() > a_slice_ago,
+                "a yield did not start a new slice"
+            );
         })
         .join()
         .unwrap();
