@@ -269,20 +269,14 @@ impl RedisStore {
         let text_bytes = job.exchange.user_text.len() + job.exchange.assistant_text.len();
         let pool = self.encoder.handle();
         let Some(pool) = pool.filter(|_| text_bytes > ENCODE_IN_BACKGROUND_BYTES) else {
-            return encode(&QueuedExchange {
-                exchange: &job.exchange,
-                trace: job.trace,
-            });
+            return queued_json(&job.exchange, job.trace);
         };
         let (exchange, trace) = (job.exchange.clone(), job.trace);
-        pool.spawn_blocking(move || {
-            encode(&QueuedExchange {
-                exchange: &exchange,
-                trace,
-            })
-        })
-        .await
-        .map_err(|error| Error::Store(format!("encode: the recorder's thread failed: {error}")))?
+        pool.spawn_blocking(move || queued_json(&exchange, trace))
+            .await
+            .map_err(|error| {
+                Error::Store(format!("encode: the recorder's thread failed: {error}"))
+            })?
     }
 
     /// The start of every key of one user: `<prefix>:{<tag>}:`.
@@ -621,6 +615,11 @@ fn redis_error(error: redis::RedisError) -> Error {
 
 fn encode<T: Serialize + ?Sized>(value: &T) -> Result<String> {
     serde_json::to_string(value).map_err(|error| Error::Store(format!("encode: {error}")))
+}
+
+/// A queued job's exchange as its record holds it.
+fn queued_json(exchange: &ExchangeInput, trace: Option<TraceParent>) -> Result<String> {
+    encode(&QueuedExchange { exchange, trace })
 }
 
 fn parse_version(text: &str) -> Result<u64> {
@@ -1146,19 +1145,11 @@ mod tests {
         assert_eq!((decoded.exchange, decoded.trace), (exchange.clone(), None));
 
         let trace = TraceParent::parse("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01");
-        let new = encode(&QueuedExchange {
-            exchange: &exchange,
-            trace,
-        })
-        .unwrap();
+        let new = queued_json(&exchange, trace).unwrap();
         let decoded: ClaimedExchange = decode(new.as_bytes()).unwrap();
         assert_eq!((decoded.exchange, decoded.trace), (exchange.clone(), trace));
         // Without a trace the stored form is the old one.
-        let untraced = encode(&QueuedExchange {
-            exchange: &exchange,
-            trace: None,
-        })
-        .unwrap();
+        let untraced = queued_json(&exchange, None).unwrap();
         assert_eq!(untraced, old);
     }
 
