@@ -101,12 +101,13 @@ impl RedisServer {
     pub async fn restart(&mut self) {
         assert!(
             self.try_start().await,
-            "port {} was taken by another process",
+            "redis-server on port {} exited or the port was taken by another process",
             self.port
         );
     }
 
-    /// Starts the server on its port; false when another process serves that port.
+    /// Starts the server on its port; false when it exits first or another process serves
+    /// that port.
     async fn try_start(&mut self) -> bool {
         self.kill();
         let mut command = Command::new("redis-server");
@@ -128,19 +129,10 @@ impl RedisServer {
         if let Some(port) = self.replica_of {
             command.args(["--replicaof", "127.0.0.1", &port.to_string()]);
         }
-        self.child = Some(command.spawn().expect("start redis-server"));
-        let pid = self.child.as_ref().map(Child::id);
-        // Poll the port: the client's own reconnects back off for longer.
-        for _ in 0..400 {
-            if let Some(serving) = serving_pid(self.port).await {
-                return Some(serving) == pid;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        panic!(
-            "redis-server on port {} did not accept connections within 10s",
-            self.port
-        );
+        let child = self
+            .child
+            .insert(command.spawn().expect("start redis-server"));
+        wait_serving(child, self.port).await
     }
 }
 
@@ -148,6 +140,27 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// Waits until `child` serves `port`: false when it exits first (another process held the
+/// port, or the cluster bus port, when it bound) or another server answers there, so the caller
+/// starts over on new ports instead of waiting out a server that is gone.
+pub async fn wait_serving(child: &mut Child, port: u16) -> bool {
+    // Poll the port: the client's own reconnects back off for longer.
+    for _ in 0..400 {
+        if let Some(serving) = serving_pid(port).await {
+            return serving == child.id();
+        }
+        if child
+            .try_wait()
+            .expect("try_wait on redis-server")
+            .is_some()
+        {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("redis-server on port {port} did not accept connections within 10s");
 }
 
 /// The process id of the Redis server answering on `port` (`INFO server`), if one answers.

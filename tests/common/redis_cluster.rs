@@ -81,7 +81,7 @@ impl RedisCluster {
                 cluster.nodes.push(node);
             }
             let mut ours = true;
-            for node in &cluster.nodes {
+            for node in &mut cluster.nodes {
                 ours &= node.wait_accepting().await;
             }
             if ours {
@@ -226,7 +226,7 @@ impl RedisCluster {
         self.nodes[node].spawn(&dir, &[]);
         assert!(
             self.nodes[node].wait_accepting().await,
-            "another process took the port of a restarted node"
+            "a restarted node exited or another process took its port"
         );
     }
 
@@ -339,19 +339,13 @@ impl Node {
         self.child = Some(command.spawn().expect("start redis-server"));
     }
 
-    /// Waits until the node answers; false when another process answers on its port.
-    async fn wait_accepting(&self) -> bool {
-        let pid = self.child.as_ref().map(Child::id);
-        for _ in 0..400 {
-            if let Some(serving) = super::redis::serving_pid(self.port).await {
-                return Some(serving) == pid;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
+    /// Waits until the node answers; false when it exited or another process answers on its
+    /// port.
+    async fn wait_accepting(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(child) => super::redis::wait_serving(child, self.port).await,
+            None => false,
         }
-        panic!(
-            "redis-server on port {} did not accept connections within 10s",
-            self.port
-        );
     }
 
     fn kill(&mut self) {
