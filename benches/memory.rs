@@ -21,6 +21,9 @@ use engram::memory::{
 };
 use engram::openai::ChatMessage;
 
+#[path = "support/prose.rs"]
+mod prose;
+
 const TURNS: usize = 2_000;
 const FACTS: usize = 500;
 const SESSIONS: usize = 20;
@@ -481,10 +484,64 @@ fn report(fixture: &Fixture) {
     );
 }
 
+/// The hot path when a user pastes a long document each turn, as in the overhead benchmark's
+/// body scenario: 15 recorded turns of the same `size`-byte text, then a compose for it again.
+fn report_pasted(size: usize) {
+    const PASTED_TURNS: usize = 15;
+    let config = MemoryConfig::default();
+    let mut state = MemoryState::new();
+    let user_text = format!(
+        "{} Summarise the plot in two sentences.",
+        prose::prose(size)
+    );
+    for n in 0..PASTED_TURNS {
+        record_exchange(
+            &mut state,
+            &ExchangeInput {
+                session_id: "pasted".into(),
+                turn_id: format!("turn-{n:02}"),
+                user_text: user_text.clone(),
+                assistant_text: "A keeper tends a lighthouse; a storm tests him.".into(),
+                event_time: None,
+                prior_chain: None,
+                incomplete: false,
+                arrival: None,
+            },
+            &HeuristicExtractor,
+            &config,
+        );
+    }
+    let index = MemoryIndex::build(&state);
+    let prefetched = prefetch(&state, &index, "pasted", &config.retrieval);
+    let messages = vec![
+        ChatMessage::new("system", "You are a helpful assistant."),
+        ChatMessage::new("user", user_text),
+    ];
+    let request = ComposeRequest {
+        session_id: "pasted",
+        messages: &messages,
+        model: "gpt-4o",
+    };
+    let mut samples = Vec::with_capacity(300);
+    for _ in 0..300 {
+        let started = Instant::now();
+        black_box(compose(&state, &index, &prefetched, &request, &config));
+        samples.push(started.elapsed());
+    }
+    let (p50, p99, max) = percentiles(samples);
+    println!(
+        "compose with a pasted {} KB message ({PASTED_TURNS} such turns recorded), 300 calls: p50 {p50:?}, p99 {p99:?}, max {max:?}",
+        size / 1000
+    );
+}
+
 fn main() {
     warm_up();
     let fixture = build_fixture();
     report(&fixture);
+    for size in [100_000, 1_000_000] {
+        report_pasted(size);
+    }
 
     let mut criterion = Criterion::default()
         .sample_size(50)

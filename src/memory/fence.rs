@@ -20,10 +20,10 @@ fn find_ci(haystack_lower: &str, needle: &str, from: usize) -> Option<usize> {
 pub fn strip_fences(text: &str) -> String {
     let mut current = text.to_string();
     loop {
-        let lower = current.to_ascii_lowercase();
-        if !lower.contains(OPEN_MARKER) && !lower.contains(CLOSE_MARKER) {
+        if !has_fence_marker(&current) {
             return current;
         }
+        let lower = current.to_ascii_lowercase();
         let mut out = String::with_capacity(current.len());
         let mut at = 0;
         while at < current.len() {
@@ -54,28 +54,39 @@ pub fn strip_fences(text: &str) -> String {
 /// Escapes the `<` of every fence marker in client text (`&lt;engram-memory`). Returns the text
 /// unchanged, without copying, when it holds no marker.
 pub fn neutralise_fences(text: &str) -> Cow<'_, str> {
-    let lower = text.to_ascii_lowercase();
-    if !lower.contains(OPEN_MARKER) && !lower.contains(CLOSE_MARKER) {
+    let bytes = text.as_bytes();
+    let mut markers = memchr::memchr_iter(b'<', bytes)
+        .filter(|&at| marker_at(bytes, at))
+        .peekable();
+    if markers.peek().is_none() {
         return Cow::Borrowed(text);
     }
     let mut out = String::with_capacity(text.len() + 8);
     let mut last = 0;
-    for (index, _) in lower.match_indices('<') {
-        let rest = &lower[index..];
-        if rest.starts_with(OPEN_MARKER) || rest.starts_with(CLOSE_MARKER) {
-            out.push_str(&text[last..index]);
-            out.push_str("&lt;");
-            last = index + 1;
-        }
+    for index in markers {
+        out.push_str(&text[last..index]);
+        out.push_str("&lt;");
+        last = index + 1;
     }
     out.push_str(&text[last..]);
     Cow::Owned(out)
 }
 
 /// Whether `text` holds anything engram's fences look like (case-insensitive).
+/// It looks at each `<` in place: lowercasing a copy of a pasted 1 MB message first cost
+/// 0.1 ms of the hot path.
 pub fn has_fence_marker(text: &str) -> bool {
-    let lower = text.to_ascii_lowercase();
-    lower.contains(OPEN_MARKER) || lower.contains(CLOSE_MARKER)
+    let bytes = text.as_bytes();
+    memchr::memchr_iter(b'<', bytes).any(|at| marker_at(bytes, at))
+}
+
+/// Whether a fence marker (in any case) starts at byte `at` of `bytes`.
+fn marker_at(bytes: &[u8], at: usize) -> bool {
+    let rest = bytes.get(at..).unwrap_or_default();
+    [OPEN_MARKER, CLOSE_MARKER].iter().any(|marker| {
+        rest.get(..marker.len())
+            .is_some_and(|start| start.eq_ignore_ascii_case(marker.as_bytes()))
+    })
 }
 
 #[cfg(test)]
@@ -112,5 +123,27 @@ mod tests {
         assert_eq!(strip_fences(&safe), safe);
         assert!(safe.contains("I am the admin"));
         assert!(matches!(neutralise_fences("plain"), Cow::Borrowed("plain")));
+    }
+
+    proptest::proptest! {
+        /// The in-place scan finds a marker exactly when the lowercased text contains one, and
+        /// escaping leaves none behind.
+        #[test]
+        fn markers_are_found_in_place_as_in_a_lowercased_copy(
+            pieces in proptest::collection::vec(
+                proptest::sample::select(vec![
+                    "<", "</", "engram-memory", "ENGRAM-Memory", "engram-memor", ">", "é", "x", " ",
+                ]),
+                0..12,
+            )
+        ) {
+            let text = pieces.concat();
+            let lower = text.to_ascii_lowercase();
+            let expected = lower.contains(OPEN_MARKER) || lower.contains(CLOSE_MARKER);
+            proptest::prop_assert_eq!(has_fence_marker(&text), expected, "{}", text);
+            let safe = neutralise_fences(&text);
+            proptest::prop_assert!(!has_fence_marker(&safe), "{}", safe);
+            proptest::prop_assert_eq!(matches!(safe, Cow::Borrowed(_)), !expected);
+        }
     }
 }

@@ -5,6 +5,8 @@
 
 use std::collections::HashMap;
 
+use rustc_hash::FxBuildHasher;
+
 use super::model::{ItemRef, MemoryState, TurnSeq};
 use super::text::{date_search_text, distinct_terms, terms};
 
@@ -22,8 +24,11 @@ pub struct Segment {
     doc_keys: Vec<u32>,
     doc_len: Vec<u32>,
     total_len: u64,
-    /// Postings sorted by document.
-    postings: HashMap<TermId, Vec<Posting>>,
+    /// Postings sorted by document. Keyed by a multiplicative hash, not SipHash: a long query
+    /// looks up hundreds of terms in every segment on the hot path, and term ids are numbers
+    /// this index hands out in sequence, never chosen by a client (the vocabulary, keyed by
+    /// the client's words, keeps the default keyed hash).
+    postings: HashMap<TermId, Vec<Posting>, FxBuildHasher>,
     /// Each document's distinct terms (the forward index), for query expansion from the best
     /// hits without re-reading their text on the hot path.
     doc_terms: Vec<Box<[TermId]>>,

@@ -215,13 +215,16 @@ fn with_feedback(
     let params = bm25(config);
     let mut lent: BTreeMap<TermId, f32> = BTreeMap::new();
     let common = (index.raw.len() / FEEDBACK_COMMON_DIVISOR).max(FEEDBACK_MIN_COMMON);
+    // A pasted document's query has hundreds of terms and its hits thousands of words each:
+    // a linear `contains` per word cost 0.2 ms on the hot path.
+    let mut asked = terms.to_vec();
+    asked.sort_unstable();
     for (seq, relevance) in hits.iter().take(config.feedback_turns) {
         let words = index.raw.terms_of(*seq);
         let share = relevance / words.len().max(1) as f32;
-        for word in words
-            .iter()
-            .filter(|word| !terms.contains(word) && index.raw.doc_freq(**word) <= common)
-        {
+        for word in words.iter().filter(|word| {
+            asked.binary_search(word).is_err() && index.raw.doc_freq(**word) <= common
+        }) {
             *lent.entry(*word).or_default() += share * index.raw.idf(*word);
         }
     }
