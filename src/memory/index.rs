@@ -263,7 +263,7 @@ impl Segment {
         }
     }
 
-    /// The distinct terms of the document with `key` (empty when absent).
+    /// The distinct terms of the document with `key`, ascending (empty when absent).
     pub fn terms_of(&self, key: u32) -> &[TermId] {
         self.doc_of(key)
             .and_then(|doc| self.doc_terms.get(doc as usize))

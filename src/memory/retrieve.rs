@@ -212,30 +212,13 @@ fn with_feedback(
     hits: &[(u32, f32)],
     config: &RetrievalConfig,
 ) -> Vec<(u32, f32)> {
-    let params = bm25(config);
-    let mut lent: BTreeMap<TermId, f32> = BTreeMap::new();
-    let common = (index.raw.len() / FEEDBACK_COMMON_DIVISOR).max(FEEDBACK_MIN_COMMON);
-    // A pasted document's query has hundreds of terms and its hits thousands of words each:
-    // a linear `contains` per word cost 0.2 ms on the hot path.
-    let mut asked = terms.to_vec();
-    asked.sort_unstable();
-    for (seq, relevance) in hits.iter().take(config.feedback_turns) {
-        let words = index.raw.terms_of(*seq);
-        let share = relevance / words.len().max(1) as f32;
-        for word in words.iter().filter(|word| {
-            asked.binary_search(word).is_err() && index.raw.doc_freq(**word) <= common
-        }) {
-            *lent.entry(*word).or_default() += share * index.raw.idf(*word);
-        }
-    }
-    let mut lent: Vec<(TermId, f32)> = lent.into_iter().collect();
-    lent.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    lent.truncate(config.feedback_terms);
+    let lent = feedback_words(index, terms, hits, config);
     let Some(strongest) = lent.first().map(|(_, weight)| *weight).filter(|w| *w > 0.0) else {
         return hits.to_vec();
     };
     // Added words score on the message's own scale (divided by its ceiling), so a turn that
     // shares many words with the best hits can outrank one that shares a single message word.
+    let params = bm25(config);
     let mut query: Vec<(TermId, f32)> = terms.iter().map(|term| (*term, 1.0)).collect();
     query.extend(
         lent.into_iter()
@@ -245,6 +228,38 @@ fn with_feedback(
     index
         .raw
         .search_weighted(&query, ceiling, params, config.top_raw_turns)
+}
+
+/// The words feedback lends, strongest first: the best hits' words that are not the query's
+/// own and not common in this memory, weighted by hit score and rarity.
+fn feedback_words(
+    index: &MemoryIndex,
+    terms: &[TermId],
+    hits: &[(u32, f32)],
+    config: &RetrievalConfig,
+) -> Vec<(TermId, f32)> {
+    let mut lent: BTreeMap<TermId, f32> = BTreeMap::new();
+    let common = (index.raw.len() / FEEDBACK_COMMON_DIVISOR).max(FEEDBACK_MIN_COMMON);
+    // A pasted document's query has hundreds of terms and its hits thousands of words each:
+    // a linear `contains` per word cost 0.2 ms on the hot path. Both lists are sorted, so one
+    // walk along the query's terms skips them.
+    let mut asked = terms.to_vec();
+    asked.sort_unstable();
+    for (seq, relevance) in hits.iter().take(config.feedback_turns) {
+        let words = index.raw.terms_of(*seq);
+        let share = relevance / words.len().max(1) as f32;
+        let mut unasked = asked.iter().peekable();
+        for word in words.iter().filter(|word| {
+            while unasked.next_if(|term| term < word).is_some() {}
+            unasked.peek() != Some(word) && index.raw.doc_freq(**word) <= common
+        }) {
+            *lent.entry(*word).or_default() += share * index.raw.idf(*word);
+        }
+    }
+    let mut lent: Vec<(TermId, f32)> = lent.into_iter().collect();
+    lent.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    lent.truncate(config.feedback_terms);
+    lent
 }
 
 /// Whether `item` is in memory and may be injected (not retired, unpinned or deleted).
@@ -530,5 +545,38 @@ mod tests {
             None,
             "unrelated turns stay out: {with:?}"
         );
+    }
+
+    /// Feedback lends the hits' other words, never the query's own (they already count in
+    /// full), whichever of the hit's words the query holds.
+    #[test]
+    fn feedback_lends_only_words_the_query_lacks() {
+        let state = recorded(&[
+            (
+                "Pottery class: shaping clay on the wheel, then glazing the bowl.",
+                "Kilns fire the glazed clay bowl overnight.",
+            ),
+            ("My car needs new tyres.", "Winter tyres grip better."),
+        ]);
+        let index = MemoryIndex::build(&state);
+        let config = MemoryConfig::default().retrieval;
+        let hit_words = index.raw.terms_of(0);
+        // Every other word of the hit, so asked words sit before, between and after lent ones.
+        for parity in [0, 1] {
+            let asked: Vec<TermId> = hit_words
+                .iter()
+                .enumerate()
+                .filter(|(at, _)| at % 2 == parity)
+                .map(|(_, term)| *term)
+                .rev()
+                .collect();
+            let lent = feedback_words(&index, &asked, &[(0, 1.0)], &config);
+            assert!(!lent.is_empty(), "parity {parity}");
+            for (word, _) in &lent {
+                assert!(!asked.contains(word), "lent an asked word: {word}");
+                assert!(hit_words.contains(word));
+            }
+            assert_eq!(lent.len(), hit_words.len() - asked.len(), "parity {parity}");
+        }
     }
 }
