@@ -4,6 +4,7 @@
 //! back unchanged, so a field the proxy does not know (`tools`, `response_format`,
 //! `reasoning_effort`, a vendor extension) is never dropped.
 
+use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
@@ -30,23 +31,138 @@ pub struct StreamOptions {
     pub extra: Map<String, Value>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct ChatMessage {
     pub role: String,
     /// `None` when absent; `Some(Value::Null)` when the client sent `"content": null`.
-    #[serde(
-        default,
-        deserialize_with = "present",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<Value>,
     #[serde(flatten)]
     pub extra: Map<String, Value>,
+    /// Whether an object anywhere in the message as sent repeated a key (engram kept the last
+    /// value; an upstream might keep the first), so its bytes must not be forwarded as sent.
+    #[serde(skip)]
+    repeats_a_key: bool,
 }
 
-/// Deserialises a present field, even `null`, as `Some`, so absent and `null` stay distinct.
-fn present<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Value>, D::Error> {
-    Value::deserialize(deserializer).map(Some)
+/// Messages are equal by what they say, however they were written.
+impl PartialEq for ChatMessage {
+    fn eq(&self, other: &Self) -> bool {
+        self.role == other.role && self.content == other.content && self.extra == other.extra
+    }
+}
+
+/// By hand rather than derived: the derive buffers a message with flattened fields in full
+/// before building it, and cannot see a repeated key in `content` or `extra`. This reads each
+/// value once, straight into a [`Value`], and notes repeated keys on the way.
+impl<'de> Deserialize<'de> for ChatMessage {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_map(MessageVisitor)
+    }
+}
+
+struct MessageVisitor;
+
+impl<'de> Visitor<'de> for MessageVisitor {
+    type Value = ChatMessage;
+
+    fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
+        formatter.write_str("a chat message object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ChatMessage, A::Error> {
+        let mut role = None;
+        let mut content = None;
+        let mut extra = Map::new();
+        let mut repeats_a_key = false;
+        while let Some(key) = map.next_key::<String>()? {
+            match key.as_str() {
+                "role" if role.is_some() => return Err(de::Error::duplicate_field("role")),
+                "role" => role = Some(map.next_value::<String>()?),
+                "content" if content.is_some() => {
+                    return Err(de::Error::duplicate_field("content"));
+                }
+                "content" => {
+                    content = Some(map.next_value_seed(NotingRepeats(&mut repeats_a_key))?)
+                }
+                _ => {
+                    let value = map.next_value_seed(NotingRepeats(&mut repeats_a_key))?;
+                    repeats_a_key |= extra.insert(key, value).is_some();
+                }
+            }
+        }
+        Ok(ChatMessage {
+            role: role.ok_or_else(|| de::Error::missing_field("role"))?,
+            content,
+            extra,
+            repeats_a_key,
+        })
+    }
+}
+
+/// Deserialises any JSON value as serde_json's [`Value`] does (a repeated key keeps its last
+/// value), setting the flag when an object repeats a key.
+struct NotingRepeats<'a>(&'a mut bool);
+
+impl<'de> DeserializeSeed<'de> for NotingRepeats<'_> {
+    type Value = Value;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for NotingRepeats<'_> {
+    type Value = Value;
+
+    fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
+        formatter.write_str("any JSON value")
+    }
+
+    fn visit_bool<E>(self, value: bool) -> Result<Value, E> {
+        Ok(Value::Bool(value))
+    }
+    fn visit_i64<E>(self, value: i64) -> Result<Value, E> {
+        Ok(Value::Number(value.into()))
+    }
+    fn visit_u64<E>(self, value: u64) -> Result<Value, E> {
+        Ok(Value::Number(value.into()))
+    }
+    fn visit_f64<E>(self, value: f64) -> Result<Value, E> {
+        Ok(serde_json::Number::from_f64(value).map_or(Value::Null, Value::Number))
+    }
+    fn visit_str<E>(self, value: &str) -> Result<Value, E> {
+        Ok(Value::String(value.to_owned()))
+    }
+    fn visit_string<E>(self, value: String) -> Result<Value, E> {
+        Ok(Value::String(value))
+    }
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_some<D: Deserializer<'de>>(self, deserializer: D) -> Result<Value, D::Error> {
+        self.deserialize(deserializer)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+        while let Some(item) = seq.next_element_seed(NotingRepeats(&mut *self.0))? {
+            items.push(item);
+        }
+        Ok(Value::Array(items))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut object = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            let value = map.next_value_seed(NotingRepeats(&mut *self.0))?;
+            *self.0 |= object.insert(key, value).is_some();
+        }
+        Ok(Value::Object(object))
+    }
 }
 
 impl ChatRequest {
@@ -117,7 +233,7 @@ impl ChatRequest {
                 };
                 next = at + 1;
                 match raw.get(at) {
-                    Some(sent) if !has_repeated_key(sent.get()) => Outgoing::Sent(sent),
+                    Some(sent) if !client.messages[at].repeats_a_key => Outgoing::Sent(sent),
                     _ => Outgoing::Rewritten(message),
                 }
             })
@@ -177,72 +293,13 @@ enum Outgoing<'a> {
     Rewritten(&'a ChatMessage),
 }
 
-/// Whether an object anywhere in `json` repeats a key (or `json` does not parse). Walks the
-/// text without copying its strings.
-fn has_repeated_key(json: &str) -> bool {
-    serde_json::from_str::<UniqueKeys>(json).is_err()
-}
-
-/// Deserialises any JSON value, failing on an object that repeats a key.
-struct UniqueKeys;
-
-impl<'de> Deserialize<'de> for UniqueKeys {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_any(UniqueKeysVisitor)
-    }
-}
-
-struct UniqueKeysVisitor;
-
-impl<'de> serde::de::Visitor<'de> for UniqueKeysVisitor {
-    type Value = UniqueKeys;
-
-    fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
-        formatter.write_str("any JSON value")
-    }
-
-    fn visit_bool<E>(self, _: bool) -> Result<UniqueKeys, E> {
-        Ok(UniqueKeys)
-    }
-    fn visit_i64<E>(self, _: i64) -> Result<UniqueKeys, E> {
-        Ok(UniqueKeys)
-    }
-    fn visit_u64<E>(self, _: u64) -> Result<UniqueKeys, E> {
-        Ok(UniqueKeys)
-    }
-    fn visit_f64<E>(self, _: f64) -> Result<UniqueKeys, E> {
-        Ok(UniqueKeys)
-    }
-    fn visit_str<E>(self, _: &str) -> Result<UniqueKeys, E> {
-        Ok(UniqueKeys)
-    }
-    fn visit_unit<E>(self) -> Result<UniqueKeys, E> {
-        Ok(UniqueKeys)
-    }
-
-    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<UniqueKeys, A::Error> {
-        while seq.next_element::<UniqueKeys>()?.is_some() {}
-        Ok(UniqueKeys)
-    }
-
-    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<UniqueKeys, A::Error> {
-        let mut keys = std::collections::HashSet::new();
-        while let Some(key) = map.next_key::<String>()? {
-            if !keys.insert(key) {
-                return Err(serde::de::Error::custom("repeated key"));
-            }
-            map.next_value::<UniqueKeys>()?;
-        }
-        Ok(UniqueKeys)
-    }
-}
-
 impl ChatMessage {
     pub fn new(role: impl Into<String>, text: impl Into<String>) -> Self {
         ChatMessage {
             role: role.into(),
             content: Some(Value::String(text.into())),
             extra: Map::new(),
+            repeats_a_key: false,
         }
     }
 
@@ -370,8 +427,78 @@ mod tests {
             serde_json::from_slice::<Value>(&out).unwrap(),
             serde_json::to_value(&client).unwrap()
         );
-        assert!(has_repeated_key(r#"[{"a":1},{"b":{"c":2,"c":3}}]"#));
-        assert!(!has_repeated_key(r#"[{"a":1},{"a":{"c":2,"d":"é"}}]"#));
+    }
+
+    #[test]
+    fn a_repeated_key_is_noted_at_any_depth_and_the_last_value_kept() {
+        let message = |json: &str| serde_json::from_str::<ChatMessage>(json).unwrap();
+        for (json, repeats) in [
+            (r#"{"role":"user","content":"hi","name":"a","name":"b"}"#, true),
+            (
+                r#"{"role":"user","content":[{"type":"text","text":"a","text":"b"}]}"#,
+                true,
+            ),
+            (
+                r#"{"role":"assistant","content":null,"tool_calls":[{"function":{"arguments":"{}","name":"f","name":"g"}}]}"#,
+                true,
+            ),
+            (
+                r#"{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}],"name":"n"}"#,
+                false,
+            ),
+        ] {
+            let parsed = message(json);
+            assert_eq!(parsed.repeats_a_key, repeats, "{json}");
+            // What engram reads is what serde_json reads: the last of repeated keys.
+            let value: Value = serde_json::from_str(json).unwrap();
+            assert_eq!(serde_json::to_value(&parsed).unwrap(), value, "{json}");
+        }
+        for field in ["role", "content"] {
+            let json = format!(r#"{{"role":"user","content":"a","{field}":"b"}}"#);
+            let error = serde_json::from_str::<ChatMessage>(&json).unwrap_err();
+            assert!(error.to_string().contains("duplicate field"), "{error}");
+        }
+        let error = serde_json::from_str::<ChatMessage>(r#"{"content":"a"}"#).unwrap_err();
+        assert!(error.to_string().contains("missing field `role`"), "{error}");
+        assert!(message(r#"{"role":"user"}"#).content.is_none());
+        assert_eq!(
+            message(r#"{"role":"user","content":null}"#).content,
+            Some(Value::Null)
+        );
+    }
+
+    proptest::proptest! {
+        /// Any JSON as `content` or an extra field reads as serde_json's own `Value`.
+        #[test]
+        fn message_values_read_as_serde_json_reads_them(value in json_value()) {
+            let json = serde_json::json!({"role": "user", "content": value, "x": value});
+            let text = json.to_string();
+            let parsed: ChatMessage = serde_json::from_str(&text).unwrap();
+            proptest::prop_assert!(!parsed.repeats_a_key);
+            proptest::prop_assert_eq!(parsed.content.as_ref(), Some(&value));
+            proptest::prop_assert_eq!(serde_json::to_value(&parsed).unwrap(), json);
+        }
+    }
+
+    fn json_value() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            any::<f64>()
+                .prop_filter("finite", |f| f.is_finite())
+                .prop_map(Value::from),
+            ".{0,12}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(4, 32, 6, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                proptest::collection::vec(("[a-c]{1,2}", inner), 0..6)
+                    .prop_map(|pairs| Value::Object(pairs.into_iter().collect())),
+            ]
+        })
     }
 
     #[test]
