@@ -3,6 +3,7 @@
 //! date display.
 
 use std::borrow::Cow;
+use std::collections::HashSet;
 
 /// English function words that carry no retrieval signal.
 const STOP_WORDS: &[&str] = &[
@@ -207,10 +208,12 @@ pub fn terms(text: &str) -> impl Iterator<Item = String> + '_ {
 
 /// The distinct terms of `text` in first-seen order: `terms(text)` without repeats. Each
 /// distinct spelling is normalised once, since a long message repeats its words: normalising
-/// every occurrence made a 1 MB message cost tens of milliseconds on the hot path.
+/// every occurrence made a 1 MB message cost tens of milliseconds on the hot path. The sets
+/// use foldhash (seeded per process, like the default hasher, but faster on short words): SipHash
+/// was half the cost of turning a 4 KB query into terms.
 pub fn distinct_terms(text: &str) -> Vec<String> {
-    let mut spellings = std::collections::HashSet::new();
-    let mut seen = std::collections::HashSet::new();
+    let mut spellings: HashSet<&str, foldhash::fast::RandomState> = HashSet::default();
+    let mut seen: HashSet<String, foldhash::fast::RandomState> = HashSet::default();
     let mut out = Vec::new();
     for word in text
         .split(|c: char| !c.is_alphanumeric())

@@ -433,7 +433,10 @@ mod tests {
     fn a_repeated_key_is_noted_at_any_depth_and_the_last_value_kept() {
         let message = |json: &str| serde_json::from_str::<ChatMessage>(json).unwrap();
         for (json, repeats) in [
-            (r#"{"role":"user","content":"hi","name":"a","name":"b"}"#, true),
+            (
+                r#"{"role":"user","content":"hi","name":"a","name":"b"}"#,
+                true,
+            ),
             (
                 r#"{"role":"user","content":[{"type":"text","text":"a","text":"b"}]}"#,
                 true,
@@ -459,7 +462,10 @@ mod tests {
             assert!(error.to_string().contains("duplicate field"), "{error}");
         }
         let error = serde_json::from_str::<ChatMessage>(r#"{"content":"a"}"#).unwrap_err();
-        assert!(error.to_string().contains("missing field `role`"), "{error}");
+        assert!(
+            error.to_string().contains("missing field `role`"),
+            "{error}"
+        );
         assert!(message(r#"{"role":"user"}"#).content.is_none());
         assert_eq!(
             message(r#"{"role":"user","content":null}"#).content,
