@@ -232,8 +232,12 @@ impl ChatRequest {
                     return Outgoing::Rewritten(message);
                 };
                 next = at + 1;
+                let read_as_sent = client
+                    .messages
+                    .get(at)
+                    .is_some_and(|sent| !sent.repeats_a_key);
                 match raw.get(at) {
-                    Some(sent) if !client.messages[at].repeats_a_key => Outgoing::Sent(sent),
+                    Some(sent) if read_as_sent => Outgoing::Sent(sent),
                     _ => Outgoing::Rewritten(message),
                 }
             })
