@@ -224,20 +224,18 @@ impl ChatRequest {
             .messages
             .iter()
             .map(|message| {
-                let found = client.messages[next..]
+                let found = client
+                    .messages
                     .iter()
-                    .position(|sent| sent == message)
-                    .map(|offset| next + offset);
-                let Some(at) = found else {
+                    .enumerate()
+                    .skip(next)
+                    .find(|(_, sent)| *sent == message);
+                let Some((at, sent)) = found else {
                     return Outgoing::Rewritten(message);
                 };
                 next = at + 1;
-                let read_as_sent = client
-                    .messages
-                    .get(at)
-                    .is_some_and(|sent| !sent.repeats_a_key);
                 match raw.get(at) {
-                    Some(sent) if read_as_sent => Outgoing::Sent(sent),
+                    Some(bytes) if !sent.repeats_a_key => Outgoing::Sent(bytes),
                     _ => Outgoing::Rewritten(message),
                 }
             })
