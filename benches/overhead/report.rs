@@ -121,8 +121,9 @@ pub struct Measurement {
     /// Offered rate of an open-loop run (req/s); `None` for the closed-loop saturation run.
     pub offered_rate: Option<f64>,
     pub generator: String,
-    /// p50/p90/p99/p99.9 in µs, counted from when each request was due (latency-corrected);
-    /// for streams, to the first body chunk.
+    /// p50/p90/p99/p99.9 in µs: with oha from when each request was due (latency correction),
+    /// with the built-in client from when it went out (see `load::open_loop`); for streams, to
+    /// the first body chunk.
     pub latency_us: [f64; 4],
     /// Streams only: the whole stream.
     pub stream_us: Option<[f64; 4]>,
@@ -322,11 +323,12 @@ impl Report {
             let _ = writeln!(out, "- {line}");
         }
         out.push_str(
-            "\nLatencies in ms, counted from when each request was due (open loop, latency \
-             correction). Rows of engram and LiteLLM show the latency **added over direct** in the \
-             same step; the direct row shows its absolute latency. A system that did not keep up \
-             (errors ≥ 1 %, or under 95 % of the offered rate) is reported as saturated, without \
-             latency figures.\n",
+            "\nLatencies in ms, open loop: with oha counted from when each request was due \
+             (latency correction), with the built-in client from when it went out (its timer \
+             sends about 1 ms late; the notes say how late). Rows of engram and LiteLLM show \
+             the latency **added over direct** in the same step; the direct row shows its \
+             absolute latency. A system that did not keep up (errors ≥ 1 %, or under 95 % of the \
+             offered rate) is reported as saturated, without latency figures.\n",
         );
         for scenario in Scenario::ALL {
             if self.in_scenario(scenario).next().is_none() {
