@@ -494,6 +494,7 @@ fn report_pasted(size: usize) {
         "{} Summarise the plot in two sentences.",
         prose::prose(size)
     );
+    let recording = Instant::now();
     for n in 0..PASTED_TURNS {
         record_exchange(
             &mut state,
@@ -511,6 +512,11 @@ fn report_pasted(size: usize) {
             &config,
         );
     }
+    println!(
+        "record_exchange with a pasted {} KB message (the worker's engine pass, heuristic extractor), mean over {PASTED_TURNS} turns: {:?}",
+        size / 1000,
+        recording.elapsed() / PASTED_TURNS as u32
+    );
     let index = MemoryIndex::build(&state);
     let prefetched = prefetch(&state, &index, "pasted", &config.retrieval);
     let messages = vec![

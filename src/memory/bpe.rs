@@ -7,8 +7,10 @@
 //! and the merge loops are tiktoken's (MIT licence), counting parts instead of collecting ranks.
 //! The tests check every count against tiktoken-rs.
 
+use std::cell::RefCell;
 use std::collections::BinaryHeap;
 use std::hash::Hasher;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use fancy_regex::Regex;
 use rustc_hash::FxHasher;
@@ -21,8 +23,43 @@ const RANK_LIMIT: u32 = 1 << 18;
 const NO_RANK: u32 = u32::MAX;
 /// tiktoken merges pieces this long or longer with a heap, shorter ones in a flat array.
 const LARGE_PIECE: usize = 100;
+/// Merged pieces up to this many bytes (most words) are remembered per thread, as Hugging
+/// Face's BPE caches words: a word's count never changes, and in a long text the same words
+/// come back again and again, while merging one costs a rank lookup per pair and per merge.
+const CACHED_PIECE: usize = 23;
+/// Slots of each thread's cache of merged pieces (32 bytes each, so 256 KiB), shared by the
+/// vocabularies; a new piece overwrites whatever shares its slot.
+const CACHE_SLOTS: usize = 8192;
+
+/// Each vocabulary's own number, so cached counts are never read across vocabularies.
+static NEXT_VOCABULARY: AtomicU32 = AtomicU32::new(1);
+
+/// A merged piece's count, with the piece itself (so a hash collision is a miss, never a
+/// wrong count) and the vocabulary that counted it (0: a free slot).
+#[derive(Clone, Copy)]
+struct CachedPiece {
+    vocabulary: u32,
+    count: u32,
+    len: u8,
+    bytes: [u8; CACHED_PIECE],
+}
+
+const FREE_SLOT: CachedPiece = CachedPiece {
+    vocabulary: 0,
+    count: 0,
+    len: 0,
+    bytes: [0; CACHED_PIECE],
+};
+
+thread_local! {
+    /// Allocated on a thread's first merge of a short piece; only threads that count (the
+    /// worker's, the admin API's) ever hold one.
+    static MERGED_PIECES: RefCell<Vec<CachedPiece>> = const { RefCell::new(Vec::new()) };
+}
 
 pub struct Bpe {
+    /// This vocabulary's number in the per-thread cache of merged pieces.
+    vocabulary: u32,
     /// The pre-tokenizer; `None` only if the pattern failed to compile, when every byte counts
     /// as a token (an upper bound, so budgets still hold).
     pretokenizer: Option<Regex>,
@@ -57,6 +94,7 @@ impl Bpe {
 
         let tokens = starts.len() - 1;
         let mut bpe = Bpe {
+            vocabulary: NEXT_VOCABULARY.fetch_add(1, Ordering::Relaxed),
             pretokenizer: Regex::new(pattern).ok(),
             bytes,
             starts,
@@ -83,6 +121,7 @@ impl Bpe {
     /// budgets stay upper bounds.
     pub fn byte_counter() -> Bpe {
         Bpe {
+            vocabulary: NEXT_VOCABULARY.fetch_add(1, Ordering::Relaxed),
             pretokenizer: None,
             bytes: Vec::new(),
             starts: vec![0],
@@ -121,6 +160,8 @@ impl Bpe {
     fn piece_count(&self, piece: &[u8]) -> usize {
         if piece.len() <= 1 || self.rank(piece) != NO_RANK {
             piece.len().min(1)
+        } else if piece.len() <= CACHED_PIECE {
+            self.merge_cached(piece)
         } else if piece.len() < LARGE_PIECE {
             self.merge_small(piece)
         } else {
@@ -156,6 +197,36 @@ impl Bpe {
             }
             slot = (slot + 1) & mask;
         }
+    }
+
+    /// `merge_small` through this thread's cache of merged pieces.
+    fn merge_cached(&self, piece: &[u8]) -> usize {
+        let slot = self.home_slot(piece) & (CACHE_SLOTS - 1);
+        let hit = MERGED_PIECES.with_borrow(|cache| {
+            cache.get(slot).and_then(|cached| {
+                let len = usize::from(cached.len);
+                (cached.vocabulary == self.vocabulary && cached.bytes.get(..len) == Some(piece))
+                    .then_some(cached.count as usize)
+            })
+        });
+        if let Some(count) = hit {
+            return count;
+        }
+        let count = self.merge_small(piece);
+        let mut bytes = [0; CACHED_PIECE];
+        bytes[..piece.len()].copy_from_slice(piece);
+        MERGED_PIECES.with_borrow_mut(|cache| {
+            if cache.is_empty() {
+                cache.resize(CACHE_SLOTS, FREE_SLOT);
+            }
+            cache[slot] = CachedPiece {
+                vocabulary: self.vocabulary,
+                count: u32::try_from(count).unwrap_or(u32::MAX),
+                len: piece.len() as u8,
+                bytes,
+            };
+        });
+        count
     }
 
     /// tiktoken's `_byte_pair_merge`: parts are (start, rank of the pair starting there); the
@@ -333,6 +404,22 @@ mod tests {
         ] {
             assert_same_counts(text);
         }
+    }
+
+    #[test]
+    fn remembered_pieces_keep_each_vocabularys_count() {
+        // Words that both vocabularies split, in both orders, so each encoding meets pieces
+        // the other one left in the thread's cache (same bytes, same slot).
+        let text = "kalomiren stavoth ulpedri ansogel martuix kalomiren stavoth ulpedri";
+        for _ in 0..3 {
+            assert_same_counts(text);
+            for (encoding, tiktoken) in both().into_iter().rev() {
+                assert_eq!(encoding.bpe().count(text), tiktoken.count_ordinary(text));
+            }
+        }
+        // Cached pieces are at most CACHED_PIECE bytes; one byte longer is merged every time.
+        assert_same_counts(&"x".repeat(CACHED_PIECE + 1));
+        assert_same_counts(&"qz".repeat(CACHED_PIECE));
     }
 
     #[test]
