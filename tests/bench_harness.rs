@@ -253,3 +253,107 @@ fn the_chart_plots_sustained_rates_and_marks_saturation() {
     assert!(svg.contains("saturated at 1,000 req/s"));
     assert_eq!(svg.matches("<circle").count(), 5);
 }
+
+#[test]
+fn pairing_is_on_unless_turned_off() {
+    assert!(args::parse(&strings(&["--quick"])).unwrap().pairing);
+    assert!(!args::parse(&strings(&["--no-pairing"])).unwrap().pairing);
+}
+
+/// `m` with a paired direct baseline that saw `p` and completed `throughput` req/s.
+fn paired(mut m: Measurement, p: [f64; 4], throughput: f64, errors: u64) -> Measurement {
+    m.baseline = Some(report::Baseline {
+        latency_us: p,
+        stream_us: None,
+        throughput,
+        ok: (throughput * 10.0) as u64,
+        errors,
+        notes: Vec::new(),
+    });
+    m
+}
+
+#[test]
+fn added_latency_is_over_the_paired_baseline_when_there_is_one() {
+    let mut report = sample_report();
+    // The step's direct row says 100/120/200/400; the baseline paired with this run says less.
+    report.measurements[1] = paired(
+        report.measurements[1].clone(),
+        [90.0, 110.0, 180.0, 350.0],
+        50.0,
+        0,
+    );
+    assert_eq!(
+        report.added(&report.measurements[1]),
+        Some([160.0, 190.0, 320.0, 550.0])
+    );
+    // Embedded at the same step has no baseline: over the direct row.
+    assert_eq!(
+        report.added(&report.measurements[2]),
+        Some([400.0, 480.0, 1000.0, 1600.0])
+    );
+    let markdown = report.markdown();
+    assert!(
+        markdown.contains("| 50 req/s | engram, memory off | 0.160 | 0.190 | 0.320 | 0.550 |"),
+        "{markdown}"
+    );
+    assert!(markdown.contains("paired direct baseline: p50/p99 0.090 / 0.180 ms (500 requests)"));
+    assert!(markdown.contains("no paired baseline: added over the step's direct row"));
+    // A paired run needs no direct row at all.
+    report.measurements.remove(0);
+    assert_eq!(
+        report.added(&report.measurements[0]),
+        Some([160.0, 190.0, 320.0, 550.0])
+    );
+    assert_eq!(report.added(&report.measurements[1]), None);
+}
+
+#[test]
+fn a_saturated_system_or_baseline_gets_no_added_figures() {
+    let mut report = sample_report();
+    // LiteLLM completed 85 of 1,000 req/s; its baseline kept up, which changes nothing.
+    report.measurements[7] = paired(report.measurements[7].clone(), [90.0; 4], 1000.0, 0);
+    assert_eq!(report.added(&report.measurements[7]), None);
+    assert!(
+        report
+            .markdown()
+            .contains("| 1,000 req/s | LiteLLM proxy | saturated: 85 of 1,000 req/s |")
+    );
+    // The system kept up but its baseline did not (2 % errors): no figures, though the step's
+    // direct row kept up.
+    report.measurements[5] = paired(report.measurements[5].clone(), [90.0; 4], 1000.0, 200);
+    assert!(report.measurements[5].sustained());
+    assert_eq!(report.added(&report.measurements[5]), None);
+    assert!(
+        report
+            .markdown()
+            .contains("| 1,000 req/s | engram, memory off | baseline saturated |")
+    );
+    assert!(report.targets()[0].contains("not measured (or saturated)"));
+}
+
+#[test]
+fn whole_stream_added_is_over_the_paired_baseline_too() {
+    let stream = |system: System, whole: [f64; 4]| Measurement {
+        stream_us: Some(whole),
+        scenario: Scenario::Stream,
+        ..run(system, 25, [1000.0; 4], 25.0, 0)
+    };
+    let mut off = paired(
+        stream(System::Off, [5000.0, 5100.0, 5300.0, 5400.0]),
+        [800.0; 4],
+        25.0,
+        0,
+    );
+    off.baseline.as_mut().unwrap().stream_us = Some([4000.0, 4100.0, 4200.0, 4300.0]);
+    let report = Report {
+        context: Vec::new(),
+        measurements: vec![stream(System::Direct, [4500.0; 4]), off],
+    };
+    let off = &report.measurements[1];
+    assert_eq!(report.added(off), Some([200.0; 4]));
+    assert_eq!(
+        report.added_stream(off),
+        Some([1000.0, 1000.0, 1100.0, 1100.0])
+    );
+}

@@ -33,6 +33,8 @@ usage: ./benches/overhead.sh [options]
   --timeout-secs N             per-request timeout of the built-in client (default 15)
   --out DIR                    where overhead.md, overhead.svg and overhead.json go
                                (default docs/benchmarks, or target/bench-quick with --quick)
+  --no-pairing                 no paired direct baseline: added latency is over the step's
+                               direct run, measured separately (as before pairing)
   --help                       this text
 ";
 
@@ -66,6 +68,9 @@ pub struct Args {
     /// Per-request timeout of the built-in client; past it a request counts as an error.
     pub timeout: Duration,
     pub out_dir: PathBuf,
+    /// Open-loop runs of the other systems send the same load to the mock alongside, and
+    /// added latency is over that paired baseline.
+    pub pairing: bool,
     pub quick: bool,
     pub help: bool,
 }
@@ -92,6 +97,7 @@ impl Args {
             chunks: 50,
             timeout: Duration::from_secs(15),
             out_dir: PathBuf::from("docs/benchmarks"),
+            pairing: true,
             quick: false,
             help: false,
         }
@@ -145,6 +151,10 @@ pub fn parse(args: &[String]) -> Result<Args, String> {
         let mut takes_value = true;
         match flag {
             "--quick" | "--bench" => takes_value = false,
+            "--no-pairing" => {
+                parsed.pairing = false;
+                takes_value = false;
+            }
             "--help" | "-h" => {
                 parsed.help = true;
                 takes_value = false;

@@ -2,7 +2,7 @@
 //! open-loop client (streams, whose time to first chunk oha cannot see, and large bodies).
 
 use std::path::Path;
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -10,7 +10,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use tokio::task::JoinSet;
+use tokio::task::{JoinError, JoinSet};
 use tokio::time::Instant;
 
 use crate::report::percentiles;
@@ -26,6 +26,8 @@ pub struct LoadResult {
     /// Answers that carried memory (`x-engram-memory: injected`).
     pub injected: u64,
     pub notes: Vec<String>,
+    /// The paired direct baseline: the same load sent straight to the mock during this run.
+    pub baseline: Option<Box<LoadResult>>,
 }
 
 /// The bearer token every request carries; LiteLLM is started with it as its master key (it
@@ -152,9 +154,21 @@ pub async fn warm_up(
 /// figure of the built-in client, and "added over direct" subtracted two runs' different
 /// lateness. Nothing here waits for an answer before sending the next request, so the
 /// lateness is the generator's own, not the system's; it is noted.
+///
+/// `twin`, when given, is the paired direct baseline: twin `i` is due half an interval after
+/// request `i` (`start + (i + 0.5) / rate`), goes out the same way on the same client, and is
+/// summarised on its own into the result's `baseline`. The two then see the same seconds of
+/// this machine and of the mock (which answers both, so twice the offered rate), where the
+/// step's direct run saw others minutes earlier. Without a twin, schedule and result are
+/// what they were before pairing.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "one run's schedule and targets, passed once from run_step"
+)]
 pub async fn open_loop(
     client: &HttpClient,
     spec: &RequestSpec,
+    twin: Option<&RequestSpec>,
     rate: u64,
     duration: Duration,
     max_in_flight: usize,
@@ -164,56 +178,113 @@ pub async fn open_loop(
     let total = (rate as f64 * duration.as_secs_f64()).round() as u64;
     let interval = Duration::from_secs_f64(1.0 / rate as f64);
     let start = Instant::now() + Duration::from_millis(20);
-    let mut in_flight = JoinSet::new();
-    let mut samples = Vec::with_capacity(total as usize);
-    let mut errors = 0u64;
-    let mut not_sent = 0u64;
-    let mut lateness_us = Vec::with_capacity(total as usize);
-    let mut reap =
-        |result: Result<Result<Option<Sample>, _>, _>, samples: &mut Vec<Sample>| match result {
-            Ok(Ok(Some(sample))) => samples.push(sample),
-            _ => errors += 1,
-        };
+    // Each target counts its own requests in flight against `max_in_flight`: a system that
+    // falls behind must not hold back its baseline's requests, nor the baseline the system's.
+    let mut system = Target::new(spec, total);
+    let mut baseline = twin.map(|twin| Target::new(twin, total));
     for i in 0..total {
         let due = start + interval.mul_f64(i as f64);
+        system.send(client, i, due, max_in_flight, timeout).await;
+        if let Some(baseline) = &mut baseline {
+            let due = start + interval.mul_f64(i as f64 + 0.5);
+            baseline.send(client, i, due, max_in_flight, timeout).await;
+        }
+    }
+    let mut result = system.finish(start, stream, max_in_flight).await;
+    if let Some(baseline) = baseline {
+        let twin_start = start + interval.mul_f64(0.5);
+        result.baseline = Some(Box::new(
+            baseline.finish(twin_start, stream, max_in_flight).await,
+        ));
+    }
+    result
+}
+
+/// A request's sample, `None` when it failed, or its timeout.
+type Outcome = Result<Option<Sample>, tokio::time::error::Elapsed>;
+
+/// One destination of an open-loop run: its requests in flight and what they saw.
+struct Target<'a> {
+    spec: &'a RequestSpec,
+    in_flight: JoinSet<Outcome>,
+    samples: Vec<Sample>,
+    errors: u64,
+    not_sent: u64,
+    lateness_us: Vec<f64>,
+}
+
+impl<'a> Target<'a> {
+    fn new(spec: &'a RequestSpec, total: u64) -> Target<'a> {
+        Target {
+            spec,
+            in_flight: JoinSet::new(),
+            samples: Vec::with_capacity(total as usize),
+            errors: 0,
+            not_sent: 0,
+            lateness_us: Vec::with_capacity(total as usize),
+        }
+    }
+
+    fn reap(&mut self, result: Result<Outcome, JoinError>) {
+        match result {
+            Ok(Ok(Some(sample))) => self.samples.push(sample),
+            _ => self.errors += 1,
+        }
+    }
+
+    /// Waits until `due`, then sends request `i` unless `max_in_flight` are already open.
+    async fn send(
+        &mut self,
+        client: &HttpClient,
+        i: u64,
+        due: Instant,
+        max_in_flight: usize,
+        timeout: Duration,
+    ) {
         tokio::time::sleep_until(due).await;
         let sent = Instant::now();
-        lateness_us.push(sent.saturating_duration_since(due).as_secs_f64() * 1e6);
-        while let Some(result) = in_flight.try_join_next() {
-            reap(result, &mut samples);
+        self.lateness_us
+            .push(sent.saturating_duration_since(due).as_secs_f64() * 1e6);
+        while let Some(result) = self.in_flight.try_join_next() {
+            self.reap(result);
         }
-        if in_flight.len() >= max_in_flight {
-            not_sent += 1;
-            continue;
+        if self.in_flight.len() >= max_in_flight {
+            self.not_sent += 1;
+            return;
         }
-        let Some(request) = spec.build(i) else {
-            not_sent += 1;
-            continue;
+        let Some(request) = self.spec.build(i) else {
+            self.not_sent += 1;
+            return;
         };
-        in_flight.spawn(tokio::time::timeout(
+        self.in_flight.spawn(tokio::time::timeout(
             timeout,
             one_request(client.clone(), request, sent),
         ));
     }
-    while let Some(result) = in_flight.join_next().await {
-        reap(result, &mut samples);
-    }
-    let mut result = summarise(samples, errors + not_sent, start, stream);
-    if not_sent > 0 {
+
+    async fn finish(mut self, start: Instant, stream: bool, max_in_flight: usize) -> LoadResult {
+        while let Some(result) = self.in_flight.join_next().await {
+            self.reap(result);
+        }
+        let mut result = summarise(self.samples, self.errors + self.not_sent, start, stream);
+        if self.not_sent > 0 {
+            result.notes.push(format!(
+                "{} requests not sent: {max_in_flight} already in flight",
+                self.not_sent
+            ));
+        }
+        let mut lateness_us = self.lateness_us;
+        lateness_us.sort_by(f64::total_cmp);
+        let [p50, _, p99, _] = percentiles(&lateness_us);
+        let max = lateness_us.last().copied().unwrap_or(0.0);
         result.notes.push(format!(
-            "{not_sent} requests not sent: {max_in_flight} already in flight"
+            "requests went out after they were due by p50 {} / p99 {} / max {} ms (timer ticks, not counted)",
+            crate::report::ms(p50),
+            crate::report::ms(p99),
+            crate::report::ms(max)
         ));
+        result
     }
-    lateness_us.sort_by(f64::total_cmp);
-    let [p50, _, p99, _] = percentiles(&lateness_us);
-    let max = lateness_us.last().copied().unwrap_or(0.0);
-    result.notes.push(format!(
-        "requests went out after they were due by p50 {} / p99 {} / max {} ms (timer ticks, not counted)",
-        crate::report::ms(p50),
-        crate::report::ms(p99),
-        crate::report::ms(max)
-    ));
-    result
 }
 
 fn summarise(samples: Vec<Sample>, errors: u64, start: Instant, stream: bool) -> LoadResult {
@@ -245,6 +316,7 @@ fn summarise(samples: Vec<Sample>, errors: u64, start: Instant, stream: bool) ->
         errors,
         injected,
         notes: Vec::new(),
+        baseline: None,
     }
 }
 
@@ -273,7 +345,7 @@ pub struct OhaRun<'a> {
     pub pin_core: Option<&'a str>,
 }
 
-pub fn run_oha(run: &OhaRun) -> Result<LoadResult, String> {
+fn oha_command(run: &OhaRun) -> Command {
     let oha = oha_path();
     let mut command = match run.pin_core {
         Some(core) => {
@@ -296,17 +368,59 @@ pub fn run_oha(run: &OhaRun) -> Result<LoadResult, String> {
     command
         .arg(if run.body_lines { "-Z" } else { "-D" })
         .arg(run.body_file)
-        .arg(run.url);
-    let output = command
-        .output()
-        .map_err(|e| format!("oha did not start ({e}): run ./benches/overhead.sh"))?;
+        .arg(run.url)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    command
+}
+
+fn spawn_oha(run: &OhaRun) -> Result<Child, String> {
+    oha_command(run)
+        .spawn()
+        .map_err(|e| format!("oha did not start ({e}): run ./benches/overhead.sh"))
+}
+
+fn oha_output(child: Child, duration: Duration) -> Result<LoadResult, String> {
+    let output = child
+        .wait_with_output()
+        .map_err(|e| format!("oha did not finish: {e}"))?;
     let report: serde_json::Value = serde_json::from_slice(&output.stdout).map_err(|e| {
         format!(
             "oha output is not JSON ({e}): {}",
             String::from_utf8_lossy(&output.stderr)
         )
     })?;
-    Ok(oha_result(&report, run.duration))
+    Ok(oha_result(&report, duration))
+}
+
+/// `run`, and with `twin` (the paired direct baseline, an open-loop run against the mock) a
+/// second oha alongside it, into the result's `baseline`. oha cannot shift its schedule, so
+/// the twin starts half an interval after `run`, as the built-in client's twin does; process
+/// start-up jitter blurs that at high rates. A twin that fails leaves a note, not an error:
+/// the step's direct run is then the baseline.
+pub fn run_oha(run: &OhaRun, twin: Option<&OhaRun>) -> Result<LoadResult, String> {
+    let child = spawn_oha(run)?;
+    let twin_child = twin.map(|twin| {
+        if let Some(rate) = twin.rate {
+            std::thread::sleep(Duration::from_secs_f64(0.5 / rate.max(1) as f64));
+        }
+        spawn_oha(twin)
+    });
+    // Read one after the other: oha writes its report when its run is over, so a twin kept
+    // waiting on a full pipe has already measured everything.
+    let mut result = oha_output(child, run.duration);
+    let twin_result = twin_child.map(|c| c.and_then(|c| oha_output(c, run.duration)));
+    if let Ok(result) = &mut result {
+        match twin_result {
+            Some(Ok(baseline)) => result.baseline = Some(Box::new(baseline)),
+            Some(Err(why)) => result
+                .notes
+                .push(format!("paired direct baseline failed: {why}")),
+            None => {}
+        }
+    }
+    result
 }
 
 /// Reads oha's JSON report. Requests cut off by the end of the run ("aborted due to deadline")
@@ -355,5 +469,6 @@ pub fn oha_result(report: &serde_json::Value, duration: Duration) -> LoadResult 
         errors: bad_status + failed,
         injected: 0,
         notes,
+        baseline: None,
     }
 }

@@ -6,8 +6,11 @@
 //! each started fresh for every step and pinned alone on core 1 while the mock, the load
 //! generators and Redis share core 0. Scenarios: non-streaming at stepped rates and at
 //! saturation (oha), streaming time to first chunk, large request bodies, and many streams in
-//! flight against a slow upstream (the built-in open-loop client). It prints a markdown report
-//! and writes it, with an SVG chart and the raw figures as JSON, to `--out`.
+//! flight against a slow upstream (the built-in open-loop client). Each open-loop run of a
+//! system other than direct also sends the same load straight to the mock, a paired direct
+//! baseline, and the system's added latency is over that rather than over the step's direct
+//! run minutes earlier. It prints a markdown report and writes it, with an SVG chart and the
+//! raw figures as JSON, to `--out`.
 //!
 //! Not a test: it prints numbers and asserts nothing.
 
@@ -299,6 +302,11 @@ fn describe(context: &Context, pinned: bool, raw: &[String]) -> Vec<String> {
             },
             args.users
         ),
+        if args.pairing {
+            "added latency: over a paired direct baseline, the same load sent to the mock during each open-loop run".into()
+        } else {
+            "added latency: over the step's direct run, measured separately (--no-pairing)".into()
+        },
         format!(
             "command: ./benches/overhead.sh {}",
             raw.iter()
@@ -376,6 +384,14 @@ fn run_step(context: &Context, system: System, step: &Step, mock: &Mock) -> Meas
         body: chat_body(stream, body_size, None),
         users,
     };
+    // The paired direct baseline: the same requests (the mock ignores engram's headers) sent
+    // straight to the mock during the system's run. Direct itself is measured alone, and the
+    // closed loop reports absolute figures.
+    let twin = (args.pairing && system != System::Direct && !matches!(step.kind, Kind::Closed))
+        .then(|| RequestSpec {
+            url: format!("{}/v1/chat/completions", mock.address),
+            ..spec.clone()
+        });
     let client = load::client();
     // Warm up; for LiteLLM, also prove it answers with the mock's reply. Large bodies get fewer
     // (with memory on, each is a turn the worker must apply before the measured run).
@@ -388,6 +404,15 @@ fn run_step(context: &Context, system: System, step: &Step, mock: &Mock) -> Meas
     if warm_ok == 0 {
         measurement.skipped = Some("no successful warm-up request".into());
         return measurement;
+    }
+    // The built-in client's connections to the mock, as direct's own run has them warm.
+    if let Some(twin) = twin
+        .as_ref()
+        .filter(|_| !matches!(step.kind, Kind::Rate(_)))
+    {
+        context
+            .runtime
+            .block_on(load::warm_up(&client, twin, count, concurrency));
     }
     if system == System::Litellm
         && let Err(why) = context
@@ -409,7 +434,14 @@ fn run_step(context: &Context, system: System, step: &Step, mock: &Mock) -> Meas
     let redis_cpu_before = running.redis_pid.map(|pid| systems::cpu_seconds(&[pid]));
     let sampler = RssSampler::start(&running.pids);
     let result = match step.kind {
-        Kind::Rate(rate) => oha_step(context, system, &running, Some(rate), args.connections),
+        Kind::Rate(rate) => oha_step(
+            context,
+            system,
+            &running,
+            Some(rate),
+            args.connections,
+            twin.as_ref().map(|t| t.url.as_str()),
+        ),
         Kind::Closed => closed_loop(context, system, &running),
         Kind::Stream(rate) | Kind::Inflight(rate) | Kind::Body(_, rate) => {
             let latency = match step.kind {
@@ -423,6 +455,7 @@ fn run_step(context: &Context, system: System, step: &Step, mock: &Mock) -> Meas
             Ok(context.runtime.block_on(load::open_loop(
                 &client,
                 &spec,
+                twin.as_ref(),
                 rate,
                 args.run_length(rate),
                 max_in_flight,
@@ -481,6 +514,14 @@ fn run_step(context: &Context, system: System, step: &Step, mock: &Mock) -> Meas
             systems::peak_rss_mib(pid)
         ));
     }
+    measurement.baseline = result.baseline.map(|b| report::Baseline {
+        latency_us: b.latency_us,
+        stream_us: b.stream_us,
+        throughput: b.throughput,
+        ok: b.ok,
+        errors: b.errors,
+        notes: b.notes,
+    });
     measurement.latency_us = result.latency_us;
     measurement.stream_us = result.stream_us;
     measurement.throughput = result.throughput;
@@ -497,13 +538,15 @@ fn run_step(context: &Context, system: System, step: &Step, mock: &Mock) -> Meas
 }
 
 /// oha against the system: memory on sends a random user's body per request (the `user`
-/// field, which engram reads when there is no `x-engram-user`).
+/// field, which engram reads when there is no `x-engram-user`). With `twin` (the mock's URL),
+/// a second oha sends the same load there alongside, the paired direct baseline.
 fn oha_step(
     context: &Context,
     system: System,
     running: &Running,
     rate: Option<u64>,
     connections: usize,
+    twin: Option<&str>,
 ) -> Result<LoadResult, String> {
     let args = context.args;
     let body_file = context.scratch.join(format!("body-{}.json", system.name()));
@@ -520,15 +563,19 @@ fn oha_step(
         chat_body(false, 0, None).to_vec()
     };
     std::fs::write(&body_file, contents).map_err(|e| e.to_string())?;
-    load::run_oha(&OhaRun {
-        url: &format!("{}/v1/chat/completions", running.base_url),
+    let url = format!("{}/v1/chat/completions", running.base_url);
+    let run = OhaRun {
+        url: &url,
         body_file: &body_file,
         body_lines,
         rate,
         connections,
         duration: rate.map_or(args.duration, |rate| args.run_length(rate)),
         pin_core: context.cores.rest,
-    })
+    };
+    // Same rate, length, core and body file: the mock ignores the `user` field.
+    let twin = twin.map(|url| OhaRun { url, ..run });
+    load::run_oha(&run, twin.as_ref())
 }
 
 /// Closed loop with `--connections` connections; while the error rate is 1 % or more, again
@@ -536,7 +583,7 @@ fn oha_step(
 fn closed_loop(context: &Context, system: System, running: &Running) -> Result<LoadResult, String> {
     let mut connections = context.args.connections;
     loop {
-        let mut result = oha_step(context, system, running, None, connections)?;
+        let mut result = oha_step(context, system, running, None, connections, None)?;
         let total = result.ok + result.errors;
         let error_rate = result.errors as f64 / total.max(1) as f64;
         if error_rate < report::MAX_ERROR_RATE || connections == 1 {

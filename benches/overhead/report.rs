@@ -140,6 +140,24 @@ pub struct Measurement {
     pub notes: Vec<String>,
     /// Why it was not run, if it was not.
     pub skipped: Option<String>,
+    /// The paired direct baseline: the same load sent straight to the mock during this run,
+    /// which `Report::added` subtracts. `None` for direct itself, the closed loop, and runs
+    /// without pairing (`--no-pairing`); those are compared with the step's direct run.
+    pub baseline: Option<Baseline>,
+}
+
+/// What the paired direct baseline saw: requests straight to the mock, over the same seconds
+/// as the system's.
+#[derive(Debug, Clone, Serialize)]
+pub struct Baseline {
+    /// p50/p90/p99/p99.9 in µs, counted as the measurement's own `latency_us`.
+    pub latency_us: [f64; 4],
+    /// Streams only: the whole stream.
+    pub stream_us: Option<[f64; 4]>,
+    pub throughput: f64,
+    pub ok: u64,
+    pub errors: u64,
+    pub notes: Vec<String>,
 }
 
 impl Measurement {
@@ -160,6 +178,7 @@ impl Measurement {
             cpu_per_1k: None,
             notes: Vec::new(),
             skipped: None,
+            baseline: None,
         }
     }
 
@@ -170,41 +189,52 @@ impl Measurement {
         }
     }
 
-    pub fn error_rate(&self) -> f64 {
-        let total = self.ok + self.errors;
-        if total == 0 {
-            1.0
-        } else {
-            self.errors as f64 / total as f64
-        }
-    }
-
     /// `None` when the system kept up with the load; otherwise why its numbers mean nothing.
     pub fn saturation(&self) -> Option<String> {
         if let Some(why) = &self.skipped {
             return Some(why.clone());
         }
-        if self.ok == 0 {
-            return Some("no successful request".into());
-        }
-        if self.error_rate() >= MAX_ERROR_RATE {
-            return Some(format!(
-                "saturated: {:.1} % errors",
-                self.error_rate() * 100.0
-            ));
-        }
-        match self.offered_rate {
-            Some(offered) if self.throughput < offered * MIN_THROUGHPUT_SHARE => Some(format!(
-                "saturated: {} of {} req/s",
-                thousands(self.throughput),
-                thousands(offered)
-            )),
-            _ => None,
-        }
+        fell_behind(self.ok, self.errors, self.throughput, self.offered_rate)
     }
 
     pub fn sustained(&self) -> bool {
         self.saturation().is_none()
+    }
+
+    /// The paired baseline kept up with the same offered rate: the mock and the generator were
+    /// not overloaded while this system ran.
+    pub fn baseline_sustained(&self) -> bool {
+        self.baseline
+            .as_ref()
+            .is_some_and(|b| fell_behind(b.ok, b.errors, b.throughput, self.offered_rate).is_none())
+    }
+}
+
+fn error_rate(ok: u64, errors: u64) -> f64 {
+    let total = ok + errors;
+    if total == 0 {
+        1.0
+    } else {
+        errors as f64 / total as f64
+    }
+}
+
+/// Why a run did not keep up with its offered rate, if it did not.
+fn fell_behind(ok: u64, errors: u64, throughput: f64, offered: Option<f64>) -> Option<String> {
+    if ok == 0 {
+        return Some("no successful request".into());
+    }
+    let error_rate = error_rate(ok, errors);
+    if error_rate >= MAX_ERROR_RATE {
+        return Some(format!("saturated: {:.1} % errors", error_rate * 100.0));
+    }
+    match offered {
+        Some(offered) if throughput < offered * MIN_THROUGHPUT_SHARE => Some(format!(
+            "saturated: {} of {} req/s",
+            thousands(throughput),
+            thousands(offered)
+        )),
+        _ => None,
     }
 }
 
@@ -282,32 +312,44 @@ pub struct Report {
 pub const LITELLM_FACTOR: f64 = 10.0;
 
 impl Report {
-    /// The direct run of the same step, the baseline of `m`.
+    /// The direct run of the same step, measured alone before the other systems.
     pub fn direct_for(&self, m: &Measurement) -> Option<&Measurement> {
         self.measurements
             .iter()
             .find(|d| d.system == System::Direct && d.scenario == m.scenario && d.load == m.load)
     }
 
-    /// Latency added over direct, per percentile (µs), when both kept up with the load.
-    pub fn added(&self, m: &Measurement) -> Option<[f64; 4]> {
-        let direct = self.direct_for(m)?;
-        if !m.sustained() || !direct.sustained() || m.system == System::Direct {
-            return None;
+    /// What `m` is compared with, as (latency, whole stream): its paired baseline when it has
+    /// one, else the step's direct run; `None` when that did not keep up with the load.
+    fn baseline_of(&self, m: &Measurement) -> Option<([f64; 4], Option<[f64; 4]>)> {
+        if let Some(baseline) = &m.baseline {
+            return m
+                .baseline_sustained()
+                .then_some((baseline.latency_us, baseline.stream_us));
         }
-        Some(std::array::from_fn(|i| {
-            m.latency_us[i] - direct.latency_us[i]
-        }))
+        let direct = self.direct_for(m)?;
+        direct
+            .sustained()
+            .then_some((direct.latency_us, direct.stream_us))
     }
 
-    fn added_stream(&self, m: &Measurement) -> Option<[f64; 4]> {
-        let direct = self.direct_for(m)?;
-        let (Some(mine), Some(base)) = (m.stream_us, direct.stream_us) else {
-            return None;
-        };
-        if !m.sustained() || !direct.sustained() || m.system == System::Direct {
+    /// Latency added over direct, per percentile (µs), when both kept up with the load: over
+    /// the paired baseline when `m` has one, else over the step's direct run.
+    pub fn added(&self, m: &Measurement) -> Option<[f64; 4]> {
+        if !m.sustained() || m.system == System::Direct {
             return None;
         }
+        let (base, _) = self.baseline_of(m)?;
+        Some(std::array::from_fn(|i| m.latency_us[i] - base[i]))
+    }
+
+    pub fn added_stream(&self, m: &Measurement) -> Option<[f64; 4]> {
+        if !m.sustained() || m.system == System::Direct {
+            return None;
+        }
+        let (Some(mine), (_, Some(base))) = (m.stream_us, self.baseline_of(m)?) else {
+            return None;
+        };
         Some(std::array::from_fn(|i| mine[i] - base[i]))
     }
 
@@ -326,9 +368,14 @@ impl Report {
             "\nLatencies in ms, open loop: with oha counted from when each request was due \
              (latency correction), with the built-in client from when it went out (its timer \
              sends about 1 ms late; the notes say how late). Rows of engram and LiteLLM show \
-             the latency **added over direct** in the same step; the direct row shows its \
-             absolute latency. A system that did not keep up (errors ≥ 1 %, or under 95 % of the \
-             offered rate) is reported as saturated, without latency figures.\n",
+             the latency **added over direct**: their percentile less that of a paired direct \
+             baseline, the same load sent straight to the mock during the same run (the built-in \
+             client sends each baseline request half an interval after the system's; with oha a \
+             second oha runs alongside). Each row's notes give its baseline; a row without one \
+             is compared with the step's direct row. The direct row shows direct's absolute \
+             latency, measured alone. A system that did not keep up (errors ≥ 1 %, or under 95 % \
+             of the offered rate) is reported as saturated, without latency figures; so is a row \
+             whose baseline did not keep up (\"baseline saturated\").\n",
         );
         for scenario in Scenario::ALL {
             if self.in_scenario(scenario).next().is_none() {
@@ -397,7 +444,11 @@ impl Report {
                     cells.extend(["".to_owned(), "".to_owned(), "".to_owned()]);
                 }
                 (None, None) => {
-                    cells.push("direct saturated".into());
+                    cells.push(if m.baseline.is_some() {
+                        "baseline saturated".into()
+                    } else {
+                        "direct saturated".into()
+                    });
                     cells.extend(["".to_owned(), "".to_owned(), "".to_owned()]);
                 }
             }
@@ -425,7 +476,11 @@ impl Report {
             m.cpu_per_1k
                 .map_or_else(|| "—".into(), |c| format!("{c:.3}")),
         );
-        cells.push(m.notes.join("; "));
+        let mut notes = m.notes.clone();
+        if let Some(note) = baseline_note(m) {
+            notes.insert(0, note);
+        }
+        cells.push(notes.join("; "));
     }
 
     fn saturation_table(&self, out: &mut String) {
@@ -666,6 +721,30 @@ impl Comparison {
             Some(ours) => format!("{:.0}×", self.litellm_p99_us / ours),
         }
     }
+}
+
+/// Which baseline a row's added figures are over: its paired one, with its p50/p99 and how many
+/// requests they rest on, or the step's direct run.
+pub fn baseline_note(m: &Measurement) -> Option<String> {
+    if m.system == System::Direct || m.skipped.is_some() {
+        return None;
+    }
+    let Some(b) = &m.baseline else {
+        return m
+            .sustained()
+            .then(|| "no paired baseline: added over the step's direct row".into());
+    };
+    let errors = if b.errors > 0 {
+        format!(", {} errors", thousands(b.errors as f64))
+    } else {
+        String::new()
+    };
+    Some(format!(
+        "paired direct baseline: p50/p99 {} / {} ms ({} requests{errors})",
+        ms(b.latency_us[0]),
+        ms(b.latency_us[2]),
+        thousands(b.ok as f64),
+    ))
 }
 
 /// Errors out of all requests: the count also says how many samples the percentiles rest on.
