@@ -9,6 +9,7 @@
 mod store_suite;
 
 use std::process::Command;
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use engram::store::{EmbeddedStore, Enqueued, JobState, Store, UserKey};
@@ -64,6 +65,32 @@ async fn reopened_file_keeps_committed_writes() {
     let store = EmbeddedStore::open(dir.path()).unwrap();
     assert_eq!(store.path(), Some(dir.path().join("engram.redb").as_path()));
     assert_turn_survived(&store, &user).await;
+}
+
+/// A warm hot-path read (the caller's state cached at the current version) runs on the
+/// caller's thread, so its future is ready at the first poll; with a stale cached version it
+/// goes to a blocking thread and still returns the state.
+#[tokio::test]
+async fn a_warm_hot_record_is_read_in_place_and_a_stale_one_brings_the_state() {
+    let (store, _dir) = fresh_store().await;
+    let user = UserKey::new("acme", "alice");
+    write_turn(&store, &user).await;
+    let version = store.hot_record(&user, "s1", None).await.unwrap().version;
+    assert_ne!(version, 0);
+
+    let mut warm = store.hot_record(&user, "s1", Some(version));
+    let polled = warm.as_mut().poll(&mut Context::from_waker(Waker::noop()));
+    let Poll::Ready(Ok(record)) = polled else {
+        panic!("a warm read did not finish at its first poll");
+    };
+    assert_eq!((record.version, record.state), (version, None));
+
+    let stale = store
+        .hot_record(&user, "s1", Some(version.wrapping_add(1)))
+        .await
+        .unwrap();
+    assert_eq!(stale.version, version);
+    assert_eq!(stale.state, Some(state_with(&["I'm allergic to peanuts."])));
 }
 
 /// Set in the child process: the data directory to write into before aborting.

@@ -144,6 +144,54 @@ impl EmbeddedStore {
     }
 }
 
+/// The hot-path read in one read transaction. `None` when the caller's state is stale and
+/// `decode_state` is false: decoding a state takes milliseconds, never on a request thread.
+fn read_hot_record(
+    db: &Database,
+    user: &UserKey,
+    session_id: &str,
+    cached_version: Option<u64>,
+    decode_state: bool,
+) -> Result<Option<HotRecord>> {
+    let txn = db.begin_read().map_err(db_error)?;
+    let key = (user.tenant.as_str(), user.user.as_str());
+    let version = txn
+        .open_table(VERSIONS)
+        .map_err(db_error)?
+        .get(key)
+        .map_err(db_error)?
+        .map_or(0, |guard| guard.value());
+    let state = if version == 0 || cached_version == Some(version) {
+        None
+    } else if !decode_state {
+        return Ok(None);
+    } else {
+        match txn
+            .open_table(STATES)
+            .map_err(db_error)?
+            .get(key)
+            .map_err(db_error)?
+        {
+            Some(guard) => Some(decode::<MemoryState>(guard.value())?),
+            None => None,
+        }
+    };
+    let prefetched = match txn
+        .open_table(PREFETCHED)
+        .map_err(db_error)?
+        .get((key.0, key.1, session_id))
+        .map_err(db_error)?
+    {
+        Some(guard) => decode::<Vec<CandidateId>>(guard.value())?,
+        None => Vec::new(),
+    };
+    Ok(Some(HotRecord {
+        version,
+        state,
+        prefetched,
+    }))
+}
+
 /// Creates every table up front, so read transactions never meet a missing one.
 fn create_tables(db: &Database) -> Result<()> {
     let txn = db.begin_write().map_err(db_error)?;
@@ -342,44 +390,21 @@ impl Store for EmbeddedStore {
         session_id: &'a str,
         cached_version: Option<u64>,
     ) -> BoxFuture<'a, Result<HotRecord>> {
+        // A warm read (the caller's state cached, the file open) is a few tens of µs of cached
+        // page reads, while handing it to a blocking thread and back cost about 70 µs more on
+        // the 2-core VM (two thread wake-ups; docs/benchmarks.md): it runs here. A state to
+        // decode, an error or a closed file go to a blocking thread, which also recovers.
+        if cached_version.is_some()
+            && let Some(db) = self.db.current()
+            && let Ok(Some(record)) = read_hot_record(&db, user, session_id, cached_version, false)
+        {
+            return Box::pin(std::future::ready(Ok(record)));
+        }
         let user = user.clone();
         let session_id = session_id.to_owned();
         self.blocking(move |db| {
-            let txn = db.begin_read().map_err(db_error)?;
-            let key = (user.tenant.as_str(), user.user.as_str());
-            let version = txn
-                .open_table(VERSIONS)
-                .map_err(db_error)?
-                .get(key)
-                .map_err(db_error)?
-                .map_or(0, |guard| guard.value());
-            let state = if version == 0 || cached_version == Some(version) {
-                None
-            } else {
-                match txn
-                    .open_table(STATES)
-                    .map_err(db_error)?
-                    .get(key)
-                    .map_err(db_error)?
-                {
-                    Some(guard) => Some(decode::<MemoryState>(guard.value())?),
-                    None => None,
-                }
-            };
-            let prefetched = match txn
-                .open_table(PREFETCHED)
-                .map_err(db_error)?
-                .get((key.0, key.1, session_id.as_str()))
-                .map_err(db_error)?
-            {
-                Some(guard) => decode::<Vec<CandidateId>>(guard.value())?,
-                None => Vec::new(),
-            };
-            Ok(HotRecord {
-                version,
-                state,
-                prefetched,
-            })
+            read_hot_record(db, &user, &session_id, cached_version, true)?
+                .ok_or_else(|| Error::Store("hot record read gave up on its state".into()))
         })
     }
 
