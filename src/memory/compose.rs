@@ -502,10 +502,7 @@ pub fn compose(
     let query = shape
         .last_user
         .and_then(|at| request.messages.get(at))
-        .map(|message| {
-            let text = message.text();
-            strip_fences(&excerpt(&text, QUERY_MAX_BYTES))
-        })
+        .map(|message| strip_fences(&excerpt(&message.text_borrowed(), QUERY_MAX_BYTES)))
         .unwrap_or_default();
     let retrieval = if shape.last_user.is_some() {
         retrieve(state, index, &query, prefetched, &config.retrieval)

@@ -429,6 +429,30 @@ impl MemoryIndex {
         (ids, terms.len())
     }
 
+    /// Keeps at most `max` of `terms`: the rarest in this memory (fewest documents over all
+    /// segments, the earlier term on ties), in their original order.
+    pub fn keep_rarest(&self, terms: &mut Vec<TermId>, max: usize) {
+        if terms.len() <= max {
+            return;
+        }
+        let segments = [
+            &self.raw,
+            &self.summaries,
+            &self.facts,
+            &self.episodes,
+            &self.artifacts,
+        ];
+        let mut ranked: Vec<(usize, usize)> = terms
+            .iter()
+            .enumerate()
+            .map(|(at, term)| (segments.iter().map(|s| s.doc_freq(*term)).sum(), at))
+            .collect();
+        ranked.sort_unstable();
+        ranked.truncate(max);
+        ranked.sort_unstable_by_key(|&(_, at)| at);
+        *terms = ranked.iter().map(|&(_, at)| terms[at]).collect();
+    }
+
     pub fn segment(&self, kind: SegmentKind) -> &Segment {
         match kind {
             SegmentKind::Raw => &self.raw,
@@ -529,6 +553,35 @@ mod tests {
         let single = segment.score_key(2, &query, BM25);
         assert!((single - hits[0].1).abs() < 1e-6);
         assert_eq!(segment.score_key(0, &query, BM25), 0.0);
+    }
+
+    #[test]
+    fn a_long_query_keeps_its_rarest_terms_in_their_order() {
+        let mut index = MemoryIndex::default();
+        for (key, doc) in [
+            "kettle walrus",
+            "kettle banjo",
+            "kettle zither",
+            "walrus kettle",
+        ]
+        .iter()
+        .enumerate()
+        {
+            let ids = index.term_ids(doc);
+            index.raw.add(key as u32, ids);
+        }
+        // Documents holding each: kettle 4, walrus 2, banjo 1, zither 1.
+        let (all, _) = index.query_terms("kettle walrus banjo zither");
+        assert_eq!(all.len(), 4);
+        for (max, kept) in [
+            (2, vec![all[2], all[3]]),
+            (3, all[1..].to_vec()),
+            (9, all.clone()),
+        ] {
+            let mut terms = all.clone();
+            index.keep_rarest(&mut terms, max);
+            assert_eq!(terms, kept, "max {max}");
+        }
     }
 
     #[test]

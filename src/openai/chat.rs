@@ -4,6 +4,8 @@
 //! back unchanged, so a field the proxy does not know (`tools`, `response_format`,
 //! `reasoning_effort`, a vendor extension) is never dropped.
 
+use std::borrow::Cow;
+
 use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::value::RawValue;
@@ -308,16 +310,22 @@ impl ChatMessage {
     /// The message's text: a string content, or the `text` parts of an array content joined by
     /// newlines. Images, audio and other parts carry no text and are skipped.
     pub fn text(&self) -> String {
+        self.text_borrowed().into_owned()
+    }
+
+    /// [`ChatMessage::text`], borrowed when the content is one string: a pasted 1 MB message
+    /// is not copied only to be read.
+    pub fn text_borrowed(&self) -> Cow<'_, str> {
         match &self.content {
-            Some(Value::String(text)) => text.clone(),
+            Some(Value::String(text)) => Cow::Borrowed(text),
             Some(Value::Array(parts)) => {
                 let texts: Vec<&str> = parts
                     .iter()
                     .filter_map(|part| part.get("text").and_then(Value::as_str))
                     .collect();
-                texts.join("\n")
+                Cow::Owned(texts.join("\n"))
             }
-            _ => String::new(),
+            _ => Cow::Borrowed(""),
         }
     }
 }
