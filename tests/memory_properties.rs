@@ -156,11 +156,12 @@ fn run(
 fn injected_tokens(
     state: &MemoryState,
     composition: &Composition,
+    messages: &[ChatMessage],
     config: &MemoryConfig,
     encoding: Encoding,
 ) -> u32 {
     let mut total = 0;
-    for message in &composition.messages {
+    for message in composition.prompt(messages) {
         let text = message.text();
         let Some(start) = text.find("<engram-memory kind=") else {
             continue;
@@ -188,10 +189,10 @@ fn injected_tokens(
     total
 }
 
-fn core_text(composition: &Composition) -> String {
+fn core_text(composition: &Composition, messages: &[ChatMessage]) -> String {
     composition
-        .messages
-        .iter()
+        .prompt(messages)
+        .into_iter()
         .map(ChatMessage::text)
         .find(|text| text.starts_with(CORE_OPEN))
         .unwrap_or_default()
@@ -205,7 +206,7 @@ proptest! {
         let (state, config, messages) = build(&scenario);
         let composition = run(&state, &config, &messages, scenario.model);
         let encoding = Encoding::for_model(scenario.model);
-        let real = injected_tokens(&state, &composition, &config, encoding);
+        let real = injected_tokens(&state, &composition, &messages, &config, encoding);
         prop_assert!(composition.tokens.total <= config.budget_tokens);
         prop_assert!(real <= config.budget_tokens, "real {real} > budget {}", config.budget_tokens);
         // Stored counts are exact, not just an upper bound.
@@ -242,7 +243,7 @@ proptest! {
         let needed = count_in(encoding, &reserved) + config.message_overhead_tokens;
         let composition = run(&state, &config, &messages, scenario.model);
         if needed <= config.budget_tokens {
-            let core = core_text(&composition);
+            let core = core_text(&composition, &messages);
             for line in constraints.iter().chain(&pins) {
                 prop_assert!(core.contains(line.as_str()), "missing {line:?} in {core}");
             }
@@ -261,7 +262,7 @@ proptest! {
         let reloaded: MemoryState =
             serde_json::from_slice(&serde_json::to_vec(&state).unwrap()).unwrap();
         let third = run(&reloaded, &config, &messages, scenario.model);
-        let bytes = |composition: &Composition| serde_json::to_vec(&composition.messages).unwrap();
+        let bytes = |composition: &Composition| serde_json::to_vec(&composition.prompt(&messages)).unwrap();
         prop_assert_eq!(bytes(&first), bytes(&second));
         prop_assert_eq!(bytes(&first), bytes(&third));
     }
@@ -270,7 +271,7 @@ proptest! {
     fn stripping_fences_leaves_no_engram_text(scenario in scenario()) {
         let (state, config, messages) = build(&scenario);
         let composition = run(&state, &config, &messages, scenario.model);
-        for message in &composition.messages {
+        for message in composition.prompt(&messages) {
             let stripped = strip_fences(&message.text());
             prop_assert!(!stripped.to_ascii_lowercase().contains("<engram-memory"));
             prop_assert!(!stripped.to_ascii_lowercase().contains("</engram-memory"));
@@ -280,7 +281,7 @@ proptest! {
         // The latest user message comes back exactly as the client sent it (forged fences
         // escaped, nothing of engram's left).
         let sent = messages.last().unwrap().text();
-        let got = composition.messages.last().unwrap().text();
+        let got = composition.prompt(&messages).last().unwrap().text();
         let expected = engram::memory::fence::neutralise_fences(&sent).into_owned();
         prop_assert_eq!(strip_fences(&got), expected);
     }

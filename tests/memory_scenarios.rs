@@ -48,23 +48,27 @@ impl Conversation {
         )
     }
 
-    fn ask(&self, question: &str) -> Composition {
+    /// The composition for `question`, and the prompt it makes.
+    fn ask(&self, question: &str) -> (Composition, Vec<ChatMessage>) {
         let index = MemoryIndex::build(&self.state);
         let prefetched = prefetch(&self.state, &index, SESSION, &self.config.retrieval);
-        compose(
+        let messages = [
+            ChatMessage::new("system", "You are a helpful assistant."),
+            ChatMessage::new("user", question),
+        ];
+        let composition = compose(
             &self.state,
             &index,
             &prefetched,
             &ComposeRequest {
                 session_id: SESSION,
-                messages: &[
-                    ChatMessage::new("system", "You are a helpful assistant."),
-                    ChatMessage::new("user", question),
-                ],
+                messages: &messages,
                 model: "gpt-4o-mini",
             },
             &self.config,
-        )
+        );
+        let prompt = composition.prompt(&messages).into_iter().cloned().collect();
+        (composition, prompt)
     }
 }
 
@@ -163,7 +167,7 @@ fn early_allergy_survives_forty_turns() {
         let (user, assistant) = FILLER[n % FILLER.len()];
         chat.say(user, assistant);
     }
-    let composition = chat.ask("Can you suggest a seafood dinner for Saturday?");
+    let (composition, prompt) = chat.ask("Can you suggest a seafood dinner for Saturday?");
     assert_eq!(chat.state.raw_turns.len(), 39);
 
     let fact = chat
@@ -179,7 +183,7 @@ fn early_allergy_survives_forty_turns() {
         "hard constraints are never demoted"
     );
 
-    let core = composition.messages[1].text();
+    let core = prompt[1].text();
     assert!(core.contains("kind=\"core\""), "{core}");
     assert!(
         core.contains("## Hard constraints (always respect)\n- allergic to shellfish [2024-01-01]"),
@@ -256,9 +260,8 @@ fn a_topic_left_and_returned_to_is_rehydrated() {
         );
     }
 
-    let composition = chat.ask("What hydration did we settle on for the sourdough loaf?");
-    let recall = composition
-        .messages
+    let (_, prompt) = chat.ask("What hydration did we settle on for the sourdough loaf?");
+    let recall = prompt
         .iter()
         .map(ChatMessage::text)
         .find(|text| text.contains("kind=\"recall\""))
@@ -305,13 +308,12 @@ fn a_move_updates_the_fact_and_keeps_its_history() {
         1
     );
 
-    let composition = chat.ask("Any good bakeries near where I live?");
-    let core = composition.messages[1].text();
+    let (_, prompt) = chat.ask("Any good bakeries near where I live?");
+    let core = prompt[1].text();
     assert!(core.contains("- lives in: Berlin"), "{core}");
     assert!(!core.contains("lives in: Paris"), "{core}");
     // Stripping engram's blocks leaves only the client's own words.
-    let stripped: Vec<String> = composition
-        .messages
+    let stripped: Vec<String> = prompt
         .iter()
         .map(|message| strip_fences(&message.text()))
         .filter(|text| !text.is_empty())

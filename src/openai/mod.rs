@@ -4,5 +4,5 @@ pub mod chat;
 pub mod completion;
 pub mod sse;
 
-pub use chat::{ChatMessage, ChatRequest, StreamOptions};
+pub use chat::{ChatMessage, ChatRequest, OutgoingMessage, StreamOptions};
 pub use completion::{AssistantMessage, StreamAccumulator, StreamSummary, ToolCall, Usage};

@@ -22,7 +22,7 @@ use serde::Serialize;
 
 use crate::error::Error;
 use crate::memory::BlockTokens;
-use crate::openai::{AssistantMessage, ChatRequest};
+use crate::openai::{AssistantMessage, ChatRequest, OutgoingMessage};
 use crate::store::JobId;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -31,8 +31,8 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Rewrite {
     pub outcome: MemoryOutcome,
-    /// The rewritten request; `None` forwards the client's bytes as sent.
-    pub request: Option<ChatRequest>,
+    /// The messages to send instead of the client's; `None` forwards the client's as sent.
+    pub messages: Option<Vec<OutgoingMessage>>,
     pub injected_tokens: u32,
     pub injected_items: u32,
     /// Why memory was skipped or degraded (`x-engram-memory-reason`).

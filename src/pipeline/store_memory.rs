@@ -208,17 +208,9 @@ impl StoreMemory {
                 ..Rewrite::default()
             });
         }
-        // Field by field: `..request.clone()` would copy every message only to drop it.
-        let rewritten = ChatRequest {
-            model: request.model.clone(),
-            messages: composition.messages,
-            stream: request.stream,
-            stream_options: request.stream_options.clone(),
-            extra: request.extra.clone(),
-        };
         Ok(Rewrite {
             outcome: MemoryOutcome::Injected,
-            request: Some(rewritten),
+            messages: Some(composition.messages),
             injected_tokens: composition.tokens.total,
             injected_items: u32::try_from(composition.items).unwrap_or(u32::MAX),
             reason: None,

@@ -13,7 +13,7 @@ use super::AppState;
 use super::tee::{self, TeeBody, TeeOptions};
 use crate::error::{BodyError, Error, ProxyBody, full_body};
 use crate::metrics::{Route, Timing};
-use crate::openai::{ChatRequest, StreamOptions};
+use crate::openai::ChatRequest;
 use crate::pipeline::{Exchange, Rewrite};
 use crate::telemetry::{self, RequestTrace};
 use crate::upstream::without_hop_by_hop;
@@ -54,18 +54,10 @@ async fn proxy(
     trace.memory(&rewrite);
 
     // Phase 3: upstream request. Ask for usage on streams so the recorder sees token counts.
-    let mut outgoing = rewrite.request.take();
     let strip_usage = original.is_stream() && !original.client_wants_usage();
-    if strip_usage {
-        outgoing
-            .get_or_insert_with(|| original.clone())
-            .stream_options
-            .get_or_insert_with(StreamOptions::default)
-            .include_usage = Some(true);
-    }
-    let upstream_body = match outgoing {
-        Some(rewritten) => Bytes::from(rewritten.to_vec_reusing(&original, &body)),
-        None => body,
+    let upstream_body = match rewrite.messages.take() {
+        None if !strip_usage => body,
+        messages => Bytes::from(original.upstream_body(&body, messages.as_deref(), strip_usage)?),
     };
     let mut upstream_request = upstream_request(state, &parts, upstream_body)?;
     trace.start_upstream(&mut upstream_request);
