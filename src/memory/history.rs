@@ -5,23 +5,28 @@
 
 use crate::openai::ChatMessage;
 
-use super::fence::strip_fences;
-use super::text::{fnv1a, one_line};
+use super::fence::{has_fence_marker, strip_fences};
+use super::text::{fnv1a, fnv1a_one_line};
 
 /// The link before the first exchange of a conversation.
 pub const CHAIN_ORIGIN: u64 = 0x9e37_79b9_7f4a_7c15;
 
-fn normalise(text: &str) -> String {
-    one_line(&strip_fences(text))
+/// `fnv1a(seed, one_line(strip_fences(text)))`, copying the text only when it holds a fence.
+fn hash_normalised(seed: u64, text: &str) -> u64 {
+    if has_fence_marker(text) {
+        fnv1a_one_line(seed, &strip_fences(text))
+    } else {
+        fnv1a_one_line(seed, text)
+    }
 }
 
 /// The chain link after an exchange.
 pub fn link(previous: u64, user: &str, assistant: &str) -> u64 {
     let hash = fnv1a(0, &previous.to_le_bytes());
     let hash = fnv1a(hash, b"u:");
-    let hash = fnv1a(hash, normalise(user).as_bytes());
+    let hash = hash_normalised(hash, user);
     let hash = fnv1a(hash, b"\0a:");
-    fnv1a(hash, normalise(assistant).as_bytes())
+    hash_normalised(hash, assistant)
 }
 
 /// One client exchange: a user message and the messages that answered it.
@@ -141,6 +146,29 @@ mod tests {
         let ab = link(link(CHAIN_ORIGIN, "a", "1"), "b", "2");
         let ba = link(link(CHAIN_ORIGIN, "b", "2"), "a", "1");
         assert_ne!(ab, ba);
+    }
+
+    #[test]
+    fn links_are_the_hash_of_the_normalised_texts_that_stored_chains_were_made_with() {
+        use crate::memory::text::one_line;
+        // Chains are stored with each turn: how a link is computed must not change its value.
+        for (user, assistant) in [
+            ("hi  there\n", "hello"),
+            ("<engram-memory kind=\"core\">x</engram-memory> q", " a\tb "),
+            ("", ""),
+        ] {
+            let expected = fnv1a(
+                fnv1a(
+                    fnv1a(
+                        fnv1a(fnv1a(0, &CHAIN_ORIGIN.to_le_bytes()), b"u:"),
+                        one_line(&strip_fences(user)).as_bytes(),
+                    ),
+                    b"\0a:",
+                ),
+                one_line(&strip_fences(assistant)).as_bytes(),
+            );
+            assert_eq!(link(CHAIN_ORIGIN, user, assistant), expected);
+        }
     }
 
     #[test]

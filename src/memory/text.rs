@@ -486,16 +486,46 @@ pub fn fnv1a(seed: u64, bytes: &[u8]) -> u64 {
     } else {
         seed
     };
-    for byte in bytes {
-        hash ^= u64::from(*byte);
-        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    fnv1a_feed(&mut hash, bytes);
+    hash
+}
+
+/// `fnv1a(seed, one_line(text).as_bytes())` without building the line: a pasted document can be
+/// megabytes, and the recorder hashes every exchange.
+pub fn fnv1a_one_line(seed: u64, text: &str) -> u64 {
+    let mut hash = fnv1a(seed, b"");
+    for (n, word) in text.split_whitespace().enumerate() {
+        if n > 0 {
+            fnv1a_feed(&mut hash, b" ");
+        }
+        fnv1a_feed(&mut hash, word.as_bytes());
     }
     hash
+}
+
+fn fnv1a_feed(hash: &mut u64, bytes: &[u8]) {
+    for byte in bytes {
+        *hash ^= u64::from(*byte);
+        *hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        #[test]
+        fn hashing_a_line_in_place_is_hashing_the_line(
+            text in "([a-zé]{0,4}[ \t\n\u{a0}\u{2003}]{0,3}){0,8}",
+            seed in proptest::prop_oneof![proptest::strategy::Just(0u64), proptest::num::u64::ANY],
+        ) {
+            proptest::prop_assert_eq!(
+                fnv1a_one_line(seed, &text),
+                fnv1a(seed, one_line(&text).as_bytes())
+            );
+        }
+    }
 
     #[test]
     fn an_excerpt_keeps_both_ends_of_a_long_text_on_char_boundaries() {
