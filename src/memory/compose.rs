@@ -934,16 +934,7 @@ fn neutralised(source: &[ChatMessage], at: usize) -> OutgoingMessage {
     let Some(message) = source.get(at) else {
         return OutgoingMessage::Client(at);
     };
-    let forged = match &message.content {
-        Some(Value::String(text)) => has_fence_marker(text),
-        Some(Value::Array(parts)) => parts.iter().any(|part| {
-            part.get("text")
-                .and_then(Value::as_str)
-                .is_some_and(has_fence_marker)
-        }),
-        _ => false,
-    };
-    if !forged {
+    if !message.text_parts().any(has_fence_marker) {
         return OutgoingMessage::Client(at);
     }
     let mut message = message.clone();

@@ -510,18 +510,25 @@ impl ChatMessage {
         self.text_borrowed().into_owned()
     }
 
+    /// The texts [`ChatMessage::text`] joins: a string content whole, or the `text` of each
+    /// part of an array content.
+    pub fn text_parts(&self) -> impl Iterator<Item = &str> {
+        let (whole, parts) = match &self.content {
+            Some(Value::String(text)) => (Some(text.as_str()), None),
+            Some(Value::Array(parts)) => (None, Some(parts)),
+            _ => (None, None),
+        };
+        let part_texts = parts
+            .into_iter()
+            .flatten()
+            .filter_map(|part| part.get("text").and_then(Value::as_str));
+        whole.into_iter().chain(part_texts)
+    }
+
     /// Bytes of [`ChatMessage::text`] without the newlines that join parts, without building
     /// it.
     pub fn text_len(&self) -> usize {
-        match &self.content {
-            Some(Value::String(text)) => text.len(),
-            Some(Value::Array(parts)) => parts
-                .iter()
-                .filter_map(|part| part.get("text").and_then(Value::as_str))
-                .map(str::len)
-                .sum(),
-            _ => 0,
-        }
+        self.text_parts().map(str::len).sum()
     }
 
     /// [`ChatMessage::text`], borrowed when the content is one string: a pasted 1 MB message
@@ -529,14 +536,7 @@ impl ChatMessage {
     pub fn text_borrowed(&self) -> Cow<'_, str> {
         match &self.content {
             Some(Value::String(text)) => Cow::Borrowed(text),
-            Some(Value::Array(parts)) => {
-                let texts: Vec<&str> = parts
-                    .iter()
-                    .filter_map(|part| part.get("text").and_then(Value::as_str))
-                    .collect();
-                Cow::Owned(texts.join("\n"))
-            }
-            _ => Cow::Borrowed(""),
+            _ => Cow::Owned(self.text_parts().collect::<Vec<_>>().join("\n")),
         }
     }
 }
