@@ -49,6 +49,12 @@ const RAW_LOG: TableDefinition<(&str, &str, u64), &[u8]> = TableDefinition::new(
 const RAW_IDS: TableDefinition<(&str, &str, &str), u64> = TableDefinition::new("raw_log_ids");
 /// (tenant, user, job key) → job record as JSON.
 const JOBS: TableDefinition<(&str, &str, &str), &[u8]> = TableDefinition::new("jobs");
+/// (tenant, user, job key) → a job's exchange as JSON, while it is queued or leased, or after it
+/// failed. Kept apart from the record so a lease or a finish rewrites a few bytes, not the
+/// exchange (a pasted document makes it megabytes); removed when the job is applied (the raw
+/// log has it then).
+const JOB_EXCHANGES: TableDefinition<(&str, &str, &str), &[u8]> =
+    TableDefinition::new("job_exchanges");
 /// queue position → (tenant, user, job key) of a queued job; a job leaves on ack or fail.
 const QUEUE: TableDefinition<u64, (&str, &str, &str)> = TableDefinition::new("job_queue");
 /// Named counters (the next queue position).
@@ -64,9 +70,33 @@ struct JobRecord {
     attempts: u32,
     #[serde(default)]
     lease: Option<Lease>,
-    exchange: ExchangeInput,
+    /// The job's session, so a claim can keep a session's jobs in order without reading their
+    /// exchanges. Absent in records written before it, which hold the exchange instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    session: Option<String>,
+    /// Records written before `JOB_EXCHANGES` hold the exchange here; a claim moves it there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    exchange: Option<ExchangeInput>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     trace: Option<TraceParent>,
+}
+
+impl JobRecord {
+    fn session(&self) -> &str {
+        match (&self.session, &self.exchange) {
+            (Some(session), _) => session,
+            (None, Some(exchange)) => &exchange.session_id,
+            (None, None) => "",
+        }
+    }
+}
+
+/// A [`RawEntry`] as written, borrowing the exchange (it can be megabytes).
+#[derive(Serialize)]
+struct RawEntryRef<'a> {
+    seq: u64,
+    exchange_id: &'a str,
+    exchange: &'a ExchangeInput,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -201,6 +231,7 @@ fn create_tables(db: &Database) -> Result<()> {
     txn.open_table(RAW_LOG).map_err(db_error)?;
     txn.open_table(RAW_IDS).map_err(db_error)?;
     txn.open_table(JOBS).map_err(db_error)?;
+    txn.open_table(JOB_EXCHANGES).map_err(db_error)?;
     txn.open_table(QUEUE).map_err(db_error)?;
     txn.open_table(COUNTERS).map_err(db_error)?;
     txn.commit().map_err(db_error)
@@ -230,6 +261,7 @@ impl EmbeddedStore {
             RAW_LOG.name(),
             RAW_IDS.name(),
             JOBS.name(),
+            JOB_EXCHANGES.name(),
             QUEUE.name(),
             COUNTERS.name(),
         ];
@@ -287,7 +319,7 @@ impl EmbeddedStore {
                 value.value().to_string().into_bytes(),
             );
         }
-        for definition in [PREFETCHED, JOBS] {
+        for definition in [PREFETCHED, JOBS, JOB_EXCHANGES] {
             for row in txn
                 .open_table(definition)
                 .map_err(db_error)?
@@ -468,7 +500,7 @@ impl Store for EmbeddedStore {
         let exchange = exchange.clone();
         self.blocking(move |db| {
             let txn = db.begin_write().map_err(db_error)?;
-            let appended = write_raw(&txn, &user, &exchange_id, exchange)?;
+            let appended = write_raw(&txn, &user, &exchange_id, &exchange)?;
             if !appended.duplicate {
                 txn.commit().map_err(db_error)?;
             }
@@ -628,7 +660,13 @@ impl Store for EmbeddedStore {
                 report.raw_entries = u64::try_from(removed).unwrap_or(u64::MAX);
 
                 let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
+                let mut exchanges = txn.open_table(JOB_EXCHANGES).map_err(db_error)?;
                 let mut queue = txn.open_table(QUEUE).map_err(db_error)?;
+                for key in string_keys_of(&exchanges, &user)? {
+                    exchanges
+                        .remove((tenant, user_id, key.as_str()))
+                        .map_err(db_error)?;
+                }
                 for key in string_keys_of(&jobs, &user)? {
                     let removed = jobs
                         .remove((tenant, user_id, key.as_str()))
@@ -694,7 +732,7 @@ fn write_raw(
     txn: &WriteTransaction,
     user: &UserKey,
     exchange_id: &str,
-    exchange: ExchangeInput,
+    exchange: &ExchangeInput,
 ) -> Result<Appended> {
     let (tenant, user_id) = (user.tenant.as_str(), user.user.as_str());
     let mut ids = txn.open_table(RAW_IDS).map_err(db_error)?;
@@ -716,9 +754,9 @@ fn write_raw(
         .transpose()
         .map_err(db_error)?
         .map_or(0, |(key, _)| key.value().2 + 1);
-    let entry = RawEntry {
+    let entry = RawEntryRef {
         seq,
-        exchange_id: exchange_id.to_owned(),
+        exchange_id,
         exchange,
     };
     log.insert((tenant, user_id, seq), encode(&entry)?.as_slice())
@@ -744,6 +782,7 @@ fn write_claims(
 ) -> Result<Vec<ClaimedJob>> {
     let queue = txn.open_table(QUEUE).map_err(db_error)?;
     let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
+    let mut exchanges = txn.open_table(JOB_EXCHANGES).map_err(db_error)?;
     let mut busy_sessions: HashSet<(String, String, String)> = HashSet::new();
     let mut found = Vec::new();
     for row in queue.iter().map_err(db_error)? {
@@ -759,7 +798,7 @@ fn write_claims(
         let session = (
             tenant.to_owned(),
             user.to_owned(),
-            record.exchange.session_id.clone(),
+            record.session().to_owned(),
         );
         let leased = record
             .lease
@@ -789,13 +828,32 @@ fn write_claims(
             consumer: consumer.to_owned(),
             until_ms: now.saturating_add(lease_ms),
         });
+        let exchange = match record.exchange.take() {
+            // A record from before the exchanges table: its exchange moves there now.
+            Some(exchange) => {
+                record.session = Some(exchange.session_id.clone());
+                exchanges
+                    .insert(job_key(&id), encode(&exchange)?.as_slice())
+                    .map_err(db_error)?;
+                exchange
+            }
+            None => match exchanges.get(job_key(&id)).map_err(db_error)? {
+                Some(guard) => decode(guard.value())?,
+                None => {
+                    return Err(Error::Store(format!(
+                        "queued job {} has no exchange",
+                        id.key
+                    )));
+                }
+            },
+        };
         jobs.insert(job_key(&id), encode(&record)?.as_slice())
             .map_err(db_error)?;
         claimed.push(ClaimedJob {
             attempt: record.attempts,
             job: Job {
                 id,
-                exchange: record.exchange,
+                exchange,
                 trace: record.trace,
             },
         });
@@ -823,10 +881,15 @@ fn write_enqueue(txn: &WriteTransaction, job: &Job) -> Result<Enqueued> {
         state: JobState::Queued,
         attempts: 0,
         lease: None,
-        exchange: job.exchange.clone(),
+        session: Some(job.exchange.session_id.clone()),
+        exchange: None,
         trace: job.trace,
     };
     jobs.insert(key, encode(&record)?.as_slice())
+        .map_err(db_error)?;
+    txn.open_table(JOB_EXCHANGES)
+        .map_err(db_error)?
+        .insert(key, encode(&job.exchange)?.as_slice())
         .map_err(db_error)?;
     txn.open_table(QUEUE)
         .map_err(db_error)?
@@ -863,7 +926,7 @@ fn write_commit(txn: &WriteTransaction, commit: &JobCommit) -> Result<()> {
     // The state first: its version check is the last check, and it writes only when it passes.
     write_state(txn, user, &commit.state, commit.version, commit.expected)?;
     for job in &commit.jobs {
-        write_raw(txn, user, &job.id.key, job.exchange.clone())?;
+        write_raw(txn, user, &job.id.key, &job.exchange)?;
     }
     write_prefetched(txn, user, &first.exchange.session_id, &commit.prefetched)?;
     for job in &commit.jobs {
@@ -886,8 +949,22 @@ fn write_finish(txn: &WriteTransaction, id: &JobId, state: JobState) -> Result<b
             .remove(record.queue_position)
             .map_err(db_error)?;
     }
+    // The raw log keeps an applied exchange; a failed one stays with its job, the only copy.
+    if state == JobState::Applied {
+        txn.open_table(JOB_EXCHANGES)
+            .map_err(db_error)?
+            .remove(key)
+            .map_err(db_error)?;
+    } else if let Some(exchange) = record.exchange.take() {
+        record.session = Some(exchange.session_id.clone());
+        txn.open_table(JOB_EXCHANGES)
+            .map_err(db_error)?
+            .insert(key, encode(&exchange)?.as_slice())
+            .map_err(db_error)?;
+    }
     record.state = state;
     record.lease = None;
+    record.exchange = None;
     jobs.insert(key, encode(&record)?.as_slice())
         .map_err(db_error)?;
     Ok(true)
@@ -924,12 +1001,176 @@ mod tests {
             "exchange":{"session_id":"s1","turn_id":"t1","user_text":"hi","assistant_text":"yo"}}"#;
         let record: JobRecord = decode(old).unwrap();
         assert_eq!(record.trace, None);
-        assert_eq!(record.exchange.turn_id, "t1");
+        assert_eq!(record.session(), "s1");
+        assert_eq!(record.exchange.as_ref().unwrap().turn_id, "t1");
         // And a record without a trace is written as before.
         assert!(
             !String::from_utf8(encode(&record).unwrap())
                 .unwrap()
                 .contains("trace")
         );
+    }
+
+    #[test]
+    fn a_raw_entry_is_written_as_it_is_read() {
+        let exchange = exchange("s1", "t1", "I live in Oslo.");
+        let written = encode(&RawEntryRef {
+            seq: 4,
+            exchange_id: "x4",
+            exchange: &exchange,
+        })
+        .unwrap();
+        let read: RawEntry = decode(&written).unwrap();
+        assert_eq!(
+            read,
+            RawEntry {
+                seq: 4,
+                exchange_id: "x4".into(),
+                exchange,
+            }
+        );
+    }
+
+    fn exchange(session: &str, turn: &str, user_text: &str) -> ExchangeInput {
+        ExchangeInput {
+            session_id: session.into(),
+            turn_id: turn.into(),
+            user_text: user_text.into(),
+            assistant_text: "Noted.".into(),
+            ..ExchangeInput::default()
+        }
+    }
+
+    fn job(key: &str, user_text: &str) -> Job {
+        Job {
+            id: JobId {
+                user: UserKey::new("acme", "alice"),
+                key: key.into(),
+            },
+            exchange: exchange("s1", key, user_text),
+            trace: None,
+        }
+    }
+
+    /// The stored bytes of a job's record and of its exchange row.
+    fn job_rows(store: &EmbeddedStore, id: &JobId) -> (Option<Vec<u8>>, Option<Vec<u8>>) {
+        let db = store.db.get_or_reopen().unwrap();
+        let txn = db.begin_read().unwrap();
+        let read = |table: TableDefinition<(&str, &str, &str), &[u8]>| {
+            txn.open_table(table)
+                .unwrap()
+                .get(job_key(id))
+                .unwrap()
+                .map(|guard| guard.value().to_vec())
+        };
+        (read(JOBS), read(JOB_EXCHANGES))
+    }
+
+    const LEASE: Duration = Duration::from_secs(30);
+
+    #[tokio::test]
+    async fn a_job_keeps_its_exchange_apart_from_its_record_until_it_is_applied() {
+        let store = EmbeddedStore::in_memory().unwrap();
+        let document = "A pasted report line. ".repeat(5_000);
+        let job = job("k1", &document);
+        assert_eq!(store.enqueue(&job).await.unwrap(), Enqueued::Queued);
+        let (record, exchange) = job_rows(&store, &job.id);
+        let record = record.unwrap();
+        assert!(record.len() < 200, "{}", String::from_utf8_lossy(&record));
+        assert_eq!(
+            decode::<ExchangeInput>(&exchange.unwrap()).unwrap(),
+            job.exchange
+        );
+
+        let claimed = store.claim_batch("w1", LEASE, 4).await.unwrap();
+        assert_eq!(claimed.len(), 1);
+        assert_eq!(claimed[0].job, job);
+        // The lease rewrote the record only.
+        let (record, exchange) = job_rows(&store, &job.id);
+        let record: JobRecord = decode(&record.unwrap()).unwrap();
+        assert!(record.lease.is_some() && record.exchange.is_none());
+        assert!(exchange.is_some());
+
+        let state = crate::memory::MemoryState {
+            version: 1,
+            ..Default::default()
+        };
+        store
+            .commit_jobs(
+                std::slice::from_ref(&job),
+                &EncodedState::of(&state).unwrap(),
+                0,
+                &[],
+            )
+            .await
+            .unwrap();
+        let (record, exchange) = job_rows(&store, &job.id);
+        let record: JobRecord = decode(&record.unwrap()).unwrap();
+        assert_eq!(record.state, JobState::Applied);
+        assert_eq!(exchange, None, "the raw log holds an applied exchange");
+        let raw = store.read_raw(&job.id.user).await.unwrap();
+        assert_eq!(raw.len(), 1);
+        assert_eq!(raw[0].exchange, job.exchange);
+    }
+
+    #[tokio::test]
+    async fn a_failed_job_keeps_its_exchange() {
+        let store = EmbeddedStore::in_memory().unwrap();
+        let job = job("k1", "I live in Oslo.");
+        store.enqueue(&job).await.unwrap();
+        store.claim_batch("w1", LEASE, 1).await.unwrap();
+        assert!(store.fail(&job.id, "gave up").await.unwrap());
+        let (_, exchange) = job_rows(&store, &job.id);
+        assert_eq!(
+            decode::<ExchangeInput>(&exchange.unwrap()).unwrap(),
+            job.exchange
+        );
+        assert_eq!(store.queue_depth().await.unwrap(), 0);
+    }
+
+    /// A store written before the exchanges table keeps its queued jobs: a claim reads the
+    /// exchange from the record and moves it to the table, and applying the job removes it.
+    #[tokio::test]
+    async fn a_queued_record_holding_its_exchange_is_claimed_and_applied() {
+        let store = EmbeddedStore::in_memory().unwrap();
+        let older = job("k0", "I live in Rome.");
+        let job = job("k1", "I live in Oslo.");
+        {
+            let db = store.db.get_or_reopen().unwrap();
+            let txn = db.begin_write().unwrap();
+            for (position, queued) in [&older, &job].into_iter().enumerate() {
+                let position = position as u64;
+                let record = format!(
+                    r#"{{"queue_position":{position},"state":"queued","attempts":0,"lease":null,"exchange":{}}}"#,
+                    String::from_utf8(encode(&queued.exchange).unwrap()).unwrap()
+                );
+                txn.open_table(JOBS)
+                    .unwrap()
+                    .insert(job_key(&queued.id), record.as_bytes())
+                    .unwrap();
+                txn.open_table(QUEUE)
+                    .unwrap()
+                    .insert(position, job_key(&queued.id))
+                    .unwrap();
+            }
+            txn.open_table(COUNTERS)
+                .unwrap()
+                .insert(NEXT_QUEUE_POSITION, 2)
+                .unwrap();
+            txn.commit().unwrap();
+        }
+        // Both belong to session s1: the batch holds them in order.
+        let claimed = store.claim_batch("w1", LEASE, 4).await.unwrap();
+        let jobs: Vec<&Job> = claimed.iter().map(|claimed| &claimed.job).collect();
+        assert_eq!(jobs, [&older, &job]);
+        let (record, exchange) = job_rows(&store, &job.id);
+        let record: JobRecord = decode(&record.unwrap()).unwrap();
+        assert_eq!((record.session(), record.exchange.is_none()), ("s1", true));
+        assert_eq!(
+            decode::<ExchangeInput>(&exchange.unwrap()).unwrap(),
+            job.exchange
+        );
+        assert!(store.ack(&job.id).await.unwrap());
+        assert_eq!(job_rows(&store, &job.id).1, None);
     }
 }
