@@ -13,7 +13,7 @@ use crate::memory::{CandidateId, ExchangeInput, MemoryState};
 use crate::pipeline::BoxFuture;
 use crate::store::{
     Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobState,
-    RawEntry, Store, UserKey,
+    Published, RawEntry, Store, UserKey,
 };
 
 /// The `operation` label, one per `Store` method.
@@ -295,6 +295,21 @@ impl Store for MeteredStore {
             Operation::CommitJobs,
             self.inner
                 .commit_jobs(jobs, state, expected_version, prefetched),
+        )
+    }
+
+    fn commit_jobs_then<'a>(
+        &'a self,
+        jobs: &'a [Job],
+        state: &'a EncodedState,
+        expected_version: u64,
+        prefetched: &'a [CandidateId],
+        published: Published,
+    ) -> BoxFuture<'a, Result<()>> {
+        self.timed(
+            Operation::CommitJobs,
+            self.inner
+                .commit_jobs_then(jobs, state, expected_version, prefetched, published),
         )
     }
 

@@ -13,6 +13,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use redb::{
     Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
     TableHandle, WriteTransaction,
@@ -20,10 +21,10 @@ use redb::{
 use serde::{Deserialize, Serialize};
 
 use super::db_handle::DbHandle;
-use super::group_commit::GroupCommit;
+use super::group_commit::{Committed, GroupCommit};
 use super::{
     Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobState,
-    RawEntry, Store, UserKey, decode, now_ms,
+    Published, RawEntry, Store, UserKey, decode, now_ms,
 };
 use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
@@ -171,6 +172,28 @@ impl EmbeddedStore {
             .await
             .map_err(|error| Error::Store(format!("store task failed: {error}")))?
         })
+    }
+}
+
+impl EmbeddedStore {
+    /// One transaction, one fsync, shared with the other workers' commits.
+    async fn commit(
+        &self,
+        jobs: &[Job],
+        state: &EncodedState,
+        expected: u64,
+        prefetched: &[CandidateId],
+        published: Option<Published>,
+    ) -> Result<()> {
+        let commit = JobCommit {
+            jobs: jobs.to_vec(),
+            version: state.version,
+            state: state.json.clone(),
+            expected,
+            prefetched: encode(prefetched)?,
+            published,
+        };
+        self.commits.submit(&self.db, commit).await
     }
 }
 
@@ -582,17 +605,18 @@ impl Store for EmbeddedStore {
         expected_version: u64,
         prefetched: &'a [CandidateId],
     ) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            let commit = JobCommit {
-                jobs: jobs.to_vec(),
-                version: state.version,
-                state: state.json.clone(),
-                expected: expected_version,
-                prefetched: encode(prefetched)?,
-            };
-            // One transaction, one fsync, shared with the other workers' commits.
-            self.commits.submit(&self.db, commit).await
-        })
+        Box::pin(self.commit(jobs, state, expected_version, prefetched, None))
+    }
+
+    fn commit_jobs_then<'a>(
+        &'a self,
+        jobs: &'a [Job],
+        state: &'a EncodedState,
+        expected_version: u64,
+        prefetched: &'a [CandidateId],
+        published: Published,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(self.commit(jobs, state, expected_version, prefetched, Some(published)))
     }
 
     fn job_state<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<Option<JobState>>> {
@@ -902,9 +926,22 @@ fn write_enqueue(txn: &WriteTransaction, job: &Job) -> Result<Enqueued> {
 struct JobCommit {
     jobs: Vec<Job>,
     version: u64,
-    state: Vec<u8>,
+    state: Bytes,
     expected: u64,
     prefetched: Vec<u8>,
+    published: Option<Published>,
+}
+
+impl Committed for JobCommit {
+    fn committed(self) {
+        if let Some(published) = self.published {
+            published();
+        }
+    }
+}
+
+impl Committed for Job {
+    fn committed(self) {}
 }
 
 fn write_commit(txn: &WriteTransaction, commit: &JobCommit) -> Result<()> {

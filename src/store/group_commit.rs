@@ -26,6 +26,12 @@ use crate::worker::priority::{self, WorkerRuntime};
 /// Applies one operation inside a transaction; a clean failure must have written nothing.
 pub type Apply<Op, Out> = fn(&WriteTransaction, &Op) -> Result<Out>;
 
+/// What an operation does once its transaction has committed, on the committing thread and
+/// before its caller is answered (the worker publishes the state it wrote there).
+pub trait Committed {
+    fn committed(self);
+}
+
 pub struct GroupCommit<Op, Out> {
     state: Mutex<Pending<Op, Out>>,
     apply: Apply<Op, Out>,
@@ -43,7 +49,7 @@ struct Pending<Op, Out> {
 
 impl<Op, Out> GroupCommit<Op, Out>
 where
-    Op: Send + 'static,
+    Op: Committed + Send + 'static,
     Out: Send + 'static,
 {
     pub fn new(apply: Apply<Op, Out>) -> Arc<GroupCommit<Op, Out>> {
@@ -160,8 +166,13 @@ where
                 Ok(results) => {
                     return batch
                         .into_iter()
-                        .map(|(_, sender)| sender)
                         .zip(results)
+                        .map(|((op, sender), result)| {
+                            if result.is_ok() {
+                                op.committed();
+                            }
+                            (sender, result)
+                        })
                         .collect();
                 }
                 Err(error) => {
@@ -173,6 +184,9 @@ where
             .into_iter()
             .map(|(op, sender)| {
                 let result = self.commit_one(db, &op);
+                if result.is_ok() {
+                    op.committed();
+                }
                 (sender, result)
             })
             .collect()
@@ -219,4 +233,70 @@ fn is_clean(error: &Error) -> bool {
 
 fn db_error(error: impl Into<redb::Error>) -> Error {
     Error::Store(error.into().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use redb::{ReadableDatabase, ReadableTableMetadata, TableDefinition};
+
+    use super::*;
+
+    const ROWS: TableDefinition<u64, u64> = TableDefinition::new("rows");
+
+    /// Writes `key`, or fails cleanly when `conflict`; counts its publications.
+    struct Write {
+        key: u64,
+        conflict: bool,
+        published: Arc<AtomicUsize>,
+    }
+
+    impl Committed for Write {
+        fn committed(self) {
+            self.published.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn write(txn: &WriteTransaction, op: &Write) -> Result<()> {
+        if op.conflict {
+            return Err(Error::StoreConflict {
+                expected: 0,
+                found: 1,
+            });
+        }
+        txn.open_table(ROWS)
+            .map_err(db_error)?
+            .insert(op.key, op.key)
+            .map_err(db_error)?;
+        Ok(())
+    }
+
+    /// Writes that arrive within the linger share one transaction; each one that committed is
+    /// published, once, and one that failed cleanly is not.
+    #[tokio::test]
+    async fn a_shared_commit_publishes_each_write_that_committed() {
+        let db = Arc::new(DbHandle::in_memory(|_| Ok(())).unwrap());
+        let group = Arc::new(GroupCommit::with(write, Duration::from_millis(200), None));
+        let published = Arc::new(AtomicUsize::new(0));
+        let op = |key, conflict| Write {
+            key,
+            conflict,
+            published: Arc::clone(&published),
+        };
+        let (first, second, third) = tokio::join!(
+            group.submit(&db, op(1, false)),
+            group.submit(&db, op(2, true)),
+            group.submit(&db, op(3, false)),
+        );
+        assert!(first.is_ok() && third.is_ok());
+        assert!(matches!(second, Err(Error::StoreConflict { .. })));
+        assert_eq!(published.load(Ordering::SeqCst), 2);
+        let db = db.get_or_reopen().unwrap();
+        let txn = db.begin_read().unwrap();
+        let rows = txn.open_table(ROWS).unwrap();
+        assert_eq!(rows.len().unwrap(), 2);
+    }
 }

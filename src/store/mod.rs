@@ -22,6 +22,7 @@ pub mod redis;
 
 use std::time::Duration;
 
+use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -326,6 +327,28 @@ pub trait Store: Send + Sync + 'static {
         })
     }
 
+    /// [`Store::commit_jobs`], then `published` once the write has committed. The embedded
+    /// store calls it on the committing thread before it answers: the worker puts the state it
+    /// wrote in the hot path's cache there, so a request that reads the new version finds its
+    /// state cached instead of decoding it (which a busy core could otherwise make happen, while
+    /// the idle-priority worker waits for its turn to put it). The default calls it after
+    /// `commit_jobs` returns.
+    fn commit_jobs_then<'a>(
+        &'a self,
+        jobs: &'a [Job],
+        state: &'a EncodedState,
+        expected_version: u64,
+        prefetched: &'a [CandidateId],
+        published: Published,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            self.commit_jobs(jobs, state, expected_version, prefetched)
+                .await?;
+            published();
+            Ok(())
+        })
+    }
+
     fn job_state<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<Option<JobState>>>;
 
     /// Jobs queued or leased, of all users.
@@ -335,11 +358,15 @@ pub trait Store: Send + Sync + 'static {
     fn forget_user<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<ForgetReport>>;
 }
 
+/// Runs once a write has committed (see [`Store::commit_jobs_then`]).
+pub type Published = Box<dyn FnOnce() + Send>;
+
 /// A memory state serialised for storage, with its version.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EncodedState {
     pub version: u64,
-    pub json: Vec<u8>,
+    /// Shared, not copied, by the writes that take it (a state can be megabytes).
+    pub json: Bytes,
 }
 
 impl EncodedState {
@@ -347,7 +374,8 @@ impl EncodedState {
         Ok(EncodedState {
             version: state.version,
             json: serde_json::to_vec(state)
-                .map_err(|error| Error::Store(format!("encode: {error}")))?,
+                .map_err(|error| Error::Store(format!("encode: {error}")))?
+                .into(),
         })
     }
 }

@@ -698,7 +698,7 @@ impl Store for RedisStore {
                 .key(self.user_key(user, "state"))
                 .arg(expected_version.to_string())
                 .arg(state.version.to_string())
-                .arg(state.json.as_slice())
+                .arg(&state.json[..])
                 .invoke_async(&mut self.writer())
                 .await
                 .map_err(redis_error)?;
@@ -961,7 +961,7 @@ impl Store for RedisStore {
                 .arg(self.user_prefix(user))
                 .arg(expected_version.to_string())
                 .arg(state.version.to_string())
-                .arg(state.json.as_slice())
+                .arg(&state.json[..])
                 .arg(&first.exchange.session_id)
                 .arg(encode(prefetched)?)
                 .arg(encode(&JobState::Applied)?)

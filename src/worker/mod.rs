@@ -35,7 +35,7 @@ use crate::memory::{self, CandidateId, ExchangeInput, MemoryConfig, MemoryState,
 use crate::metrics::WorkerMetrics;
 use crate::pipeline::cache::{CachedMemory, MemoryCache, first_version};
 use crate::ratelimit::TokenBudget;
-use crate::store::{ClaimedJob, EncodedState, Job, Store, UserKey};
+use crate::store::{ClaimedJob, EncodedState, Job, Published, Store, UserKey};
 use crate::summarizer::{Summarizer, SummaryFailure, SummarySource};
 use crate::telemetry::{Telemetry, attributes};
 
@@ -393,15 +393,17 @@ impl Worker {
                 }
                 return Ok(outcomes);
             };
+            // The state goes into the cache as soon as it has committed (see
+            // `Store::commit_jobs_then`).
+            let cache = Arc::clone(&self.cache);
+            let cached_user = user.clone();
+            let published: Published = Box::new(move || cache.put(&cached_user, Arc::new(state)));
             match self
                 .store
-                .commit_jobs(jobs, &encoded, expected, &prefetched)
+                .commit_jobs_then(jobs, &encoded, expected, &prefetched, published)
                 .await
             {
-                Ok(()) => {
-                    self.cache.put(user, Arc::new(state));
-                    return Ok(outcomes);
-                }
+                Ok(()) => return Ok(outcomes),
                 Err(Error::StoreConflict { .. }) => {
                     self.stats.conflicts.fetch_add(1, Ordering::Relaxed);
                 }
