@@ -887,9 +887,14 @@ fn line_text(state: &MemoryState, line: &Line) -> String {
         ItemRef::Artifact(id) => state
             .artifacts
             .get(id as usize)
-            .map(|artifact| match line.form {
-                Form::Reference => artifact_reference(artifact, event_time(artifact.turn)),
-                _ => artifact_full(artifact, event_time(artifact.turn)),
+            .map(|artifact| {
+                let content = state.artifact_content(artifact);
+                match line.form {
+                    Form::Reference => {
+                        artifact_reference(artifact, content, event_time(artifact.turn))
+                    }
+                    _ => artifact_full(artifact, content, event_time(artifact.turn)),
+                }
             })
             .unwrap_or_default(),
     }

@@ -2,22 +2,28 @@
 //! whole as artifacts (fenced code blocks always; a long reply without code as a draft).
 
 use super::config::DepthConfig;
-use super::model::{ArtifactKind, Depth};
-use super::text::word_count;
+use super::model::{Depth, Side};
+use super::text::words_up_to;
 
 /// A fenced code block or a long draft found in an exchange, before it gets an id.
 #[derive(Debug, Clone, PartialEq)]
-pub struct FoundArtifact {
-    pub kind: ArtifactKind,
-    pub language: Option<String>,
-    pub content: String,
+pub enum FoundArtifact {
+    Code {
+        language: Option<String>,
+        content: String,
+    },
+    /// The whole of one side, trimmed.
+    Draft(Side),
 }
 
 pub fn classify(user: &str, assistant: &str, config: &DepthConfig) -> Depth {
     if has_code(user) || has_code(assistant) {
         return Depth::Code;
     }
-    let longest = word_count(user).max(word_count(assistant));
+    // Counting stops at `long_words`: past it the depth is Long, and a pasted document is
+    // not walked word by word to find that out.
+    let longest =
+        words_up_to(user, config.long_words).max(words_up_to(assistant, config.long_words));
     if longest >= config.long_words {
         Depth::Long
     } else if longest < config.short_words {
@@ -29,6 +35,10 @@ pub fn classify(user: &str, assistant: &str, config: &DepthConfig) -> Depth {
 
 fn has_code(text: &str) -> bool {
     !code_blocks(text).is_empty()
+}
+
+fn has_words(text: &str, count: usize) -> bool {
+    words_up_to(text, count) >= count
 }
 
 /// Fenced (```) code blocks, in order: `(language, code)`. An unclosed fence runs to the end.
@@ -84,24 +94,16 @@ pub fn without_code(text: &str) -> String {
 /// long pasted user message) as a draft.
 pub fn find_artifacts(user: &str, assistant: &str, config: &DepthConfig) -> Vec<FoundArtifact> {
     let mut found = Vec::new();
-    for text in [user, assistant] {
+    for (side, text) in [(Side::User, user), (Side::Assistant, assistant)] {
         let blocks = code_blocks(text);
         if blocks.is_empty() {
-            if word_count(text) >= config.long_words {
-                found.push(FoundArtifact {
-                    kind: ArtifactKind::Draft,
-                    language: None,
-                    content: text.trim().to_string(),
-                });
+            if has_words(text, config.long_words) {
+                found.push(FoundArtifact::Draft(side));
             }
             continue;
         }
         for (language, content) in blocks {
-            found.push(FoundArtifact {
-                kind: ArtifactKind::Code,
-                language,
-                content,
-            });
+            found.push(FoundArtifact::Code { language, content });
         }
     }
     found
@@ -146,8 +148,11 @@ mod tests {
         let config = DepthConfig::default();
         let long = "word ".repeat(250);
         let found = find_artifacts("draft my essay", &long, &config);
-        assert_eq!(found.len(), 1);
-        assert_eq!(found[0].kind, ArtifactKind::Draft);
+        assert_eq!(found, [FoundArtifact::Draft(Side::Assistant)]);
+        assert_eq!(
+            find_artifacts(&long, "Done.", &config),
+            [FoundArtifact::Draft(Side::User)]
+        );
         assert!(find_artifacts("hi", "hello", &config).is_empty());
     }
 }

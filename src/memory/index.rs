@@ -367,8 +367,8 @@ impl MemoryIndex {
         }
         for id in self.artifacts.len()..state.artifacts.len() {
             let artifact = &state.artifacts[id];
-            let head: String = artifact
-                .content
+            let head: String = state
+                .artifact_content(artifact)
                 .chars()
                 .take(ARTIFACT_INDEX_CHARS)
                 .collect();

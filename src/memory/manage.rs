@@ -365,7 +365,7 @@ pub fn view(state: &MemoryState, item: ItemRef) -> Option<ItemView> {
         }
         ItemRef::Artifact(id) => {
             let artifact = state.artifacts.get(id as usize)?;
-            view.text.clone_from(&artifact.content);
+            view.text = state.artifact_content(artifact).to_owned();
             view.tokens = o200k(artifact.tokens);
             view.provenance = turns(&[artifact.turn]);
             view.date = state.turn_date(artifact.turn);
@@ -732,6 +732,7 @@ fn erase_artifact(state: &mut MemoryState, id: ArtifactId, deleted: &mut Vec<Ite
         return;
     };
     artifact.content.clear();
+    artifact.side = None;
     artifact.language = None;
     artifact.tokens = TokenCount::default();
     artifact.reference_tokens = TokenCount::default();
@@ -1066,6 +1067,16 @@ mod tests {
         delete(&mut state, ItemRef::Artifact(0)).unwrap();
         assert!(state.artifacts[0].content.is_empty() && state.artifacts[0].erased);
         assert!(state.turn_log[0].artifacts.is_empty());
+        // A draft that is its raw turn's text stops reading it (the raw turn stays).
+        let pasted = "The lighthouse budget memo, paragraph after paragraph. ".repeat(40);
+        let mut state = recorded(&[pasted.as_str()]);
+        assert_eq!(
+            state.artifacts[0].side,
+            Some(crate::memory::model::Side::User)
+        );
+        delete(&mut state, ItemRef::Artifact(0)).unwrap();
+        assert_eq!(state.artifact_content(&state.artifacts[0]), "");
+        assert_eq!(state.raw_turns[0].user, pasted);
         let pin_id = pin(&mut state, "Call me Ana.", None);
         crate::memory::record::unpin(&mut state, pin_id);
         // Unpinned, it still holds its text: deleting erases it.

@@ -144,6 +144,17 @@ impl MemoryState {
             })
     }
 
+    /// An artifact's text: its own, or the side of its raw turn it is.
+    pub fn artifact_content<'a>(&'a self, artifact: &'a Artifact) -> &'a str {
+        match artifact.side {
+            Some(side) => self
+                .raw_turns
+                .get(artifact.turn as usize)
+                .map_or("", |turn| turn.side(side).trim()),
+            None => &artifact.content,
+        }
+    }
+
     /// The date a raw turn happened, in display form.
     pub fn turn_date(&self, seq: TurnSeq) -> Option<String> {
         self.raw_turns
@@ -294,6 +305,15 @@ pub struct RawTurn {
     pub tokens: RawTurnTokens,
 }
 
+impl RawTurn {
+    pub fn side(&self, side: Side) -> &str {
+        match side {
+            Side::User => &self.user,
+            Side::Assistant => &self.assistant,
+        }
+    }
+}
+
 /// Stored on every raw turn; one-letter keys keep the per-user JSON small.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct RawTurnTokens {
@@ -428,6 +448,14 @@ pub enum ArtifactKind {
     Draft,
 }
 
+/// One side of an exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Side {
+    User,
+    Assistant,
+}
+
 /// Code and long drafts, kept whole and never summarised (seed 001).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Artifact {
@@ -436,7 +464,14 @@ pub struct Artifact {
     pub kind: ArtifactKind,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub language: Option<String>,
+    /// Empty when `side` is set: read it through [`MemoryState::artifact_content`].
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub content: String,
+    /// A draft that is the whole of one side of its raw turn (a long reply, a long pasted
+    /// message) is that side's text, trimmed, and keeps no copy of it: a long paste would
+    /// otherwise be stored twice in the state that every commit rewrites.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub side: Option<Side>,
     /// Tokens of the full rendering, and of the one-line reference used when it does not fit.
     pub tokens: TokenCount,
     pub reference_tokens: TokenCount,

@@ -8,17 +8,18 @@ use std::collections::{BTreeMap, HashSet};
 use serde::{Deserialize, Serialize};
 
 use super::config::MemoryConfig;
-use super::depth::{classify, find_artifacts};
+use super::depth::{FoundArtifact, classify, find_artifacts};
 use super::diff::{DiffReport, apply_diff, normalise, retain_grounded};
 use super::extract::{ASSISTANT_SUMMARY_WORDS, ExchangeView, Extractor, USER_SUMMARY_WORDS};
 use super::fence::{neutralise_fences, strip_fences};
 use super::history::link;
 use super::model::{
-    Artifact, ArtifactId, Depth, FactCategory, FactId, Identity, ItemRef, MemoryState, PinId,
-    PinnedItem, RawTurn, RevisionEnd, SessionState, SummaryText, TierState, TurnLogEntry, TurnSeq,
+    Artifact, ArtifactId, ArtifactKind, Depth, FactCategory, FactId, Identity, ItemRef,
+    MemoryState, PinId, PinnedItem, RawTurn, RevisionEnd, SessionState, SummaryText, TierState,
+    TurnLogEntry, TurnSeq,
 };
 use super::render::{
-    recount_artifact, recount_fact, recount_identity, recount_pinned, recount_raw_turn,
+    counted_artifact, recount_fact, recount_identity, recount_pinned, recount_raw_turn,
     recount_summary,
 };
 use super::text::{clip_words, excerpt, terms, word_count};
@@ -144,17 +145,33 @@ pub fn record_exchange(
     let mut artifacts = Vec::new();
     for found in find_artifacts(&user, &assistant, &config.depth) {
         let id = ArtifactId::try_from(state.artifacts.len()).unwrap_or(ArtifactId::MAX);
+        let (kind, language, content, side) = match found {
+            FoundArtifact::Code { language, content } => {
+                (ArtifactKind::Code, language, content, None)
+            }
+            FoundArtifact::Draft(side) => (ArtifactKind::Draft, None, String::new(), Some(side)),
+        };
         let mut artifact = Artifact {
             id,
             turn: seq,
-            kind: found.kind,
-            language: found.language,
-            content: found.content,
+            kind,
+            language,
+            content,
+            side,
             tokens: Default::default(),
             reference_tokens: Default::default(),
             erased: false,
         };
-        recount_artifact(&mut artifact, exchange.event_time.as_deref());
+        let content = match side {
+            Some(side) => state
+                .raw_turns
+                .get(seq as usize)
+                .map_or("", |turn| turn.side(side).trim()),
+            None => &artifact.content,
+        };
+        let counted = counted_artifact(&artifact, content, exchange.event_time.as_deref());
+        artifact.tokens = counted.0;
+        artifact.reference_tokens = counted.1;
         state.artifacts.push(artifact);
         artifacts.push(id);
     }
@@ -513,6 +530,47 @@ mod tests {
         assert_eq!(state.artifacts[0].language.as_deref(), Some("python"));
         let (_, assistant_summary) = state.summary_texts(0);
         assert!(assistant_summary.ends_with("[artifact 0]"));
+    }
+
+    /// A long pasted message is its raw turn's text and its draft's: the state holds it once,
+    /// and the draft reads it from the raw turn.
+    #[test]
+    fn a_long_draft_is_stored_once_and_read_from_its_raw_turn() {
+        let mut state = MemoryState::new();
+        let config = MemoryConfig::default();
+        let pasted = "The quarterly report covers the northern lighthouse budget. ".repeat(60);
+        record_exchange(
+            &mut state,
+            &exchange(0, &format!("  {pasted}  "), "Noted."),
+            &HeuristicExtractor,
+            &config,
+        );
+        let artifact = &state.artifacts[0];
+        assert_eq!(
+            (artifact.kind, artifact.side, artifact.content.as_str()),
+            (
+                ArtifactKind::Draft,
+                Some(crate::memory::model::Side::User),
+                ""
+            )
+        );
+        assert_eq!(state.artifact_content(artifact), pasted.trim());
+        let event_time = state.raw_turns[0].event_time.as_deref();
+        let (full, reference) = counted_artifact(artifact, pasted.trim(), event_time);
+        assert_eq!(
+            (artifact.tokens, artifact.reference_tokens),
+            (full, reference)
+        );
+        assert!(full.get(crate::memory::tokens::Encoding::O200k) > 500);
+        let json = serde_json::to_string(&state).unwrap();
+        assert_eq!(json.matches("northern lighthouse budget").count(), 60);
+
+        // A draft stored with its own copy (before `side`) still reads as before.
+        let older: Artifact = serde_json::from_str(
+            r#"{"id":0,"turn":0,"kind":"draft","content":"Dear team,","tokens":[1,1],"reference_tokens":[1,1]}"#,
+        )
+        .unwrap();
+        assert_eq!(state.artifact_content(&older), "Dear team,");
     }
 
     #[test]

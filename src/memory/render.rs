@@ -196,9 +196,9 @@ fn artifact_label(artifact: &Artifact) -> String {
 }
 
 /// The whole artifact; code is fenced so its own lines cannot be read as memory lines.
-pub fn artifact_full(artifact: &Artifact, event_time: Option<&str>) -> String {
+pub fn artifact_full(artifact: &Artifact, content: &str, event_time: Option<&str>) -> String {
     let date = date_prefix(event_time);
-    let body = artifact.content.trim_end();
+    let body = content.trim_end();
     match artifact.kind {
         ArtifactKind::Code => format!(
             "- {date}{}:\n```{}\n{body}\n```\n",
@@ -209,9 +209,9 @@ pub fn artifact_full(artifact: &Artifact, event_time: Option<&str>) -> String {
     }
 }
 
-pub fn artifact_reference(artifact: &Artifact, event_time: Option<&str>) -> String {
+pub fn artifact_reference(artifact: &Artifact, content: &str, event_time: Option<&str>) -> String {
     let date = date_prefix(event_time);
-    let lines = artifact.content.lines().count();
+    let lines = content.lines().count();
     format!(
         "- {date}{}, {lines} lines, kept in full but too long to include here\n",
         artifact_label(artifact)
@@ -245,9 +245,17 @@ pub fn recount_episode(episode: &mut EpisodeManifest) {
     episode.tokens = TokenCount::of(&episode_line(episode));
 }
 
-pub fn recount_artifact(artifact: &mut Artifact, event_time: Option<&str>) {
-    artifact.tokens = TokenCount::of(&artifact_full(artifact, event_time));
-    artifact.reference_tokens = TokenCount::of(&artifact_reference(artifact, event_time));
+/// The tokens of an artifact's full rendering and of its one-line reference (`content` is
+/// [`MemoryState::artifact_content`], which an artifact being built cannot borrow from itself).
+pub fn counted_artifact(
+    artifact: &Artifact,
+    content: &str,
+    event_time: Option<&str>,
+) -> (TokenCount, TokenCount) {
+    (
+        TokenCount::of(&artifact_full(artifact, content, event_time)),
+        TokenCount::of(&artifact_reference(artifact, content, event_time)),
+    )
 }
 
 #[cfg(test)]

@@ -355,6 +355,11 @@ pub fn word_count(text: &str) -> usize {
     text.split_whitespace().count()
 }
 
+/// `word_count(text).min(max)`, without reading past the `max`th word.
+pub fn words_up_to(text: &str, max: usize) -> usize {
+    text.split_whitespace().take(max).count()
+}
+
 /// The first `max_words` words of `text` on one line, with an ellipsis when something was cut.
 pub fn clip_words(text: &str, max_words: usize) -> String {
     let mut out = String::new();
@@ -497,6 +502,10 @@ pub fn fnv1a_one_line(seed: u64, text: &str) -> u64 {
     for (n, word) in text.split_whitespace().enumerate() {
         if n > 0 {
             fnv1a_feed(&mut hash, b" ");
+            // A pasted document is a million bytes to hash, byte by byte, on the worker.
+            if n % 256 == 0 {
+                crate::worker::priority::checkpoint();
+            }
         }
         fnv1a_feed(&mut hash, word.as_bytes());
     }
@@ -515,6 +524,14 @@ mod tests {
     use super::*;
 
     proptest::proptest! {
+        #[test]
+        fn counting_up_to_a_bound_is_the_count_capped(
+            text in "([a-z]{0,3}[ \t\n\u{a0}]{0,2}){0,12}",
+            max in 0usize..10,
+        ) {
+            proptest::prop_assert_eq!(words_up_to(&text, max), word_count(&text).min(max));
+        }
+
         #[test]
         fn hashing_a_line_in_place_is_hashing_the_line(
             text in "([a-zé]{0,4}[ \t\n\u{a0}\u{2003}]{0,3}){0,8}",
