@@ -173,9 +173,7 @@ impl EmbeddedStore {
             .map_err(|error| Error::Store(format!("store task failed: {error}")))?
         })
     }
-}
 
-impl EmbeddedStore {
     /// One transaction, one fsync, shared with the other workers' commits.
     async fn commit(
         &self,
