@@ -2,7 +2,8 @@
 # engram's added latency over direct-to-mock, side by side with LiteLLM's proxy, in one run:
 # direct, engram memory off, memory on (embedded), memory on (Redis), LiteLLM; stepped rates,
 # saturation, streaming time to first chunk, large bodies, many streams in flight.
-# Writes overhead.md, overhead.svg and overhead.json to docs/benchmarks/ (or --out DIR).
+# Writes overhead.md, overhead.svg and overhead.json to docs/benchmarks/ (or --out DIR; a run of
+# some systems or scenarios only goes to target/bench-partial/).
 #
 # Usage: ./benches/overhead.sh [--quick] [--duration-secs N] [--systems LIST] [--scenarios LIST]
 #        ./benches/overhead.sh --help     (every option)

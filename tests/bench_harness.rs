@@ -69,6 +69,32 @@ fn systems_always_include_direct_in_report_order() {
     assert_eq!(parsed.scenarios, vec![Scenario::Rates, Scenario::Stream]);
 }
 
+/// Only a run of every system and scenario writes the report in docs/ by default.
+#[test]
+fn a_partial_run_writes_its_report_elsewhere() {
+    let out = |flags: &[&str]| args::parse(&strings(flags)).unwrap().out_dir;
+    assert_eq!(
+        out(&["--bench"]),
+        std::path::PathBuf::from("docs/benchmarks")
+    );
+    assert_eq!(
+        out(&["--scenarios", "body"]),
+        std::path::PathBuf::from("target/bench-partial")
+    );
+    assert_eq!(
+        out(&["--systems", "off"]),
+        std::path::PathBuf::from("target/bench-partial")
+    );
+    assert_eq!(
+        out(&["--systems", "off", "--out", "docs/benchmarks"]),
+        std::path::PathBuf::from("docs/benchmarks")
+    );
+    assert_eq!(
+        out(&["--body-sizes", "1m"]),
+        std::path::PathBuf::from("docs/benchmarks")
+    );
+}
+
 #[test]
 fn lists_are_sorted_and_sizes_take_suffixes() {
     let parsed = args::parse(&strings(&[

@@ -32,7 +32,9 @@ usage: ./benches/overhead.sh [options]
   --chunks N                   chunks per streamed reply (default 50)
   --timeout-secs N             per-request timeout of the built-in client (default 15)
   --out DIR                    where overhead.md, overhead.svg and overhead.json go
-                               (default docs/benchmarks, or target/bench-quick with --quick)
+                               (default docs/benchmarks; target/bench-quick with --quick, and
+                               target/bench-partial when --systems or --scenarios leave
+                               something out, so a partial run never replaces the full report)
   --no-pairing                 no paired direct baseline: added latency is over the step's
                                direct run, measured separately (as before pairing)
   --help                       this text
@@ -139,6 +141,7 @@ pub fn parse(args: &[String]) -> Result<Args, String> {
     } else {
         Args::full()
     };
+    let mut out_given = false;
     let mut i = 0;
     while i < args.len() {
         let flag = args[i].as_str();
@@ -212,10 +215,17 @@ pub fn parse(args: &[String]) -> Result<Args, String> {
             "--timeout-secs" => {
                 parsed.timeout = Duration::from_secs(positive(flag, value()?)?);
             }
-            "--out" => parsed.out_dir = PathBuf::from(value()?),
+            "--out" => {
+                parsed.out_dir = PathBuf::from(value()?);
+                out_given = true;
+            }
             _ => return Err(format!("unknown option {flag:?}; see --help")),
         }
         i += if takes_value { 2 } else { 1 };
+    }
+    let partial = parsed.systems != System::ALL || parsed.scenarios != Scenario::ALL;
+    if partial && !parsed.quick && !out_given {
+        parsed.out_dir = PathBuf::from("target/bench-partial");
     }
     Ok(parsed)
 }
