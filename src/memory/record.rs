@@ -162,16 +162,11 @@ pub fn record_exchange(
             reference_tokens: Default::default(),
             erased: false,
         };
-        let content = match side {
-            Some(side) => state
-                .raw_turns
-                .get(seq as usize)
-                .map_or("", |turn| turn.side(side).trim()),
-            None => &artifact.content,
-        };
-        let counted = counted_artifact(&artifact, content, exchange.event_time.as_deref());
-        artifact.tokens = counted.0;
-        artifact.reference_tokens = counted.1;
+        (artifact.tokens, artifact.reference_tokens) = counted_artifact(
+            &artifact,
+            state.artifact_content(&artifact),
+            exchange.event_time.as_deref(),
+        );
         state.artifacts.push(artifact);
         artifacts.push(id);
     }

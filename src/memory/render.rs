@@ -245,8 +245,9 @@ pub fn recount_episode(episode: &mut EpisodeManifest) {
     episode.tokens = TokenCount::of(&episode_line(episode));
 }
 
-/// The tokens of an artifact's full rendering and of its one-line reference (`content` is
-/// [`MemoryState::artifact_content`], which an artifact being built cannot borrow from itself).
+/// The tokens of an artifact's full rendering and of its one-line reference. `content` is
+/// [`artifact_content`](super::model::MemoryState::artifact_content), which may borrow from
+/// the artifact itself, so the counts are returned rather than stored here.
 pub fn counted_artifact(
     artifact: &Artifact,
     content: &str,
