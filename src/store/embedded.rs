@@ -83,6 +83,23 @@ struct JobRecord {
 }
 
 impl JobRecord {
+    /// Moves the exchange of a record written before `JOB_EXCHANGES` into that table under
+    /// `key`, noting its session, and returns it; `None` for a record without one.
+    fn set_aside_exchange(
+        &mut self,
+        exchanges: &mut redb::Table<(&'static str, &'static str, &'static str), &'static [u8]>,
+        key: (&str, &str, &str),
+    ) -> Result<Option<ExchangeInput>> {
+        let Some(exchange) = self.exchange.take() else {
+            return Ok(None);
+        };
+        self.session = Some(exchange.session_id.clone());
+        exchanges
+            .insert(key, encode(&exchange)?.as_slice())
+            .map_err(db_error)?;
+        Ok(Some(exchange))
+    }
+
     fn session(&self) -> &str {
         match (&self.session, &self.exchange) {
             (Some(session), _) => session,
@@ -850,15 +867,8 @@ fn write_claims(
             consumer: consumer.to_owned(),
             until_ms: now.saturating_add(lease_ms),
         });
-        let exchange = match record.exchange.take() {
-            // A record from before the exchanges table: its exchange moves there now.
-            Some(exchange) => {
-                record.session = Some(exchange.session_id.clone());
-                exchanges
-                    .insert(job_key(&id), encode(&exchange)?.as_slice())
-                    .map_err(db_error)?;
-                exchange
-            }
+        let exchange = match record.set_aside_exchange(&mut exchanges, job_key(&id))? {
+            Some(exchange) => exchange,
             None => match exchanges.get(job_key(&id)).map_err(db_error)? {
                 Some(guard) => decode(guard.value())?,
                 None => {
@@ -990,12 +1000,9 @@ fn write_finish(txn: &WriteTransaction, id: &JobId, state: JobState) -> Result<b
             .map_err(db_error)?
             .remove(key)
             .map_err(db_error)?;
-    } else if let Some(exchange) = record.exchange.take() {
-        record.session = Some(exchange.session_id.clone());
-        txn.open_table(JOB_EXCHANGES)
-            .map_err(db_error)?
-            .insert(key, encode(&exchange)?.as_slice())
-            .map_err(db_error)?;
+    } else {
+        let mut exchanges = txn.open_table(JOB_EXCHANGES).map_err(db_error)?;
+        record.set_aside_exchange(&mut exchanges, key)?;
     }
     record.state = state;
     record.lease = None;
