@@ -24,7 +24,7 @@ use engram::store::redis::{DEFAULT_FINISHED_JOB_TTL, LEASE_HORIZON_MS, queue_tag
 use engram::store::{Enqueued, Job, JobState, RedisOptions, RedisStore, Store, UserKey};
 use redis::AsyncCommands;
 use redis::aio::MultiplexedConnection;
-use store_suite::{exchange, job, job_in, state_with};
+use store_suite::{exchange, job, job_in, large_job, state_with};
 
 /// Starts a server on a free port; `None` when redis-server is missing and not required.
 async fn start_server() -> Option<(String, RedisServer)> {
@@ -127,6 +127,62 @@ async fn tokens(connection: &mut MultiplexedConnection) -> Vec<(String, String)>
 
 fn token(user: &UserKey, session: &str) -> (String, String) {
     (tag(user), hex(session))
+}
+
+/// Every key matching `pattern`.
+async fn keys_matching(connection: &mut MultiplexedConnection, pattern: &str) -> Vec<String> {
+    let mut keys = Vec::new();
+    let mut cursor = 0u64;
+    loop {
+        let (next, found): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(connection)
+            .await
+            .unwrap();
+        keys.extend(found);
+        if next == 0 {
+            return keys;
+        }
+        cursor = next;
+    }
+}
+
+/// A key of `user`: `<prefix>:{<tag>}:<kind>`.
+fn user_key(user: &UserKey, kind: &str) -> String {
+    format!("{PREFIX}:{{{}}}:{kind}", tag(user))
+}
+
+/// The raw log's elements as stored (whole entries or references).
+async fn raw_elements(
+    connection: &mut MultiplexedConnection,
+    user: &UserKey,
+) -> Vec<serde_json::Value> {
+    let stored: Vec<String> = connection
+        .lrange(user_key(user, "raw"), 0, -1)
+        .await
+        .unwrap();
+    stored
+        .iter()
+        .map(|element| serde_json::from_str(element).unwrap())
+        .collect()
+}
+
+/// A state large enough to be staged.
+fn large_state(user: &UserKey) -> engram::memory::MemoryState {
+    let mut state = state_with(&["I live in Lisbon."]);
+    for key in ["earlier-1", "earlier-2", "earlier-3"] {
+        engram::memory::record_exchange(
+            &mut state,
+            &large_job(user, "s0", key).exchange,
+            &engram::memory::HeuristicExtractor,
+            &engram::memory::MemoryConfig::default(),
+        );
+    }
+    state
 }
 
 #[tokio::test]
@@ -541,18 +597,38 @@ async fn forget_leaves_no_key_and_no_entry_of_the_user() {
         .append_raw(&alice, "x1", &exchange("s1", "x1", "hello"))
         .await
         .unwrap();
-    // Alice: a leased head with a job waiting behind it, and a finished job.
+    // A long exchange's entry keeps it under a key of its own.
+    store
+        .append_raw(&alice, "x2", &large_job(&alice, "s1", "x2").exchange)
+        .await
+        .unwrap();
+    // Alice: a leased head with a long job waiting behind it, a finished job, and a long job
+    // that failed (which keeps its exchange).
     for queued in [
         job_in(&alice, "s1", "a1"),
-        job_in(&alice, "s1", "a2"),
+        large_job(&alice, "s1", "a2"),
         job_in(&alice, "s2", "a3"),
+        large_job(&alice, "s3", "a4"),
     ] {
         store.enqueue(&queued).await.unwrap();
     }
     let lease = Duration::from_secs(30);
-    let leased = store.claim("worker-a", lease).await.unwrap().unwrap();
-    let finished = store.claim("worker-a", lease).await.unwrap().unwrap();
+    let mut leased = Vec::new();
+    for _ in 0..3 {
+        leased.push(store.claim("worker-a", lease).await.unwrap().unwrap());
+    }
+    leased.sort_by(|a, b| a.job.id.key.cmp(&b.job.id.key));
+    let [leased, finished, failed] = <[_; 3]>::try_from(leased).unwrap();
     store.ack(&finished.job.id).await.unwrap();
+    store.fail(&failed.job.id, "gave up").await.unwrap();
+    assert_eq!(failed.job.id.key, "a4");
+    let mut moved = keys_matching(&mut connection, &user_key(&alice, "jobx:*")).await;
+    moved.extend(keys_matching(&mut connection, &user_key(&alice, "rawx:*")).await);
+    moved.sort();
+    assert_eq!(
+        moved,
+        ["jobx:a2", "jobx:a4", "rawx:x2"].map(|kind| user_key(&alice, kind))
+    );
     let bob_job = job_in(&bob, "s1", "b1");
     store.enqueue(&bob_job).await.unwrap();
     assert_eq!(pending(&mut connection).await.len(), 1);
@@ -560,27 +636,10 @@ async fn forget_leaves_no_key_and_no_entry_of_the_user() {
     let report = store.forget_user(&alice).await.unwrap();
     assert_eq!(
         (report.memory_states, report.raw_entries, report.jobs),
-        (1, 1, 3)
+        (1, 2, 4)
     );
 
-    let mut keys = Vec::new();
-    let mut cursor = 0u64;
-    loop {
-        let (next, found): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(format!("*{}*", tag(&alice)))
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(&mut connection)
-            .await
-            .unwrap();
-        keys.extend(found);
-        if next == 0 {
-            break;
-        }
-        cursor = next;
-    }
+    let keys = keys_matching(&mut connection, &format!("*{}*", tag(&alice))).await;
     assert!(keys.is_empty(), "{keys:?}");
     assert_eq!(tokens(&mut connection).await, [token(&bob, "s1")]);
     assert!(pending(&mut connection).await.is_empty(), "{leased:?}");
@@ -589,4 +648,194 @@ async fn forget_leaves_no_key_and_no_entry_of_the_user() {
     assert!(!store.ack(&leased.job.id).await.unwrap());
     let next = store.claim("worker-a", lease).await.unwrap().unwrap();
     assert_eq!(next.job, bob_job);
+}
+
+/// Large values never pass through a script: a long exchange is staged and renamed to
+/// `jobx:<key>`, read with a plain GET by the claim, renamed to `rawx:<key>` by the commit
+/// (whose raw-log element is then a reference), and no staged key is left behind. A short one
+/// stays a field of its record and a whole raw-log element.
+#[tokio::test]
+async fn large_values_move_by_rename_and_leave_no_staged_key() {
+    let Some((store, mut connection, _server)) = store_and_connection(None).await else {
+        return;
+    };
+    let alice = UserKey::new("acme", "alice");
+    let (long, short) = (
+        large_job(&alice, "s1", "long"),
+        job_in(&alice, "s2", "short"),
+    );
+    for queued in [&long, &short, &long] {
+        store.enqueue(queued).await.unwrap();
+    }
+    let inline = |key: &str| user_key(&alice, &format!("job:{key}"));
+    let field: Option<String> = connection.hget(inline("long"), "exchange").await.unwrap();
+    assert!(field.is_none());
+    let field: Option<String> = connection.hget(inline("short"), "exchange").await.unwrap();
+    assert!(field.is_some());
+    let stored: usize = connection
+        .strlen(user_key(&alice, "jobx:long"))
+        .await
+        .unwrap();
+    assert!(stored > long.exchange.user_text.len(), "{stored}");
+
+    let lease = Duration::from_secs(30);
+    let mut claimed = store.claim_batch("worker-a", lease, 2).await.unwrap();
+    claimed.sort_by(|a, b| a.job.id.key.cmp(&b.job.id.key));
+    let jobs: Vec<Job> = claimed.into_iter().map(|claimed| claimed.job).collect();
+    assert_eq!(jobs, [long.clone(), short.clone()]);
+    let state = large_state(&alice);
+    let encoded = engram::store::EncodedState::of(&state).unwrap();
+    store
+        .commit_jobs(std::slice::from_ref(&long), &encoded, 0, &[])
+        .await
+        .unwrap();
+    store.ack(&short.id).await.unwrap();
+    store
+        .append_raw(&alice, "short", &short.exchange)
+        .await
+        .unwrap();
+
+    let elements = raw_elements(&mut connection, &alice).await;
+    assert_eq!(elements[0], serde_json::json!({"exchange_id": "long"}));
+    assert_eq!(elements[1]["exchange_id"], "short");
+    assert_eq!(elements[1]["exchange"]["user_text"], "message of short");
+    assert_eq!(
+        keys_matching(&mut connection, &user_key(&alice, "*x:*")).await,
+        [user_key(&alice, "rawx:long")]
+    );
+    assert_eq!(
+        keys_matching(&mut connection, &format!("{PREFIX}*staging*")).await,
+        Vec::<String>::new()
+    );
+    assert_eq!(store.load_state(&alice).await.unwrap().unwrap(), state);
+    let log = store.read_raw(&alice).await.unwrap();
+    assert_eq!(log[0].exchange, long.exchange);
+    assert_eq!(log[1].exchange, short.exchange);
+}
+
+/// A failed job's exchange is then its only copy: it stays, inline or under its own key, as
+/// long as the record; an applied one goes.
+#[tokio::test]
+async fn a_failed_jobs_exchange_stays_as_long_as_its_record() {
+    let ttl = Duration::from_secs(60);
+    let Some((store, mut connection, _server)) = store_and_connection(Some(ttl)).await else {
+        return;
+    };
+    let alice = UserKey::new("acme", "alice");
+    let jobs = [
+        large_job(&alice, "s1", "long-failed"),
+        job_in(&alice, "s2", "short-failed"),
+        large_job(&alice, "s3", "long-applied"),
+    ];
+    for queued in &jobs {
+        store.enqueue(queued).await.unwrap();
+    }
+    let claimed = store
+        .claim_batch("worker-a", Duration::from_secs(30), 3)
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 3);
+    store.fail(&jobs[0].id, "gave up").await.unwrap();
+    store.fail(&jobs[1].id, "gave up").await.unwrap();
+    store.ack(&jobs[2].id).await.unwrap();
+
+    let left: i64 = connection
+        .pttl(user_key(&alice, "jobx:long-failed"))
+        .await
+        .unwrap();
+    assert!((1..=60_000).contains(&left), "{left}");
+    let stored: String = connection
+        .get(user_key(&alice, "jobx:long-failed"))
+        .await
+        .unwrap();
+    let stored: serde_json::Value = serde_json::from_str(&stored).unwrap();
+    assert_eq!(stored["user_text"], jobs[0].exchange.user_text);
+    let field: Option<String> = connection
+        .hget(user_key(&alice, "job:short-failed"), "exchange")
+        .await
+        .unwrap();
+    assert!(field.unwrap().contains("message of short-failed"));
+    let applied: bool = connection
+        .exists(user_key(&alice, "jobx:long-applied"))
+        .await
+        .unwrap();
+    assert!(!applied);
+}
+
+/// A long job whose record holds its exchange inline (queued by an older version) is claimed
+/// and applied, its raw-log entry a reference like any long one; one whose stored exchange has
+/// gone since the claim is committed with its entry whole.
+#[tokio::test]
+async fn long_jobs_apply_whichever_way_their_exchange_is_stored() {
+    let Some((store, mut connection, _server)) = store_and_connection(None).await else {
+        return;
+    };
+    let alice = UserKey::new("acme", "alice");
+    let (inline, vanished) = (
+        large_job(&alice, "s1", "inline"),
+        large_job(&alice, "s2", "vanished"),
+    );
+    for queued in [&inline, &vanished] {
+        store.enqueue(queued).await.unwrap();
+    }
+    // The older layout: the exchange is a field of the record.
+    let stored: String = connection
+        .get(user_key(&alice, "jobx:inline"))
+        .await
+        .unwrap();
+    let () = connection
+        .hset(user_key(&alice, "job:inline"), "exchange", stored)
+        .await
+        .unwrap();
+    let () = connection
+        .del(user_key(&alice, "jobx:inline"))
+        .await
+        .unwrap();
+
+    let mut claimed = store
+        .claim_batch("worker-a", Duration::from_secs(30), 2)
+        .await
+        .unwrap();
+    claimed.sort_by(|a, b| a.job.id.key.cmp(&b.job.id.key));
+    let jobs: Vec<Job> = claimed.into_iter().map(|claimed| claimed.job).collect();
+    assert_eq!(jobs, [inline.clone(), vanished.clone()]);
+    let () = connection
+        .del(user_key(&alice, "jobx:vanished"))
+        .await
+        .unwrap();
+
+    let state = large_state(&alice);
+    let encoded = engram::store::EncodedState::of(&state).unwrap();
+    store
+        .commit_jobs(std::slice::from_ref(&inline), &encoded, 0, &[])
+        .await
+        .unwrap();
+    let mut next = state.clone();
+    next.version += 1;
+    let encoded = engram::store::EncodedState::of(&next).unwrap();
+    store
+        .commit_jobs(
+            std::slice::from_ref(&vanished),
+            &encoded,
+            state.version,
+            &[],
+        )
+        .await
+        .unwrap();
+
+    let elements = raw_elements(&mut connection, &alice).await;
+    assert_eq!(elements[0], serde_json::json!({"exchange_id": "inline"}));
+    assert_eq!(elements[1]["exchange"]["session_id"], "s2");
+    let log = store.read_raw(&alice).await.unwrap();
+    assert_eq!(log[0].exchange, inline.exchange);
+    assert_eq!(log[1].exchange, vanished.exchange);
+    let field: Option<String> = connection
+        .hget(user_key(&alice, "job:inline"), "exchange")
+        .await
+        .unwrap();
+    assert!(field.is_none());
+    assert_eq!(
+        store.job_state(&vanished.id).await.unwrap(),
+        Some(JobState::Applied)
+    );
 }

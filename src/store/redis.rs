@@ -55,11 +55,38 @@ pub const DEFAULT_PREFIX: &str = "engram";
 /// smaller ones encode faster than a hand-off to that thread takes.
 const ENCODE_IN_BACKGROUND_BYTES: usize = 64 * 1024;
 
-/// A raw-log element; its seq is its list index.
-#[derive(Serialize, Deserialize)]
+/// A value this large or larger (an exchange's JSON, a state's) does not travel as a script
+/// argument: it is staged with a plain `SET` (see `RedisStore::stage`) and the script renames
+/// it into place. Redis hashes every byte of each string that enters a script (about 1.5 ms per
+/// MB in the benchmark's profile, 58 % of the server's CPU with 1 MB bodies), and runs nothing
+/// else meanwhile, not even the hot path's reads.
+const STAGE_FROM_BYTES: usize = 32 * 1024;
+
+/// How long a staged value waits for its script, one round trip later, before it expires.
+const STAGED_TTL_MS: u64 = 10 * 60 * 1000;
+
+/// A raw-log element; its seq is its list index. Without `exchange` it is a reference: the
+/// exchange is under `rawx:<exchange id>` (large exchanges, which go there without passing
+/// through a script).
+#[derive(Deserialize)]
 struct StoredRawEntry {
     exchange_id: String,
-    exchange: ExchangeInput,
+    #[serde(default)]
+    exchange: Option<ExchangeInput>,
+}
+
+/// A raw-log element as written: the whole entry, or a reference.
+#[derive(Serialize)]
+struct RawElement<'a> {
+    exchange_id: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    exchange: Option<&'a ExchangeInput>,
+}
+
+/// Whether an exchange is large enough for its raw-log entry to be a reference (and so, at
+/// the enqueue, for its JSON to have been staged into `jobx:<key>`).
+fn is_large(exchange: &ExchangeInput) -> bool {
+    exchange.user_text.len() + exchange.assistant_text.len() >= STAGE_FROM_BYTES
 }
 
 /// A queued job's exchange as the job record and stream entry hold it: the exchange's own
@@ -98,6 +125,9 @@ pub const DEFAULT_FINISHED_JOB_TTL: Duration = Duration::from_secs(7 * 24 * 60 *
 /// Tokens one claim looks at in one shard before it moves on (each dropped token costs two
 /// round trips; the rest are dropped by later claims).
 const TOKENS_PER_CLAIM: usize = 32;
+
+/// Exchanges of raw-log references one `MGET` of `read_raw` reads.
+const READ_RAW_BATCH: usize = 64;
 
 /// Stream entries one forget step reads.
 const FORGET_CHUNK: usize = 1000;
@@ -196,6 +226,10 @@ pub struct RedisStore {
     /// recorder does: serialising 1 MB of text took about 0.6 ms in the benchmark's profile,
     /// which on the request threads would delay the requests that arrive meanwhile.
     encoder: Arc<WorkerRuntime>,
+    /// Names this process's staged keys (random, so replicas never pick the same)...
+    staging_id: Arc<str>,
+    /// ...with a counter.
+    next_staged: Arc<AtomicU64>,
 }
 
 /// A token's fate, settled with the next claim step.
@@ -261,7 +295,40 @@ impl RedisStore {
             next_prune_ms: Arc::new(AtomicU64::new(now_ms() + PRUNE_EVERY_MS)),
             scripts: Arc::new(Scripts::new()),
             encoder: Arc::new(priority::recorder_pool("engram-recorder")?),
+            staging_id: random_id().into(),
+            next_staged: Arc::default(),
         })
+    }
+
+    /// Puts `value` under a fresh key of `user`'s slot, for a script to rename into place (see
+    /// [`STAGE_FROM_BYTES`]); a key no script took expires after [`STAGED_TTL_MS`].
+    async fn stage(&self, user: &UserKey, value: &[u8]) -> Result<String> {
+        let key = format!(
+            "{}staging:{}-{}",
+            self.user_prefix(user),
+            self.staging_id,
+            self.next_staged.fetch_add(1, Ordering::Relaxed)
+        );
+        let () = self
+            .writer()
+            .pset_ex(&key, value, STAGED_TTL_MS)
+            .await
+            .map_err(redis_error)?;
+        Ok(key)
+    }
+
+    /// A script's (inline argument, staged key) for `value`: a small value goes as the
+    /// argument (with the name of a key that is never written), a large one is staged and the
+    /// argument is empty, which no JSON value is.
+    async fn inline_or_staged<'v>(
+        &self,
+        user: &UserKey,
+        value: &'v [u8],
+    ) -> Result<(&'v [u8], String)> {
+        if value.len() < STAGE_FROM_BYTES {
+            return Ok((value, format!("{}staging:-", self.user_prefix(user))));
+        }
+        Ok((&[], self.stage(user, value).await?))
     }
 
     /// A job's exchange as its record holds it; a large one is encoded on [`Self::encoder`].
@@ -392,7 +459,11 @@ impl RedisStore {
                 .await
                 .map_err(redis_error)?;
             match (status.as_str(), key, attempt, exchange) {
-                ("job", Some(key), Some(attempt), Some(exchange)) => {
+                ("job", Some(key), Some(attempt), exchange) => {
+                    let exchange = match exchange {
+                        Some(exchange) => exchange,
+                        None => self.stored_exchange(&prefix, &key).await?,
+                    };
                     let claimed: ClaimedExchange = decode(&exchange)?;
                     return Ok(Some(ClaimedJob {
                         job: Job {
@@ -416,6 +487,17 @@ impl RedisStore {
         self.claim_token(&stream, consumer, lease, &settle, true)
             .await?;
         Ok(None)
+    }
+
+    /// A leased job's large exchange, which its record does not hold: read with a plain
+    /// `GET`, not in the lease script (see [`STAGE_FROM_BYTES`]).
+    async fn stored_exchange(&self, prefix: &str, key: &str) -> Result<Vec<u8>> {
+        let stored: Option<Vec<u8>> = self
+            .connection()
+            .get(format!("{prefix}jobx:{key}"))
+            .await
+            .map_err(redis_error)?;
+        stored.ok_or_else(|| Error::Store(format!("redis: job {key:?} has no exchange")))
     }
 
     /// Settles the previous token, then (unless `settle_only`) leases the shard's next one:
@@ -609,12 +691,32 @@ fn unhex(text: &str) -> Option<String> {
     String::from_utf8(bytes).ok()
 }
 
+/// 64 random bits in hex: std's `RandomState` draws its keys from the operating system.
+fn random_id() -> String {
+    use std::hash::BuildHasher;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_nanos());
+    format!(
+        "{:016x}",
+        std::collections::hash_map::RandomState::new().hash_one(nanos)
+    )
+}
+
 fn redis_error(error: redis::RedisError) -> Error {
     Error::Store(format!("redis: {error}"))
 }
 
 fn encode<T: Serialize + ?Sized>(value: &T) -> Result<String> {
     serde_json::to_string(value).map_err(|error| Error::Store(format!("encode: {error}")))
+}
+
+/// A raw-log element: the whole entry, or (without `exchange`) a reference.
+fn raw_element(exchange_id: &str, exchange: Option<&ExchangeInput>) -> Result<String> {
+    encode(&RawElement {
+        exchange_id,
+        exchange,
+    })
 }
 
 /// A queued job's exchange as its record holds it.
@@ -691,14 +793,16 @@ impl Store for RedisStore {
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             let version_key = self.user_key(user, "version");
+            let (inline, staged) = self.inline_or_staged(user, &state.json).await?;
             let found: Option<String> = self
                 .scripts
                 .save_state
                 .key(&version_key)
                 .key(self.user_key(user, "state"))
+                .key(staged)
                 .arg(expected_version.to_string())
                 .arg(state.version.to_string())
-                .arg(&state.json[..])
+                .arg(inline)
                 .invoke_async(&mut self.writer())
                 .await
                 .map_err(redis_error)?;
@@ -742,17 +846,24 @@ impl Store for RedisStore {
         exchange: &'a ExchangeInput,
     ) -> BoxFuture<'a, Result<Appended>> {
         Box::pin(async move {
-            let entry = StoredRawEntry {
-                exchange_id: exchange_id.to_owned(),
-                exchange: exchange.clone(),
+            let reference = is_large(exchange);
+            let (element, staged) = if reference {
+                let staged = self.stage(user, encode(exchange)?.as_bytes()).await?;
+                (raw_element(exchange_id, None)?, staged)
+            } else {
+                let unused = format!("{}staging:-", self.user_prefix(user));
+                (raw_element(exchange_id, Some(exchange))?, unused)
             };
             let (seq, duplicate): (u64, u8) = self
                 .scripts
                 .append_raw
                 .key(self.user_key(user, "raw"))
                 .key(self.user_key(user, "raw_ids"))
+                .key(staged)
+                .key(self.user_key(user, &format!("rawx:{exchange_id}")))
                 .arg(exchange_id)
-                .arg(encode(&entry)?)
+                .arg(element)
+                .arg(if reference { "1" } else { "0" })
                 .invoke_async(&mut self.connection())
                 .await
                 .map_err(redis_error)?;
@@ -770,15 +881,49 @@ impl Store for RedisStore {
                 .lrange(self.user_key(user, "raw"), 0, -1)
                 .await
                 .map_err(redis_error)?;
-            stored
+            let entries: Vec<StoredRawEntry> = stored
                 .iter()
+                .map(|bytes| decode(bytes))
+                .collect::<Result<_>>()?;
+            // References: their exchanges, a batch of keys per round trip.
+            let references: Vec<&str> = entries
+                .iter()
+                .filter(|entry| entry.exchange.is_none())
+                .map(|entry| entry.exchange_id.as_str())
+                .collect();
+            let mut referenced = Vec::with_capacity(references.len());
+            for batch in references.chunks(READ_RAW_BATCH) {
+                let keys: Vec<String> = batch
+                    .iter()
+                    .map(|id| self.user_key(user, &format!("rawx:{id}")))
+                    .collect();
+                let found: Vec<Option<Vec<u8>>> = redis::cmd("MGET")
+                    .arg(&keys)
+                    .query_async(&mut self.connection())
+                    .await
+                    .map_err(redis_error)?;
+                for (id, exchange) in batch.iter().zip(found) {
+                    let exchange = exchange.ok_or_else(|| {
+                        Error::Store(format!("redis: raw entry {id:?} has no exchange"))
+                    })?;
+                    referenced.push(decode::<ExchangeInput>(&exchange)?);
+                }
+            }
+            let mut referenced = referenced.into_iter();
+            entries
+                .into_iter()
                 .zip(0u64..)
-                .map(|(bytes, seq)| {
-                    let entry: StoredRawEntry = decode(bytes)?;
+                .map(|(entry, seq)| {
+                    let exchange = match entry.exchange {
+                        Some(exchange) => exchange,
+                        None => referenced.next().ok_or_else(|| {
+                            Error::Internal("read_raw: a reference without its exchange".into())
+                        })?,
+                    };
                     Ok(RawEntry {
                         seq,
                         exchange_id: entry.exchange_id,
-                        exchange: entry.exchange,
+                        exchange,
                     })
                 })
                 .collect()
@@ -795,6 +940,8 @@ impl Store for RedisStore {
             let exchange = &job.exchange;
             let session = hex(&exchange.session_id);
             let record_key = self.job_record_key(&job.id);
+            let queued = self.encode_queued(job).await?;
+            let (inline, staged) = self.inline_or_staged(user, queued.as_bytes()).await?;
             let (outcome, state): (u8, Option<Vec<u8>>) = self
                 .scripts
                 .enqueue
@@ -802,8 +949,10 @@ impl Store for RedisStore {
                 .key(self.user_key(user, "job_index"))
                 .key(self.user_key(user, &format!("session:{session}")))
                 .key(self.user_key(user, "arriving"))
+                .key(staged)
+                .key(self.user_key(user, &format!("jobx:{}", job.id.key)))
                 .arg(&job.id.key)
-                .arg(self.encode_queued(job).await?)
+                .arg(inline)
                 .arg(encode(&JobState::Queued)?)
                 .arg(&session)
                 .arg(
@@ -910,6 +1059,12 @@ impl Store for RedisStore {
                 .arg(&job.key)
                 .arg(encode(&state)?)
                 .arg(&self.finished_job_ttl_ms)
+                // A failed job's exchange is then its only copy.
+                .arg(if matches!(state, JobState::Failed { .. }) {
+                    "1"
+                } else {
+                    "0"
+                })
                 .invoke_async(&mut self.writer())
                 .await
                 .map_err(redis_error)?;
@@ -951,43 +1106,61 @@ impl Store for RedisStore {
                 ));
             }
             let version_key = self.user_key(user, "version");
-            let mut invocation = self.scripts.commit.prepare_invoke();
-            invocation
-                .key(&version_key)
-                .key(self.user_key(user, "state"))
-                .key(self.user_key(user, "raw"))
-                .key(self.user_key(user, "raw_ids"))
-                .key(self.user_key(user, "prefetched"))
-                .arg(self.user_prefix(user))
-                .arg(expected_version.to_string())
-                .arg(state.version.to_string())
-                .arg(&state.json[..])
-                .arg(&first.exchange.session_id)
-                .arg(encode(prefetched)?)
-                .arg(encode(&JobState::Applied)?)
-                .arg(&self.finished_job_ttl_ms);
-            for job in jobs {
-                let entry = StoredRawEntry {
-                    exchange_id: job.id.key.clone(),
-                    exchange: job.exchange.clone(),
-                };
-                invocation.arg(&job.id.key).arg(encode(&entry)?);
-            }
-            let (status, detail, queued, released): (String, String, u64, Vec<String>) = invocation
-                .invoke_async(&mut self.writer())
-                .await
-                .map_err(redis_error)?;
-            match status.as_str() {
-                "ok" => {}
-                "gone" => return Err(Error::JobGone(detail)),
-                "conflict" => {
-                    return Err(Error::StoreConflict {
-                        expected: expected_version,
-                        found: parse_version(&detail)?,
-                    });
+            // Large exchanges are referenced, not sent: the script moves each from its job's
+            // record to the raw log. If one has gone missing, the entries go whole.
+            let mut whole = false;
+            let (queued, released) = loop {
+                let (inline, staged) = self.inline_or_staged(user, &state.json).await?;
+                let mut invocation = self.scripts.commit.prepare_invoke();
+                invocation
+                    .key(&version_key)
+                    .key(self.user_key(user, "state"))
+                    .key(self.user_key(user, "raw"))
+                    .key(self.user_key(user, "raw_ids"))
+                    .key(self.user_key(user, "prefetched"))
+                    .key(staged)
+                    .arg(self.user_prefix(user))
+                    .arg(expected_version.to_string())
+                    .arg(state.version.to_string())
+                    .arg(inline)
+                    .arg(&first.exchange.session_id)
+                    .arg(encode(prefetched)?)
+                    .arg(encode(&JobState::Applied)?)
+                    .arg(&self.finished_job_ttl_ms);
+                for job in jobs {
+                    let reference = !whole && is_large(&job.exchange);
+                    let exchange = (!reference).then_some(&job.exchange);
+                    invocation
+                        .arg(&job.id.key)
+                        .arg(raw_element(&job.id.key, exchange)?)
+                        .arg(if reference { "1" } else { "0" });
                 }
-                other => return Err(Error::Store(format!("redis: commit said {other:?}"))),
-            }
+                let (status, detail, queued, released): (String, String, u64, Vec<String>) =
+                    invocation
+                        .invoke_async(&mut self.writer())
+                        .await
+                        .map_err(redis_error)?;
+                match status.as_str() {
+                    "ok" => break (queued, released),
+                    "gone" => return Err(Error::JobGone(detail)),
+                    "conflict" => {
+                        return Err(Error::StoreConflict {
+                            expected: expected_version,
+                            found: parse_version(&detail)?,
+                        });
+                    }
+                    "lost" if !whole => {
+                        tracing::warn!(
+                            job = detail,
+                            "a job's stored exchange is missing; sending the raw entries whole"
+                        );
+                        whole = true;
+                    }
+                    other => {
+                        return Err(Error::Store(format!("redis: commit said {other:?}")));
+                    }
+                }
+            };
             let released = if self.replicated_or_warn(&version_key, "job commit").await {
                 released
             } else {

@@ -57,6 +57,7 @@ macro_rules! store_suite {
             claim_batches_keep_sessions_in_order,
             a_forgotten_users_job_commits_nothing,
             raw_log_appends_once_in_order,
+            large_exchanges_and_states_round_trip,
             enqueue_is_idempotent_by_job_key,
             a_jobs_trace_context_survives_the_queue,
             expired_lease_is_claimed_again,
@@ -501,6 +502,102 @@ pub async fn raw_log_appends_once_in_order(store: &dyn Store) {
     let seqs: Vec<u64> = log.iter().map(|entry| entry.seq).collect();
     assert_eq!(seqs, [0, 1, 2]);
     assert_eq!(log[1].exchange, second);
+}
+
+/// A job with a long pasted text (larger than any value a backend passes around inline).
+pub fn large_job(user: &UserKey, session: &str, key: &str) -> Job {
+    let mut job = job_in(user, session, key);
+    job.exchange.user_text =
+        format!("{key}: ") + &"A long pasted line of a report.\n".repeat(4_000);
+    job.trace = TraceParent::parse("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01");
+    job
+}
+
+/// Long exchanges and a large state go through every step intact: enqueue (and its replay),
+/// claim, commit, the raw log, the state, and a long exchange appended to the raw log directly.
+pub async fn large_exchanges_and_states_round_trip(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    let (long, short) = (large_job(&alice, "s1", "long"), job(&alice, "short"));
+    assert!(long.exchange.user_text.len() > 100_000);
+    for queued in [&long, &short] {
+        assert_eq!(store.enqueue(queued).await.unwrap(), Enqueued::Queued);
+    }
+    assert_eq!(
+        store.enqueue(&long).await.unwrap(),
+        Enqueued::Duplicate(JobState::Queued)
+    );
+    let claimed = store
+        .claim("worker-a", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(claimed.job, long);
+
+    // A state with a few long turns (each keeps an excerpt).
+    let mut state = state_with(&["I live in Lisbon."]);
+    for earlier in ["earlier-1", "earlier-2", "earlier-3"] {
+        let input = large_job(&alice, "s0", earlier).exchange;
+        record_exchange(
+            &mut state,
+            &input,
+            &HeuristicExtractor,
+            &MemoryConfig::default(),
+        );
+    }
+    record_exchange(
+        &mut state,
+        &long.exchange,
+        &HeuristicExtractor,
+        &MemoryConfig::default(),
+    );
+    let encoded = EncodedState::of(&state).unwrap();
+    assert!(encoded.json.len() > 64 * 1024, "{}", encoded.json.len());
+    store
+        .commit_jobs(
+            std::slice::from_ref(&long),
+            &encoded,
+            0,
+            &[ItemRef::Fact(0)],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        store.job_state(&long.id).await.unwrap(),
+        Some(JobState::Applied)
+    );
+    assert_eq!(store.load_state(&alice).await.unwrap().unwrap(), state);
+    let hot = store.hot_record(&alice, "s1", None).await.unwrap();
+    assert_eq!(
+        (hot.version, hot.state),
+        (state.version, Some(state.clone()))
+    );
+
+    // The short job, then a long exchange appended directly (and replayed).
+    let next = store
+        .claim("worker-a", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(next.job, short);
+    assert!(store.ack(&short.id).await.unwrap());
+    let pasted = large_job(&alice, "s2", "pasted").exchange;
+    let appended = store.append_raw(&alice, "pasted", &pasted).await.unwrap();
+    let replayed = store.append_raw(&alice, "pasted", &pasted).await.unwrap();
+    assert_eq!(
+        (appended.seq, replayed.seq, replayed.duplicate),
+        (1, 1, true)
+    );
+
+    let log = store.read_raw(&alice).await.unwrap();
+    let entries: Vec<(u64, &str, &ExchangeInput)> = log
+        .iter()
+        .map(|entry| (entry.seq, entry.exchange_id.as_str(), &entry.exchange))
+        .collect();
+    assert_eq!(
+        entries,
+        [(0, "long", &long.exchange), (1, "pasted", &pasted)]
+    );
+    assert_eq!(store.queue_depth().await.unwrap(), 0);
 }
 
 pub async fn enqueue_is_idempotent_by_job_key(store: &dyn Store) {

@@ -22,12 +22,14 @@ end
 
 /// Ends one job (ARGV-independent, shared by FINISH and COMMIT): records its final state; a
 /// queued job leaves its session's backlog, and if it held the session's lease, the lease ends
-/// and its token is returned for the queue step. Finished records expire after the retention.
-/// Returns nil for an unknown job, else {queued (0/1), token or false, session or false,
-/// jobs left in the session}.
+/// and its token is returned for the queue step. Its exchange goes, unless `keep_exchange` (a
+/// failed job's is then the only copy): it stays, inline or under `jobx:<key>`, as long as the
+/// record. Finished records expire after the retention. Returns nil for an unknown job, else
+/// {queued (0/1), token or false, session or false, jobs left in the session}.
 const FINISH_JOB: &str = r"
-local function finish_job(prefix, key, state, retention, now_ms)
+local function finish_job(prefix, key, state, retention, now_ms, keep_exchange)
   local record = prefix .. 'job:' .. key
+  local stored = prefix .. 'jobx:' .. key
   local fields = redis.call('HMGET', record, 'state', 'session')
   if not fields[1] then
     return nil
@@ -42,7 +44,11 @@ local function finish_job(prefix, key, state, retention, now_ms)
       token = redis.call('HGET', record, 'token') or false
     end
     left = redis.call('ZCARD', backlog)
-    redis.call('HDEL', record, 'session', 'exchange', 'attempts', 'token', 'until')
+    redis.call('HDEL', record, 'session', 'attempts', 'token', 'until')
+    if not keep_exchange then
+      redis.call('HDEL', record, 'exchange')
+      redis.call('DEL', stored)
+    end
   end
   redis.call('HSET', record, 'state', state)
   local index = prefix .. 'job_index'
@@ -50,12 +56,32 @@ local function finish_job(prefix, key, state, retention, now_ms)
     redis.call('ZADD', index, '+inf', key)
   else
     redis.call('PEXPIRE', record, retention)
+    redis.call('PEXPIRE', stored, retention)
     redis.call('ZADD', index, int(now_ms + tonumber(retention)), key)
   end
   -- Index entries of records that have expired by now.
   redis.call('ZREMRANGEBYSCORE', index, '-inf', '(' .. int(now_ms))
   return {queued, token, session, left}
 end
+";
+
+/// Takes a value the client staged under its own key (see `RedisStore::stage`) or, when the
+/// argument is not empty, the argument itself: writes it to `key` with no expiry. A staged
+/// value is renamed into place, never read, because every string that enters Lua is hashed
+/// byte by byte, and the server runs nothing else meanwhile.
+const PLACE: &str = r"
+local function place(key, inline, staged)
+  if inline ~= '' then
+    redis.call('SET', key, inline)
+  else
+    redis.call('RENAME', staged, key)
+    redis.call('PERSIST', key)
+  end
+end
+local function staged_missing(inline, staged)
+  return inline == '' and redis.call('EXISTS', staged) == 0
+end
+local STAGED_EXPIRED = 'staged value expired before its script ran'
 ";
 
 /// Creates the shard's stream and consumer group when missing.
@@ -86,22 +112,37 @@ end
 return {version, state, prefetched}
 ";
 
-/// Writes state and version if the stored version equals ARGV[1]; else returns the found one.
+/// Writes state (inline, or staged: see `place`) and version if the stored version equals
+/// ARGV[1]; else returns the found one.
+/// KEYS: version, state, staged state. ARGV: expected version, new version, state JSON or ''.
 const SAVE_STATE: &str = r"
+if staged_missing(ARGV[3], KEYS[3]) then
+  return redis.error_reply(STAGED_EXPIRED)
+end
 local found = redis.call('GET', KEYS[1]) or '0'
 if found ~= ARGV[1] then
+  redis.call('DEL', KEYS[3])
   return found
 end
+place(KEYS[2], ARGV[3], KEYS[3])
 redis.call('SET', KEYS[1], ARGV[2])
-redis.call('SET', KEYS[2], ARGV[3])
 return false
 ";
 
-/// Appends once per exchange id; returns {seq, duplicate (0/1)}.
+/// Appends once per exchange id; returns {seq, duplicate (0/1)}. The element is a whole entry,
+/// or (ARGV[3] = '1') a reference whose exchange was staged and moves to the entry's key.
+/// KEYS: raw, raw ids, staged exchange, entry key. ARGV: exchange id, element JSON, reference.
 const APPEND_RAW: &str = r"
 local known = redis.call('HGET', KEYS[2], ARGV[1])
 if known then
+  redis.call('DEL', KEYS[3])
   return {tonumber(known), 1}
+end
+if ARGV[3] == '1' then
+  if redis.call('EXISTS', KEYS[3]) == 0 then
+    return redis.error_reply(STAGED_EXPIRED)
+  end
+  place(KEYS[4], '', KEYS[3])
 end
 local seq = redis.call('RPUSH', KEYS[1], ARGV[2]) - 1
 redis.call('HSET', KEYS[2], ARGV[1], seq)
@@ -110,17 +151,23 @@ return {seq, 0}
 
 /// The user step of an enqueue: the job record and its place in the session's backlog, ranked
 /// by arrival time (or, without one, after the backlog's last job); the turn's arrival marker
-/// goes. Returns {0} for a new job, {1, state} for a known job still queued, {2, state} for a
-/// finished one.
-/// KEYS: job record, job index, session backlog, arriving. ARGV: job key, exchange JSON,
-/// queued state JSON, hex session, arrival µs or '', marker.
+/// goes. A small exchange is a field of the record; a large one was staged and moves to
+/// `jobx:<key>`. Returns {0} for a new job, {1, state} for a known job still queued, {2, state}
+/// for a finished one.
+/// KEYS: job record, job index, session backlog, arriving, staged exchange, job exchange.
+/// ARGV: job key, exchange JSON or '' (staged), queued state JSON, hex session, arrival µs or
+/// '', marker.
 const ENQUEUE: &str = r"
 local known = redis.call('HMGET', KEYS[1], 'state', 'session')
 if known[1] then
+  redis.call('DEL', KEYS[5])
   if known[2] then
     return {1, known[1]}
   end
   return {2, known[1]}
+end
+if staged_missing(ARGV[2], KEYS[5]) then
+  return redis.error_reply(STAGED_EXPIRED)
 end
 redis.call('ZREM', KEYS[4], ARGV[6])
 local score = tonumber(ARGV[5])
@@ -134,7 +181,12 @@ if not score then
 end
 redis.call('ZADD', KEYS[2], '+inf', ARGV[1])
 redis.call('ZADD', KEYS[3], int(score), ARGV[1])
-redis.call('HSET', KEYS[1], 'state', ARGV[3], 'session', ARGV[4], 'exchange', ARGV[2])
+redis.call('HSET', KEYS[1], 'state', ARGV[3], 'session', ARGV[4])
+if ARGV[2] ~= '' then
+  redis.call('HSET', KEYS[1], 'exchange', ARGV[2])
+else
+  place(KEYS[6], '', KEYS[5])
+end
 return {0, false}
 ";
 
@@ -195,7 +247,9 @@ return {id, fields['u'] or '', fields['s'] or ''}
 /// The user step of a claim, for a token of the session: leases the session's head unless
 /// the session has no job ('empty'), another token's lease on it is live ('busy'), or a turn
 /// of the session that arrived before the head is still being recorded ('wait', ms: until its
-/// marker is older than the grace). Returns {'job', key, attempt, exchange JSON} otherwise.
+/// marker is older than the grace). Returns {'job', key, attempt, exchange JSON} otherwise,
+/// with false for the exchange when it is not a field of the record: the client reads a large
+/// one from `jobx:<key>` with a plain GET, which copies it once instead of hashing it in Lua.
 /// KEYS: session backlog, leases, arriving. ARGV: user prefix, hex session, token, lease ms,
 /// grace µs.
 const LEASE: &str = r"
@@ -226,46 +280,75 @@ local record = ARGV[1] .. 'job:' .. key
 local attempt = redis.call('HINCRBY', record, 'attempts', 1)
 redis.call('HSET', record, 'token', ARGV[3], 'until', int(now_ms + tonumber(ARGV[4])))
 redis.call('HSET', KEYS[2], ARGV[2], key)
-return {'job', key, attempt, redis.call('HGET', record, 'exchange') or ''}
+return {'job', key, attempt, redis.call('HGET', record, 'exchange') or false}
 ";
 
 /// Ends one job. Returns nil when it is unknown, else what `finish_job` returns.
-/// KEYS: job record. ARGV: user prefix, job key, state JSON, retention ms ('' keeps it).
+/// KEYS: job record. ARGV: user prefix, job key, state JSON, retention ms ('' keeps it), keep
+/// the exchange ('1'/'0').
 const FINISH: &str = r"
 local now_ms = clock()
-return finish_job(ARGV[1], ARGV[2], ARGV[3], ARGV[4], now_ms) or false
+return finish_job(ARGV[1], ARGV[2], ARGV[3], ARGV[4], now_ms, ARGV[5] == '1') or false
 ";
 
 /// The worker's whole write for applied jobs, atomically: every job must still exist, the
-/// version must match; then the raw-log appends, state, version, prefetched candidates, and
-/// the jobs marked applied. Returns {'gone', job key, 0, {}}, {'conflict', found version, 0,
-/// {}} or {'ok', '', queued jobs finished, {token, session, jobs left, …}}.
-/// KEYS: version, state, raw, raw ids, prefetched. ARGV: user prefix, expected version, new
-/// version, state JSON, prefetched session, prefetched JSON, applied state JSON, retention,
-/// then (job key, raw entry JSON) per job.
+/// version must match; then the raw-log appends, state (inline or staged), version,
+/// prefetched candidates, and the jobs marked applied. A raw-log element is a whole entry, or
+/// a reference: the job's stored exchange then moves (renamed, or for a record that holds it
+/// inline, copied) to the entry's key, so a large exchange is not sent again. Returns
+/// {'gone', job key, 0, {}}, {'conflict', found version, 0, {}}, {'lost', job key, 0, {}}
+/// (a reference whose job has no stored exchange: nothing was written, send the entry whole)
+/// or {'ok', '', queued jobs finished, {token, session, jobs left, …}}.
+/// KEYS: version, state, raw, raw ids, prefetched, staged state. ARGV: user prefix, expected
+/// version, new version, state JSON or '', prefetched session, prefetched JSON, applied state
+/// JSON, retention, then (job key, raw-log element JSON, reference '1'/'0') per job.
 const COMMIT: &str = r"
-for index = 9, #ARGV, 2 do
+for index = 9, #ARGV, 3 do
   if redis.call('EXISTS', ARGV[1] .. 'job:' .. ARGV[index]) == 0 then
+    redis.call('DEL', KEYS[6])
     return {'gone', ARGV[index], 0, {}}
   end
 end
+if staged_missing(ARGV[4], KEYS[6]) then
+  return redis.error_reply(STAGED_EXPIRED)
+end
 local found = redis.call('GET', KEYS[1]) or '0'
 if found ~= ARGV[2] then
+  redis.call('DEL', KEYS[6])
   return {'conflict', found, 0, {}}
 end
-for index = 9, #ARGV, 2 do
-  if not redis.call('HGET', KEYS[4], ARGV[index]) then
-    local seq = redis.call('RPUSH', KEYS[3], ARGV[index + 1]) - 1
-    redis.call('HSET', KEYS[4], ARGV[index], seq)
+for index = 9, #ARGV, 3 do
+  local key = ARGV[index]
+  if ARGV[index + 2] == '1' and not redis.call('HGET', KEYS[4], key)
+    and redis.call('EXISTS', ARGV[1] .. 'jobx:' .. key) == 0
+    and redis.call('HEXISTS', ARGV[1] .. 'job:' .. key, 'exchange') == 0 then
+    redis.call('DEL', KEYS[6])
+    return {'lost', key, 0, {}}
   end
 end
-redis.call('SET', KEYS[2], ARGV[4])
+for index = 9, #ARGV, 3 do
+  local key = ARGV[index]
+  if not redis.call('HGET', KEYS[4], key) then
+    if ARGV[index + 2] == '1' then
+      local entry = ARGV[1] .. 'rawx:' .. key
+      local stored = ARGV[1] .. 'jobx:' .. key
+      if redis.call('EXISTS', stored) == 1 then
+        place(entry, '', stored)
+      else
+        place(entry, redis.call('HGET', ARGV[1] .. 'job:' .. key, 'exchange'), stored)
+      end
+    end
+    local seq = redis.call('RPUSH', KEYS[3], ARGV[index + 1]) - 1
+    redis.call('HSET', KEYS[4], key, seq)
+  end
+end
+place(KEYS[2], ARGV[4], KEYS[6])
 redis.call('SET', KEYS[1], ARGV[3])
 redis.call('HSET', KEYS[5], ARGV[5], ARGV[6])
 local now_ms = clock()
 local queued, tokens = 0, {}
-for index = 9, #ARGV, 2 do
-  local finished = finish_job(ARGV[1], ARGV[index], ARGV[7], ARGV[8], now_ms)
+for index = 9, #ARGV, 3 do
+  local finished = finish_job(ARGV[1], ARGV[index], ARGV[7], ARGV[8], now_ms, false)
   if finished then
     queued = queued + finished[1]
     if finished[2] then
@@ -306,6 +389,9 @@ const FORGET: &str = r"
 local states = redis.call('EXISTS', KEYS[1])
 local prefetched = redis.call('HLEN', KEYS[3])
 local raw = redis.call('LLEN', KEYS[4])
+for _, id in ipairs(redis.call('HKEYS', KEYS[5])) do
+  redis.call('DEL', ARGV[1] .. 'rawx:' .. id)
+end
 local jobs, queued = 0, 0
 for _, key in ipairs(redis.call('ZRANGE', KEYS[6], 0, -1)) do
   local record = ARGV[1] .. 'job:' .. key
@@ -314,6 +400,7 @@ for _, key in ipairs(redis.call('ZRANGE', KEYS[6], 0, -1)) do
     queued = queued + 1
     redis.call('DEL', ARGV[1] .. 'session:' .. session)
   end
+  redis.call('DEL', ARGV[1] .. 'jobx:' .. key)
   jobs = jobs + redis.call('DEL', record)
 end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8])
@@ -391,14 +478,14 @@ impl Scripts {
         let with = |parts: &[&str]| Script::new(&parts.concat());
         Scripts {
             hot_record: Script::new(HOT_RECORD),
-            save_state: Script::new(SAVE_STATE),
-            append_raw: Script::new(APPEND_RAW),
-            enqueue: with(&[COMMON, ENQUEUE]),
+            save_state: with(&[PLACE, SAVE_STATE]),
+            append_raw: with(&[PLACE, APPEND_RAW]),
+            enqueue: with(&[COMMON, PLACE, ENQUEUE]),
             add_token: with(&[ENSURE_GROUP, ADD_TOKEN]),
             claim_token: Script::new(CLAIM_TOKEN),
             lease: with(&[COMMON, LEASE]),
             finish: with(&[COMMON, FINISH_JOB, FINISH]),
-            commit: with(&[COMMON, FINISH_JOB, COMMIT]),
+            commit: with(&[COMMON, FINISH_JOB, PLACE, COMMIT]),
             release_tokens: with(&[ENSURE_GROUP, RELEASE_TOKENS]),
             forget: Script::new(FORGET),
             forget_tokens: Script::new(FORGET_TOKENS),
