@@ -326,9 +326,14 @@ impl RedisStore {
         value: &'v [u8],
     ) -> Result<(&'v [u8], String)> {
         if value.len() < STAGE_FROM_BYTES {
-            return Ok((value, format!("{}staging:-", self.user_prefix(user))));
+            return Ok((value, self.never_staged(user)));
         }
         Ok((&[], self.stage(user, value).await?))
+    }
+
+    /// The staged-key argument of a script given its value inline: a name no write uses.
+    fn never_staged(&self, user: &UserKey) -> String {
+        format!("{}staging:-", self.user_prefix(user))
     }
 
     /// A job's exchange as its record holds it; a large one is encoded on [`Self::encoder`].
@@ -851,7 +856,7 @@ impl Store for RedisStore {
                 let staged = self.stage(user, encode(exchange)?.as_bytes()).await?;
                 (raw_element(exchange_id, None)?, staged)
             } else {
-                let unused = format!("{}staging:-", self.user_prefix(user));
+                let unused = self.never_staged(user);
                 (raw_element(exchange_id, Some(exchange))?, unused)
             };
             let (seq, duplicate): (u64, u8) = self
