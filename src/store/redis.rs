@@ -370,6 +370,12 @@ impl RedisStore {
         format!("{}job:{}", self.user_prefix(&job.user), job.key)
     }
 
+    /// A queued or leased job's exchange when it is too large for its record (see
+    /// [`STAGE_FROM_BYTES`]); the scripts name it `jobx:<key>` too.
+    fn job_exchange_key(&self, job: &JobId) -> String {
+        format!("{}jobx:{}", self.user_prefix(&job.user), job.key)
+    }
+
     /// The queue shard of a user's tokens: a hash of the tag, so it never changes.
     fn shard_of(&self, tag: &str) -> usize {
         let hash = tag.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
@@ -465,14 +471,15 @@ impl RedisStore {
                 .map_err(redis_error)?;
             match (status.as_str(), key, attempt, exchange) {
                 ("job", Some(key), Some(attempt), exchange) => {
+                    let id = JobId { user, key };
                     let exchange = match exchange {
                         Some(exchange) => exchange,
-                        None => self.stored_exchange(&prefix, &key).await?,
+                        None => self.stored_exchange(&id).await?,
                     };
                     let claimed: ClaimedExchange = decode(&exchange)?;
                     return Ok(Some(ClaimedJob {
                         job: Job {
-                            id: JobId { user, key },
+                            id,
                             exchange: claimed.exchange,
                             trace: claimed.trace,
                         },
@@ -496,13 +503,13 @@ impl RedisStore {
 
     /// A leased job's large exchange, which its record does not hold: read with a plain
     /// `GET`, not in the lease script (see [`STAGE_FROM_BYTES`]).
-    async fn stored_exchange(&self, prefix: &str, key: &str) -> Result<Vec<u8>> {
+    async fn stored_exchange(&self, job: &JobId) -> Result<Vec<u8>> {
         let stored: Option<Vec<u8>> = self
             .connection()
-            .get(format!("{prefix}jobx:{key}"))
+            .get(self.job_exchange_key(job))
             .await
             .map_err(redis_error)?;
-        stored.ok_or_else(|| Error::Store(format!("redis: job {key:?} has no exchange")))
+        stored.ok_or_else(|| Error::Store(format!("redis: job {:?} has no exchange", job.key)))
     }
 
     /// Settles the previous token, then (unless `settle_only`) leases the shard's next one:
@@ -955,7 +962,7 @@ impl Store for RedisStore {
                 .key(self.user_key(user, &format!("session:{session}")))
                 .key(self.user_key(user, "arriving"))
                 .key(staged)
-                .key(self.user_key(user, &format!("jobx:{}", job.id.key)))
+                .key(self.job_exchange_key(&job.id))
                 .arg(&job.id.key)
                 .arg(inline)
                 .arg(encode(&JobState::Queued)?)
