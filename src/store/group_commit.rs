@@ -209,6 +209,8 @@ where
                 return Err(Error::Store(error.to_string()));
             }
             results.push(result);
+            // A round can hold dozens of writes, each tens of µs of encoding and tree inserts.
+            priority::checkpoint();
         }
         // The commit writes the pages and syncs them, in the kernel, where a kernel built
         // without preemption (as this VM's) lets no request in until it returns.

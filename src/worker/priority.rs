@@ -91,6 +91,13 @@ pub fn yield_to_requests() {
     });
 }
 
+/// [`yield_to_requests`] on a worker or recorder thread; on any other thread, nothing.
+pub fn yield_if_background() {
+    if SLICE.with(Cell::get).is_some() {
+        yield_to_requests();
+    }
+}
+
 /// How long a background thread runs before a [`checkpoint`] yields. Some steps are long: with
 /// 100 KB or 1 MB exchanges one engine pass counts the tokens of 16 KiB excerpts in two
 /// encodings and runs the extractor over every sentence, which takes milliseconds.
@@ -293,6 +300,28 @@ mod tests {
                 last_yield() > a_slice_ago,
                 "a yield did not start a new slice"
             );
+            // So does a yield for background threads, on one.
+            SLICE.with(|slice| {
+                slice.set(Some(Slice {
+                    countdown: CHECKPOINTS_PER_CLOCK_READ,
+                    since: a_slice_ago,
+                }));
+            });
+            yield_if_background();
+            assert!(
+                last_yield() > a_slice_ago,
+                "a background thread's yield did not start a new slice"
+            );
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn a_yield_for_background_threads_leaves_other_threads_alone() {
+        std::thread::spawn(|| {
+            yield_if_background();
+            assert!(SLICE.with(Cell::get).is_none());
         })
         .join()
         .unwrap();
