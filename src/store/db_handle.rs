@@ -197,3 +197,42 @@ impl StorageBackend for YieldingFile {
         self.0.close()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+
+    use redb::{ReadableDatabase, TableDefinition};
+
+    use super::*;
+
+    const ROWS: TableDefinition<u64, u64> = TableDefinition::new("rows");
+
+    /// A commit on a background thread yields (before its sync at least), so a request thread
+    /// waiting for the core gets it; the file is redb's as before.
+    #[test]
+    fn a_background_threads_commit_yields_and_the_file_reopens() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("yield.redb");
+        let handle = DbHandle::open(&path, |_| Ok(())).unwrap();
+        let db = handle.get_or_reopen().unwrap();
+        std::thread::spawn(move || {
+            let long_ago = Instant::now().checked_sub(Duration::from_secs(1)).unwrap();
+            priority::start_slice(long_ago);
+            let txn = db.begin_write().unwrap();
+            txn.open_table(ROWS).unwrap().insert(1, 2).unwrap();
+            txn.commit().unwrap();
+            assert!(
+                priority::last_yield() > long_ago,
+                "the commit never yielded"
+            );
+        })
+        .join()
+        .unwrap();
+        drop(handle);
+        let reopened = open_database(&path, |_| Ok(())).unwrap();
+        let txn = reopened.begin_read().unwrap();
+        let rows = txn.open_table(ROWS).unwrap();
+        assert_eq!(rows.get(1).unwrap().unwrap().value(), 2);
+    }
+}

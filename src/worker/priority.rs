@@ -152,7 +152,7 @@ fn mark_background() {
 }
 
 /// Starts the calling thread's slice at `since`, marking it a background thread.
-fn start_slice(since: Instant) {
+pub(crate) fn start_slice(since: Instant) {
     SLICE.with(|slice| {
         slice.set(Some(Slice {
             countdown: CHECKPOINTS_PER_CLOCK_READ,
@@ -172,6 +172,13 @@ fn nice_lowest() {
 fn lower_priority() {
     lowest_in(Policy::Idle, "worker");
     mark_background();
+}
+
+/// When the calling background thread last yielded.
+#[cfg(test)]
+#[allow(clippy::unwrap_used, reason = "tests")]
+pub(crate) fn last_yield() -> Instant {
+    SLICE.with(Cell::get).unwrap().since
 }
 
 /// The normal scheduling policies this module uses.
@@ -253,11 +260,6 @@ mod tests {
         let policy = normal.block_on(normal.spawn(async { own_stat_field(POLICY) }));
         assert_eq!(policy.unwrap(), 0);
         assert!(!checkpoints_on(normal));
-    }
-
-    /// When the calling thread's checkpoints last yielded.
-    fn last_yield() -> Instant {
-        SLICE.with(Cell::get).unwrap().since
     }
 
     #[test]
