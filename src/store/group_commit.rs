@@ -212,8 +212,9 @@ where
             // A round can hold dozens of writes, each tens of µs of encoding and tree inserts.
             priority::checkpoint();
         }
-        // The commit writes the pages and syncs them, in the kernel, where a kernel built
-        // without preemption (as this VM's) lets no request in until it returns.
+        // The commit writes the pages and syncs them. The file yields between page writes and
+        // before the sync (`YieldingFile`), but inside each write and the sync a kernel built
+        // without preemption (as this VM's) lets no request in.
         priority::yield_to_requests();
         txn.commit().map_err(db_error)?;
         Ok(results)
