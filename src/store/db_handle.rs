@@ -160,13 +160,15 @@ fn open_database(path: &Path, create_tables: fn(&Database) -> Result<()>) -> Res
 }
 
 /// redb's file backend, giving the core to a waiting request thread while a background thread
-/// (the recorder's, the worker's) commits: at a page write once the thread has run a slice,
-/// and before each sync. On a kernel without preemption, a niced recorder is not taken off the
+/// (the recorder's, the worker's) commits: at a page read or write once the thread has run a
+/// slice, and before each sync. On a kernel without preemption, a recorder is not taken off the
 /// core when a request thread wakes: in a 3 s `perf sched` trace at 2,000 req/s with memory
 /// on, the recorder was running during 92 % of the time request threads spent runnable but
-/// waiting (waits over 0.5 ms). With these yields and a checkpoint per write of a group
-/// commit, the added p99 there fell from a median of 3.4 to 2.6 ms over four paired runs
-/// (docs/benchmarks.md). On other threads (a request thread's read) it is redb's own.
+/// waiting (waits over 0.5 ms). With the writes' yields and a checkpoint per write of a group
+/// commit, the added p99 there fell from a median of 3.4 to 2.6 ms over four paired runs; with
+/// the reads' (redb's cache misses) and a clock read at each, and the recorder no longer
+/// niced, to 1.3 ms over five (docs/benchmarks.md). On other threads (a request thread's read)
+/// it is redb's own.
 #[derive(Debug)]
 struct YieldingFile(FileBackend);
 
@@ -176,6 +178,7 @@ impl StorageBackend for YieldingFile {
     }
 
     fn read(&self, offset: u64, out: &mut [u8]) -> io::Result<()> {
+        priority::checkpoint_step();
         self.0.read(offset, out)
     }
 
@@ -189,7 +192,7 @@ impl StorageBackend for YieldingFile {
     }
 
     fn write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
-        priority::checkpoint();
+        priority::checkpoint_step();
         self.0.write(offset, data)
     }
 

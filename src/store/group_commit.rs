@@ -21,7 +21,7 @@ use tokio::sync::oneshot;
 
 use super::db_handle::DbHandle;
 use crate::error::{Error, Result};
-use crate::worker::priority::{self, WorkerRuntime};
+use crate::worker::priority::{self, RecorderPriority, WorkerRuntime};
 
 /// Applies one operation inside a transaction; a clean failure must have written nothing.
 pub type Apply<Op, Out> = fn(&WriteTransaction, &Op) -> Result<Out>;
@@ -64,7 +64,7 @@ where
         linger: Duration,
         thread: &str,
     ) -> Result<Arc<GroupCommit<Op, Out>>> {
-        let pool = priority::recorder_pool(thread)?;
+        let pool = priority::recorder_pool(thread, RecorderPriority::Normal)?;
         Ok(Arc::new(GroupCommit::with(apply, linger, Some(pool))))
     }
 
@@ -210,7 +210,7 @@ where
             }
             results.push(result);
             // A round can hold dozens of writes, each tens of µs of encoding and tree inserts.
-            priority::checkpoint();
+            priority::checkpoint_step();
         }
         // The commit writes the pages and syncs them. The file yields between page writes and
         // before the sync (`YieldingFile`), but inside each write and the sync a kernel built

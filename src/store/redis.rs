@@ -44,7 +44,7 @@ use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
 use crate::pipeline::BoxFuture;
 use crate::telemetry::TraceParent;
-use crate::worker::priority::{self, WorkerRuntime};
+use crate::worker::priority::{self, RecorderPriority, WorkerRuntime};
 
 pub use self::connection::{queue_tag, slot};
 
@@ -222,9 +222,9 @@ pub struct RedisStore {
     /// When this process next removes idle consumers (ms since the epoch).
     next_prune_ms: Arc<AtomicU64>,
     scripts: Arc<Scripts>,
-    /// A niced thread that encodes large exchanges for the enqueue, as the embedded store's
-    /// recorder does: serialising 1 MB of text took about 0.6 ms in the benchmark's profile,
-    /// which on the request threads would delay the requests that arrive meanwhile.
+    /// A thread niced to 19 that encodes large exchanges for the enqueue: serialising 1 MB of
+    /// text took about 0.6 ms in the benchmark's profile, which on the request threads would
+    /// delay the requests that arrive meanwhile.
     encoder: Arc<WorkerRuntime>,
     /// Names this process's staged keys (random, so replicas never pick the same)...
     staging_id: Arc<str>,
@@ -294,7 +294,10 @@ impl RedisStore {
             consumer_idle: options.consumer_idle,
             next_prune_ms: Arc::new(AtomicU64::new(now_ms() + PRUNE_EVERY_MS)),
             scripts: Arc::new(Scripts::new()),
-            encoder: Arc::new(priority::recorder_pool("engram-recorder")?),
+            encoder: Arc::new(priority::recorder_pool(
+                "engram-recorder",
+                RecorderPriority::Lowest,
+            )?),
             staging_id: random_id().into(),
             next_staged: Arc::default(),
         })

@@ -5,13 +5,14 @@
 //! latency; on an idle one it runs at full speed. Elsewhere, or if the policy cannot be set,
 //! the threads run at normal priority.
 //!
-//! The embedded store's enqueues (the recorder's durable writes, after each answer), and the
-//! Redis store's encoding of large exchanges for its enqueue, run on a
-//! blocking pool of their own whose one thread is niced to 19 ([`recorder_pool`]): still ahead
-//! of the idle worker, but no longer sharing the request threads' time slices. On the same
-//! core, the request path's normal-priority blocking threads ran those commits for up to a slice
-//! at a time; measured at 1,000 req/s with memory on (20 s runs), moving them, with the
-//! enqueues' shared commits, took the added p99 from 2.2–2.6 ms to 1.5–2.1 ms.
+//! The embedded store's enqueues (the recorder's durable writes, after each answer) run on a
+//! blocking pool of their own whose one thread ([`recorder_pool`]) runs at normal priority and
+//! gives way at every step (see [`checkpoint_step`]); on the request path's blocking threads
+//! they had held the core for up to a slice at a time. Niced to 19, the recorder could be
+//! starved at full load once it yielded that often: its enqueues fell behind and a later,
+//! larger commit stalled the requests (2,000 req/s, docs/benchmarks.md). The Redis store's
+//! encoding of large exchanges, one long call without checkpoints, runs on such a thread niced
+//! to 19.
 //!
 //! Neither policy stops a background thread that the scheduler has already picked from keeping
 //! the core until the next tick, so the worker also yields between its steps
@@ -20,8 +21,8 @@
 //! exchanges one step takes milliseconds, so the engine's long loops also pass
 //! [`checkpoint`]s, which yield once a background thread has run 100 µs: at 100 KB and
 //! 100 req/s the added p99 fell from 3.4–4.6 ms to 0.84 ms (embedded). So do the embedded
-//! store's commits, at each write of a round and each page write (`YieldingFile`): a waking
-//! request thread does not take the core from the niced recorder, it waits for a yield.
+//! store's commits, at each write of a round and each page read and write (`YieldingFile`): a
+//! waking request thread does not take the core from the recorder, it waits for a yield.
 
 use std::cell::Cell;
 use std::time::{Duration, Instant};
@@ -61,13 +62,29 @@ pub fn worker_runtime(idle: bool) -> Result<WorkerRuntime> {
     Ok(WorkerRuntime(Some(builder.build()?)))
 }
 
-/// A runtime used only for its blocking pool: one thread, named `name`, at the lowest normal
-/// priority (nice 19) where Linux allows it. `Handle::spawn_blocking` on it runs there.
-pub fn recorder_pool(name: &str) -> Result<WorkerRuntime> {
+/// How a [`recorder_pool`]'s thread is scheduled.
+#[derive(Clone, Copy)]
+pub enum RecorderPriority {
+    /// Normal priority, for work that passes a checkpoint at every step (the embedded store's
+    /// commits): a lower priority would let a busy core starve it.
+    Normal,
+    /// The lowest normal priority (nice 19), for long calls without checkpoints (encoding a
+    /// large exchange), which would otherwise hold the core for a whole time slice.
+    Lowest,
+}
+
+/// A runtime used only for its blocking pool: one thread, named `name`, scheduled as
+/// `priority` asks where Linux allows it, and passing [`checkpoint`]s as a background thread.
+/// `Handle::spawn_blocking` on it runs there.
+pub fn recorder_pool(name: &str, priority: RecorderPriority) -> Result<WorkerRuntime> {
+    let start: fn() = match priority {
+        RecorderPriority::Normal => mark_background,
+        RecorderPriority::Lowest => nice_lowest,
+    };
     let runtime = Builder::new_current_thread()
         .thread_name(name)
         .max_blocking_threads(1)
-        .on_thread_start(nice_lowest)
+        .on_thread_start(start)
         .build()?;
     Ok(WorkerRuntime(Some(runtime)))
 }
@@ -137,13 +154,32 @@ pub fn checkpoint() {
             current.countdown -= 1;
         } else {
             current.countdown = CHECKPOINTS_PER_CLOCK_READ;
-            if current.since.elapsed() >= BACKGROUND_SLICE {
-                std::thread::yield_now();
-                current.since = Instant::now();
-            }
+            yield_once_the_slice_is_over(&mut current);
         }
         slice.set(Some(current));
     });
+}
+
+/// [`checkpoint`] between steps of microseconds or more (a page read or write, one write of a
+/// group commit), where counting down would let dozens pass between looks at the clock: it
+/// looks every time. In a `perf` trace at 2,000 req/s with memory on, a recorder round ran
+/// 1–1.7 ms of writes and page reads (30–40 misses of redb's cache, served by the kernel's)
+/// before its first look, while request threads waited.
+pub fn checkpoint_step() {
+    SLICE.with(|slice| {
+        let Some(mut current) = slice.get() else {
+            return;
+        };
+        yield_once_the_slice_is_over(&mut current);
+        slice.set(Some(current));
+    });
+}
+
+fn yield_once_the_slice_is_over(current: &mut Slice) {
+    if current.since.elapsed() >= BACKGROUND_SLICE {
+        std::thread::yield_now();
+        current.since = Instant::now();
+    }
 }
 
 /// Makes [`checkpoint`] yield on the calling thread.
@@ -161,8 +197,8 @@ pub(crate) fn start_slice(since: Instant) {
     });
 }
 
-/// The recorder's thread: `SCHED_OTHER` at nice 19. Raising a thread's nice value needs no
-/// privilege, and on Linux it applies to the calling thread only.
+/// A [`RecorderPriority::Lowest`] thread: `SCHED_OTHER` at nice 19. Raising a thread's nice
+/// value needs no privilege, and on Linux it applies to the calling thread only.
 fn nice_lowest() {
     lowest_in(Policy::Other, "recorder");
     mark_background();
@@ -235,7 +271,7 @@ mod tests {
     const SCHED_IDLE: i64 = 5;
 
     #[test]
-    fn the_worker_runs_at_idle_policy_and_the_recorder_at_nice_19() {
+    fn the_worker_runs_at_idle_policy_and_recorders_as_asked() {
         let worker = worker_runtime(true).unwrap();
         let worker = worker.handle().unwrap();
         let async_thread = worker.block_on(worker.spawn(async { own_stat_field(POLICY) }));
@@ -249,11 +285,18 @@ mod tests {
         };
         assert!(checkpoints_on(worker));
 
-        let recorder = recorder_pool("test-recorder").unwrap();
+        let recorder = recorder_pool("test-recorder", RecorderPriority::Normal).unwrap();
         let recorder = recorder.handle().unwrap();
-        let nice = recorder.block_on(recorder.spawn_blocking(|| own_stat_field(NICE)));
-        assert_eq!(nice.unwrap(), 19);
+        let scheduling = recorder
+            .block_on(recorder.spawn_blocking(|| (own_stat_field(POLICY), own_stat_field(NICE))));
+        // Not lowered: as the thread that started it (nice 0 unless the tests run niced).
+        assert_eq!(scheduling.unwrap(), (0, own_stat_field(NICE)));
         assert!(checkpoints_on(recorder));
+        let encoder = recorder_pool("test-encoder", RecorderPriority::Lowest).unwrap();
+        let encoder = encoder.handle().unwrap();
+        let nice = encoder.block_on(encoder.spawn_blocking(|| own_stat_field(NICE)));
+        assert_eq!(nice.unwrap(), 19);
+        assert!(checkpoints_on(encoder));
         // And a worker runtime asked for normal priority stays there.
         let normal = worker_runtime(false).unwrap();
         let normal = normal.handle().unwrap();
@@ -306,6 +349,27 @@ mod tests {
                 last_yield() > a_slice_ago,
                 "a background thread's yield did not start a new slice"
             );
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn a_step_checkpoint_looks_at_the_clock_every_time() {
+        checkpoint_step();
+        assert!(SLICE.with(Cell::get).is_none());
+
+        std::thread::spawn(|| {
+            let a_slice_ago = Instant::now().checked_sub(2 * BACKGROUND_SLICE).unwrap();
+            start_slice(a_slice_ago);
+            // The first one already: no counting down.
+            checkpoint_step();
+            let yielded = last_yield();
+            assert!(yielded > a_slice_ago, "a slice passed without a yield");
+            checkpoint_step();
+            if yielded.elapsed() < BACKGROUND_SLICE {
+                assert_eq!(last_yield(), yielded, "yielded within a slice");
+            }
         })
         .join()
         .unwrap();
