@@ -154,13 +154,12 @@ async fn enqueues_commit_on_a_normal_priority_thread_of_their_own() {
     assert_eq!(store.queue_depth().await.unwrap(), 8);
     // (policy, nice): fields 41 and 19 of a thread's stat line. Fields after the command's
     // closing parenthesis start at field 3 (state).
-    let scheduling = |stat: String| {
-        let after: Vec<String> = stat
+    let scheduling = |stat: &str| {
+        let after: Vec<&str> = stat
             .rsplit_once(')')
             .unwrap()
             .1
             .split_whitespace()
-            .map(str::to_owned)
             .collect();
         let field = |n: usize| after[n - 3].parse::<i32>().unwrap();
         (field(41), field(19))
@@ -171,12 +170,12 @@ async fn enqueues_commit_on_a_normal_priority_thread_of_their_own() {
         let comm = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
         if comm.trim() == "engram-recorder" {
             let stat = std::fs::read_to_string(path.join("stat")).unwrap();
-            recorder_scheduling.push(scheduling(stat));
+            recorder_scheduling.push(scheduling(&stat));
         }
     }
     assert!(!recorder_scheduling.is_empty(), "no engram-recorder thread");
     // Not lowered: as this test's thread (nice 0 unless the tests run niced).
-    let own = scheduling(std::fs::read_to_string("/proc/thread-self/stat").unwrap());
+    let own = scheduling(&std::fs::read_to_string("/proc/thread-self/stat").unwrap());
     assert!(
         recorder_scheduling.iter().all(|&recorder| recorder == own),
         "(policy, nice) {recorder_scheduling:?}, not {own:?}"
