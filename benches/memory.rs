@@ -347,11 +347,12 @@ fn percentiles(mut samples: Vec<Duration>) -> (Duration, Duration, Duration) {
 fn estimated_heap_bytes(state: &MemoryState) -> usize {
     use std::mem::size_of_val;
     let strings = |texts: &[&String]| texts.iter().map(|text| text.capacity()).sum::<usize>();
-    let mut bytes = size_of_val(state.facts.as_slice())
-        + size_of_val(state.raw_turns.as_slice())
-        + size_of_val(state.turn_log.as_slice())
-        + size_of_val(state.episodes.as_slice())
-        + size_of_val(state.artifacts.as_slice())
+    use engram::memory::model::{Artifact, EpisodeManifest, Fact, RawTurn, TurnLogEntry};
+    let mut bytes = state.facts.len() * size_of::<Fact>()
+        + state.raw_turns.len() * size_of::<RawTurn>()
+        + state.turn_log.len() * size_of::<TurnLogEntry>()
+        + state.episodes.len() * size_of::<EpisodeManifest>()
+        + state.artifacts.len() * size_of::<Artifact>()
         + size_of_val(state.pinned.as_slice());
     for fact in &state.facts {
         bytes += strings(&[&fact.key, &fact.value]) + fact.provenance.capacity() * 4;

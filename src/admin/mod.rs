@@ -507,11 +507,9 @@ impl AdminApi {
             return Ok(Some(Arc::clone(cached)));
         }
         // Indexing a large memory is CPU work: off the async threads.
-        let memory = tokio::task::spawn_blocking(move || {
-            Arc::new(CachedMemory::after(cached.as_deref(), state))
-        })
-        .await
-        .map_err(|error| Error::Internal(format!("indexing task failed: {error}")))?;
+        let memory = tokio::task::spawn_blocking(move || Arc::new(CachedMemory::new(state)))
+            .await
+            .map_err(|error| Error::Internal(format!("indexing task failed: {error}")))?;
         self.cache.put(user, Arc::clone(&memory));
         Ok(Some(memory))
     }

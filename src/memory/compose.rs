@@ -393,13 +393,8 @@ pub fn compose(
             let session = state.session_index(request.session_id);
             let candidates: Vec<TurnSeq> = match session {
                 Some(session) => state
-                    .raw_turns
-                    .iter()
-                    .enumerate()
-                    .rev()
-                    .filter(|(_, turn)| turn.session == session)
+                    .session_turns_rev(session)
                     .take(config.raw_window_turns + config.new_ttl_turns as usize)
-                    .filter_map(|(seq, _)| TurnSeq::try_from(seq).ok())
                     .collect(),
                 None => Vec::new(),
             };

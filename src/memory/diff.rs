@@ -243,8 +243,8 @@ pub fn apply_diff(state: &mut MemoryState, diff: &FactDiff, source: Option<TurnS
                     report.ignored.push(key);
                     continue;
                 }
-                fact.history
-                    .push(revision_of(fact, RevisionEnd::Removed, source));
+                let revision = revision_of(fact, RevisionEnd::Removed, source);
+                push_revision(&mut fact.history, revision);
                 fact.active = false;
                 fact.version += 1;
                 report.removed.push(fact.id);
@@ -256,7 +256,7 @@ pub fn apply_diff(state: &mut MemoryState, diff: &FactDiff, source: Option<TurnS
                         if let Some(seq) = source
                             && !fact.provenance.contains(&seq)
                         {
-                            fact.provenance.push(seq);
+                            push_provenance(&mut fact.provenance, seq);
                             fact.tier.frequency += 1;
                             fact.tier.last_touched_turn = now;
                             reconfirmed = true;
@@ -271,7 +271,8 @@ pub fn apply_diff(state: &mut MemoryState, diff: &FactDiff, source: Option<TurnS
                     };
                     // A removed fact's history already holds its last value.
                     if fact.active {
-                        fact.history.push(revision_of(fact, end, source));
+                        let revision = revision_of(fact, end, source);
+                        push_revision(&mut fact.history, revision);
                     }
                     fact.value = value;
                     fact.active = true;
@@ -329,24 +330,51 @@ pub fn apply_diff(state: &mut MemoryState, diff: &FactDiff, source: Option<TurnS
     report
 }
 
-fn find_fact(state: &MemoryState, normalised_key: &str) -> Option<usize> {
+fn find_fact(state: &mut MemoryState, normalised_key: &str) -> Option<usize> {
     // Prefer the active fact; a retired one with the same key is revived rather than duplicated.
+    state.sync_lookups();
     let mut retired = None;
-    for (index, fact) in state.facts.iter().enumerate() {
-        if normalise(&fact.key) == normalised_key {
-            if fact.active {
-                return Some(index);
-            }
-            // Merged facts stay retired (their survivor carries the key), deleted ones gone.
-            if !matches!(
-                fact.history.last().map(|revision| revision.ended_by),
-                Some(RevisionEnd::MergedInto(_) | RevisionEnd::Deleted)
-            ) {
-                retired = Some(index);
-            }
+    for id in state.lookups.facts_with_key(state, normalised_key) {
+        let Some(fact) = state.fact(id) else {
+            continue;
+        };
+        if fact.active {
+            return Some(id as usize);
+        }
+        // Merged facts stay retired (their survivor carries the key), deleted ones gone.
+        if !matches!(
+            fact.history.last().map(|revision| revision.ended_by),
+            Some(RevisionEnd::MergedInto(_) | RevisionEnd::Deleted)
+        ) {
+            retired = Some(id as usize);
         }
     }
     retired
+}
+
+/// Turns a fact's provenance keeps: the one that established it and the latest that confirmed
+/// it. A fact the user repeats every day would otherwise grow with the history, and with it
+/// every write of the fact.
+pub const MAX_PROVENANCE: usize = 16;
+
+/// Earlier values a fact keeps, the latest ones.
+pub const MAX_REVISIONS: usize = 16;
+
+/// Adds a confirming turn, dropping the oldest confirmation past [`MAX_PROVENANCE`] (the first
+/// turn stays).
+pub fn push_provenance(provenance: &mut Vec<TurnSeq>, seq: TurnSeq) {
+    provenance.push(seq);
+    if provenance.len() > MAX_PROVENANCE {
+        provenance.remove(1);
+    }
+}
+
+/// Adds an ended revision, dropping the oldest past [`MAX_REVISIONS`].
+pub fn push_revision(history: &mut Vec<FactRevision>, revision: FactRevision) {
+    history.push(revision);
+    if history.len() > MAX_REVISIONS {
+        history.remove(0);
+    }
 }
 
 fn revision_of(fact: &Fact, ended_by: RevisionEnd, at: Option<TurnSeq>) -> FactRevision {

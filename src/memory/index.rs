@@ -1,16 +1,33 @@
 //! An in-memory BM25 index over a user's whole memory: raw turns, turn summaries, facts,
-//! episode manifests and artifacts, one segment each (each with its own statistics). The proxy
-//! caches one per user and calls `refresh`, which appends new turns incrementally and rebuilds
-//! only the small fact and episode segments when they changed.
+//! episode manifests and artifacts, one [`Segment`] each (each with its own statistics).
+//!
+//! The proxy caches one per user, and the worker refreshes it after every turn, so it is built
+//! to change in O(turn), not O(history): each segment is an LSM of immutable parts shared
+//! between copies plus a small mutable head. A new document goes into the head; a full head is
+//! sealed into a part; parts of similar size are merged. A document whose text changed (a fact
+//! updated, an episode rebuilt) is added again and its old copy goes stale: searches skip it,
+//! and the statistics leave it out (per-term counts of stale documents), so scores are exactly
+//! those of an index built afresh. Merges drop stale copies.
+//!
+//! `refresh` finds what to index from the state: items appended since the last refresh, and the
+//! items the state records as changed since it was last stored ([`Segmented::pending`]); an
+//! item whose text did not change (only its tier moved) is left as it is.
 
 use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 
-use rustc_hash::FxBuildHasher;
+use rustc_hash::{FxBuildHasher, FxHasher};
 
+use super::layered::LayeredMap;
 use super::model::{ItemRef, MemoryState, TurnSeq};
+use super::segmented::Segmented;
 use super::text::{date_search_text, distinct_terms, terms};
 
 pub type TermId = u32;
+
+/// Documents the mutable head of a segment holds before it is sealed into a part.
+const HEAD_DOCS: usize = 128;
 
 #[derive(Debug, Clone, Copy)]
 struct Posting {
@@ -18,20 +35,115 @@ struct Posting {
     tf: u32,
 }
 
-/// One BM25 collection. Document `i` has key `doc_keys[i]` (a turn sequence number or an id).
+/// Where the live copy of a key's document is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct DocLoc {
+    /// The part's id; [`ABSENT`] when the key has no document (an inactive fact).
+    part: u32,
+    doc: u32,
+    /// A hash of the indexed text, so an unchanged item is not indexed again.
+    fingerprint: u64,
+}
+
+const ABSENT: u32 = u32::MAX;
+
+impl DocLoc {
+    const NONE: DocLoc = DocLoc {
+        part: ABSENT,
+        doc: 0,
+        fingerprint: 0,
+    };
+}
+
+/// One BM25 posting collection over some documents of a segment. Sealed parts never change
+/// (copies share them); the head is the one part that grows.
 #[derive(Debug, Clone, Default)]
-pub struct Segment {
+struct Part {
+    id: u32,
     doc_keys: Vec<u32>,
     doc_len: Vec<u32>,
-    total_len: u64,
     /// Postings sorted by document. Keyed by a multiplicative hash, not SipHash: a long query
-    /// looks up hundreds of terms in every segment on the hot path, and term ids are numbers
-    /// this index hands out in sequence, never chosen by a client (the vocabulary, keyed by
-    /// the client's words, keeps a seeded hash).
+    /// looks up hundreds of terms in every part on the hot path, and term ids are numbers this
+    /// index hands out in sequence, never chosen by a client (the vocabulary, keyed by the
+    /// client's words, keeps a seeded hash).
     postings: HashMap<TermId, Vec<Posting>, FxBuildHasher>,
     /// Each document's distinct terms (the forward index), for query expansion from the best
     /// hits without re-reading their text on the hot path.
     doc_terms: Vec<Box<[TermId]>>,
+    /// Each document's distinct context terms that are not among its said terms (a raw turn's
+    /// date words): with `doc_terms`, every term the document is posted under.
+    doc_context: Vec<Box<[TermId]>>,
+    /// Approximate heap size, kept as documents are added.
+    bytes: usize,
+}
+
+/// Approximate heap bytes of one document's entry in a part (keys, length, forward index).
+fn doc_bytes(terms: usize) -> usize {
+    8 + 32 + terms * 4
+}
+
+const POSTING_BYTES: usize = 8;
+const POSTING_LIST_BYTES: usize = 48;
+
+impl Part {
+    fn len(&self) -> usize {
+        self.doc_keys.len()
+    }
+
+    /// Adds a document; returns its number in this part.
+    fn add(&mut self, key: u32, said: Vec<TermId>, context: Vec<TermId>) -> u32 {
+        let mut distinct = said.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let mut context_only = context.clone();
+        context_only.sort_unstable();
+        context_only.dedup();
+        context_only.retain(|term| distinct.binary_search(term).is_err());
+        self.bytes += doc_bytes(distinct.len() + context_only.len());
+        self.doc_terms.push(distinct.into_boxed_slice());
+        self.doc_context.push(context_only.into_boxed_slice());
+        let mut term_ids = said;
+        term_ids.extend(context);
+        let doc = u32::try_from(self.doc_keys.len()).unwrap_or(u32::MAX);
+        self.doc_keys.push(key);
+        self.doc_len
+            .push(u32::try_from(term_ids.len()).unwrap_or(u32::MAX));
+        term_ids.sort_unstable();
+        let mut index = 0;
+        while index < term_ids.len() {
+            let term = term_ids[index];
+            let run = term_ids[index..].iter().take_while(|t| **t == term).count();
+            let list = self.postings.entry(term).or_default();
+            if list.is_empty() {
+                self.bytes += POSTING_LIST_BYTES;
+            }
+            list.push(Posting {
+                doc,
+                tf: u32::try_from(run).unwrap_or(u32::MAX),
+            });
+            self.bytes += POSTING_BYTES;
+            index += run;
+        }
+        doc
+    }
+
+    fn doc_freq(&self, term: TermId) -> usize {
+        self.postings.get(&term).map_or(0, Vec::len)
+    }
+
+    fn all_terms(&self, doc: usize) -> impl Iterator<Item = TermId> + '_ {
+        let said = self.doc_terms.get(doc).map_or(&[][..], |terms| terms);
+        let context = self.doc_context.get(doc).map_or(&[][..], |terms| terms);
+        said.iter().chain(context).copied()
+    }
+
+    fn has(&self, doc: u32, term: TermId) -> bool {
+        self.postings.get(&term).is_some_and(|postings| {
+            postings
+                .binary_search_by_key(&doc, |posting| posting.doc)
+                .is_ok()
+        })
+    }
 }
 
 /// BM25 parameters.
@@ -39,6 +151,429 @@ pub struct Segment {
 pub struct Bm25 {
     pub k1: f32,
     pub b: f32,
+}
+
+/// One BM25 collection, whose documents are keyed by a turn sequence number or an id.
+#[derive(Debug, Clone, Default)]
+pub struct Segment {
+    /// Sealed parts, oldest first.
+    parts: Vec<Arc<Part>>,
+    head: Part,
+    next_part: u32,
+    /// Key -> its live document.
+    live: Segmented<DocLoc>,
+    /// Live documents and their summed length.
+    docs: u32,
+    total_len: u64,
+    /// Stale documents (replaced or removed, not yet merged away) per term they are posted
+    /// under, so document frequencies count live documents only.
+    stale: HashMap<TermId, u32, FxBuildHasher>,
+    stale_docs: u32,
+}
+
+impl Segment {
+    /// Live documents.
+    pub fn len(&self) -> usize {
+        self.docs as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.docs == 0
+    }
+
+    /// Keys `0..keys()` have been looked at (indexed, or found to have no document).
+    fn keys(&self) -> usize {
+        self.live.len()
+    }
+
+    fn average_len(&self) -> f32 {
+        if self.docs == 0 {
+            1.0
+        } else {
+            (self.total_len as f32 / self.docs as f32).max(1.0)
+        }
+    }
+
+    fn all_parts(&self) -> impl Iterator<Item = &Part> + '_ {
+        self.parts
+            .iter()
+            .map(|part| &**part)
+            .chain(std::iter::once(&self.head))
+    }
+
+    fn part(&self, id: u32) -> Option<&Part> {
+        self.all_parts().find(|part| part.id == id)
+    }
+
+    /// Live documents holding `term`.
+    pub fn doc_freq(&self, term: TermId) -> usize {
+        let posted: usize = self.all_parts().map(|part| part.doc_freq(term)).sum();
+        posted.saturating_sub(self.stale.get(&term).copied().unwrap_or(0) as usize)
+    }
+
+    pub fn idf(&self, term: TermId) -> f32 {
+        let n = self.docs as f32;
+        let df = self.doc_freq(term) as f32;
+        if df == 0.0 {
+            return 0.0;
+        }
+        (1.0 + (n - df + 0.5) / (df + 0.5)).ln()
+    }
+
+    /// The best score any document could reach for `query`: normalises scores to about `0..1`
+    /// so segments can be compared.
+    pub fn ceiling(&self, query: &[TermId], bm25: Bm25) -> f32 {
+        query
+            .iter()
+            .map(|term| self.idf(*term) * (bm25.k1 + 1.0))
+            .sum()
+    }
+
+    fn term_score(idf: f32, tf: u32, len: u32, average: f32, bm25: Bm25) -> f32 {
+        let tf = tf as f32;
+        let norm = bm25.k1 * (1.0 - bm25.b + bm25.b * len as f32 / average);
+        idf * tf * (bm25.k1 + 1.0) / (tf + norm)
+    }
+
+    fn is_live(&self, part: &Part, doc: u32) -> bool {
+        part.doc_keys
+            .get(doc as usize)
+            .and_then(|key| self.live.get(*key as usize))
+            .is_some_and(|loc| loc.part == part.id && loc.doc == doc)
+    }
+
+    /// The `top` best documents for `query` as `(key, normalised score)`, best first, ties by
+    /// key.
+    pub fn search(&self, query: &[TermId], bm25: Bm25, top: usize) -> Vec<(u32, f32)> {
+        let weighted: Vec<(TermId, f32)> = query.iter().map(|term| (*term, 1.0)).collect();
+        self.search_weighted(&weighted, self.ceiling(query, bm25), bm25, top)
+    }
+
+    /// `search` with a weight per query term, scores divided by `ceiling` (the caller's
+    /// normaliser: an expanded query keeps its original query's scale).
+    pub fn search_weighted(
+        &self,
+        query: &[(TermId, f32)],
+        ceiling: f32,
+        bm25: Bm25,
+        top: usize,
+    ) -> Vec<(u32, f32)> {
+        if self.docs == 0 || query.is_empty() || top == 0 || ceiling <= 0.0 {
+            return Vec::new();
+        }
+        let average = self.average_len();
+        let idfs: Vec<f32> = query.iter().map(|(term, _)| self.idf(*term)).collect();
+        let mut hits: Vec<(u32, f32)> = Vec::new();
+        let mut scores: Vec<f32> = Vec::new();
+        let mut touched: Vec<u32> = Vec::new();
+        for part in self.all_parts() {
+            // Dense accumulation: a few kilobytes per query, no hashing on the hot path.
+            scores.clear();
+            scores.resize(part.len(), 0.0);
+            touched.clear();
+            for ((term, weight), idf) in query.iter().zip(&idfs) {
+                let Some(postings) = part.postings.get(term) else {
+                    continue;
+                };
+                for posting in postings {
+                    let slot = &mut scores[posting.doc as usize];
+                    if *slot == 0.0 {
+                        touched.push(posting.doc);
+                    }
+                    let len = part.doc_len.get(posting.doc as usize).copied().unwrap_or(0);
+                    *slot += weight * Segment::term_score(*idf, posting.tf, len, average, bm25);
+                }
+            }
+            for doc in &touched {
+                if self.stale_docs > 0 && !self.is_live(part, *doc) {
+                    continue;
+                }
+                let key = part
+                    .doc_keys
+                    .get(*doc as usize)
+                    .copied()
+                    .unwrap_or(u32::MAX);
+                hits.push((key, scores[*doc as usize] / ceiling));
+            }
+        }
+        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if hits.len() > top {
+            hits.select_nth_unstable_by(top - 1, order);
+            hits.truncate(top);
+        }
+        hits.sort_by(order);
+        hits
+    }
+
+    /// The live document of `key`: its part and number.
+    fn locate(&self, key: u32) -> Option<(&Part, u32)> {
+        let loc = self.live.get(key as usize)?;
+        if loc.part == ABSENT {
+            return None;
+        }
+        Some((self.part(loc.part)?, loc.doc))
+    }
+
+    /// Normalised score of one document (by key) for `query`; 0 when absent. To score many
+    /// documents for one query, make a [`Segment::scorer`] once.
+    pub fn score_key(&self, key: u32, query: &[TermId], bm25: Bm25) -> f32 {
+        self.scorer(query, bm25).score(key)
+    }
+
+    /// `query` prepared for scoring documents one by one: each part's postings of each term,
+    /// and the idfs and ceiling, looked up once rather than per document (re-ranking a hundred
+    /// prefetched candidates spent half of `compose` on them).
+    pub fn scorer(&self, query: &[TermId], bm25: Bm25) -> KeyScorer<'_> {
+        let idfs: Vec<(TermId, f32)> = query
+            .iter()
+            .filter(|term| self.doc_freq(**term) > 0)
+            .map(|term| (*term, self.idf(*term)))
+            .collect();
+        let parts = self
+            .all_parts()
+            .map(|part| {
+                let terms = idfs
+                    .iter()
+                    .filter_map(|(term, idf)| Some((part.postings.get(term)?.as_slice(), *idf)))
+                    .collect();
+                (part, terms)
+            })
+            .collect();
+        KeyScorer {
+            segment: self,
+            parts,
+            ceiling: self.ceiling(query, bm25),
+            average: self.average_len(),
+            bm25,
+        }
+    }
+
+    /// The distinct terms of the document with `key`, ascending (empty when absent).
+    pub fn terms_of(&self, key: u32) -> &[TermId] {
+        self.locate(key)
+            .and_then(|(part, doc)| part.doc_terms.get(doc as usize))
+            .map_or(&[], |terms| terms)
+    }
+
+    /// Whether the document with `key` contains `term`.
+    pub fn contains(&self, key: u32, term: TermId) -> bool {
+        self.locate(key)
+            .is_some_and(|(part, doc)| part.has(doc, term))
+    }
+
+    /// Indexes `key` (replacing its earlier document, if any) unless its text is unchanged.
+    /// `text` is `None` for a key without a document.
+    fn put(&mut self, key: u32, text: Option<(Vec<TermId>, Vec<TermId>)>, fingerprint: u64) {
+        let current = self.live.get(key as usize).copied();
+        if let Some(current) = current
+            && current.part != ABSENT
+            && text.is_some()
+            && current.fingerprint == fingerprint
+        {
+            return;
+        }
+        if current.is_none_or(|loc| loc.part == ABSENT) && text.is_none() {
+            self.set_live(key, DocLoc::NONE);
+            return;
+        }
+        if let Some(current) = current {
+            self.retire(current);
+        }
+        let loc = match text {
+            Some((said, context)) => {
+                let len = (said.len() + context.len()) as u64;
+                let doc = self.head.add(key, said, context);
+                self.docs += 1;
+                self.total_len += len;
+                DocLoc {
+                    part: self.head.id,
+                    doc,
+                    fingerprint,
+                }
+            }
+            None => DocLoc::NONE,
+        };
+        self.set_live(key, loc);
+        if self.head.len() >= HEAD_DOCS {
+            self.seal();
+        }
+    }
+
+    fn set_live(&mut self, key: u32, loc: DocLoc) {
+        let key = key as usize;
+        while self.live.len() < key {
+            self.live.push(DocLoc::NONE);
+        }
+        if key == self.live.len() {
+            self.live.push(loc);
+        } else if let Some(slot) = self.live.get_mut(key) {
+            *slot = loc;
+        }
+        // The index keeps no record of its own changes.
+        self.live.take_dirty();
+    }
+
+    /// Takes a live document out of the statistics; its copy stays in its part until a merge.
+    fn retire(&mut self, loc: DocLoc) {
+        if loc.part == ABSENT {
+            return;
+        }
+        let Some(part) = self.part(loc.part) else {
+            return;
+        };
+        let doc = loc.doc as usize;
+        let len = part.doc_len.get(doc).copied().unwrap_or(0);
+        let terms: Vec<TermId> = part.all_terms(doc).collect();
+        for term in terms {
+            *self.stale.entry(term).or_default() += 1;
+        }
+        self.stale_docs += 1;
+        self.docs = self.docs.saturating_sub(1);
+        self.total_len = self.total_len.saturating_sub(u64::from(len));
+    }
+
+    /// Seals the head into a part, then merges the newest parts while the newer has grown to
+    /// half the older; a part holding mostly stale copies is compacted.
+    fn seal(&mut self) {
+        let head = std::mem::take(&mut self.head);
+        self.head.id = self.fresh_part_id();
+        let sealed = self.merge(&[&head]);
+        self.parts.push(Arc::new(sealed));
+        while let [.., older, newer] = self.parts.as_slice()
+            && newer.len() * 2 >= older.len()
+        {
+            let (Some(newer), Some(older)) = (self.parts.pop(), self.parts.pop()) else {
+                break;
+            };
+            let merged = self.merge(&[&older, &newer]);
+            self.parts.push(Arc::new(merged));
+        }
+        if self.stale_docs as usize * 4 > self.docs as usize + HEAD_DOCS {
+            let parts = std::mem::take(&mut self.parts);
+            let merged: Vec<Arc<Part>> = parts
+                .iter()
+                .map(|part| Arc::new(self.merge(&[part])))
+                .collect();
+            self.parts = merged;
+        }
+    }
+
+    fn fresh_part_id(&mut self) -> u32 {
+        self.next_part += 1;
+        self.next_part
+    }
+
+    /// One new part holding the live documents of `parts`, in order; stale copies are dropped
+    /// (and leave the stale counts), live ones are pointed at their new place.
+    fn merge(&mut self, parts: &[&Part]) -> Part {
+        let mut merged = Part {
+            id: self.fresh_part_id(),
+            ..Part::default()
+        };
+        for part in parts {
+            let mut renumbered: Vec<Option<u32>> = Vec::with_capacity(part.len());
+            for doc in 0..part.len() {
+                let key = part.doc_keys[doc];
+                let live = self
+                    .live
+                    .get(key as usize)
+                    .is_some_and(|loc| loc.part == part.id && loc.doc as usize == doc);
+                if !live {
+                    for term in part.all_terms(doc) {
+                        if let Some(count) = self.stale.get_mut(&term) {
+                            *count -= 1;
+                            if *count == 0 {
+                                self.stale.remove(&term);
+                            }
+                        }
+                    }
+                    self.stale_docs = self.stale_docs.saturating_sub(1);
+                    renumbered.push(None);
+                    continue;
+                }
+                let at = u32::try_from(merged.doc_keys.len()).unwrap_or(u32::MAX);
+                merged.doc_keys.push(key);
+                merged.doc_len.push(part.doc_len[doc]);
+                merged.bytes += doc_bytes(part.doc_terms[doc].len() + part.doc_context[doc].len());
+                merged.doc_terms.push(part.doc_terms[doc].clone());
+                merged.doc_context.push(part.doc_context[doc].clone());
+                if let Some(slot) = self.live.get_mut(key as usize) {
+                    slot.part = merged.id;
+                    slot.doc = at;
+                }
+                renumbered.push(Some(at));
+            }
+            for (term, postings) in &part.postings {
+                let moved = postings.iter().filter_map(|posting| {
+                    let doc = renumbered.get(posting.doc as usize).copied().flatten()?;
+                    Some(Posting {
+                        doc,
+                        tf: posting.tf,
+                    })
+                });
+                let mut moved = moved.peekable();
+                if moved.peek().is_some() {
+                    let list = merged.postings.entry(*term).or_default();
+                    let before = list.len();
+                    if before == 0 {
+                        merged.bytes += POSTING_LIST_BYTES;
+                    }
+                    list.extend(moved);
+                    merged.bytes += (list.len() - before) * POSTING_BYTES;
+                }
+            }
+        }
+        self.live.take_dirty();
+        merged
+    }
+
+    fn estimated_bytes(&self) -> usize {
+        self.all_parts().map(|part| part.bytes).sum::<usize>()
+            + self.live.len() * 16
+            + self.stale.len() * 8
+    }
+
+    /// Sealed parts, for tests and sizing.
+    pub fn part_count(&self) -> usize {
+        self.parts.len()
+    }
+}
+
+/// One query term's postings in a part, with the term's idf.
+type TermPostings<'a> = (&'a [Posting], f32);
+
+/// A query ready to score single documents of one segment (see [`Segment::scorer`]).
+pub struct KeyScorer<'a> {
+    segment: &'a Segment,
+    /// Per part, the query's terms present in it.
+    parts: Vec<(&'a Part, Vec<TermPostings<'a>>)>,
+    ceiling: f32,
+    average: f32,
+    bm25: Bm25,
+}
+
+impl KeyScorer<'_> {
+    /// Normalised score of the document with `key`; 0 when absent.
+    pub fn score(&self, key: u32) -> f32 {
+        if self.ceiling <= 0.0 {
+            return 0.0;
+        }
+        let Some(loc) = self.segment.live.get(key as usize) else {
+            return 0.0;
+        };
+        let Some((part, terms)) = self.parts.iter().find(|(part, _)| part.id == loc.part) else {
+            return 0.0;
+        };
+        let doc = loc.doc;
+        let len = part.doc_len.get(doc as usize).copied().unwrap_or(0);
+        let mut score = 0.0;
+        for (postings, idf) in terms {
+            if let Ok(at) = postings.binary_search_by_key(&doc, |posting| posting.doc) {
+                score += Segment::term_score(*idf, postings[at].tf, len, self.average, self.bm25);
+            }
+        }
+        score / self.ceiling
+    }
 }
 
 /// A query ready to score items of every segment (see [`MemoryIndex::item_scorer`]).
@@ -67,222 +602,6 @@ impl ItemScorer<'_> {
     }
 }
 
-/// A query ready to score single documents of one segment (see [`Segment::scorer`]).
-pub struct KeyScorer<'a> {
-    segment: &'a Segment,
-    /// The query's terms present in the segment: postings and idf.
-    terms: Vec<(&'a [Posting], f32)>,
-    ceiling: f32,
-    average: f32,
-    bm25: Bm25,
-}
-
-impl KeyScorer<'_> {
-    /// Normalised score of the document with `key`; 0 when absent.
-    pub fn score(&self, key: u32) -> f32 {
-        if self.ceiling <= 0.0 {
-            return 0.0;
-        }
-        let Some(doc) = self.segment.doc_of(key) else {
-            return 0.0;
-        };
-        let mut score = 0.0;
-        for (postings, idf) in &self.terms {
-            if let Ok(at) = postings.binary_search_by_key(&doc, |posting| posting.doc) {
-                let tf = postings[at].tf;
-                score += self
-                    .segment
-                    .term_score(*idf, tf, doc, self.average, self.bm25);
-            }
-        }
-        score / self.ceiling
-    }
-}
-
-impl Segment {
-    fn add(&mut self, key: u32, term_ids: Vec<TermId>) {
-        self.add_with_context(key, term_ids, Vec::new());
-    }
-
-    /// Adds a document whose `context` terms (a raw turn's date words) are searchable but left
-    /// out of its forward index: they say when, not what, and would lend every turn of that day
-    /// to query expansion.
-    fn add_with_context(&mut self, key: u32, said: Vec<TermId>, context: Vec<TermId>) {
-        let mut distinct = said.clone();
-        distinct.sort_unstable();
-        distinct.dedup();
-        self.doc_terms.push(distinct.into_boxed_slice());
-        let mut term_ids = said;
-        term_ids.extend(context);
-        let doc = u32::try_from(self.doc_keys.len()).unwrap_or(u32::MAX);
-        self.doc_keys.push(key);
-        self.doc_len
-            .push(u32::try_from(term_ids.len()).unwrap_or(u32::MAX));
-        self.total_len += term_ids.len() as u64;
-        term_ids.sort_unstable();
-        let mut index = 0;
-        while index < term_ids.len() {
-            let term = term_ids[index];
-            let run = term_ids[index..].iter().take_while(|t| **t == term).count();
-            self.postings.entry(term).or_default().push(Posting {
-                doc,
-                tf: u32::try_from(run).unwrap_or(u32::MAX),
-            });
-            index += run;
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        self.doc_keys.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.doc_keys.is_empty()
-    }
-
-    fn average_len(&self) -> f32 {
-        if self.doc_keys.is_empty() {
-            1.0
-        } else {
-            (self.total_len as f32 / self.doc_keys.len() as f32).max(1.0)
-        }
-    }
-
-    /// Documents holding `term`.
-    pub fn doc_freq(&self, term: TermId) -> usize {
-        self.postings.get(&term).map_or(0, Vec::len)
-    }
-
-    pub fn idf(&self, term: TermId) -> f32 {
-        let n = self.doc_keys.len() as f32;
-        let df = self.postings.get(&term).map_or(0, Vec::len) as f32;
-        if df == 0.0 {
-            return 0.0;
-        }
-        (1.0 + (n - df + 0.5) / (df + 0.5)).ln()
-    }
-
-    /// The best score any document could reach for `query`: normalises scores to about `0..1`
-    /// so segments can be compared.
-    pub fn ceiling(&self, query: &[TermId], bm25: Bm25) -> f32 {
-        query
-            .iter()
-            .map(|term| self.idf(*term) * (bm25.k1 + 1.0))
-            .sum()
-    }
-
-    fn term_score(&self, idf: f32, tf: u32, doc: u32, average: f32, bm25: Bm25) -> f32 {
-        let tf = tf as f32;
-        let len = self.doc_len.get(doc as usize).copied().unwrap_or(0) as f32;
-        let norm = bm25.k1 * (1.0 - bm25.b + bm25.b * len / average);
-        idf * tf * (bm25.k1 + 1.0) / (tf + norm)
-    }
-
-    /// The `top` best documents for `query` as `(key, normalised score)`, best first, ties by
-    /// key.
-    pub fn search(&self, query: &[TermId], bm25: Bm25, top: usize) -> Vec<(u32, f32)> {
-        let weighted: Vec<(TermId, f32)> = query.iter().map(|term| (*term, 1.0)).collect();
-        self.search_weighted(&weighted, self.ceiling(query, bm25), bm25, top)
-    }
-
-    /// `search` with a weight per query term, scores divided by `ceiling` (the caller's
-    /// normaliser: an expanded query keeps its original query's scale).
-    pub fn search_weighted(
-        &self,
-        query: &[(TermId, f32)],
-        ceiling: f32,
-        bm25: Bm25,
-        top: usize,
-    ) -> Vec<(u32, f32)> {
-        if self.doc_keys.is_empty() || query.is_empty() || top == 0 || ceiling <= 0.0 {
-            return Vec::new();
-        }
-        let average = self.average_len();
-        // Dense accumulation: a few kilobytes per query, no hashing on the hot path.
-        let mut scores = vec![0.0f32; self.doc_keys.len()];
-        let mut touched: Vec<u32> = Vec::new();
-        for (term, weight) in query {
-            let Some(postings) = self.postings.get(term) else {
-                continue;
-            };
-            let idf = self.idf(*term);
-            for posting in postings {
-                let slot = &mut scores[posting.doc as usize];
-                if *slot == 0.0 {
-                    touched.push(posting.doc);
-                }
-                *slot += weight * self.term_score(idf, posting.tf, posting.doc, average, bm25);
-            }
-        }
-        let mut hits: Vec<(u32, f32)> = touched
-            .into_iter()
-            .map(|doc| {
-                let key = self.doc_keys.get(doc as usize).copied().unwrap_or(u32::MAX);
-                (key, scores[doc as usize] / ceiling)
-            })
-            .collect();
-        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if hits.len() > top {
-            hits.select_nth_unstable_by(top - 1, order);
-            hits.truncate(top);
-        }
-        hits.sort_by(order);
-        hits
-    }
-
-    fn doc_of(&self, key: u32) -> Option<u32> {
-        self.doc_keys
-            .binary_search(&key)
-            .ok()
-            .and_then(|doc| u32::try_from(doc).ok())
-    }
-
-    /// Normalised score of one document (by key) for `query`; 0 when absent. To score many
-    /// documents for one query, make a [`Segment::scorer`] once.
-    pub fn score_key(&self, key: u32, query: &[TermId], bm25: Bm25) -> f32 {
-        self.scorer(query, bm25).score(key)
-    }
-
-    /// `query` prepared for scoring documents one by one: each term's postings and idf, and
-    /// the ceiling, looked up once rather than per document (re-ranking a hundred prefetched
-    /// candidates spent half of `compose` on them).
-    pub fn scorer(&self, query: &[TermId], bm25: Bm25) -> KeyScorer<'_> {
-        let terms: Vec<(&[Posting], f32)> = query
-            .iter()
-            .filter_map(|term| {
-                let postings = self.postings.get(term)?;
-                Some((postings.as_slice(), self.idf(*term)))
-            })
-            .collect();
-        KeyScorer {
-            segment: self,
-            terms,
-            ceiling: self.ceiling(query, bm25),
-            average: self.average_len(),
-            bm25,
-        }
-    }
-
-    /// The distinct terms of the document with `key`, ascending (empty when absent).
-    pub fn terms_of(&self, key: u32) -> &[TermId] {
-        self.doc_of(key)
-            .and_then(|doc| self.doc_terms.get(doc as usize))
-            .map_or(&[], |terms| terms)
-    }
-
-    /// Whether the document with `key` contains `term`.
-    pub fn contains(&self, key: u32, term: TermId) -> bool {
-        let Some(doc) = self.doc_of(key) else {
-            return false;
-        };
-        self.postings.get(&term).is_some_and(|postings| {
-            postings
-                .binary_search_by_key(&doc, |posting| posting.doc)
-                .is_ok()
-        })
-    }
-}
-
 /// Which segment an item lives in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SegmentKind {
@@ -293,26 +612,51 @@ pub enum SegmentKind {
     Artifact,
 }
 
+type Vocabulary = LayeredMap<String, TermId, foldhash::fast::RandomState>;
+
 #[derive(Debug, Clone, Default)]
 pub struct MemoryIndex {
     /// The state version this index reflects.
     pub state_version: u64,
-    facts_version: u64,
     rewrites: u64,
-    episodes_version: u64,
     /// Keyed by the client's words, so by a hash seeded per process (foldhash: the default
     /// SipHash cost a long query a hundred microseconds of lookups).
-    vocabulary: HashMap<String, TermId, foldhash::fast::RandomState>,
+    vocabulary: Vocabulary,
+    terms: u32,
+    /// Approximate heap size of the vocabulary.
+    vocabulary_bytes: usize,
     pub raw: Segment,
     pub summaries: Segment,
     pub facts: Segment,
     pub episodes: Segment,
     pub artifacts: Segment,
     /// Chain link -> raw turn, for recognising a full-history client's turns.
-    chains: HashMap<u64, TurnSeq>,
+    chains: LayeredMap<u64, TurnSeq, FxBuildHasher>,
 }
 
 const ARTIFACT_INDEX_CHARS: usize = 4000;
+
+fn fingerprint(parts: &[&str]) -> u64 {
+    let mut hasher = FxHasher::default();
+    for part in parts {
+        part.hash(&mut hasher);
+    }
+    hasher.finish()
+}
+
+/// Keys to look at in a segment of `len` items: those the state changed since it was stored,
+/// and those appended since the segment last looked.
+fn keys_to_index(pending: &[u32], indexed: usize, len: usize) -> Vec<u32> {
+    let mut keys: Vec<u32> = pending
+        .iter()
+        .copied()
+        .filter(|key| (*key as usize) < indexed.min(len))
+        .collect();
+    keys.sort_unstable();
+    keys.dedup();
+    keys.extend((indexed..len).filter_map(|key| u32::try_from(key).ok()));
+    keys
+}
 
 impl MemoryIndex {
     pub fn build(state: &MemoryState) -> MemoryIndex {
@@ -325,95 +669,134 @@ impl MemoryIndex {
     pub fn is_current(&self, state: &MemoryState) -> bool {
         self.state_version == state.version
             && self.rewrites == state.rewrites
-            && self.raw.len() == state.raw_turns.len()
-            && self.facts_version == state.facts_version
-            && self.episodes_version == state.episodes_version
+            && self.raw.keys() == state.raw_turns.len()
     }
 
-    /// Brings the index up to `state` (of the same user): appends new raw turns, summaries and
-    /// artifacts; rebuilds the fact and episode segments if their versions moved.
+    /// Brings the index up to `state`, a later version of the memory it reflects (or builds it
+    /// afresh when `state` is not): indexes the items appended since, and those `state` records
+    /// as changed since it was last stored whose text changed.
     pub fn refresh(&mut self, state: &MemoryState) {
-        if self.raw.len() > state.raw_turns.len()
-            || self.summaries.len() > state.turn_log.len()
-            || self.artifacts.len() > state.artifacts.len()
+        if self.raw.keys() > state.raw_turns.len()
+            || self.summaries.keys() > state.turn_log.len()
+            || self.artifacts.keys() > state.artifacts.len()
+            || self.facts.keys() > state.facts.len()
+            || self.episodes.keys() > state.episodes.len()
             || self.rewrites != state.rewrites
         {
-            // Not a later version of the same state, or a deletion rewrote text the
-            // append-only segments hold: start over.
+            // Not a later version of the same state, or a deletion rewrote text in place:
+            // start over.
             *self = MemoryIndex {
                 rewrites: state.rewrites,
                 ..MemoryIndex::default()
             };
         }
-        for seq in self.raw.len()..state.raw_turns.len() {
-            let turn = &state.raw_turns[seq];
+        for seq in keys_to_index(
+            state.raw_turns.pending(),
+            self.raw.keys(),
+            state.raw_turns.len(),
+        ) {
+            let Some(turn) = state.raw_turns.get(seq as usize) else {
+                continue;
+            };
             let date = turn
                 .event_time
                 .as_deref()
                 .map(date_search_text)
                 .unwrap_or_default();
-            let said = self.term_ids(&format!("{} {}", turn.user, turn.assistant));
-            let date = self.term_ids(&date);
-            let key = u32::try_from(seq).unwrap_or(u32::MAX);
-            self.raw.add_with_context(key, said, date);
-            self.chains.insert(turn.chain, key);
+            let said = format!("{} {}", turn.user, turn.assistant);
+            let print = fingerprint(&[&said, &date]);
+            let text = (self.raw.live.get(seq as usize).map(|loc| loc.fingerprint) != Some(print))
+                .then(|| (self.term_ids(&said), self.term_ids(&date)));
+            match text {
+                Some(text) => self.raw.put(seq, Some(text), print),
+                None => continue,
+            }
+            self.chains.insert(turn.chain, seq);
         }
-        for seq in self.summaries.len()..state.turn_log.len() {
-            let (user, assistant) = state.summary_texts(u32::try_from(seq).unwrap_or(u32::MAX));
+        for seq in keys_to_index(
+            state.turn_log.pending(),
+            self.summaries.keys(),
+            state.turn_log.len(),
+        ) {
+            let (user, assistant) = state.summary_texts(seq);
             let text = format!("{user} {assistant}");
-            let ids = self.term_ids(&text);
-            self.summaries
-                .add(u32::try_from(seq).unwrap_or(u32::MAX), ids);
+            self.put_text(SegmentKind::Summary, seq, Some(&text));
         }
-        for id in self.artifacts.len()..state.artifacts.len() {
-            let artifact = &state.artifacts[id];
+        for id in keys_to_index(
+            state.artifacts.pending(),
+            self.artifacts.keys(),
+            state.artifacts.len(),
+        ) {
+            let Some(artifact) = state.artifacts.get(id as usize) else {
+                continue;
+            };
             let head: String = state
                 .artifact_content(artifact)
                 .chars()
                 .take(ARTIFACT_INDEX_CHARS)
                 .collect();
             let text = format!("{} {head}", artifact.language.as_deref().unwrap_or(""));
-            let ids = self.term_ids(&text);
-            self.artifacts
-                .add(u32::try_from(id).unwrap_or(u32::MAX), ids);
+            self.put_text(SegmentKind::Artifact, id, Some(&text));
         }
-        if self.facts_version != state.facts_version || self.facts.is_empty() {
-            self.facts = Segment::default();
-            for fact in state.facts.iter().filter(|fact| fact.active) {
+        for id in keys_to_index(state.facts.pending(), self.facts.keys(), state.facts.len()) {
+            let text = state.fact(id).filter(|fact| fact.active).map(|fact| {
                 let mut text = fact.text();
                 // Earlier values answer "where did I live before?".
                 for revision in &fact.history {
                     text.push(' ');
                     text.push_str(&revision.value);
                 }
-                let ids = self.term_ids(&text);
-                self.facts.add(fact.id, ids);
-            }
-            self.facts_version = state.facts_version;
+                text
+            });
+            self.put_text(SegmentKind::Fact, id, text.as_deref());
         }
-        if self.episodes_version != state.episodes_version || self.episodes.is_empty() {
-            self.episodes = Segment::default();
-            for episode in &state.episodes {
-                let text = format!(
-                    "{} {} {} {}",
-                    episode.topic,
-                    episode.summary,
-                    episode.salience_tags.join(" "),
-                    episode.rehydration_hints.join(" ")
-                );
-                let ids = self.term_ids(&text);
-                self.episodes.add(episode.id, ids);
-            }
-            self.episodes_version = state.episodes_version;
+        for id in keys_to_index(
+            state.episodes.pending(),
+            self.episodes.keys(),
+            state.episodes.len(),
+        ) {
+            let Some(episode) = state.episodes.get(id as usize) else {
+                continue;
+            };
+            let text = format!(
+                "{} {} {} {}",
+                episode.topic,
+                episode.summary,
+                episode.salience_tags.join(" "),
+                episode.rehydration_hints.join(" ")
+            );
+            self.put_text(SegmentKind::Episode, id, Some(&text));
         }
         self.state_version = state.version;
+    }
+
+    fn put_text(&mut self, kind: SegmentKind, key: u32, text: Option<&str>) {
+        let print = text.map_or(0, |text| fingerprint(&[text]));
+        let segment = self.segment(kind);
+        let unchanged = segment
+            .live
+            .get(key as usize)
+            .is_some_and(|loc| loc.part != ABSENT && loc.fingerprint == print && text.is_some());
+        if unchanged {
+            return;
+        }
+        let terms = text.map(|text| (self.term_ids(text), Vec::new()));
+        self.segment_mut(kind).put(key, terms, print);
     }
 
     fn term_ids(&mut self, text: &str) -> Vec<TermId> {
         let mut ids = Vec::new();
         for term in terms(text) {
-            let next = TermId::try_from(self.vocabulary.len()).unwrap_or(TermId::MAX);
-            let id = *self.vocabulary.entry(term).or_insert(next);
+            let id = match self.vocabulary.get(term.as_str()) {
+                Some(id) => *id,
+                None => {
+                    let id = self.terms;
+                    self.terms = self.terms.saturating_add(1);
+                    self.vocabulary_bytes += term.len() + 40;
+                    self.vocabulary.insert(term, id);
+                    id
+                }
+            };
             ids.push(id);
         }
         ids
@@ -424,7 +807,7 @@ impl MemoryIndex {
         let terms = distinct_terms(text);
         let ids = terms
             .iter()
-            .filter_map(|term| self.vocabulary.get(term).copied())
+            .filter_map(|term| self.vocabulary.get(term.as_str()).copied())
             .collect();
         (ids, terms.len())
     }
@@ -463,6 +846,16 @@ impl MemoryIndex {
         }
     }
 
+    fn segment_mut(&mut self, kind: SegmentKind) -> &mut Segment {
+        match kind {
+            SegmentKind::Raw => &mut self.raw,
+            SegmentKind::Summary => &mut self.summaries,
+            SegmentKind::Fact => &mut self.facts,
+            SegmentKind::Episode => &mut self.episodes,
+            SegmentKind::Artifact => &mut self.artifacts,
+        }
+    }
+
     /// The raw turn a chain link was recorded under.
     pub fn turn_for_chain(&self, chain: u64) -> Option<TurnSeq> {
         self.chains.get(&chain).copied()
@@ -479,31 +872,15 @@ impl MemoryIndex {
         }
     }
 
-    /// Approximate heap size in bytes (for the per-user memory report).
+    /// Approximate heap size in bytes (for the per-user memory report and the cache's budget).
     pub fn estimated_bytes(&self) -> usize {
-        let segment = |segment: &Segment| {
-            segment.doc_keys.len() * 8
-                + segment
-                    .doc_terms
-                    .iter()
-                    .map(|terms| terms.len() * 4 + 16)
-                    .sum::<usize>()
-                + segment
-                    .postings
-                    .values()
-                    .map(|postings| postings.len() * 8 + 48)
-                    .sum::<usize>()
-        };
-        self.vocabulary
-            .keys()
-            .map(|term| term.len() + 40)
-            .sum::<usize>()
-            + self.chains.len() * 24
-            + segment(&self.raw)
-            + segment(&self.summaries)
-            + segment(&self.facts)
-            + segment(&self.episodes)
-            + segment(&self.artifacts)
+        self.vocabulary_bytes
+            + self.chains.stored() * 24
+            + self.raw.estimated_bytes()
+            + self.summaries.estimated_bytes()
+            + self.facts.estimated_bytes()
+            + self.episodes.estimated_bytes()
+            + self.artifacts.estimated_bytes()
     }
 }
 
@@ -528,7 +905,7 @@ mod tests {
         let mut segment = Segment::default();
         for (key, doc) in docs.iter().enumerate() {
             let ids = index.term_ids(doc);
-            segment.add(key as u32, ids);
+            segment.put(key as u32, Some((ids, Vec::new())), fingerprint(&[doc]));
         }
         (index, segment)
     }
@@ -568,7 +945,9 @@ mod tests {
         .enumerate()
         {
             let ids = index.term_ids(doc);
-            index.raw.add(key as u32, ids);
+            index
+                .raw
+                .put(key as u32, Some((ids, Vec::new())), fingerprint(&[doc]));
         }
         // Documents holding each: kettle 4, walrus 2, banjo 1, zither 1.
         let (all, _) = index.query_terms("kettle walrus banjo zither");

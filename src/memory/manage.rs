@@ -649,8 +649,13 @@ fn erase_facts(state: &mut MemoryState, first: FactId, deleted: &mut Vec<ItemRef
         for pin in pins {
             erase_pin(state, pin, deleted);
         }
-        for entry in &mut state.turn_log {
-            entry.facts.retain(|fact| *fact != id);
+        // Only the entries that name it change (and are written again).
+        for seq in 0..state.turn_log.len() {
+            if state.turn_log[seq].facts.contains(&id)
+                && let Some(entry) = state.turn_log.get_mut(seq)
+            {
+                entry.facts.retain(|fact| *fact != id);
+            }
         }
         episodes.extend(
             state

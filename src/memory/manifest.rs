@@ -95,13 +95,24 @@ pub fn build_manifest(
 
     let first = links.first().and_then(|seq| state.turn_date(*seq));
     let last = links.last().and_then(|seq| state.turn_date(*seq));
-    let link_set: HashSet<TurnSeq> = links.iter().copied().collect();
-    let facts: Vec<FactId> = state
-        .facts
-        .iter()
-        .filter(|fact| fact.active && fact.provenance.iter().any(|seq| link_set.contains(seq)))
-        .map(|fact| fact.id)
-        .collect();
+    // Through the lookups when they are built (the caller brought them up to date), so a
+    // rebuild costs the episode's size, not the memory's.
+    let facts: Vec<FactId> = if state.lookups.is_built() {
+        state
+            .lookups
+            .facts_of_turns(state, &links)
+            .into_iter()
+            .filter(|id| state.fact(*id).is_some_and(|fact| fact.active))
+            .collect()
+    } else {
+        let link_set: HashSet<TurnSeq> = links.iter().copied().collect();
+        state
+            .facts
+            .iter()
+            .filter(|fact| fact.active && fact.provenance.iter().any(|seq| link_set.contains(seq)))
+            .map(|fact| fact.id)
+            .collect()
+    };
 
     let mut manifest = EpisodeManifest {
         id,

@@ -10,6 +10,8 @@ use std::borrow::Cow;
 
 use serde::{Deserialize, Serialize};
 
+use super::lookups::Lookups;
+use super::segmented::Segmented;
 use super::text::{one_line, one_line_prefix};
 use super::tokens::TokenCount;
 
@@ -82,24 +84,27 @@ pub struct MemoryState {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub identity: Option<Identity>,
     #[serde(default)]
-    pub facts: Vec<Fact>,
+    pub facts: Segmented<Fact>,
     #[serde(default)]
     pub pinned: Vec<PinnedItem>,
     #[serde(default)]
-    pub raw_turns: Vec<RawTurn>,
+    pub raw_turns: Segmented<RawTurn>,
     /// One entry per raw turn, same index.
     #[serde(default)]
-    pub turn_log: Vec<TurnLogEntry>,
+    pub turn_log: Segmented<TurnLogEntry>,
     #[serde(default)]
-    pub episodes: Vec<EpisodeManifest>,
+    pub episodes: Segmented<EpisodeManifest>,
     #[serde(default)]
-    pub artifacts: Vec<Artifact>,
+    pub artifacts: Segmented<Artifact>,
     #[serde(default)]
     pub sessions: Vec<SessionState>,
     /// Bumped when a management deletion rewrites a turn summary or an artifact in place: the
     /// index, which only appends to those segments, rebuilds them.
     #[serde(default)]
     pub rewrites: u64,
+    /// Derived from the items, never stored (see [`super::lookups`]).
+    #[serde(skip)]
+    pub lookups: Lookups,
 }
 
 impl MemoryState {
@@ -125,6 +130,62 @@ impl MemoryState {
             .iter()
             .position(|session| session.id == session_id)
             .and_then(|index| u32::try_from(index).ok())
+    }
+
+    /// The raw turns of session `session`, newest first: its recent tail, then (for a window
+    /// longer than the tail, or a memory stored before tails were kept) a scan back through the
+    /// log from before the tail's oldest turn.
+    pub fn session_turns_rev(&self, session: u32) -> impl Iterator<Item = TurnSeq> + '_ {
+        let recent = self
+            .sessions
+            .get(session as usize)
+            .map_or(&[][..], |state| state.recent.as_slice());
+        let scan_from = recent
+            .first()
+            .map_or(self.raw_turns.len(), |oldest| *oldest as usize);
+        let older = (0..scan_from).rev().filter(move |seq| {
+            self.raw_turns
+                .get(*seq)
+                .is_some_and(|turn| turn.session == session)
+        });
+        recent
+            .iter()
+            .rev()
+            .copied()
+            .chain(older.filter_map(|seq| TurnSeq::try_from(seq).ok()))
+    }
+
+    /// Approximate heap size in bytes of the items from the given positions on (raw turns,
+    /// turn log, facts, episodes, artifacts); all of them from `[0; 5]`. Texts are counted, the
+    /// rest by a fixed size per item, so growth is estimated in the time of the new items only.
+    pub fn estimated_bytes_from(&self, from: [usize; 5]) -> usize {
+        let raw: usize = (from[0]..self.raw_turns.len())
+            .filter_map(|seq| self.raw_turns.get(seq))
+            .map(|turn| turn.user.len() + turn.assistant.len() + turn.id.len() + 120)
+            .sum();
+        let facts: usize = (from[2]..self.facts.len())
+            .filter_map(|id| self.facts.get(id))
+            .map(|fact| fact.key.len() + fact.value.len() + fact.provenance.len() * 4 + 200)
+            .sum();
+        let artifacts: usize = (from[4]..self.artifacts.len())
+            .filter_map(|id| self.artifacts.get(id))
+            .map(|artifact| artifact.content.len() + 120)
+            .sum();
+        raw + facts
+            + artifacts
+            + self.turn_log.len().saturating_sub(from[1]) * 160
+            + self.episodes.len().saturating_sub(from[3]) * 900
+    }
+
+    /// Item counts per kind, in the order [`MemoryState::estimated_bytes_from`] takes them.
+    pub fn item_counts(&self) -> [usize; 5] {
+        [
+            self.raw_turns.len(),
+            self.turn_log.len(),
+            self.facts.len(),
+            self.episodes.len(),
+            self.artifacts.len(),
+        ]
     }
 
     pub fn active_facts(&self) -> impl Iterator<Item = &Fact> {
@@ -485,7 +546,14 @@ pub struct SessionState {
     pub id: String,
     /// Chain link of the session's latest exchange.
     pub last_chain: u64,
+    /// The session's latest raw turns, oldest first, at most [`SESSION_TAIL`]: the raw window
+    /// reads them without scanning the log. Empty in memories stored before it was kept.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub recent: Vec<TurnSeq>,
 }
+
+/// Raw turns a session keeps the positions of (see [`SessionState::recent`]).
+pub const SESSION_TAIL: usize = 64;
 
 #[cfg(test)]
 mod tests {

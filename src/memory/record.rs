@@ -3,7 +3,7 @@
 //! exchange, its time and id, and persists the state afterwards.
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 
 use serde::{Deserialize, Serialize};
 
@@ -15,8 +15,8 @@ use super::fence::{neutralise_fences, strip_fences};
 use super::history::link;
 use super::model::{
     Artifact, ArtifactId, ArtifactKind, Depth, FactCategory, FactId, Identity, ItemRef,
-    MemoryState, PinId, PinnedItem, RawTurn, RevisionEnd, SessionState, SummaryText, TierState,
-    TurnLogEntry, TurnSeq,
+    MemoryState, PinId, PinnedItem, RawTurn, RevisionEnd, SESSION_TAIL, SessionState, SummaryText,
+    TierState, TurnLogEntry, TurnSeq,
 };
 use super::render::{
     counted_artifact, recount_fact, recount_identity, recount_pinned, recount_raw_turn,
@@ -71,11 +71,8 @@ pub fn record_exchange(
     extractor: &dyn Extractor,
     config: &MemoryConfig,
 ) -> RecordOutcome {
-    if state
-        .raw_turns
-        .iter()
-        .any(|turn| turn.id == exchange.turn_id)
-    {
+    state.sync_lookups();
+    if state.lookups.turn(state, &exchange.turn_id).is_some() {
         return RecordOutcome {
             duplicate: true,
             ..RecordOutcome::default()
@@ -99,6 +96,7 @@ pub fn record_exchange(
             state.sessions.push(SessionState {
                 id: exchange.session_id.clone(),
                 last_chain: super::history::CHAIN_ORIGIN,
+                recent: Vec::new(),
             });
             u32::try_from(state.sessions.len() - 1).unwrap_or(u32::MAX)
         }
@@ -129,6 +127,12 @@ pub fn record_exchange(
     };
     recount_raw_turn(&mut raw);
     state.raw_turns.push(raw);
+    if let Some(slot) = state.sessions.get_mut(session as usize) {
+        slot.recent.push(seq);
+        if slot.recent.len() > SESSION_TAIL {
+            slot.recent.remove(0);
+        }
+    }
 
     let mut extraction = extractor.extract(&ExchangeView {
         user: &user,
@@ -253,28 +257,21 @@ pub struct ConsolidationReport {
 }
 
 /// Sleep-time consolidation (seeds 001, 002): merges active facts that say the same thing
-/// (equal stemmed key and value terms) into the oldest one, and rebuilds every manifest.
+/// (equal stemmed key and value terms) into the oldest one, and rebuilds the manifests whose
+/// facts changed.
 pub fn consolidate(state: &mut MemoryState) -> ConsolidationReport {
     let mut report = ConsolidationReport::default();
-    let mut seen: BTreeMap<(Vec<String>, Vec<String>), FactId> = BTreeMap::new();
-    let mut merges = Vec::new();
-    for fact in state.facts.iter().filter(|fact| fact.active) {
-        let mut key_terms: Vec<String> = terms(&fact.key).collect();
-        key_terms.sort();
-        key_terms.dedup();
-        let mut value_terms: Vec<String> = terms(&fact.value).collect();
-        value_terms.sort();
-        value_terms.dedup();
-        if key_terms.is_empty() {
-            continue;
-        }
-        match seen.get(&(key_terms.clone(), value_terms.clone())) {
-            Some(keeper) => merges.push((fact.id, *keeper)),
-            None => {
-                seen.insert((key_terms, value_terms), fact.id);
-            }
-        }
-    }
+    // The groups that formed since the last consolidation (every earlier one was merged then),
+    // so the cost is that of the facts changed since, not of the whole base truth.
+    let mut merges: Vec<(FactId, FactId)> = state
+        .take_fact_collisions()
+        .iter()
+        .flat_map(|group| {
+            let keeper = group[0];
+            group[1..].iter().map(move |merged| (*merged, keeper))
+        })
+        .collect();
+    merges.sort_unstable();
     for (merged, into) in merges {
         let Some(source) = state.facts.get(merged as usize).cloned() else {
             continue;
@@ -286,6 +283,10 @@ pub fn consolidate(state: &mut MemoryState) -> ConsolidationReport {
                 }
             }
             keeper.provenance.sort_unstable();
+            if keeper.provenance.len() > super::diff::MAX_PROVENANCE {
+                let extra = keeper.provenance.len() - super::diff::MAX_PROVENANCE;
+                keeper.provenance.drain(1..=extra);
+            }
             keeper.tier.frequency += source.tier.frequency;
             keeper.tier.last_touched_turn = keeper
                 .tier
@@ -298,7 +299,7 @@ pub fn consolidate(state: &mut MemoryState) -> ConsolidationReport {
             recount_fact(keeper);
         }
         if let Some(fact) = state.facts.get_mut(merged as usize) {
-            fact.history.push(super::model::FactRevision {
+            let revision = super::model::FactRevision {
                 value: fact.value.clone(),
                 version: fact.version,
                 provenance: fact.provenance.clone(),
@@ -306,17 +307,20 @@ pub fn consolidate(state: &mut MemoryState) -> ConsolidationReport {
                 ended_by: RevisionEnd::MergedInto(into),
                 ended_at_turn: None,
                 key: None,
-            });
+            };
+            super::diff::push_revision(&mut fact.history, revision);
             fact.active = false;
             fact.version += 1;
         }
         report.merged_facts.push((merged, into));
     }
-    let ids: Vec<u32> = state.episodes.iter().map(|episode| episode.id).collect();
-    for id in ids {
-        refresh_episode(state, id);
+    // Manifests list the facts of their turns: rebuild those whose facts changed since the
+    // last consolidation (every one, the first time a process consolidates this memory).
+    let ids = state.take_stale_episodes();
+    for id in &ids {
+        refresh_episode(state, *id);
     }
-    report.refreshed_episodes = state.episodes.len();
+    report.refreshed_episodes = ids.len();
     if !report.merged_facts.is_empty() {
         state.facts_version += 1;
     }

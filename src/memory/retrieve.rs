@@ -373,21 +373,16 @@ pub fn neighbours(state: &MemoryState, seq: TurnSeq) -> Vec<TurnSeq> {
         return Vec::new();
     };
     let mut out = Vec::new();
-    let before = state.raw_turns[..seq as usize]
-        .iter()
-        .enumerate()
-        .rev()
+    let same_session = |at: &usize| {
+        state
+            .raw_turns
+            .get(*at)
+            .is_some_and(|other| other.session == turn.session)
+    };
+    let before = (0..seq as usize).rev().take(SCAN).find(same_session);
+    let after = (seq as usize + 1..state.raw_turns.len())
         .take(SCAN)
-        .find(|(_, other)| other.session == turn.session)
-        .map(|(at, _)| at);
-    let after = state
-        .raw_turns
-        .iter()
-        .enumerate()
-        .skip(seq as usize + 1)
-        .take(SCAN)
-        .find(|(_, other)| other.session == turn.session)
-        .map(|(at, _)| at);
+        .find(same_session);
     for at in [before, after].into_iter().flatten() {
         if let Ok(at) = TurnSeq::try_from(at) {
             out.push(at);
@@ -408,14 +403,10 @@ pub fn prefetch(
     let Some(session) = state.session_index(session_id) else {
         return Vec::new();
     };
-    let Some(last) = state
-        .raw_turns
-        .iter()
-        .rposition(|turn| turn.session == session)
-    else {
+    let Some(last) = state.session_turns_rev(session).next() else {
         return Vec::new();
     };
-    let turn = &state.raw_turns[last];
+    let turn = &state.raw_turns[last as usize];
     let text = format!("{} {}", turn.user, turn.assistant);
     let (terms, _) = index.query_terms(&text);
     let params = bm25(config);
@@ -446,7 +437,7 @@ pub fn prefetch(
         for (key, relevance) in index.segment(kind).search(&terms, params, top) {
             let item = wrap(key);
             // The exchange itself is in the raw window next turn.
-            if item == ItemRef::RawTurn(u32::try_from(last).unwrap_or(u32::MAX)) {
+            if item == ItemRef::RawTurn(last) {
                 continue;
             }
             if exists(state, item) {

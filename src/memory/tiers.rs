@@ -10,7 +10,9 @@ use serde::{Deserialize, Serialize};
 
 use super::config::MemoryConfig;
 use super::manifest::{build_manifest, match_terms};
-use super::model::{EpisodeId, ItemRef, MemoryState, Tier, TierState, TurnSeq};
+use super::model::{
+    EpisodeId, EpisodeManifest, FactId, ItemRef, MemoryState, Tier, TierState, TurnSeq,
+};
 use super::score::{fact_score, summary_score};
 use super::text::distinct_terms;
 use super::tokens::Encoding;
@@ -48,26 +50,38 @@ pub fn touch_related(
             && shared >= item_terms.len().min(2)
             && shared as f32 >= 0.3 * item_terms.len() as f32
     };
-    for fact in state.facts.iter_mut().filter(|fact| fact.active) {
+    // The working set only: OLD items are never touched (an episode's rehydration brings them
+    // back), so a turn's cost does not grow with the history.
+    state.sync_lookups();
+    let facts: Vec<FactId> = state.lookups.working_facts().iter().copied().collect();
+    let summaries: Vec<TurnSeq> = state.lookups.working_summaries().iter().copied().collect();
+    for id in facts {
         priority::checkpoint();
-        if matches!(fact.tier.tier, Tier::Old) || fact.tier.last_touched_turn == turn {
-            continue;
-        }
-        if related(&fact.text()) {
+        let related_fact = state.fact(id).is_some_and(|fact| {
+            fact.active
+                && !matches!(fact.tier.tier, Tier::Old)
+                && fact.tier.last_touched_turn != turn
+                && related(&fact.text())
+        });
+        if related_fact && let Some(fact) = state.facts.get_mut(id as usize) {
             fact.tier.last_touched_turn = turn;
             fact.tier.frequency += 1;
             touched.push(ItemRef::Fact(fact.id));
         }
     }
-    let raw_turns = &state.raw_turns;
-    for entry in &mut state.turn_log {
+    for seq in summaries {
         priority::checkpoint();
+        let Some(entry) = state.turn_log.get(seq as usize) else {
+            continue;
+        };
         if matches!(entry.tier.tier, Tier::Old) || entry.turn == turn {
             continue;
         }
-        let (user, assistant) = entry.texts(raw_turns.get(entry.turn as usize));
+        let (user, assistant) = entry.texts(state.raw_turns.get(seq as usize));
         let text = format!("{user} {assistant}");
-        if related(&text) {
+        if related(&text)
+            && let Some(entry) = state.turn_log.get_mut(seq as usize)
+        {
             entry.tier.last_touched_turn = turn;
             entry.tier.frequency += 1;
             touched.push(ItemRef::Summary(entry.turn));
@@ -86,19 +100,36 @@ pub fn rehydrate(
 ) -> Vec<EpisodeId> {
     const MAX_REHYDRATED: usize = 3;
     let mut matching: Vec<(usize, EpisodeId)> = Vec::new();
-    for episode in &state.episodes {
-        let dormant = episode.links.iter().any(|seq| {
-            state
-                .turn_log
-                .get(*seq as usize)
-                .is_some_and(|entry| entry.tier.tier == Tier::Old)
-        });
-        if !dormant {
-            continue;
+    if config.episodes.rehydrate_min_matches == 0 {
+        for episode in &state.episodes {
+            if dormant(state, episode.id).is_some() {
+                let matches = match_terms(episode).intersection(user_terms).count();
+                matching.push((matches, episode.id));
+            }
         }
-        let matches = match_terms(episode).intersection(user_terms).count();
-        if matches >= config.episodes.rehydrate_min_matches {
-            matching.push((matches, episode.id));
+    } else {
+        // Candidates from the term lists, best bound first: once three episodes are found, one
+        // whose bound is below the third's count cannot place, so the walk stops there rather
+        // than going through every episode that shares a word with the message.
+        state.sync_lookups();
+        let candidates = state
+            .lookups
+            .episodes_with_terms(user_terms.iter(), config.episodes.rehydrate_min_matches);
+        for (bound, id) in candidates {
+            if matching.len() >= MAX_REHYDRATED {
+                matching.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
+                matching.truncate(MAX_REHYDRATED);
+                if matching.last().is_some_and(|third| bound < third.0) {
+                    break;
+                }
+            }
+            let Some(episode) = dormant(state, id) else {
+                continue;
+            };
+            let matches = match_terms(episode).intersection(user_terms).count();
+            if matches >= config.episodes.rehydrate_min_matches {
+                matching.push((matches, episode.id));
+            }
         }
     }
     matching.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
@@ -139,21 +170,45 @@ pub fn rehydrate(
     rehydrated
 }
 
+/// The episode, if any of its turns is in OLD (it can be rehydrated).
+fn dormant(state: &MemoryState, id: EpisodeId) -> Option<&EpisodeManifest> {
+    state.episodes.get(id as usize).filter(|episode| {
+        episode.links.iter().any(|seq| {
+            state
+                .turn_log
+                .get(*seq as usize)
+                .is_some_and(|entry| entry.tier.tier == Tier::Old)
+        })
+    })
+}
+
 /// Ages NEW into CURRENT; demotes to OLD the turn summaries the conversation has not come back
 /// to within the CURRENT TTL and whatever does not fit the working-set capacity by score; folds
 /// demoted turn summaries into episodes.
 pub fn maintain(state: &mut MemoryState, config: &MemoryConfig, report: &mut TierReport) {
     let now = state.now();
     let ttl = config.new_ttl_turns;
-    for fact in state.facts.iter_mut().filter(|fact| fact.active) {
-        if fact.tier.tier == Tier::New && now.saturating_sub(fact.tier.since_turn) >= ttl {
+    // Only the working set can age or be packed: OLD items stay where they are.
+    state.sync_lookups();
+    let facts: Vec<FactId> = state.lookups.working_facts().iter().copied().collect();
+    let summaries: Vec<TurnSeq> = state.lookups.working_summaries().iter().copied().collect();
+    for id in &facts {
+        let ages = state.fact(*id).is_some_and(|fact| {
+            fact.active
+                && fact.tier.tier == Tier::New
+                && now.saturating_sub(fact.tier.since_turn) >= ttl
+        });
+        if ages && let Some(fact) = state.facts.get_mut(*id as usize) {
             fact.tier.tier = Tier::Current;
             fact.tier.since_turn = now;
             report.demoted_to_current.push(ItemRef::Fact(fact.id));
         }
     }
-    for entry in &mut state.turn_log {
-        if entry.tier.tier == Tier::New && now.saturating_sub(entry.tier.since_turn) >= ttl {
+    for seq in &summaries {
+        let ages = state.turn_log.get(*seq as usize).is_some_and(|entry| {
+            entry.tier.tier == Tier::New && now.saturating_sub(entry.tier.since_turn) >= ttl
+        });
+        if ages && let Some(entry) = state.turn_log.get_mut(*seq as usize) {
             entry.tier.tier = Tier::Current;
             entry.tier.since_turn = now;
             report.demoted_to_current.push(ItemRef::Summary(entry.turn));
@@ -162,9 +217,12 @@ pub fn maintain(state: &mut MemoryState, config: &MemoryConfig, report: &mut Tie
 
     // Pack CURRENT by score. Hard constraints are never demoted (they are always injected).
     let mut working: Vec<(f32, u32, ItemRef)> = Vec::new();
-    for (index, fact) in state.facts.iter().enumerate() {
+    for id in &facts {
+        let Some(fact) = state.fact(*id) else {
+            continue;
+        };
         if fact.active && fact.tier.tier == Tier::Current && !fact.is_hard_constraint() {
-            let score = fact_score(state, &config.weights, index);
+            let score = fact_score(state, &config.weights, *id as usize);
             working.push((
                 score,
                 fact.tokens.get(Encoding::O200k),
@@ -173,7 +231,10 @@ pub fn maintain(state: &mut MemoryState, config: &MemoryConfig, report: &mut Tie
         }
     }
     let mut expired = Vec::new();
-    for entry in &state.turn_log {
+    for seq in &summaries {
+        let Some(entry) = state.turn_log.get(*seq as usize) else {
+            continue;
+        };
         if entry.tier.tier != Tier::Current {
             continue;
         }
@@ -315,6 +376,7 @@ fn episode_terms(state: &MemoryState, links: &[TurnSeq]) -> HashSet<String> {
 /// Rebuilds an episode's manifest from its links.
 pub fn refresh_episode(state: &mut MemoryState, id: EpisodeId) {
     // A deleted episode stays empty.
+    state.sync_lookups();
     let Some(episode) = state.episodes.get(id as usize).filter(|e| !e.erased) else {
         return;
     };

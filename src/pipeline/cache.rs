@@ -20,45 +20,76 @@ pub struct CachedMemory {
     pub state: MemoryState,
     pub index: MemoryIndex,
     /// Tokens of every raw turn's messages (what a client resending the whole history would
-    /// send), summed once per version for the metrics.
+    /// send), kept up to date turn by turn for the metrics.
     pub history_tokens: TokenCount,
+    /// Approximate heap size of the state and index, for the cache's byte budget.
+    pub bytes: usize,
 }
 
 impl CachedMemory {
-    pub fn new(state: MemoryState) -> CachedMemory {
+    /// Indexes `state` afresh (a memory read whole from the store).
+    pub fn new(mut state: MemoryState) -> CachedMemory {
         let index = MemoryIndex::build(&state);
-        CachedMemory::with_index(state, index)
+        let history_tokens = turn_tokens(&state, 0);
+        // Stored as it is: nothing to write back.
+        state.take_changes();
+        CachedMemory::with_index(state, index, history_tokens)
     }
 
-    /// Builds on `previous` (its index is refreshed, not rebuilt) when there is one.
-    pub fn after(previous: Option<&CachedMemory>, state: MemoryState) -> CachedMemory {
-        match previous {
-            Some(previous) => {
-                let mut index = previous.index.clone();
-                index.refresh(&state);
-                CachedMemory::with_index(state, index)
-            }
-            None => CachedMemory::new(state),
-        }
-    }
-
-    fn with_index(state: MemoryState, index: MemoryIndex) -> CachedMemory {
-        let history_tokens = state
-            .raw_turns
-            .iter()
-            .fold(TokenCount::default(), |sum, turn| {
-                sum + turn.tokens.user + turn.tokens.assistant
-            });
+    /// The memory after `previous` changed into `state` in this process: `state` still records
+    /// its changes since `previous` (they have not been taken for a store write yet), so the
+    /// index is refreshed with them rather than rebuilt. `None` indexes afresh.
+    pub fn advanced(previous: Option<&CachedMemory>, state: MemoryState) -> CachedMemory {
+        let Some(previous) = previous else {
+            return CachedMemory::new(state);
+        };
+        let mut index = previous.index.clone();
+        index.refresh(&state);
+        let grown = state.estimated_bytes_from(previous.state.item_counts())
+            + index
+                .estimated_bytes()
+                .saturating_sub(previous.index.estimated_bytes());
+        let history_tokens = if state.rewrites == previous.state.rewrites
+            && state.raw_turns.len() >= previous.state.raw_turns.len()
+        {
+            previous.history_tokens + turn_tokens(&state, previous.state.raw_turns.len())
+        } else {
+            turn_tokens(&state, 0)
+        };
         CachedMemory {
             state,
             index,
             history_tokens,
+            bytes: previous.bytes + grown,
+        }
+    }
+
+    fn with_index(
+        state: MemoryState,
+        index: MemoryIndex,
+        history_tokens: TokenCount,
+    ) -> CachedMemory {
+        let bytes = state.estimated_bytes_from([0; 5]) + index.estimated_bytes();
+        CachedMemory {
+            state,
+            index,
+            history_tokens,
+            bytes,
         }
     }
 
     pub fn version(&self) -> u64 {
         self.state.version
     }
+}
+
+/// Tokens of the raw turns from `from` on.
+fn turn_tokens(state: &MemoryState, from: usize) -> TokenCount {
+    (from..state.raw_turns.len())
+        .filter_map(|seq| state.raw_turns.get(seq))
+        .fold(TokenCount::default(), |sum, turn| {
+            sum + turn.tokens.user + turn.tokens.assistant
+        })
 }
 
 /// Bounded map of users to their cached memory; the least recently used go first.
@@ -210,7 +241,7 @@ mod tests {
                 &MemoryConfig::default(),
             );
             expected += count_in(Encoding::Cl100k, user) + count_in(Encoding::Cl100k, assistant);
-            let cached = CachedMemory::after(previous.as_ref(), state.clone());
+            let cached = CachedMemory::advanced(previous.as_ref(), state.clone());
             assert_eq!(cached.history_tokens.get(Encoding::Cl100k), expected);
             previous = Some(cached);
         }

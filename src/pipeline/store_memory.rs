@@ -157,7 +157,8 @@ impl StoreMemory {
             }
             (version, None, Some(cached)) if cached.version() == version => cached,
             (_, Some(state), cached) => {
-                let fresh = Arc::new(CachedMemory::after(cached.as_deref(), state));
+                let _ = cached;
+                let fresh = Arc::new(CachedMemory::new(state));
                 self.cache.put(&user, Arc::clone(&fresh));
                 fresh
             }

@@ -364,12 +364,12 @@ impl Worker {
                 .await?;
             let start = match (record.version, record.state, cached) {
                 (0, _, _) => Start::Fresh,
-                (_, Some(state), cached) => Start::Loaded(Box::new(state), cached),
+                (_, Some(state), _) => Start::Loaded(Box::new(state)),
                 (version, None, Some(cached)) if cached.version() == version => {
                     Start::Cached(cached)
                 }
                 (_, None, _) => match self.store.load_state(user).await? {
-                    Some(state) => Start::Loaded(Box::new(state), None),
+                    Some(state) => Start::Loaded(Box::new(state)),
                     None => continue,
                 },
             };
@@ -443,8 +443,8 @@ fn runs(claimed: Vec<ClaimedJob>) -> Vec<Vec<ClaimedJob>> {
 enum Start {
     /// Nothing stored: a new memory.
     Fresh,
-    /// Read from the store; with the cached memory it replaces, whose index is refreshed.
-    Loaded(Box<MemoryState>, Option<Arc<CachedMemory>>),
+    /// Read whole from the store.
+    Loaded(Box<MemoryState>),
     /// The cached memory is current.
     Cached(Arc<CachedMemory>),
 }
@@ -470,7 +470,9 @@ fn compute(
             state.version = first_version();
             (state, None)
         }
-        Start::Loaded(state, cached) => (*state, cached),
+        // Read whole from the store: indexed afresh.
+        Start::Loaded(state) => (*state, None),
+        // A copy shares the cached memory's items and changes only what the turns touch.
         Start::Cached(cached) => (cached.state.clone(), Some(cached)),
     };
     let mut outcomes = Vec::with_capacity(exchanges.len());
@@ -499,7 +501,9 @@ fn compute(
         .map(|exchange| exchange.session_id.as_str())
         .unwrap_or_default();
     priority::yield_to_requests();
-    let memory = CachedMemory::after(base.as_deref(), state);
+    let mut memory = CachedMemory::advanced(base.as_deref(), state);
+    // The index has seen the turns' changes; the state is written whole for now.
+    memory.state.take_changes();
     priority::yield_to_requests();
     let prefetched = memory::prefetch(&memory.state, &memory.index, session, &config.retrieval);
     priority::yield_to_requests();
@@ -521,11 +525,12 @@ async fn refine(
     diff: &memory::FactDiff,
 ) -> Result<bool> {
     let (refined, _) = edit_memory(store, cache, user, |state| {
-        let Some(seq) = state.raw_turns.iter().position(|turn| turn.id == turn_id) else {
+        state.sync_lookups();
+        let Some(seq) = state.lookups.turn(state, turn_id) else {
             return false;
         };
         let before = state.version;
-        memory::apply_diff(state, diff, memory::model::TurnSeq::try_from(seq).ok());
+        memory::apply_diff(state, diff, Some(seq));
         state.version != before
     })
     .await?;
@@ -543,30 +548,41 @@ pub async fn edit_memory<T>(
     change: impl Fn(&mut MemoryState) -> T,
 ) -> Result<(T, u64)> {
     for _ in 0..CONFLICT_RETRIES {
-        let (mut state, expected) = match store.load_state(user).await? {
-            Some(state) => {
-                let version = state.version;
-                (state, version)
-            }
-            None => {
+        // From the cached memory when it is the stored version (a copy shares its items and
+        // index), else read whole.
+        let cached = cache.get(user);
+        let stored = store
+            .hot_record(user, "", cached.as_ref().map(|memory| memory.version()))
+            .await?;
+        let (mut state, expected, base) = match (stored.version, stored.state, cached) {
+            (0, _, _) => {
                 let mut state = MemoryState::new();
                 state.version = first_version();
-                (state, 0)
+                (state, 0, None)
             }
+            (version, _, Some(cached)) if cached.version() == version => {
+                (cached.state.clone(), version, Some(cached))
+            }
+            (version, Some(state), _) => (state, version, None),
+            (_, None, _) => match store.load_state(user).await? {
+                Some(state) => {
+                    let version = state.version;
+                    (state, version, None)
+                }
+                None => continue,
+            },
         };
         let before = state.version;
         let out = change(&mut state);
         if state.version == before {
             return Ok((out, expected));
         }
-        match store.save_state(user, &state, expected).await {
+        let mut memory = CachedMemory::advanced(base.as_deref(), state);
+        memory.state.take_changes();
+        match store.save_state(user, &memory.state, expected).await {
             Ok(()) => {
-                let version = state.version;
-                let previous = cache.get(user);
-                cache.put(
-                    user,
-                    Arc::new(CachedMemory::after(previous.as_deref(), state)),
-                );
+                let version = memory.version();
+                cache.put(user, Arc::new(memory));
                 return Ok((out, version));
             }
             Err(Error::StoreConflict { .. }) => continue,
