@@ -105,7 +105,7 @@ async fn run() {
     let mut samples = Vec::new();
     for _ in 0..5_000 {
         let (result, elapsed) = timed(store.hot_record(&user, "s19", Some(stored))).await;
-        assert!(result.unwrap().state.is_none());
+        assert!(result.unwrap().update.is_none());
         samples.push(elapsed);
     }
     println!("hot_record warm   {}", percentiles(samples));
@@ -113,7 +113,7 @@ async fn run() {
     let mut samples = Vec::new();
     for _ in 0..20 {
         let (result, elapsed) = timed(store.hot_record(&user, "s19", None)).await;
-        assert!(result.unwrap().state.is_some());
+        assert!(result.unwrap().update.is_some());
         samples.push(elapsed);
     }
     println!("hot_record cold   {}", percentiles(samples));

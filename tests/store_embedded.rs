@@ -3,6 +3,7 @@
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
+    clippy::panic,
     reason = "tests: a failure should fail the test loudly"
 )]
 
@@ -47,7 +48,10 @@ async fn assert_turn_survived(store: &EmbeddedStore, user: &UserKey) {
     let expected = state_with(&["I'm allergic to peanuts."]);
     let hot = store.hot_record(user, "s1", None).await.unwrap();
     assert_eq!(hot.version, expected.version);
-    assert_eq!(hot.state, Some(expected));
+    let Some(engram::store::MemoryUpdate::Whole(state)) = hot.update else {
+        panic!("a cold read did not bring the whole memory");
+    };
+    assert_eq!(*state, expected);
     assert_eq!(store.read_raw(user).await.unwrap().len(), 1);
     assert_eq!(store.queue_depth().await.unwrap(), 1);
     let id = job(user, "hash-1").id;
@@ -83,14 +87,19 @@ async fn a_warm_hot_record_is_read_in_place_and_a_stale_one_brings_the_state() {
     let Poll::Ready(Ok(record)) = polled else {
         panic!("a warm read did not finish at its first poll");
     };
-    assert_eq!((record.version, record.state), (version, None));
+    assert_eq!(record.version, version);
+    assert!(record.update.is_none());
 
     let stale = store
         .hot_record(&user, "s1", Some(version.wrapping_add(1)))
         .await
         .unwrap();
     assert_eq!(stale.version, version);
-    assert_eq!(stale.state, Some(state_with(&["I'm allergic to peanuts."])));
+    // A version the change ring does not lead from reads the whole memory.
+    let Some(engram::store::MemoryUpdate::Whole(state)) = stale.update else {
+        panic!("a stale read did not bring the whole memory");
+    };
+    assert_eq!(*state, state_with(&["I'm allergic to peanuts."]));
 }
 
 /// Set in the child process: the data directory to write into before aborting.
@@ -180,4 +189,78 @@ async fn enqueues_commit_on_a_normal_priority_thread_of_their_own() {
         recorder_scheduling.iter().all(|&recorder| recorder == own),
         "(policy, nice) {recorder_scheduling:?}, not {own:?}"
     );
+}
+
+/// A store file written by engram 0.1 before the item layout (`tests/data/store-0.1`: two
+/// users, four turns each, recorded through the proxy and applied by its worker) opens, its
+/// memories converted: every turn is still there, the rows are items and hot states, and the
+/// next write and read work by changes.
+#[tokio::test]
+async fn a_store_written_by_the_earlier_layout_is_converted_on_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/store-0.1");
+    std::fs::copy(
+        fixture.join(engram::store::embedded::FILE_NAME),
+        dir.path().join(engram::store::embedded::FILE_NAME),
+    )
+    .unwrap();
+    let store = EmbeddedStore::open(dir.path()).unwrap();
+    let mut states = Vec::new();
+    for name in ["alice", "bob"] {
+        let user = UserKey::new("default", name);
+        let state = store.load_state(&user).await.unwrap().unwrap();
+        assert_eq!(state.raw_turns.len(), 4, "{name}");
+        assert!(state.raw_turns[0].user.contains(name), "{name}");
+        assert!(
+            state
+                .facts
+                .iter()
+                .any(|fact| fact.text().contains("peanut"))
+        );
+        states.push((user, state));
+    }
+    drop(store);
+    let rows = EmbeddedStore::dump(dir.path()).unwrap();
+    let hot_states: Vec<_> = rows
+        .iter()
+        .filter(|row| row.table == "memory_state")
+        .collect();
+    assert_eq!(hot_states.len(), 2);
+    for row in hot_states {
+        let meta: serde_json::Value = serde_json::from_slice(&row.value).unwrap();
+        assert_eq!(meta["layout"], 2, "{meta}");
+        assert!(meta.get("raw_turns").is_none());
+    }
+    assert!(
+        rows.iter()
+            .filter(|row| row.table == "memory_items")
+            .count()
+            >= 2 * 4 * 2
+    );
+
+    // Opening again converts nothing more, and the memory goes on by changes.
+    let store = EmbeddedStore::open(dir.path()).unwrap();
+    let (user, mut state) = states.remove(0);
+    let before = state.version;
+    engram::memory::record_exchange(
+        &mut state,
+        &exchange("s1", "after-upgrade", "I moved to Lisbon."),
+        &engram::memory::HeuristicExtractor,
+        &engram::memory::MemoryConfig::default(),
+    );
+    let changes = state.take_changes();
+    let encoded = engram::store::EncodedState::changes(&state, &changes).unwrap();
+    store
+        .save_encoded_state(&user, &encoded, before)
+        .await
+        .unwrap();
+    let hot = store.hot_record(&user, "s1", Some(before)).await.unwrap();
+    assert!(matches!(
+        hot.update,
+        Some(engram::store::MemoryUpdate::Delta(_))
+    ));
+    let mut loaded = store.load_state(&user).await.unwrap().unwrap();
+    loaded.take_changes();
+    state.take_changes();
+    assert_eq!(loaded, state);
 }

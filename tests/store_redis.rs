@@ -839,3 +839,39 @@ async fn long_jobs_apply_whichever_way_their_exchange_is_stored() {
         Some(JobState::Applied)
     );
 }
+
+/// A memory stored by engram 0.1 as one value under `state` is converted to the item layout on
+/// its first read: the reader gets it whole, and the keys then hold a hot state and items.
+#[tokio::test]
+async fn a_memory_in_the_earlier_layout_is_converted_on_first_read() {
+    let Some((store, mut connection, _server)) = store_and_connection(None).await else {
+        return;
+    };
+    let user = UserKey::new("acme", "alice");
+    let state = state_with(&["I'm allergic to peanuts.", "My name is Alice."]);
+    let prefix = format!("{PREFIX}:{{{}}}:", tag(&user));
+    let () = connection
+        .set(
+            format!("{prefix}state"),
+            serde_json::to_vec(&state).unwrap(),
+        )
+        .await
+        .unwrap();
+    let () = connection
+        .set(format!("{prefix}version"), state.version.to_string())
+        .await
+        .unwrap();
+
+    let hot = store.hot_record(&user, "s1", None).await.unwrap();
+    assert_eq!(hot.version, state.version);
+    let Some(engram::store::MemoryUpdate::Whole(read)) = hot.update else {
+        panic!("a legacy memory did not come whole");
+    };
+    assert_eq!(*read, state);
+    let meta: Vec<u8> = connection.get(format!("{prefix}state")).await.unwrap();
+    let meta: serde_json::Value = serde_json::from_slice(&meta).unwrap();
+    assert_eq!(meta["layout"], 2, "{meta}");
+    let items: usize = connection.hlen(format!("{prefix}items")).await.unwrap();
+    assert_eq!(items, 1 + 2 * 2 + state.facts.len());
+    assert_eq!(store.load_state(&user).await.unwrap().unwrap(), state);
+}

@@ -26,10 +26,11 @@ type Strings<V> = LayeredMap<String, V, foldhash::fast::RandomState>;
 #[derive(Clone, Default)]
 pub struct Lookups {
     built: bool,
-    /// How much of each pending-change list (raw turns, facts, turn log, episodes) has been
-    /// applied.
-    seen: [usize; 4],
+    /// How much of each pending-change list (raw turns, facts, turn log, episodes, sessions)
+    /// has been applied.
+    seen: [usize; 5],
     turn_ids: Strings<TurnSeq>,
+    session_ids: Strings<u32>,
     /// Normalised key -> facts that had it.
     fact_keys: Strings<Vec<FactId>>,
     /// Raw turn -> facts whose provenance named it.
@@ -116,6 +117,16 @@ impl Lookups {
     /// changes until [`MemoryState::sync_lookups`]).
     pub fn is_built(&self) -> bool {
         self.built
+    }
+
+    /// The position of session `session_id`.
+    pub fn session(&self, state: &MemoryState, session_id: &str) -> Option<u32> {
+        let at = *self.session_ids.get(session_id)?;
+        state
+            .sessions
+            .get(at as usize)
+            .is_some_and(|session| session.id == session_id)
+            .then_some(at)
     }
 
     /// The raw turn recorded under `turn_id`.
@@ -247,6 +258,7 @@ impl Lookups {
             state.facts.pending(),
             state.turn_log.pending(),
             state.episodes.pending(),
+            state.sessions.pending(),
         ];
         if !self.built {
             *self = Lookups {
@@ -265,6 +277,9 @@ impl Lookups {
             for id in 0..state.episodes.len() {
                 self.episode(state, id);
             }
+            for at in 0..state.sessions.len() {
+                self.session_id(state, at);
+            }
             // What the stored manifests list stands until their facts change.
             self.stale_episodes.clear();
         } else {
@@ -275,12 +290,16 @@ impl Lookups {
                     .map(|at| *at as usize)
                     .collect()
             };
-            let (raw, facts, summaries, episodes) = (
+            let (raw, facts, summaries, episodes, sessions) = (
                 unseen(0, pending[0]),
                 unseen(1, pending[1]),
                 unseen(2, pending[2]),
                 unseen(3, pending[3]),
+                unseen(4, pending[4]),
             );
+            sessions
+                .into_iter()
+                .for_each(|at| self.session_id(state, at));
             raw.into_iter().for_each(|seq| self.raw_turn(state, seq));
             facts.into_iter().for_each(|id| self.fact(state, id));
             summaries
@@ -289,6 +308,13 @@ impl Lookups {
             episodes.into_iter().for_each(|id| self.episode(state, id));
         }
         self.seen = pending.map(<[u32]>::len);
+    }
+
+    fn session_id(&mut self, state: &MemoryState, at: usize) {
+        if let Some(session) = state.sessions.get(at) {
+            self.session_ids
+                .insert(session.id.clone(), u32::try_from(at).unwrap_or(u32::MAX));
+        }
     }
 
     fn raw_turn(&mut self, state: &MemoryState, seq: usize) {
@@ -392,8 +418,9 @@ impl MemoryState {
     /// lookups take the changes in first.
     pub fn take_changes(&mut self) -> Changes {
         self.sync_lookups();
-        self.lookups.seen = [0; 4];
+        self.lookups.seen = [0; 5];
         Changes {
+            sessions: self.sessions.take_dirty(),
             raw_turns: self.raw_turns.take_dirty(),
             facts: self.facts.take_dirty(),
             turn_log: self.turn_log.take_dirty(),
@@ -406,6 +433,7 @@ impl MemoryState {
 /// Items changed since a memory was last stored, by position.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Changes {
+    pub sessions: Vec<u32>,
     pub raw_turns: Vec<u32>,
     pub facts: Vec<u32>,
     pub turn_log: Vec<u32>,
@@ -415,7 +443,8 @@ pub struct Changes {
 
 impl Changes {
     pub fn is_empty(&self) -> bool {
-        self.raw_turns.is_empty()
+        self.sessions.is_empty()
+            && self.raw_turns.is_empty()
             && self.facts.is_empty()
             && self.turn_log.is_empty()
             && self.episodes.is_empty()
@@ -423,7 +452,8 @@ impl Changes {
     }
 
     pub fn len(&self) -> usize {
-        self.raw_turns.len()
+        self.sessions.len()
+            + self.raw_turns.len()
             + self.facts.len()
             + self.turn_log.len()
             + self.episodes.len()

@@ -97,7 +97,7 @@ pub struct MemoryState {
     #[serde(default)]
     pub artifacts: Segmented<Artifact>,
     #[serde(default)]
-    pub sessions: Vec<SessionState>,
+    pub sessions: Segmented<SessionState>,
     /// Bumped when a management deletion rewrites a turn summary or an artifact in place: the
     /// index, which only appends to those segments, rebuilds them.
     #[serde(default)]
@@ -125,7 +125,12 @@ impl MemoryState {
             .map(|turn| turn.id.as_str())
     }
 
+    /// The position of session `session_id`: through the lookups when they are built (every
+    /// cached memory's are), else by a scan.
     pub fn session_index(&self, session_id: &str) -> Option<u32> {
+        if self.lookups.is_built() {
+            return self.lookups.session(self, session_id);
+        }
         self.sessions
             .iter()
             .position(|session| session.id == session_id)
@@ -140,6 +145,7 @@ impl MemoryState {
             .sessions
             .get(session as usize)
             .map_or(&[][..], |state| state.recent.as_slice());
+        let recent: &[TurnSeq] = recent;
         let scan_from = recent
             .first()
             .map_or(self.raw_turns.len(), |oldest| *oldest as usize);

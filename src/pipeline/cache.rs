@@ -10,9 +10,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use crate::error::{Error, Result};
 use crate::memory::tokens::TokenCount;
 use crate::memory::{MemoryIndex, MemoryState};
-use crate::store::UserKey;
+use crate::store::{MemoryUpdate, UserKey};
 
 /// One user's memory at one version, with its index.
 #[derive(Debug)]
@@ -27,13 +28,42 @@ pub struct CachedMemory {
 }
 
 impl CachedMemory {
-    /// Indexes `state` afresh (a memory read whole from the store).
-    pub fn new(mut state: MemoryState) -> CachedMemory {
+    /// Indexes `state` afresh (a memory read whole from the store, or a new one). Changes the
+    /// state still records are left for the caller to take (a new memory's are its first
+    /// write).
+    pub fn new(state: MemoryState) -> CachedMemory {
         let index = MemoryIndex::build(&state);
         let history_tokens = turn_tokens(&state, 0);
-        // Stored as it is: nothing to write back.
-        state.take_changes();
         CachedMemory::with_index(state, index, history_tokens)
+    }
+
+    /// The memory the store's answer leads to from `cached` (the caller's copy at the version
+    /// it asked with): the cached one when nothing changed, `cached` with the changed items
+    /// applied for a delta, a fresh index over a whole memory. `None` when the store sent
+    /// nothing but `cached` is not at `version` (it moved during the read). CPU-bound for a
+    /// whole memory: call it off the async threads then.
+    pub fn resolve(
+        cached: Option<Arc<CachedMemory>>,
+        version: u64,
+        update: Option<MemoryUpdate>,
+    ) -> Result<Option<Arc<CachedMemory>>> {
+        let mut memory = match (update, cached) {
+            (None, Some(cached)) if cached.version() == version => return Ok(Some(cached)),
+            (None, _) => return Ok(None),
+            (Some(MemoryUpdate::Whole(state)), _) => CachedMemory::new(*state),
+            (Some(MemoryUpdate::Delta(delta)), Some(cached)) => {
+                let state = delta.apply(&cached.state)?;
+                CachedMemory::advanced(Some(&cached), state)
+            }
+            (Some(MemoryUpdate::Delta(_)), None) => {
+                return Err(Error::Store(
+                    "the store sent changes to a memory this process does not hold".into(),
+                ));
+            }
+        };
+        // Stored already: nothing to write back.
+        memory.state.take_changes();
+        Ok(Some(Arc::new(memory)))
     }
 
     /// The memory after `previous` changed into `state` in this process: `state` still records

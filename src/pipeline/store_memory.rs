@@ -24,7 +24,7 @@ use super::{
 use crate::error::Error;
 use crate::memory::{self, ComposeRequest, ExchangeInput, MemoryConfig, MemoryState};
 use crate::openai::ChatRequest;
-use crate::store::{Job, JobId, Store, UserKey};
+use crate::store::{Job, JobId, MemoryUpdate, Store, UserKey};
 use crate::telemetry::Telemetry;
 use crate::worker::Outbox;
 
@@ -147,29 +147,43 @@ impl StoreMemory {
                 return Ok(degraded("store_timeout", turn_id, plan));
             }
         };
-        let memory = match (record.version, record.state, cached) {
-            (0, _, cached) => {
-                if cached.is_some() {
-                    // Forgotten since it was cached.
-                    self.cache.remove(&user);
+        let memory = if record.version == 0 {
+            if cached.is_some() {
+                // Forgotten since it was cached.
+                self.cache.remove(&user);
+            }
+            Arc::clone(&self.empty)
+        } else {
+            let whole = matches!(record.update, Some(MemoryUpdate::Whole(_)));
+            let version = record.version;
+            let resolved = if whole {
+                // Indexing a whole memory (a cold cache) is CPU work: off the async threads.
+                let update = record.update;
+                tokio::task::spawn_blocking(move || CachedMemory::resolve(cached, version, update))
+                    .await
+                    .map_err(|error| Error::Internal(format!("indexing task failed: {error}")))?
+            } else {
+                CachedMemory::resolve(cached, version, record.update)
+            };
+            match resolved {
+                Ok(Some(memory)) => {
+                    self.cache.put(&user, Arc::clone(&memory));
+                    memory
                 }
-                Arc::clone(&self.empty)
-            }
-            (version, None, Some(cached)) if cached.version() == version => cached,
-            (_, Some(state), cached) => {
-                let _ = cached;
-                let fresh = Arc::new(CachedMemory::new(state));
-                self.cache.put(&user, Arc::clone(&fresh));
-                fresh
-            }
-            (version, None, _) => {
-                // The version moved between the cache check and the read; rare, not worth a
-                // second round trip on the hot path.
-                tracing::debug!(
-                    version,
-                    "memory changed during the read; answering without it"
-                );
-                return Ok(degraded("store_race", turn_id, plan));
+                Ok(None) => {
+                    // The version moved between the cache check and the read; rare, not worth
+                    // a second round trip on the hot path.
+                    tracing::debug!(
+                        version,
+                        "memory changed during the read; answering without it"
+                    );
+                    return Ok(degraded("store_race", turn_id, plan));
+                }
+                Err(error) => {
+                    load.fail("store_error");
+                    tracing::warn!(%error, "memory read failed; answering without memory");
+                    return Ok(degraded("store_error", turn_id, plan));
+                }
             }
         };
 

@@ -13,7 +13,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use redb::{
     Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
     TableHandle, WriteTransaction,
@@ -22,6 +21,7 @@ use serde::{Deserialize, Serialize};
 
 use super::db_handle::DbHandle;
 use super::group_commit::{Committed, GroupCommit};
+use super::layout::{self, Change, Delta, ItemKey, ItemKind, MemoryUpdate, Stored};
 use super::{
     Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobState,
     Published, RawEntry, Store, UserKey, decode, now_ms,
@@ -40,6 +40,10 @@ const ENQUEUE_LINGER: Duration = Duration::from_millis(2);
 
 /// (tenant, user) → the memory state as JSON.
 const STATES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("memory_state");
+/// A memory's items (see `layout`): (tenant, user, kind, position) -> JSON.
+const ITEMS: TableDefinition<(&str, &str, u8, u32), &[u8]> = TableDefinition::new("memory_items");
+/// A memory's change ring, one `layout::Change` a line.
+const CHANGES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("memory_changes");
 /// (tenant, user) → memory version; kept apart so the hot path reads it without the state.
 const VERSIONS: TableDefinition<(&str, &str), u64> = TableDefinition::new("memory_version");
 /// (tenant, user, session) → prefetched candidates as JSON.
@@ -148,6 +152,15 @@ impl EmbeddedStore {
     pub fn open(data_dir: &Path) -> Result<EmbeddedStore> {
         std::fs::create_dir_all(data_dir)?;
         let db = DbHandle::open(&data_dir.join(FILE_NAME), create_tables)?;
+        if let Some(database) = db.current() {
+            let converted = convert_legacy(&database)?;
+            if converted > 0 {
+                tracing::info!(
+                    memories = converted,
+                    "converted memories stored as one value to the item layout"
+                );
+            }
+        }
         Ok(EmbeddedStore {
             db: Arc::new(db),
             enqueues: GroupCommit::in_background(write_enqueue, ENQUEUE_LINGER, "engram-recorder")?,
@@ -202,8 +215,7 @@ impl EmbeddedStore {
     ) -> Result<()> {
         let commit = JobCommit {
             jobs: jobs.to_vec(),
-            version: state.version,
-            state: state.json.clone(),
+            state: state.clone(),
             expected,
             prefetched: encode(prefetched)?,
             published,
@@ -212,14 +224,15 @@ impl EmbeddedStore {
     }
 }
 
-/// The hot-path read in one read transaction. `None` when the caller's state is stale and
-/// `decode_state` is false: decoding a state takes milliseconds, never on a request thread.
+/// The hot-path read in one read transaction. `None` when the caller would need the whole
+/// memory and `read_whole` is false: decoding a whole memory takes milliseconds, never on a
+/// request thread (the items changed since the caller's version are a few, and are read here).
 fn read_hot_record(
     db: &Database,
     user: &UserKey,
     session_id: &str,
     cached_version: Option<u64>,
-    decode_state: bool,
+    read_whole: bool,
 ) -> Result<Option<HotRecord>> {
     let txn = db.begin_read().map_err(db_error)?;
     let key = (user.tenant.as_str(), user.user.as_str());
@@ -229,19 +242,24 @@ fn read_hot_record(
         .get(key)
         .map_err(db_error)?
         .map_or(0, |guard| guard.value());
-    let state = if version == 0 || cached_version == Some(version) {
+    let update = if version == 0 || cached_version == Some(version) {
         None
-    } else if !decode_state {
-        return Ok(None);
     } else {
-        match txn
-            .open_table(STATES)
-            .map_err(db_error)?
-            .get(key)
-            .map_err(db_error)?
-        {
-            Some(guard) => Some(decode::<MemoryState>(guard.value())?),
+        let states = txn.open_table(STATES).map_err(db_error)?;
+        let items = txn.open_table(ITEMS).map_err(db_error)?;
+        let changed = match cached_version {
+            Some(cached) => read_ring(&txn.open_table(CHANGES).map_err(db_error)?, key)?
+                .and_then(|ring| layout::changed_between(&ring, cached, version)),
             None => None,
+        };
+        match changed {
+            Some(changed) => Some(MemoryUpdate::Delta(read_delta(
+                &states, &items, key, &changed,
+            )?)),
+            None if read_whole => {
+                read_memory(&states, &items, key)?.map(|state| MemoryUpdate::Whole(Box::new(state)))
+            }
+            None => return Ok(None),
         }
     };
     let prefetched = match txn
@@ -255,15 +273,127 @@ fn read_hot_record(
     };
     Ok(Some(HotRecord {
         version,
-        state,
+        update,
         prefetched,
     }))
+}
+
+type UserKeyRef<'k> = (&'k str, &'k str);
+
+fn read_ring(
+    changes: &impl ReadableTable<(&'static str, &'static str), &'static [u8]>,
+    key: UserKeyRef,
+) -> Result<Option<Vec<Change>>> {
+    let Some(guard) = changes.get(key).map_err(db_error)? else {
+        return Ok(None);
+    };
+    let text = String::from_utf8_lossy(guard.value()).into_owned();
+    Ok(Some(text.lines().filter_map(Change::decode).collect()))
+}
+
+/// The hot state and the listed items.
+fn read_delta(
+    states: &impl ReadableTable<(&'static str, &'static str), &'static [u8]>,
+    table: &impl ReadableTable<(&'static str, &'static str, u8, u32), &'static [u8]>,
+    key: UserKeyRef,
+    items: &std::collections::BTreeSet<ItemKey>,
+) -> Result<Delta> {
+    let Some(guard) = states.get(key).map_err(db_error)? else {
+        return Err(Error::Store("memory version without its hot state".into()));
+    };
+    let Stored::Meta(meta) = Stored::decode(guard.value())? else {
+        return Err(Error::Store(
+            "a memory in the earlier layout has a change ring".into(),
+        ));
+    };
+    let mut read = Vec::with_capacity(items.len());
+    for item in items {
+        let found = table
+            .get((key.0, key.1, item.kind.code(), item.pos))
+            .map_err(db_error)?;
+        match found {
+            Some(json) => read.push((*item, json.value().to_vec())),
+            None => {
+                return Err(Error::Store(format!(
+                    "memory item {} is missing",
+                    item.field()
+                )));
+            }
+        }
+    }
+    Ok(Delta { meta, items: read })
+}
+
+/// The whole memory of `key`, from its hot state and every item.
+fn read_memory(
+    states: &impl ReadableTable<(&'static str, &'static str), &'static [u8]>,
+    table: &impl ReadableTable<(&'static str, &'static str, u8, u32), &'static [u8]>,
+    key: UserKeyRef,
+) -> Result<Option<MemoryState>> {
+    let Some(guard) = states.get(key).map_err(db_error)? else {
+        return Ok(None);
+    };
+    let meta = match Stored::decode(guard.value())? {
+        Stored::Meta(meta) => meta,
+        Stored::Legacy(state) => return Ok(Some(*state)),
+    };
+    let mut rows = Vec::new();
+    for row in table
+        .range((key.0, key.1, 0u8, 0u32)..=(key.0, key.1, u8::MAX, u32::MAX))
+        .map_err(db_error)?
+    {
+        let (item, json) = row.map_err(db_error)?;
+        let (_, _, kind, pos) = item.value();
+        let Some(kind) = ItemKind::from_code(kind) else {
+            return Err(Error::Store(format!("unknown memory item kind {kind}")));
+        };
+        rows.push((ItemKey { kind, pos }, json.value().to_vec()));
+    }
+    layout::assemble(meta, rows.iter().map(|(key, json)| (*key, json.as_slice()))).map(Some)
+}
+
+/// Rewrites every memory stored by an earlier release as one value into the layout of
+/// `layout` (hot state and items), each in its own transaction; returns how many. Runs when
+/// the store opens.
+fn convert_legacy(db: &Database) -> Result<usize> {
+    let legacy: Vec<(String, String)> = {
+        let txn = db.begin_read().map_err(db_error)?;
+        let states = txn.open_table(STATES).map_err(db_error)?;
+        let mut keys = Vec::new();
+        for row in states.iter().map_err(db_error)? {
+            let (key, value) = row.map_err(db_error)?;
+            if matches!(Stored::decode(value.value())?, Stored::Legacy(_)) {
+                let (tenant, user) = key.value();
+                keys.push((tenant.to_owned(), user.to_owned()));
+            }
+        }
+        keys
+    };
+    for (tenant, user) in &legacy {
+        let txn = db.begin_write().map_err(db_error)?;
+        {
+            let key = (tenant.as_str(), user.as_str());
+            let state = {
+                let states = txn.open_table(STATES).map_err(db_error)?;
+                let items = txn.open_table(ITEMS).map_err(db_error)?;
+                read_memory(&states, &items, key)?
+            };
+            if let Some(state) = state {
+                let encoded = EncodedState::of(&state)?;
+                write_layout(&txn, key, &encoded, None)?;
+            }
+        }
+        txn.commit().map_err(db_error)?;
+    }
+    Ok(legacy.len())
 }
 
 /// Creates every table up front, so read transactions never meet a missing one.
 fn create_tables(db: &Database) -> Result<()> {
     let txn = db.begin_write().map_err(db_error)?;
     txn.open_table(STATES).map_err(db_error)?;
+    txn.open_table(ITEMS).map_err(db_error)?;
+    txn.open_table(CHANGES).map_err(db_error)?;
     txn.open_table(VERSIONS).map_err(db_error)?;
     txn.open_table(PREFETCHED).map_err(db_error)?;
     txn.open_table(RAW_LOG).map_err(db_error)?;
@@ -294,6 +424,8 @@ impl EmbeddedStore {
         let txn = db.begin_read().map_err(db_error)?;
         let known = [
             STATES.name(),
+            ITEMS.name(),
+            CHANGES.name(),
             VERSIONS.name(),
             PREFETCHED.name(),
             RAW_LOG.name(),
@@ -340,6 +472,39 @@ impl EmbeddedStore {
             push(
                 STATES.name(),
                 vec![tenant.into(), user.into()],
+                value.value().to_vec(),
+            );
+        }
+        for row in txn
+            .open_table(CHANGES)
+            .map_err(db_error)?
+            .iter()
+            .map_err(db_error)?
+        {
+            let (key, value) = row.map_err(db_error)?;
+            let (tenant, user) = key.value();
+            push(
+                CHANGES.name(),
+                vec![tenant.into(), user.into()],
+                value.value().to_vec(),
+            );
+        }
+        for row in txn
+            .open_table(ITEMS)
+            .map_err(db_error)?
+            .iter()
+            .map_err(db_error)?
+        {
+            let (key, value) = row.map_err(db_error)?;
+            let (tenant, user, kind, pos) = key.value();
+            push(
+                ITEMS.name(),
+                vec![
+                    tenant.into(),
+                    user.into(),
+                    kind.to_string(),
+                    pos.to_string(),
+                ],
                 value.value().to_vec(),
             );
         }
@@ -482,14 +647,9 @@ impl Store for EmbeddedStore {
         let user = user.clone();
         self.blocking(move |db| {
             let txn = db.begin_read().map_err(db_error)?;
-            let table = txn.open_table(STATES).map_err(db_error)?;
-            match table
-                .get((user.tenant.as_str(), user.user.as_str()))
-                .map_err(db_error)?
-            {
-                Some(guard) => Ok(Some(decode(guard.value())?)),
-                None => Ok(None),
-            }
+            let states = txn.open_table(STATES).map_err(db_error)?;
+            let items = txn.open_table(ITEMS).map_err(db_error)?;
+            read_memory(&states, &items, (user.tenant.as_str(), user.user.as_str()))
         })
     }
 
@@ -500,12 +660,11 @@ impl Store for EmbeddedStore {
         expected_version: u64,
     ) -> BoxFuture<'a, Result<()>> {
         let user = user.clone();
-        let new_version = state.version;
-        let encoded = state.json.clone();
+        let encoded = state.clone();
         self.blocking(move |db| {
             let txn = db.begin_write().map_err(db_error)?;
             // On a conflict the transaction is dropped, which aborts it: nothing is written.
-            write_state(&txn, &user, &encoded, new_version, expected_version)?;
+            write_state(&txn, &user, &encoded, expected_version)?;
             txn.commit().map_err(db_error)
         })
     }
@@ -674,6 +833,18 @@ impl Store for EmbeddedStore {
                     .map_err(db_error)?
                     .remove((tenant, user_id))
                     .map_err(db_error)?;
+                txn.open_table(CHANGES)
+                    .map_err(db_error)?
+                    .remove((tenant, user_id))
+                    .map_err(db_error)?;
+                txn.open_table(ITEMS)
+                    .map_err(db_error)?
+                    .extract_from_if(
+                        (tenant, user_id, 0u8, 0u32)..=(tenant, user_id, u8::MAX, u32::MAX),
+                        |_, _| true,
+                    )
+                    .map_err(db_error)?
+                    .for_each(drop);
 
                 let mut prefetched = txn.open_table(PREFETCHED).map_err(db_error)?;
                 for session in string_keys_of(&prefetched, &user)? {
@@ -725,12 +896,12 @@ impl Store for EmbeddedStore {
     }
 }
 
-/// Writes state and version if the stored version is `expected`; else `StoreConflict`.
+/// Writes the memory (hot state, items, change ring) and its version if the stored version is
+/// `expected`; else `StoreConflict`.
 fn write_state(
     txn: &WriteTransaction,
     user: &UserKey,
-    encoded: &[u8],
-    new_version: u64,
+    encoded: &EncodedState,
     expected: u64,
 ) -> Result<()> {
     let key = (user.tenant.as_str(), user.user.as_str());
@@ -742,10 +913,39 @@ fn write_state(
     if found != expected {
         return Err(Error::StoreConflict { expected, found });
     }
-    versions.insert(key, new_version).map_err(db_error)?;
+    versions.insert(key, encoded.version).map_err(db_error)?;
+    write_layout(txn, key, encoded, Some(expected))
+}
+
+/// Writes the hot state and items; with `previous`, appends the write to the change ring
+/// (without, the ring starts over: a conversion).
+fn write_layout(
+    txn: &WriteTransaction,
+    key: UserKeyRef,
+    encoded: &EncodedState,
+    previous: Option<u64>,
+) -> Result<()> {
     txn.open_table(STATES)
         .map_err(db_error)?
-        .insert(key, encoded)
+        .insert(key, encoded.meta.as_ref())
+        .map_err(db_error)?;
+    let mut items = txn.open_table(ITEMS).map_err(db_error)?;
+    for (item, json) in &encoded.items {
+        items
+            .insert((key.0, key.1, item.kind.code(), item.pos), json.as_ref())
+            .map_err(db_error)?;
+    }
+    let mut changes = txn.open_table(CHANGES).map_err(db_error)?;
+    let mut ring = match previous {
+        Some(_) => read_ring(&changes, key)?.unwrap_or_default(),
+        None => Vec::new(),
+    };
+    if let Some(previous) = previous {
+        layout::push_change(&mut ring, encoded.change(previous));
+    }
+    let text: Vec<String> = ring.iter().map(Change::encode).collect();
+    changes
+        .insert(key, text.join("\n").as_bytes())
         .map_err(db_error)?;
     Ok(())
 }
@@ -933,8 +1133,7 @@ fn write_enqueue(txn: &WriteTransaction, job: &Job) -> Result<Enqueued> {
 /// The worker's write for applied jobs of one session (see `Store::commit_jobs`).
 struct JobCommit {
     jobs: Vec<Job>,
-    version: u64,
-    state: Bytes,
+    state: EncodedState,
     expected: u64,
     prefetched: Vec<u8>,
     published: Option<Published>,
@@ -969,7 +1168,7 @@ fn write_commit(txn: &WriteTransaction, commit: &JobCommit) -> Result<()> {
         }
     }
     // The state first: its version check is the last check, and it writes only when it passes.
-    write_state(txn, user, &commit.state, commit.version, commit.expected)?;
+    write_state(txn, user, &commit.state, commit.expected)?;
     for job in &commit.jobs {
         write_raw(txn, user, &job.id.key, &job.exchange)?;
     }

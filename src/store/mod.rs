@@ -18,11 +18,11 @@
 mod db_handle;
 pub mod embedded;
 mod group_commit;
+pub mod layout;
 pub mod redis;
 
 use std::time::Duration;
 
-use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -32,6 +32,7 @@ use crate::telemetry::TraceParent;
 
 pub use self::redis::{RedisOptions, RedisStore};
 pub use embedded::EmbeddedStore;
+pub use layout::{EncodedState, MemoryUpdate};
 
 /// Whose memory a record belongs to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -50,13 +51,14 @@ impl UserKey {
 }
 
 /// What the hot path needs for one request, fetched in a single read.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Default)]
 pub struct HotRecord {
     /// The user's memory version; 0 when nothing is stored.
     pub version: u64,
-    /// The user's memory, unless the caller already holds `version` (its `cached_version`) or
-    /// nothing is stored. Skipping it keeps the hot path from decoding the whole state.
-    pub state: Option<MemoryState>,
+    /// What the caller needs to reach `version`: nothing when it holds `version` already (its
+    /// `cached_version`) or nothing is stored; the items changed since its version when the
+    /// change ring still leads from it; else the whole memory.
+    pub update: Option<MemoryUpdate>,
     /// Candidates the worker prefetched for this session after its last turn.
     pub prefetched: Vec<CandidateId>,
 }
@@ -360,25 +362,6 @@ pub trait Store: Send + Sync + 'static {
 
 /// Runs once a write has committed (see [`Store::commit_jobs_then`]).
 pub type Published = Box<dyn FnOnce() + Send>;
-
-/// A memory state serialised for storage, with its version.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EncodedState {
-    pub version: u64,
-    /// Shared, not copied, by the writes that take it (a state can be megabytes).
-    pub json: Bytes,
-}
-
-impl EncodedState {
-    pub fn of(state: &MemoryState) -> Result<EncodedState> {
-        Ok(EncodedState {
-            version: state.version,
-            json: serde_json::to_vec(state)
-                .map_err(|error| Error::Store(format!("encode: {error}")))?
-                .into(),
-        })
-    }
-}
 
 /// Reads a stored JSON record; a record that does not decode is a store error, not a panic.
 fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T> {

@@ -36,6 +36,7 @@ use serde::{Deserialize, Serialize};
 
 use self::connection::{Connection, Target};
 use self::scripts::Scripts;
+use super::layout::{self, Delta, ItemKey, MemoryUpdate, Stored};
 use super::{
     Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobState,
     RawEntry, Store, UserKey, decode, now_ms,
@@ -627,11 +628,21 @@ impl RedisStore {
             }
             None => (String::new(), String::new()),
         };
-        let (version, state, prefetched): (String, Option<Vec<u8>>, Option<Vec<u8>>) = self
+        type Reply = (
+            String,
+            String,
+            Option<Vec<u8>>,
+            Vec<String>,
+            Vec<Option<Vec<u8>>>,
+            Option<Vec<u8>>,
+        );
+        let (version, status, meta, fields, values, prefetched): Reply = self
             .scripts
             .hot_record
             .key(self.user_key(user, "version"))
             .key(self.user_key(user, "state"))
+            .key(self.user_key(user, "items"))
+            .key(self.user_key(user, "changes"))
             .key(self.user_key(user, "prefetched"))
             .key(self.user_key(user, "arriving"))
             .arg(
@@ -647,14 +658,128 @@ impl RedisStore {
             .invoke_async(&mut self.connection())
             .await
             .map_err(redis_error)?;
+        let mut version = parse_version(&version)?;
+        let update = match status.as_str() {
+            "none" => None,
+            "delta" => {
+                let Some(meta) = meta else {
+                    return Err(Error::Store("memory version without its hot state".into()));
+                };
+                let Stored::Meta(meta) = Stored::decode(&meta)? else {
+                    return Err(Error::Store(
+                        "a memory in the earlier layout has a change ring".into(),
+                    ));
+                };
+                let mut items = Vec::with_capacity(fields.len());
+                for (field, value) in fields.iter().zip(values) {
+                    let (Some(key), Some(value)) = (ItemKey::parse(field), value) else {
+                        return Err(Error::Store(format!("memory item {field} is missing")));
+                    };
+                    items.push((key, value));
+                }
+                Some(MemoryUpdate::Delta(Delta { meta, items }))
+            }
+            _ => match self.read_memory(user).await? {
+                Some((read_version, state)) => {
+                    version = read_version;
+                    Some(MemoryUpdate::Whole(Box::new(state)))
+                }
+                None => {
+                    version = 0;
+                    None
+                }
+            },
+        };
         Ok(HotRecord {
-            version: parse_version(&version)?,
-            state: state.as_deref().map(decode).transpose()?,
+            version,
+            update,
             prefetched: match prefetched {
                 Some(bytes) => decode(&bytes)?,
                 None => Vec::new(),
             },
         })
+    }
+
+    /// The whole memory with its version, read atomically without a script (a large memory's
+    /// values would all be hashed on their way through Lua). A memory stored by an earlier
+    /// release as one value is converted to the item layout here, on its first read.
+    async fn read_memory(&self, user: &UserKey) -> Result<Option<(u64, MemoryState)>> {
+        type Reply = (Option<String>, Option<Vec<u8>>, Vec<(String, Vec<u8>)>);
+        let (version, state, items): Reply = redis::pipe()
+            .atomic()
+            .get(self.user_key(user, "version"))
+            .get(self.user_key(user, "state"))
+            .hgetall(self.user_key(user, "items"))
+            .query_async(&mut self.connection())
+            .await
+            .map_err(redis_error)?;
+        let (Some(version), Some(state)) = (version, state) else {
+            return Ok(None);
+        };
+        let version = parse_version(&version)?;
+        match Stored::decode(&state)? {
+            Stored::Meta(meta) => {
+                let mut rows = Vec::with_capacity(items.len());
+                for (field, json) in &items {
+                    let Some(key) = ItemKey::parse(field) else {
+                        return Err(Error::Store(format!("unknown memory item {field}")));
+                    };
+                    rows.push((key, json.as_slice()));
+                }
+                Ok(Some((version, layout::assemble(meta, rows)?)))
+            }
+            Stored::Legacy(state) => {
+                let encoded = EncodedState::of(&state)?;
+                match self.write_memory(user, &encoded, version, None).await {
+                    Ok(()) => {
+                        tracing::info!("converted a memory stored as one value to the item layout")
+                    }
+                    Err(Error::StoreConflict { .. }) => {}
+                    Err(error) => return Err(error),
+                }
+                Ok(Some((version, *state)))
+            }
+        }
+    }
+
+    /// The save script: the memory written if the stored version is `expected`. With
+    /// `previous`, the write joins the change ring; without, the ring starts over.
+    async fn write_memory(
+        &self,
+        user: &UserKey,
+        encoded: &EncodedState,
+        expected: u64,
+        previous: Option<u64>,
+    ) -> Result<()> {
+        let version_key = self.user_key(user, "version");
+        let mut invocation = self.scripts.save_state.prepare_invoke();
+        invocation
+            .key(&version_key)
+            .key(self.user_key(user, "state"))
+            .key(self.user_key(user, "items"))
+            .key(self.user_key(user, "changes"))
+            .arg(expected.to_string())
+            .arg(encoded.version.to_string())
+            .arg(encoded.meta.as_ref())
+            .arg(previous.map_or_else(String::new, |previous| encoded.change(previous).encode()))
+            .arg(layout::RING);
+        for (key, json) in &encoded.items {
+            invocation.arg(key.field()).arg(json.as_ref());
+        }
+        let found: Option<String> = invocation
+            .invoke_async(&mut self.writer())
+            .await
+            .map_err(redis_error)?;
+        match found {
+            None => {
+                self.replicated_or_warn(&version_key, "memory state").await;
+                Ok(())
+            }
+            Some(found) => Err(Error::StoreConflict {
+                expected,
+                found: parse_version(&found)?,
+            }),
+        }
     }
 }
 
@@ -790,14 +915,7 @@ impl Store for RedisStore {
     }
 
     fn load_state<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<Option<MemoryState>>> {
-        Box::pin(async move {
-            let state: Option<Vec<u8>> = self
-                .connection()
-                .get(self.user_key(user, "state"))
-                .await
-                .map_err(redis_error)?;
-            state.as_deref().map(decode).transpose()
-        })
+        Box::pin(async move { Ok(self.read_memory(user).await?.map(|(_, state)| state)) })
     }
 
     fn save_encoded_state<'a>(
@@ -806,32 +924,7 @@ impl Store for RedisStore {
         state: &'a EncodedState,
         expected_version: u64,
     ) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            let version_key = self.user_key(user, "version");
-            let (inline, staged) = self.inline_or_staged(user, &state.json).await?;
-            let found: Option<String> = self
-                .scripts
-                .save_state
-                .key(&version_key)
-                .key(self.user_key(user, "state"))
-                .key(staged)
-                .arg(expected_version.to_string())
-                .arg(state.version.to_string())
-                .arg(inline)
-                .invoke_async(&mut self.writer())
-                .await
-                .map_err(redis_error)?;
-            match found {
-                None => {
-                    self.replicated_or_warn(&version_key, "memory state").await;
-                    Ok(())
-                }
-                Some(found) => Err(Error::StoreConflict {
-                    expected: expected_version,
-                    found: parse_version(&found)?,
-                }),
-            }
-        })
+        Box::pin(self.write_memory(user, state, expected_version, Some(expected_version)))
     }
 
     fn save_prefetched<'a>(
@@ -1125,7 +1218,6 @@ impl Store for RedisStore {
             // record to the raw log. If one has gone missing, the entries go whole.
             let mut whole = false;
             let (queued, released) = loop {
-                let (inline, staged) = self.inline_or_staged(user, &state.json).await?;
                 let mut invocation = self.scripts.commit.prepare_invoke();
                 invocation
                     .key(&version_key)
@@ -1133,15 +1225,22 @@ impl Store for RedisStore {
                     .key(self.user_key(user, "raw"))
                     .key(self.user_key(user, "raw_ids"))
                     .key(self.user_key(user, "prefetched"))
-                    .key(staged)
+                    .key(self.user_key(user, "items"))
+                    .key(self.user_key(user, "changes"))
                     .arg(self.user_prefix(user))
                     .arg(expected_version.to_string())
                     .arg(state.version.to_string())
-                    .arg(inline)
+                    .arg(state.meta.as_ref())
                     .arg(&first.exchange.session_id)
                     .arg(encode(prefetched)?)
                     .arg(encode(&JobState::Applied)?)
-                    .arg(&self.finished_job_ttl_ms);
+                    .arg(&self.finished_job_ttl_ms)
+                    .arg(state.change(expected_version).encode())
+                    .arg(layout::RING)
+                    .arg(state.items.len());
+                for (key, json) in &state.items {
+                    invocation.arg(key.field()).arg(json.as_ref());
+                }
                 for job in jobs {
                     let reference = !whole && is_large(&job.exchange);
                     let exchange = (!reference).then_some(&job.exchange);
@@ -1228,6 +1327,8 @@ impl Store for RedisStore {
                 "job_index",
                 "leases",
                 "arriving",
+                "items",
+                "changes",
             ] {
                 invocation.key(self.user_key(user, kind));
             }

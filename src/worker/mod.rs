@@ -35,7 +35,7 @@ use crate::memory::{self, CandidateId, ExchangeInput, MemoryConfig, MemoryState,
 use crate::metrics::WorkerMetrics;
 use crate::pipeline::cache::{CachedMemory, MemoryCache, first_version};
 use crate::ratelimit::TokenBudget;
-use crate::store::{ClaimedJob, EncodedState, Job, Published, Store, UserKey};
+use crate::store::{ClaimedJob, EncodedState, Job, MemoryUpdate, Published, Store, UserKey};
 use crate::summarizer::{Summarizer, SummaryFailure, SummarySource};
 use crate::telemetry::{Telemetry, attributes};
 
@@ -362,13 +362,26 @@ impl Worker {
                 .store
                 .hot_record(user, session, cached.as_ref().map(|m| m.version()))
                 .await?;
-            let start = match (record.version, record.state, cached) {
+            let start = match (record.version, record.update, cached) {
                 (0, _, _) => Start::Fresh,
-                (_, Some(state), _) => Start::Loaded(Box::new(state)),
+                (_, Some(MemoryUpdate::Whole(state)), _) => Start::Loaded(state),
                 (version, None, Some(cached)) if cached.version() == version => {
                     Start::Cached(cached)
                 }
-                (_, None, _) => match self.store.load_state(user).await? {
+                (version, Some(MemoryUpdate::Delta(delta)), Some(cached)) => {
+                    match CachedMemory::resolve(
+                        Some(cached),
+                        version,
+                        Some(MemoryUpdate::Delta(delta)),
+                    )? {
+                        Some(memory) => {
+                            self.cache.put(user, Arc::clone(&memory));
+                            Start::Cached(memory)
+                        }
+                        None => continue,
+                    }
+                }
+                (_, _, _) => match self.store.load_state(user).await? {
                     Some(state) => Start::Loaded(Box::new(state)),
                     None => continue,
                 },
@@ -502,12 +515,12 @@ fn compute(
         .unwrap_or_default();
     priority::yield_to_requests();
     let mut memory = CachedMemory::advanced(base.as_deref(), state);
-    // The index has seen the turns' changes; the state is written whole for now.
-    memory.state.take_changes();
+    // The index has seen the turns' changes; the store writes just those items.
+    let changes = memory.state.take_changes();
     priority::yield_to_requests();
     let prefetched = memory::prefetch(&memory.state, &memory.index, session, &config.retrieval);
     priority::yield_to_requests();
-    let encoded = EncodedState::of(&memory.state)?;
+    let encoded = EncodedState::changes(&memory.state, &changes)?;
     priority::yield_to_requests();
     Ok(Computed {
         outcomes,
@@ -554,23 +567,23 @@ pub async fn edit_memory<T>(
         let stored = store
             .hot_record(user, "", cached.as_ref().map(|memory| memory.version()))
             .await?;
-        let (mut state, expected, base) = match (stored.version, stored.state, cached) {
-            (0, _, _) => {
-                let mut state = MemoryState::new();
-                state.version = first_version();
-                (state, 0, None)
-            }
-            (version, _, Some(cached)) if cached.version() == version => {
-                (cached.state.clone(), version, Some(cached))
-            }
-            (version, Some(state), _) => (state, version, None),
-            (_, None, _) => match store.load_state(user).await? {
-                Some(state) => {
-                    let version = state.version;
-                    (state, version, None)
+        let (mut state, expected, base) = if stored.version == 0 {
+            let mut state = MemoryState::new();
+            state.version = first_version();
+            (state, 0, None)
+        } else {
+            let version = stored.version;
+            let current = match stored.update {
+                Some(MemoryUpdate::Whole(state)) => {
+                    let memory = Arc::new(CachedMemory::new(*state));
+                    Some(memory)
                 }
+                update => CachedMemory::resolve(cached, version, update)?,
+            };
+            match current {
+                Some(memory) => (memory.state.clone(), version, Some(memory)),
                 None => continue,
-            },
+            }
         };
         let before = state.version;
         let out = change(&mut state);
@@ -578,8 +591,9 @@ pub async fn edit_memory<T>(
             return Ok((out, expected));
         }
         let mut memory = CachedMemory::advanced(base.as_deref(), state);
-        memory.state.take_changes();
-        match store.save_state(user, &memory.state, expected).await {
+        let changes = memory.state.take_changes();
+        let encoded = EncodedState::changes(&memory.state, &changes)?;
+        match store.save_encoded_state(user, &encoded, expected).await {
             Ok(()) => {
                 let version = memory.version();
                 cache.put(user, Arc::new(memory));

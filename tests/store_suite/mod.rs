@@ -24,7 +24,8 @@ use engram::memory::{
     ExchangeInput, HeuristicExtractor, ItemRef, MemoryConfig, MemoryState, record_exchange,
 };
 use engram::store::{
-    EncodedState, Enqueued, ForgetReport, Job, JobId, JobState, Published, Store, UserKey,
+    EncodedState, Enqueued, ForgetReport, Job, JobId, JobState, MemoryUpdate, Published, Store,
+    UserKey,
 };
 use engram::telemetry::TraceParent;
 
@@ -50,6 +51,7 @@ macro_rules! store_suite {
     (@list $form:ident [$($args:tt)*]) => {
         $crate::store_suite!(@ $form [$($args)*];
             hot_record_reads_version_state_and_prefetched,
+            a_reader_catches_up_through_the_items_that_changed,
             save_state_detects_version_conflicts,
             concurrent_saves_from_one_version_let_one_win,
             concurrent_job_commits_of_one_user_let_one_win,
@@ -144,11 +146,70 @@ pub fn job_in(user: &UserKey, session: &str, key: &str) -> Job {
     }
 }
 
+/// The memory a read brought whole; `None` when it brought nothing. A delta fails the test.
+fn whole(update: Option<MemoryUpdate>) -> Option<MemoryState> {
+    match update {
+        None => None,
+        Some(MemoryUpdate::Whole(state)) => Some(*state),
+        Some(MemoryUpdate::Delta(delta)) => panic!("expected the whole memory, got {delta:?}"),
+    }
+}
+
+/// After a turn, a reader holding the previous version reads only the items the turn changed
+/// (the change ring leads from its version), and they bring it to the stored memory; a reader
+/// whose version the ring has dropped reads the whole memory.
+pub async fn a_reader_catches_up_through_the_items_that_changed(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    let mut state = state_with(&["I'm allergic to peanuts.", "My name is Alice."]);
+    state.take_changes();
+    store.save_state(&alice, &state, 0).await.unwrap();
+    let first = state.version;
+    let mut previous = first;
+    let mut written = Vec::new();
+    for (n, text) in ["I moved to Porto.", "My sister Rita visits in June."]
+        .into_iter()
+        .enumerate()
+    {
+        record_exchange(
+            &mut state,
+            &exchange("s1", &format!("later-{n}"), text),
+            &HeuristicExtractor,
+            &MemoryConfig::default(),
+        );
+        let changes = state.take_changes();
+        let encoded = EncodedState::changes(&state, &changes).unwrap();
+        assert!(encoded.items.len() < EncodedState::of(&state).unwrap().items.len());
+        written.push(encoded.items.len());
+        store
+            .save_encoded_state(&alice, &encoded, previous)
+            .await
+            .unwrap();
+        previous = state.version;
+    }
+    let hot = store.hot_record(&alice, "s1", Some(first)).await.unwrap();
+    assert_eq!(hot.version, state.version);
+    let Some(MemoryUpdate::Delta(delta)) = hot.update else {
+        panic!("a reader one ring entry behind did not get a delta");
+    };
+    assert!(delta.items.len() <= written.iter().sum::<usize>());
+    let base = state_with(&["I'm allergic to peanuts.", "My name is Alice."]);
+    let mut caught_up = delta.apply(&base).unwrap();
+    caught_up.take_changes();
+    assert_eq!(caught_up, state);
+    assert_eq!(store.load_state(&alice).await.unwrap().unwrap(), state);
+    // Nothing leads from a version that was never stored.
+    let lost = store
+        .hot_record(&alice, "s1", Some(first + 1_000_000))
+        .await
+        .unwrap();
+    assert_eq!(whole(lost.update).as_ref(), Some(&state));
+}
+
 pub async fn hot_record_reads_version_state_and_prefetched(store: &dyn Store) {
     let alice = UserKey::new("acme", "alice");
     let empty = store.hot_record(&alice, "s1", None).await.unwrap();
     assert_eq!(empty.version, 0);
-    assert!(empty.state.is_none());
+    assert!(empty.update.is_none());
     assert!(empty.prefetched.is_empty());
 
     let state = state_with(&["I'm allergic to peanuts.", "My name is Alice."]);
@@ -162,7 +223,7 @@ pub async fn hot_record_reads_version_state_and_prefetched(store: &dyn Store) {
 
     let cold = store.hot_record(&alice, "s1", None).await.unwrap();
     assert_eq!(cold.version, state.version);
-    assert_eq!(cold.state.as_ref(), Some(&state));
+    assert_eq!(whole(cold.update).as_ref(), Some(&state));
     assert_eq!(cold.prefetched, candidates);
 
     // A caller that holds the current version does not get the state again.
@@ -171,15 +232,15 @@ pub async fn hot_record_reads_version_state_and_prefetched(store: &dyn Store) {
         .await
         .unwrap();
     assert_eq!(warm.version, state.version);
-    assert!(warm.state.is_none());
+    assert!(warm.update.is_none());
     assert_eq!(warm.prefetched, candidates);
 
-    // A stale cached version gets the state.
+    // A cached version the change ring does not lead from gets the whole memory.
     let stale = store
         .hot_record(&alice, "s1", Some(state.version - 1))
         .await
         .unwrap();
-    assert_eq!(stale.state.as_ref(), Some(&state));
+    assert_eq!(whole(stale.update).as_ref(), Some(&state));
 
     // Prefetched candidates are per session.
     let other_session = store.hot_record(&alice, "s2", None).await.unwrap();
@@ -551,7 +612,7 @@ pub async fn large_exchanges_and_states_round_trip(store: &dyn Store) {
         &MemoryConfig::default(),
     );
     let encoded = EncodedState::of(&state).unwrap();
-    assert!(encoded.json.len() > 64 * 1024, "{}", encoded.json.len());
+    assert!(encoded.size() > 64 * 1024, "{}", encoded.size());
     store
         .commit_jobs(
             std::slice::from_ref(&long),
@@ -568,7 +629,7 @@ pub async fn large_exchanges_and_states_round_trip(store: &dyn Store) {
     assert_eq!(store.load_state(&alice).await.unwrap().unwrap(), state);
     let hot = store.hot_record(&alice, "s1", None).await.unwrap();
     assert_eq!(
-        (hot.version, hot.state),
+        (hot.version, whole(hot.update)),
         (state.version, Some(state.clone()))
     );
 
@@ -1073,7 +1134,10 @@ pub async fn forget_deletes_one_user_and_counts(store: &dyn Store) {
 
     // Nothing of Alice is left.
     let hot = store.hot_record(&alice, "s1", None).await.unwrap();
-    assert_eq!((hot.version, hot.state, hot.prefetched.len()), (0, None, 0));
+    assert_eq!(
+        (hot.version, hot.update.is_none(), hot.prefetched.len()),
+        (0, true, 0)
+    );
     assert_eq!(store.load_state(&alice).await.unwrap(), None);
     assert!(store.read_raw(&alice).await.unwrap().is_empty());
     for id in &alice_jobs {
@@ -1086,7 +1150,7 @@ pub async fn forget_deletes_one_user_and_counts(store: &dyn Store) {
 
     // Bob is untouched, and only his jobs remain queued.
     let hot = store.hot_record(&bob, "s2", None).await.unwrap();
-    assert!(hot.version > 0 && hot.state.is_some());
+    assert!(hot.version > 0 && hot.update.is_some());
     assert_eq!(hot.prefetched, vec![ItemRef::Fact(0)]);
     assert_eq!(store.read_raw(&bob).await.unwrap().len(), 3);
     assert_eq!(store.queue_depth().await.unwrap(), 2);
@@ -1145,7 +1209,7 @@ pub async fn tenants_and_users_are_isolated(store: &dyn Store) {
         let tag = format!("user{index}");
         let hot = store.hot_record(user, "s", None).await.unwrap();
         assert_eq!(
-            hot.state,
+            whole(hot.update),
             Some(state_with(&[&format!("My name is {tag}.")]))
         );
         assert_eq!(

@@ -93,38 +93,94 @@ local function ensure_group(stream, group)
 end
 ";
 
-/// Version, then state unless current or absent, then the session's prefetched candidates.
-/// With a marker, notes the turn as arriving (its job will follow) and keeps the arrivals key
-/// alive for the grace.
-/// KEYS: version, state, prefetched, arriving. ARGV: cached version, session id, marker or '',
-/// arrival µs, marker ttl ms.
+/// Version; when the caller's cached version is older, what brings it up to date: the hot
+/// state and the items changed since (`delta`), found by following the change ring from the
+/// cached version, or word that it must read the whole memory (`whole`: no cached version, or
+/// one the ring no longer reaches); then the session's prefetched candidates. With a marker,
+/// notes the turn as arriving (its job will follow) and keeps the arrivals key alive for the
+/// grace. Returns {version, 'none'|'delta'|'whole', hot state or false, fields, values,
+/// prefetched or false}.
+/// KEYS: version, state, items, changes, prefetched, arriving. ARGV: cached version or '',
+/// session id, marker or '', arrival µs, marker ttl ms.
 const HOT_RECORD: &str = r"
 local version = redis.call('GET', KEYS[1]) or '0'
-local state = false
+local status, meta, fields, values = 'none', false, {}, {}
 if version ~= '0' and version ~= ARGV[1] then
-  state = redis.call('GET', KEYS[2]) or false
+  status = 'whole'
+  if ARGV[1] ~= '' then
+    local at, following, wanted = ARGV[1], false, {}
+    for _, entry in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
+      local previous, written, list = string.match(entry, '^(%d+) (%d+) ?(.*)$')
+      if previous == at then
+        following = true
+      end
+      if following then
+        if previous ~= at then
+          break
+        end
+        for field in string.gmatch(list or '', '[^,]+') do
+          wanted[field] = true
+        end
+        at = written
+        if at == version then
+          status = 'delta'
+          break
+        end
+      end
+    end
+    if status == 'delta' then
+      meta = redis.call('GET', KEYS[2]) or false
+      for field in pairs(wanted) do
+        table.insert(fields, field)
+      end
+      table.sort(fields)
+      for from = 1, #fields, 500 do
+        local chunk = {}
+        for index = from, math.min(from + 499, #fields) do
+          table.insert(chunk, fields[index])
+        end
+        for _, value in ipairs(redis.call('HMGET', KEYS[3], unpack(chunk))) do
+          table.insert(values, value)
+        end
+      end
+    end
+  end
 end
-local prefetched = redis.call('HGET', KEYS[3], ARGV[2]) or false
+local prefetched = redis.call('HGET', KEYS[5], ARGV[2]) or false
 if ARGV[3] ~= '' then
-  redis.call('ZADD', KEYS[4], ARGV[4], ARGV[3])
-  redis.call('PEXPIRE', KEYS[4], ARGV[5])
+  redis.call('ZADD', KEYS[6], ARGV[4], ARGV[3])
+  redis.call('PEXPIRE', KEYS[6], ARGV[5])
 end
-return {version, state, prefetched}
+return {version, status, meta, fields, values, prefetched}
 ";
 
-/// Writes state (inline, or staged: see `place`) and version if the stored version equals
-/// ARGV[1]; else returns the found one.
-/// KEYS: version, state, staged state. ARGV: expected version, new version, state JSON or ''.
-const SAVE_STATE: &str = r"
-if staged_missing(ARGV[3], KEYS[3]) then
-  return redis.error_reply(STAGED_EXPIRED)
+/// Writes a memory's hot state and items, and records the write in the change ring (an empty
+/// `change` starts the ring over: a conversion from the earlier layout).
+const WRITE_MEMORY: &str = r"
+local function write_memory(state, items, changes, meta, change, ring, args, from, to)
+  redis.call('SET', state, meta)
+  for index = from, to, 2 do
+    redis.call('HSET', items, args[index], args[index + 1])
+  end
+  if change == '' then
+    redis.call('DEL', changes)
+  else
+    redis.call('RPUSH', changes, change)
+    redis.call('LTRIM', changes, -tonumber(ring), -1)
+  end
 end
+";
+
+/// Writes the memory (see `write_memory`) and version if the stored version equals ARGV[1];
+/// else returns the found one.
+/// KEYS: version, state, items, changes. ARGV: expected version, new version, hot state JSON,
+/// change entry or '', ring size, then (field, item JSON) per item.
+const SAVE_STATE: &str = r"
 local found = redis.call('GET', KEYS[1]) or '0'
 if found ~= ARGV[1] then
-  redis.call('DEL', KEYS[3])
   return found
 end
-place(KEYS[2], ARGV[3], KEYS[3])
+write_memory(KEYS[2], KEYS[3], KEYS[4], ARGV[3], ARGV[4], ARGV[5], ARGV, 6, #ARGV)
 redis.call('SET', KEYS[1], ARGV[2])
 return false
 ";
@@ -292,41 +348,39 @@ return finish_job(ARGV[1], ARGV[2], ARGV[3], ARGV[4], now_ms, ARGV[5] == '1') or
 ";
 
 /// The worker's whole write for applied jobs, atomically: every job must still exist, the
-/// version must match; then the raw-log appends, state (inline or staged), version,
-/// prefetched candidates, and the jobs marked applied. A raw-log element is a whole entry, or
-/// a reference: the job's stored exchange then moves (renamed, or for a record that holds it
-/// inline, copied) to the entry's key, so a large exchange is not sent again. Returns
-/// {'gone', job key, 0, {}}, {'conflict', found version, 0, {}}, {'lost', job key, 0, {}}
-/// (a reference whose job has no stored exchange: nothing was written, send the entry whole)
-/// or {'ok', '', queued jobs finished, {token, session, jobs left, …}}.
-/// KEYS: version, state, raw, raw ids, prefetched, staged state. ARGV: user prefix, expected
-/// version, new version, state JSON or '', prefetched session, prefetched JSON, applied state
-/// JSON, retention, then (job key, raw-log element JSON, reference '1'/'0') per job.
+/// version must match; then the raw-log appends, the memory (hot state, changed items, change
+/// ring: see `write_memory`), version, prefetched candidates, and the jobs marked applied. A
+/// raw-log element is a whole entry, or a reference: the job's stored exchange then moves
+/// (renamed, or for a record that holds it inline, copied) to the entry's key, so a large
+/// exchange is not sent again. Returns {'gone', job key, 0, {}}, {'conflict', found version, 0,
+/// {}}, {'lost', job key, 0, {}} (a reference whose job has no stored exchange: nothing was
+/// written, send the entry whole) or {'ok', '', queued jobs finished, {token, session, jobs
+/// left, …}}.
+/// KEYS: version, state, raw, raw ids, prefetched, items, changes. ARGV: user prefix, expected
+/// version, new version, hot state JSON, prefetched session, prefetched JSON, applied state
+/// JSON, retention, change entry, ring size, item count N, then (field, item JSON) per item,
+/// then (job key, raw-log element JSON, reference '1'/'0') per job.
 const COMMIT: &str = r"
-for index = 9, #ARGV, 3 do
+local items_to = 11 + 2 * tonumber(ARGV[11])
+local jobs_from = items_to + 1
+for index = jobs_from, #ARGV, 3 do
   if redis.call('EXISTS', ARGV[1] .. 'job:' .. ARGV[index]) == 0 then
-    redis.call('DEL', KEYS[6])
     return {'gone', ARGV[index], 0, {}}
   end
 end
-if staged_missing(ARGV[4], KEYS[6]) then
-  return redis.error_reply(STAGED_EXPIRED)
-end
 local found = redis.call('GET', KEYS[1]) or '0'
 if found ~= ARGV[2] then
-  redis.call('DEL', KEYS[6])
   return {'conflict', found, 0, {}}
 end
-for index = 9, #ARGV, 3 do
+for index = jobs_from, #ARGV, 3 do
   local key = ARGV[index]
   if ARGV[index + 2] == '1' and not redis.call('HGET', KEYS[4], key)
     and redis.call('EXISTS', ARGV[1] .. 'jobx:' .. key) == 0
     and redis.call('HEXISTS', ARGV[1] .. 'job:' .. key, 'exchange') == 0 then
-    redis.call('DEL', KEYS[6])
     return {'lost', key, 0, {}}
   end
 end
-for index = 9, #ARGV, 3 do
+for index = jobs_from, #ARGV, 3 do
   local key = ARGV[index]
   if not redis.call('HGET', KEYS[4], key) then
     if ARGV[index + 2] == '1' then
@@ -342,12 +396,12 @@ for index = 9, #ARGV, 3 do
     redis.call('HSET', KEYS[4], key, seq)
   end
 end
-place(KEYS[2], ARGV[4], KEYS[6])
+write_memory(KEYS[2], KEYS[6], KEYS[7], ARGV[4], ARGV[9], ARGV[10], ARGV, 12, items_to)
 redis.call('SET', KEYS[1], ARGV[3])
 redis.call('HSET', KEYS[5], ARGV[5], ARGV[6])
 local now_ms = clock()
 local queued, tokens = 0, {}
-for index = 9, #ARGV, 3 do
+for index = jobs_from, #ARGV, 3 do
   local finished = finish_job(ARGV[1], ARGV[index], ARGV[7], ARGV[8], now_ms, false)
   if finished then
     queued = queued + finished[1]
@@ -383,8 +437,8 @@ return 1
 ";
 
 /// Deletes every key of one user; returns counts per kind and the queued jobs among them.
-/// KEYS: state, version, prefetched, raw, raw ids, job index, leases, arriving.
-/// ARGV: user prefix.
+/// KEYS: state, version, prefetched, raw, raw ids, job index, leases, arriving, items,
+/// changes. ARGV: user prefix.
 const FORGET: &str = r"
 local states = redis.call('EXISTS', KEYS[1])
 local prefetched = redis.call('HLEN', KEYS[3])
@@ -404,6 +458,7 @@ for _, key in ipairs(redis.call('ZRANGE', KEYS[6], 0, -1)) do
   jobs = jobs + redis.call('DEL', record)
 end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8])
+redis.call('DEL', KEYS[9], KEYS[10])
 return {states, prefetched, raw, jobs, queued}
 ";
 
@@ -478,14 +533,14 @@ impl Scripts {
         let with = |parts: &[&str]| Script::new(&parts.concat());
         Scripts {
             hot_record: Script::new(HOT_RECORD),
-            save_state: with(&[PLACE, SAVE_STATE]),
+            save_state: with(&[WRITE_MEMORY, SAVE_STATE]),
             append_raw: with(&[PLACE, APPEND_RAW]),
             enqueue: with(&[COMMON, PLACE, ENQUEUE]),
             add_token: with(&[ENSURE_GROUP, ADD_TOKEN]),
             claim_token: Script::new(CLAIM_TOKEN),
             lease: with(&[COMMON, LEASE]),
             finish: with(&[COMMON, FINISH_JOB, FINISH]),
-            commit: with(&[COMMON, FINISH_JOB, PLACE, COMMIT]),
+            commit: with(&[COMMON, FINISH_JOB, PLACE, WRITE_MEMORY, COMMIT]),
             release_tokens: with(&[ENSURE_GROUP, RELEASE_TOKENS]),
             forget: Script::new(FORGET),
             forget_tokens: Script::new(FORGET_TOKENS),

@@ -1,0 +1,584 @@
+//! How a user's memory is laid out in a store (both backends), so that applying a turn writes
+//! what the turn changed and a request reads what changed since the version it holds, never
+//! the whole memory.
+//!
+//! - The **hot state** ([`Meta`]): versions, identity, pins and the number of items of each
+//!   kind. Small, and bounded by what the user set, not by how much they said.
+//! - **Items**, one record each, keyed by kind and position ([`ItemKey`]): sessions (with their
+//!   recent turns), raw turns, turn-log entries, facts, episode manifests, artifacts. Items are
+//!   never removed (ids are positions), so a memory's item set only grows and changes in place.
+//! - The **change ring**: for each of the last [`RING`] writes, the version it replaced, the
+//!   version it wrote and the items it touched. A reader holding version `v` follows the ring
+//!   from `v` to the stored version and reads only those items ([`MemoryUpdate::Delta`]); one
+//!   whose version has left the ring reads the whole memory once ([`MemoryUpdate::Whole`]).
+//!
+//! A memory stored by an earlier release as one value decodes as [`Stored::Legacy`]; the
+//! backends convert it to this layout (the embedded store when it opens, Redis on first read).
+
+use std::collections::BTreeSet;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::memory::MemoryState;
+use crate::memory::lookups::Changes;
+use crate::memory::model::{Identity, PinnedItem};
+use crate::memory::segmented::Segmented;
+
+/// The layout version written into every [`Meta`]; a stored value without it is a legacy state.
+pub const LAYOUT: u32 = 2;
+
+/// Writes the change ring remembers.
+pub const RING: usize = 64;
+
+/// The hot state: everything of a memory but its items.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Meta {
+    pub layout: u32,
+    pub version: u64,
+    pub facts_version: u64,
+    pub episodes_version: u64,
+    #[serde(default)]
+    pub rewrites: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<Identity>,
+    #[serde(default)]
+    pub pinned: Vec<PinnedItem>,
+    /// Items of each kind, in [`ItemKind::ALL`] order.
+    pub counts: [u32; 6],
+}
+
+impl Meta {
+    pub fn of(state: &MemoryState) -> Meta {
+        let count = |len: usize| u32::try_from(len).unwrap_or(u32::MAX);
+        Meta {
+            layout: LAYOUT,
+            version: state.version,
+            facts_version: state.facts_version,
+            episodes_version: state.episodes_version,
+            rewrites: state.rewrites,
+            identity: state.identity.clone(),
+            pinned: state.pinned.clone(),
+            counts: [
+                count(state.sessions.len()),
+                count(state.raw_turns.len()),
+                count(state.turn_log.len()),
+                count(state.facts.len()),
+                count(state.episodes.len()),
+                count(state.artifacts.len()),
+            ],
+        }
+    }
+
+    /// Sets the state's own fields (not its items) to these.
+    fn apply_to(self, state: &mut MemoryState) {
+        state.version = self.version;
+        state.facts_version = self.facts_version;
+        state.episodes_version = self.episodes_version;
+        state.rewrites = self.rewrites;
+        state.identity = self.identity;
+        state.pinned = self.pinned;
+    }
+}
+
+/// A stored state value: this layout's hot state, or an earlier release's whole memory.
+#[derive(Debug)]
+pub enum Stored {
+    Meta(Meta),
+    Legacy(Box<MemoryState>),
+}
+
+impl Stored {
+    pub fn decode(bytes: &[u8]) -> Result<Stored> {
+        #[derive(Deserialize)]
+        struct Probe {
+            #[serde(default)]
+            layout: u32,
+        }
+        let probe: Probe = super::decode(bytes)?;
+        if probe.layout >= LAYOUT {
+            Ok(Stored::Meta(super::decode(bytes)?))
+        } else {
+            Ok(Stored::Legacy(Box::new(super::decode(bytes)?)))
+        }
+    }
+}
+
+/// The kinds of item, in the order [`Meta::counts`] lists them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ItemKind {
+    Session,
+    RawTurn,
+    TurnLog,
+    Fact,
+    Episode,
+    Artifact,
+}
+
+impl ItemKind {
+    pub const ALL: [ItemKind; 6] = [
+        ItemKind::Session,
+        ItemKind::RawTurn,
+        ItemKind::TurnLog,
+        ItemKind::Fact,
+        ItemKind::Episode,
+        ItemKind::Artifact,
+    ];
+
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    pub fn from_code(code: u8) -> Option<ItemKind> {
+        ItemKind::ALL.get(code as usize).copied()
+    }
+
+    fn letter(self) -> char {
+        ['s', 'r', 'l', 'f', 'e', 'a'][self as usize]
+    }
+}
+
+/// Where an item is stored: its kind and position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ItemKey {
+    pub kind: ItemKind,
+    pub pos: u32,
+}
+
+impl ItemKey {
+    /// The item's name in a Redis hash and in the change ring: a letter and the position.
+    pub fn field(self) -> String {
+        format!("{}{}", self.kind.letter(), self.pos)
+    }
+
+    pub fn parse(field: &str) -> Option<ItemKey> {
+        let mut chars = field.chars();
+        let letter = chars.next()?;
+        let kind = ItemKind::ALL
+            .into_iter()
+            .find(|kind| kind.letter() == letter)?;
+        Some(ItemKey {
+            kind,
+            pos: chars.as_str().parse().ok()?,
+        })
+    }
+}
+
+/// A memory ready to write: its hot state and the items to write with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EncodedState {
+    pub version: u64,
+    /// The [`Meta`] as JSON.
+    pub meta: Bytes,
+    /// Items as JSON, each with its key, ascending.
+    pub items: Vec<(ItemKey, Bytes)>,
+}
+
+impl EncodedState {
+    /// The whole memory: every item (a new memory, a conversion, a management edit's
+    /// fallback).
+    pub fn of(state: &MemoryState) -> Result<EncodedState> {
+        let all = |len: usize| (0..u32::try_from(len).unwrap_or(u32::MAX)).collect::<Vec<u32>>();
+        let changes = Changes {
+            sessions: all(state.sessions.len()),
+            raw_turns: all(state.raw_turns.len()),
+            turn_log: all(state.turn_log.len()),
+            facts: all(state.facts.len()),
+            episodes: all(state.episodes.len()),
+            artifacts: all(state.artifacts.len()),
+        };
+        EncodedState::changes(state, &changes)
+    }
+
+    /// The items `changes` names (positions since the memory was last stored), with the hot
+    /// state.
+    pub fn changes(state: &MemoryState, changes: &Changes) -> Result<EncodedState> {
+        let mut items = Vec::with_capacity(changes.len());
+        encode_items(
+            &mut items,
+            ItemKind::Session,
+            &state.sessions,
+            &changes.sessions,
+        )?;
+        encode_items(
+            &mut items,
+            ItemKind::RawTurn,
+            &state.raw_turns,
+            &changes.raw_turns,
+        )?;
+        encode_items(
+            &mut items,
+            ItemKind::TurnLog,
+            &state.turn_log,
+            &changes.turn_log,
+        )?;
+        encode_items(&mut items, ItemKind::Fact, &state.facts, &changes.facts)?;
+        encode_items(
+            &mut items,
+            ItemKind::Episode,
+            &state.episodes,
+            &changes.episodes,
+        )?;
+        encode_items(
+            &mut items,
+            ItemKind::Artifact,
+            &state.artifacts,
+            &changes.artifacts,
+        )?;
+        Ok(EncodedState {
+            version: state.version,
+            meta: encode(&Meta::of(state))?.into(),
+            items,
+        })
+    }
+
+    /// Bytes this write carries.
+    pub fn size(&self) -> usize {
+        self.meta.len() + self.items.iter().map(|(_, json)| json.len()).sum::<usize>()
+    }
+
+    /// The change-ring entry of this write over `previous`.
+    pub fn change(&self, previous: u64) -> Change {
+        Change {
+            previous,
+            version: self.version,
+            items: self.items.iter().map(|(key, _)| *key).collect(),
+        }
+    }
+}
+
+fn encode_items<T: Serialize + Clone>(
+    out: &mut Vec<(ItemKey, Bytes)>,
+    kind: ItemKind,
+    items: &Segmented<T>,
+    positions: &[u32],
+) -> Result<()> {
+    for pos in positions {
+        if let Some(item) = items.get(*pos as usize) {
+            out.push((ItemKey { kind, pos: *pos }, encode(item)?.into()));
+        }
+    }
+    Ok(())
+}
+
+fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>> {
+    serde_json::to_vec(value).map_err(|error| Error::Store(format!("encode: {error}")))
+}
+
+/// One entry of the change ring: a write from `previous` to `version` touched `items`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Change {
+    pub previous: u64,
+    pub version: u64,
+    pub items: Vec<ItemKey>,
+}
+
+impl Change {
+    /// `previous version field,field,…`: the form both backends store.
+    pub fn encode(&self) -> String {
+        let fields: Vec<String> = self.items.iter().map(|key| key.field()).collect();
+        format!("{} {} {}", self.previous, self.version, fields.join(","))
+    }
+
+    pub fn decode(text: &str) -> Option<Change> {
+        let mut parts = text.splitn(3, ' ');
+        let previous = parts.next()?.parse().ok()?;
+        let version = parts.next()?.parse().ok()?;
+        let items = parts
+            .next()
+            .unwrap_or("")
+            .split(',')
+            .filter(|field| !field.is_empty())
+            .map(ItemKey::parse)
+            .collect::<Option<Vec<ItemKey>>>()?;
+        Some(Change {
+            previous,
+            version,
+            items,
+        })
+    }
+}
+
+/// The items changed between `cached` and `current` by following the ring (oldest entry first);
+/// `None` when the ring does not lead from one to the other (the reader must read everything).
+pub fn changed_between(ring: &[Change], cached: u64, current: u64) -> Option<BTreeSet<ItemKey>> {
+    let start = ring.iter().position(|change| change.previous == cached)?;
+    let mut at = cached;
+    let mut items = BTreeSet::new();
+    for change in &ring[start..] {
+        if change.previous != at {
+            return None;
+        }
+        items.extend(change.items.iter().copied());
+        at = change.version;
+        if at == current {
+            return Some(items);
+        }
+    }
+    None
+}
+
+/// The ring after a write: `change` appended, the oldest entries dropped past [`RING`].
+pub fn push_change(ring: &mut Vec<Change>, change: Change) {
+    ring.push(change);
+    if ring.len() > RING {
+        let extra = ring.len() - RING;
+        ring.drain(..extra);
+    }
+}
+
+/// What a reader holding an older version (or none) gets.
+#[derive(Debug)]
+pub enum MemoryUpdate {
+    /// The whole memory (no cached version, or one the ring no longer reaches).
+    Whole(Box<MemoryState>),
+    /// The hot state and the items changed since the reader's version.
+    Delta(Delta),
+}
+
+#[derive(Debug)]
+pub struct Delta {
+    pub meta: Meta,
+    pub items: Vec<(ItemKey, Vec<u8>)>,
+}
+
+impl Delta {
+    /// `base` (the reader's version) with the delta applied: the changed items are set through
+    /// the state's change record, so an index refreshed from the result sees them (and they
+    /// must be taken before the state is written back).
+    pub fn apply(self, base: &MemoryState) -> Result<MemoryState> {
+        let mut state = base.clone();
+        for (key, json) in self.items {
+            let placed = match key.kind {
+                ItemKind::Session => set_item(&mut state.sessions, key.pos, &json)?,
+                ItemKind::RawTurn => set_item(&mut state.raw_turns, key.pos, &json)?,
+                ItemKind::TurnLog => set_item(&mut state.turn_log, key.pos, &json)?,
+                ItemKind::Fact => set_item(&mut state.facts, key.pos, &json)?,
+                ItemKind::Episode => set_item(&mut state.episodes, key.pos, &json)?,
+                ItemKind::Artifact => set_item(&mut state.artifacts, key.pos, &json)?,
+            };
+            if !placed {
+                return Err(Error::Store(format!(
+                    "stored memory is missing items before {}",
+                    key.field()
+                )));
+            }
+        }
+        let counts = self.meta.counts;
+        self.meta.apply_to(&mut state);
+        check_counts(&state, counts)?;
+        Ok(state)
+    }
+}
+
+fn set_item<T: Clone + for<'de> Deserialize<'de>>(
+    items: &mut Segmented<T>,
+    pos: u32,
+    json: &[u8],
+) -> Result<bool> {
+    let item: T = super::decode(json)?;
+    let pos = pos as usize;
+    if pos == items.len() {
+        items.push(item);
+        Ok(true)
+    } else if let Some(slot) = items.get_mut(pos) {
+        *slot = item;
+        Ok(true)
+    } else {
+        Ok(false)
+    }
+}
+
+/// A whole memory from its hot state and every item, in any order.
+pub fn assemble<'a>(
+    meta: Meta,
+    items: impl IntoIterator<Item = (ItemKey, &'a [u8])>,
+) -> Result<MemoryState> {
+    let mut sorted: Vec<(ItemKey, &[u8])> = items.into_iter().collect();
+    sorted.sort_by_key(|(key, _)| *key);
+    let mut state = MemoryState::new();
+    for (key, json) in sorted {
+        let placed = match key.kind {
+            ItemKind::Session => place(&mut state.sessions, key.pos, json)?,
+            ItemKind::RawTurn => place(&mut state.raw_turns, key.pos, json)?,
+            ItemKind::TurnLog => place(&mut state.turn_log, key.pos, json)?,
+            ItemKind::Fact => place(&mut state.facts, key.pos, json)?,
+            ItemKind::Episode => place(&mut state.episodes, key.pos, json)?,
+            ItemKind::Artifact => place(&mut state.artifacts, key.pos, json)?,
+        };
+        if !placed {
+            return Err(Error::Store(format!(
+                "stored memory is missing items before {}",
+                key.field()
+            )));
+        }
+    }
+    let counts = meta.counts;
+    meta.apply_to(&mut state);
+    check_counts(&state, counts)?;
+    Ok(state)
+}
+
+fn place<T: Clone + for<'de> Deserialize<'de>>(
+    items: &mut Segmented<T>,
+    pos: u32,
+    json: &[u8],
+) -> Result<bool> {
+    Ok(items.put_clean(pos as usize, super::decode(json)?))
+}
+
+fn check_counts(state: &MemoryState, counts: [u32; 6]) -> Result<()> {
+    let found = [
+        state.sessions.len(),
+        state.raw_turns.len(),
+        state.turn_log.len(),
+        state.facts.len(),
+        state.episodes.len(),
+        state.artifacts.len(),
+    ];
+    for ((kind, expected), found) in ItemKind::ALL.iter().zip(counts).zip(found) {
+        if found != expected as usize {
+            return Err(Error::Store(format!(
+                "stored memory has {found} {kind:?} items where its hot state says {expected}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::{ExchangeInput, HeuristicExtractor, MemoryConfig, record_exchange};
+
+    fn recorded(turns: usize) -> MemoryState {
+        let mut state = MemoryState::new();
+        for n in 0..turns {
+            record_exchange(
+                &mut state,
+                &ExchangeInput {
+                    session_id: format!("s{}", n % 3),
+                    turn_id: format!("t{n}"),
+                    user_text: format!("My sister Rita visits on day {n}. I live in Porto."),
+                    assistant_text: "Noted.".into(),
+                    ..ExchangeInput::default()
+                },
+                &HeuristicExtractor,
+                &MemoryConfig::default(),
+            );
+        }
+        state
+    }
+
+    fn items(encoded: &EncodedState) -> Vec<(ItemKey, &[u8])> {
+        encoded
+            .items
+            .iter()
+            .map(|(key, json)| (*key, json.as_ref()))
+            .collect()
+    }
+
+    #[test]
+    fn a_memory_reassembles_from_its_hot_state_and_items() {
+        let state = recorded(40);
+        let encoded = EncodedState::of(&state).unwrap();
+        let Stored::Meta(meta) = Stored::decode(&encoded.meta).unwrap() else {
+            panic!("not this layout");
+        };
+        let back = assemble(meta, items(&encoded)).unwrap();
+        assert_eq!(back, state);
+        assert!(!back.raw_turns.has_changes());
+    }
+
+    #[test]
+    fn a_turn_writes_only_what_it_changed_and_a_delta_brings_a_reader_up_to_date() {
+        let mut state = recorded(200);
+        state.take_changes();
+        let base = state.clone();
+        let before = state.version;
+        let mut ring = Vec::new();
+        let mut next = state.clone();
+        for n in 200..203 {
+            let previous = next.version;
+            record_exchange(
+                &mut next,
+                &ExchangeInput {
+                    session_id: "s0".into(),
+                    turn_id: format!("t{n}"),
+                    user_text: "Actually I moved to Lisbon.".into(),
+                    assistant_text: "Got it.".into(),
+                    ..ExchangeInput::default()
+                },
+                &HeuristicExtractor,
+                &MemoryConfig::default(),
+            );
+            let changes = next.take_changes();
+            let encoded = EncodedState::changes(&next, &changes).unwrap();
+            // A turn's write is a few items, not the memory.
+            assert!(encoded.items.len() < 40, "{}", encoded.items.len());
+            assert!(encoded.size() < EncodedState::of(&next).unwrap().size() / 5);
+            push_change(&mut ring, encoded.change(previous));
+        }
+        let wanted = changed_between(&ring, before, next.version).unwrap();
+        let whole = EncodedState::of(&next).unwrap();
+        let delta = Delta {
+            meta: Meta::of(&next),
+            items: whole
+                .items
+                .iter()
+                .filter(|(key, _)| wanted.contains(key))
+                .map(|(key, json)| (*key, json.to_vec()))
+                .collect(),
+        };
+        let mut updated = delta.apply(&base).unwrap();
+        assert!(updated.raw_turns.has_changes());
+        updated.take_changes();
+        assert_eq!(updated, next);
+        // A version the ring does not lead from reads everything.
+        assert_eq!(changed_between(&ring, 12345, next.version), None);
+    }
+
+    #[test]
+    fn the_ring_keeps_its_latest_entries_and_decodes_what_it_stores() {
+        let mut ring = Vec::new();
+        for version in 1..=(RING as u64 + 10) {
+            push_change(
+                &mut ring,
+                Change {
+                    previous: version - 1,
+                    version,
+                    items: vec![ItemKey {
+                        kind: ItemKind::Fact,
+                        pos: version as u32,
+                    }],
+                },
+            );
+        }
+        assert_eq!(ring.len(), RING);
+        assert_eq!(ring[0].previous, 10);
+        for change in &ring {
+            assert_eq!(Change::decode(&change.encode()).as_ref(), Some(change));
+        }
+        assert!(changed_between(&ring, 9, RING as u64 + 10).is_none());
+        assert_eq!(
+            changed_between(&ring, 70, 72).map(|items| items.len()),
+            Some(2)
+        );
+        assert_eq!(
+            ItemKey::parse("e42").map(|key| key.kind),
+            Some(ItemKind::Episode)
+        );
+        assert_eq!(ItemKey::parse("x1"), None);
+    }
+
+    #[test]
+    fn an_earlier_release_state_decodes_as_legacy() {
+        let state = recorded(3);
+        let legacy = serde_json::to_vec(&state).unwrap();
+        assert!(matches!(
+            Stored::decode(&legacy).unwrap(),
+            Stored::Legacy(_)
+        ));
+    }
+}
