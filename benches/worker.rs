@@ -94,7 +94,7 @@ async fn run(label: &str, store: Arc<dyn Store>, users: usize, turns: usize, con
     };
     let worker = Arc::new(Worker::new(
         Arc::clone(&store),
-        Arc::new(MemoryCache::new(users.max(1))),
+        Arc::new(MemoryCache::new(users.max(1), usize::MAX)),
         Arc::new(MemoryConfig::default()),
         config,
         Arc::new(Summarizer::heuristic()),

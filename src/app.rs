@@ -84,7 +84,10 @@ impl Engram {
                 capacity,
             },
         };
-        let cache = Arc::new(MemoryCache::new(config.worker.cache_users));
+        let cache = Arc::new(MemoryCache::new(
+            config.worker.cache_users,
+            config.worker.cache_bytes,
+        ));
         let wake = Arc::new(Notify::new());
         let outbox = Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::clone(&wake)).await);
         let memory_config = Arc::new(config.memory.clone());

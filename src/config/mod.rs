@@ -55,6 +55,9 @@ pub struct WorkerConfig {
     pub max_attempts: u32,
     /// Users whose memory and search index stay cached in this process.
     pub cache_users: usize,
+    /// Bytes (estimated) the cached memories and indexes may take in all; least recently used
+    /// out. A memory larger than this is not cached.
+    pub cache_bytes: usize,
     /// Run the worker's threads with the idle scheduling policy (Linux), so applying memory
     /// never takes CPU from serving requests.
     pub idle_priority: bool,
@@ -69,6 +72,7 @@ impl Default for WorkerConfig {
             poll_interval_ms: 100,
             max_attempts: 5,
             cache_users: 4096,
+            cache_bytes: 256 * 1024 * 1024,
             idle_priority: true,
         }
     }
@@ -395,6 +399,7 @@ impl Config {
             ("worker.poll_interval_ms", self.worker.poll_interval_ms),
             ("worker.max_attempts", u64::from(self.worker.max_attempts)),
             ("worker.cache_users", self.worker.cache_users as u64),
+            ("worker.cache_bytes", self.worker.cache_bytes as u64),
         ] {
             if value == 0 {
                 return invalid(path, "must be greater than 0");

@@ -10,7 +10,7 @@ use prometheus::core::{Collector, Desc};
 use prometheus::proto::{self, LabelPair, MetricFamily, MetricType};
 use prometheus::{Histogram, Registry};
 
-use super::{LAG_BUCKETS, histogram, metrics_error};
+use super::{LAG_BUCKETS, STORE_BUCKETS, histogram, metrics_error};
 use crate::error::Result;
 use crate::pipeline::store_memory::turn_time_micros;
 use crate::worker::{Outbox, Worker};
@@ -19,6 +19,7 @@ use crate::worker::{Outbox, Worker};
 #[derive(Clone)]
 pub struct WorkerMetrics {
     job_lag: Histogram,
+    apply: Histogram,
 }
 
 impl WorkerMetrics {
@@ -30,7 +31,21 @@ impl WorkerMetrics {
                 "From a request's arrival to its exchange being applied to memory by the worker (recording, queue wait, summarizer, commit).",
                 LAG_BUCKETS,
             )?,
+            apply: histogram(
+                registry,
+                "engram_worker_apply_seconds",
+                "The worker's time per applied job: its run's extraction, engine pass, encoding and commit, shared among the run's jobs.",
+                STORE_BUCKETS,
+            )?,
         })
+    }
+
+    /// A run of `jobs` jobs took `elapsed` to apply: each job observes its share.
+    pub fn applied_run(&self, jobs: usize, elapsed: std::time::Duration) {
+        let share = elapsed.as_secs_f64() / jobs.max(1) as f64;
+        for _ in 0..jobs {
+            self.apply.observe(share);
+        }
     }
 
     /// A job was applied: observes its lag from the turn id's time (see

@@ -64,6 +64,7 @@ const OPERATIONS: [&str; 18] = [
 pub(super) struct StoreFamilies {
     latency: HistogramVec,
     errors: IntCounterVec,
+    bytes: IntCounterVec,
 }
 
 impl StoreFamilies {
@@ -82,6 +83,12 @@ impl StoreFamilies {
                 "Store operations that failed, by operation and backend (lost optimistic-version races and jobs of forgotten users are outcomes, not errors).",
                 &["operation", "backend"],
             )?,
+            bytes: counter_vec(
+                registry,
+                "engram_store_bytes_total",
+                "Memory bytes a store operation read or wrote, by operation, backend and direction: hot states and items read by the hot path, items and exchanges written by the recorder and the worker.",
+                &["operation", "backend", "direction"],
+            )?,
         })
     }
 }
@@ -89,6 +96,8 @@ impl StoreFamilies {
 struct Series {
     latency: Histogram,
     errors: IntCounter,
+    read: IntCounter,
+    written: IntCounter,
 }
 
 pub struct MeteredStore {
@@ -110,6 +119,8 @@ impl MeteredStore {
                 Ok(Series {
                     latency: child(&families.latency, &labels)?,
                     errors: child(&families.errors, &labels)?,
+                    read: child(&families.bytes, &[OPERATIONS[index], backend, "read"])?,
+                    written: child(&families.bytes, &[OPERATIONS[index], backend, "written"])?,
                 })
             })?,
         })
@@ -137,6 +148,35 @@ impl MeteredStore {
     }
 }
 
+impl MeteredStore {
+    fn wrote(&self, operation: Operation, bytes: usize) {
+        self.series[operation as usize]
+            .written
+            .inc_by(u64::try_from(bytes).unwrap_or(u64::MAX));
+    }
+
+    /// [`MeteredStore::timed`] for the hot-path read, counting the bytes it read.
+    fn timed_read<'a>(
+        &'a self,
+        operation: Operation,
+        future: BoxFuture<'a, Result<HotRecord>>,
+    ) -> BoxFuture<'a, Result<HotRecord>> {
+        let timed = self.timed(operation, future);
+        Box::pin(async move {
+            let record = timed.await?;
+            self.series[operation as usize]
+                .read
+                .inc_by(record.bytes_read);
+            Ok(record)
+        })
+    }
+}
+
+/// Bytes of an exchange's texts.
+fn exchange_bytes(exchange: &ExchangeInput) -> usize {
+    exchange.user_text.len() + exchange.assistant_text.len()
+}
+
 /// Observes on drop, so an operation its caller gave up on (the hot-path deadline) is timed
 /// too, up to the moment it was abandoned.
 struct Timer<'a> {
@@ -157,7 +197,7 @@ impl Store for MeteredStore {
         session_id: &'a str,
         cached_version: Option<u64>,
     ) -> BoxFuture<'a, Result<HotRecord>> {
-        self.timed(
+        self.timed_read(
             Operation::HotRecord,
             self.inner.hot_record(user, session_id, cached_version),
         )
@@ -173,7 +213,7 @@ impl Store for MeteredStore {
         turn_id: &'a str,
         arrival_us: u64,
     ) -> BoxFuture<'a, Result<HotRecord>> {
-        self.timed(
+        self.timed_read(
             Operation::HotRecord,
             self.inner
                 .hot_record_arriving(user, session_id, cached_version, turn_id, arrival_us),
@@ -214,6 +254,7 @@ impl Store for MeteredStore {
         state: &'a EncodedState,
         expected_version: u64,
     ) -> BoxFuture<'a, Result<()>> {
+        self.wrote(Operation::SaveEncodedState, state.size());
         self.timed(
             Operation::SaveEncodedState,
             self.inner.save_encoded_state(user, state, expected_version),
@@ -238,6 +279,7 @@ impl Store for MeteredStore {
         exchange_id: &'a str,
         exchange: &'a ExchangeInput,
     ) -> BoxFuture<'a, Result<Appended>> {
+        self.wrote(Operation::AppendRaw, exchange_bytes(exchange));
         self.timed(
             Operation::AppendRaw,
             self.inner.append_raw(user, exchange_id, exchange),
@@ -249,6 +291,7 @@ impl Store for MeteredStore {
     }
 
     fn enqueue<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Enqueued>> {
+        self.wrote(Operation::Enqueue, exchange_bytes(&job.exchange));
         self.timed(Operation::Enqueue, self.inner.enqueue(job))
     }
 
@@ -291,6 +334,8 @@ impl Store for MeteredStore {
         expected_version: u64,
         prefetched: &'a [CandidateId],
     ) -> BoxFuture<'a, Result<()>> {
+        let raw: usize = jobs.iter().map(|job| exchange_bytes(&job.exchange)).sum();
+        self.wrote(Operation::CommitJobs, state.size() + raw);
         self.timed(
             Operation::CommitJobs,
             self.inner
@@ -306,6 +351,8 @@ impl Store for MeteredStore {
         prefetched: &'a [CandidateId],
         published: Published,
     ) -> BoxFuture<'a, Result<()>> {
+        let raw: usize = jobs.iter().map(|job| exchange_bytes(&job.exchange)).sum();
+        self.wrote(Operation::CommitJobs, state.size() + raw);
         self.timed(
             Operation::CommitJobs,
             self.inner

@@ -122,12 +122,22 @@ fn turn_tokens(state: &MemoryState, from: usize) -> TokenCount {
         })
 }
 
-/// Bounded map of users to their cached memory; the least recently used go first.
+/// Bounded map of users to their cached memory, by users and by bytes; the least recently used
+/// go first. A memory larger than the whole byte budget is not kept (its user's requests read
+/// it from the store each time), so the cache never holds more than its budget.
 #[derive(Debug)]
 pub struct MemoryCache {
-    entries: Mutex<HashMap<UserKey, Entry>>,
+    entries: Mutex<Entries>,
     capacity: usize,
+    budget_bytes: usize,
     clock: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Entries {
+    map: HashMap<UserKey, Entry>,
+    /// Sum of the entries' `CachedMemory::bytes`.
+    bytes: usize,
 }
 
 #[derive(Debug)]
@@ -137,10 +147,12 @@ struct Entry {
 }
 
 impl MemoryCache {
-    pub fn new(capacity: usize) -> MemoryCache {
+    /// At most `capacity` users and `budget_bytes` of memories (estimated).
+    pub fn new(capacity: usize, budget_bytes: usize) -> MemoryCache {
         MemoryCache {
-            entries: Mutex::new(HashMap::new()),
+            entries: Mutex::new(Entries::default()),
             capacity: capacity.max(1),
+            budget_bytes,
             clock: AtomicU64::new(0),
         }
     }
@@ -148,38 +160,55 @@ impl MemoryCache {
     pub fn get(&self, user: &UserKey) -> Option<Arc<CachedMemory>> {
         let tick = self.clock.fetch_add(1, Ordering::Relaxed);
         let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
-        let entry = entries.get_mut(user)?;
+        let entry = entries.map.get_mut(user)?;
         entry.last_used = tick;
         Some(Arc::clone(&entry.memory))
     }
 
     /// Caches `memory` unless a newer version of the user's memory is cached already (a
-    /// request and the worker may race to cache the same user).
+    /// request and the worker may race to cache the same user), then evicts the least recently
+    /// used until the cache is within its bounds.
     pub fn put(&self, user: &UserKey, memory: Arc<CachedMemory>) {
         let tick = self.clock.fetch_add(1, Ordering::Relaxed);
         // What leaves the cache is dropped after the lock is released: freeing a large memory
         // must not hold up the requests waiting on the lock.
         let mut replaced = Vec::new();
+        if memory.bytes > self.budget_bytes {
+            tracing::warn!(
+                bytes = memory.bytes,
+                budget = self.budget_bytes,
+                "a memory is larger than the whole cache budget: not cached"
+            );
+            let removed = {
+                let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
+                entries.take(user)
+            };
+            drop(removed);
+            return;
+        }
         {
             let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
-            if let Some(entry) = entries.get_mut(user) {
+            let entries = &mut *entries;
+            if let Some(entry) = entries.map.get_mut(user) {
                 if entry.memory.version() <= memory.version() {
+                    entries.bytes = entries.bytes - entry.memory.bytes + memory.bytes;
                     replaced.push(std::mem::replace(&mut entry.memory, memory));
                 } else {
                     replaced.push(memory);
                 }
                 entry.last_used = tick;
             } else {
-                if entries.len() >= self.capacity {
-                    replaced.extend(evict(&mut entries, self.capacity));
-                }
-                entries.insert(
+                entries.bytes += memory.bytes;
+                entries.map.insert(
                     user.clone(),
                     Entry {
                         memory,
                         last_used: tick,
                     },
                 );
+            }
+            if entries.map.len() > self.capacity || entries.bytes > self.budget_bytes {
+                replaced.extend(entries.evict(self.capacity, self.budget_bytes, user));
             }
         }
         drop(replaced);
@@ -190,7 +219,7 @@ impl MemoryCache {
             .entries
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .remove(user);
+            .take(user);
         drop(removed);
     }
 
@@ -198,29 +227,65 @@ impl MemoryCache {
         self.entries
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+            .map
             .len()
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Estimated bytes of the cached memories.
+    pub fn bytes(&self) -> usize {
+        self.entries
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .bytes
+    }
 }
 
-/// Takes out the least recently used eighth, so eviction's scan is paid once per many inserts.
-fn evict(entries: &mut HashMap<UserKey, Entry>, capacity: usize) -> Vec<Arc<CachedMemory>> {
-    let mut ages: Vec<u64> = entries.values().map(|entry| entry.last_used).collect();
-    let count = (capacity / 8).max(1).min(ages.len());
-    let (_, cutoff, _) = ages.select_nth_unstable(count - 1);
-    let cutoff = *cutoff;
-    let old: Vec<UserKey> = entries
-        .iter()
-        .filter(|(_, entry)| entry.last_used <= cutoff)
-        .map(|(user, _)| user.clone())
-        .collect();
-    old.iter()
-        .filter_map(|user| entries.remove(user))
-        .map(|entry| entry.memory)
-        .collect()
+impl Entries {
+    fn take(&mut self, user: &UserKey) -> Option<Arc<CachedMemory>> {
+        let entry = self.map.remove(user)?;
+        self.bytes -= entry.memory.bytes;
+        Some(entry.memory)
+    }
+
+    /// Takes out the least recently used (never `keep`, the entry just put) until within both
+    /// bounds with room to spare (an eighth of the capacity, an eighth of the budget), so
+    /// eviction's scan is paid once per many inserts.
+    fn evict(
+        &mut self,
+        capacity: usize,
+        budget_bytes: usize,
+        keep: &UserKey,
+    ) -> Vec<Arc<CachedMemory>> {
+        let mut by_age: Vec<(u64, UserKey)> = self
+            .map
+            .iter()
+            .filter(|(user, _)| *user != keep)
+            .map(|(user, entry)| (entry.last_used, user.clone()))
+            .collect();
+        by_age.sort_unstable_by_key(|(age, _)| *age);
+        let users = if self.map.len() > capacity {
+            capacity + 1 - (capacity / 8).max(1)
+        } else {
+            capacity
+        };
+        let bytes = if self.bytes > budget_bytes {
+            budget_bytes - budget_bytes / 8
+        } else {
+            budget_bytes
+        };
+        let mut out = Vec::new();
+        for (_, user) in by_age {
+            if self.map.len() <= users && self.bytes <= bytes {
+                break;
+            }
+            out.extend(self.take(&user));
+        }
+        out
+    }
 }
 
 /// The version a user's first memory starts from: the current time in microseconds. Versions
@@ -280,7 +345,7 @@ mod tests {
 
     #[test]
     fn a_newer_version_replaces_an_older_one_but_not_the_reverse() {
-        let cache = MemoryCache::new(8);
+        let cache = MemoryCache::new(8, usize::MAX);
         let user = UserKey::new("t", "u");
         cache.put(&user, memory(5));
         cache.put(&user, memory(3));
@@ -291,7 +356,7 @@ mod tests {
 
     #[test]
     fn users_are_kept_apart_and_the_least_recently_used_go_first() {
-        let cache = MemoryCache::new(4);
+        let cache = MemoryCache::new(4, usize::MAX);
         for n in 0..4 {
             cache.put(&UserKey::new("t", format!("u{n}")), memory(n + 1));
         }
@@ -306,6 +371,44 @@ mod tests {
             Some(9)
         );
         assert!(cache.get(&UserKey::new("other", "u0")).is_none());
+    }
+
+    fn sized(version: u64, bytes: usize) -> Arc<CachedMemory> {
+        let mut state = MemoryState::new();
+        state.version = version;
+        let mut memory = CachedMemory::new(state);
+        memory.bytes = bytes;
+        Arc::new(memory)
+    }
+
+    #[test]
+    fn the_cache_stays_within_its_byte_budget_with_one_huge_user_and_many_small_ones() {
+        const BUDGET: usize = 10_000_000;
+        let cache = MemoryCache::new(1_000, BUDGET);
+        for n in 0..500 {
+            cache.put(&UserKey::new("t", format!("small{n}")), sized(1, 50_000));
+            assert!(cache.bytes() <= BUDGET);
+        }
+        // A huge user pushes the least recently used small ones out, not past the budget.
+        let huge = UserKey::new("t", "huge");
+        cache.put(&huge, sized(1, 8_000_000));
+        assert!(cache.bytes() <= BUDGET, "{}", cache.bytes());
+        assert!(cache.get(&huge).is_some());
+        assert!(cache.get(&UserKey::new("t", "small499")).is_some());
+        assert!(cache.get(&UserKey::new("t", "small0")).is_none());
+        // It grows: still within the budget, and it stays.
+        cache.put(&huge, sized(2, 9_500_000));
+        assert!(cache.bytes() <= BUDGET, "{}", cache.bytes());
+        assert_eq!(cache.get(&huge).map(|memory| memory.version()), Some(2));
+        // Past the whole budget it is not kept at all.
+        cache.put(&huge, sized(3, BUDGET + 1));
+        assert!(cache.get(&huge).is_none());
+        assert!(cache.bytes() <= BUDGET);
+        for n in 0..500 {
+            cache.put(&UserKey::new("t", format!("again{n}")), sized(1, 50_000));
+        }
+        assert!(cache.bytes() <= BUDGET);
+        assert!(cache.len() <= BUDGET / 50_000);
     }
 
     #[test]

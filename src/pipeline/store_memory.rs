@@ -85,10 +85,6 @@ impl StoreMemory {
         if !resolved.reads_memory() {
             return Ok(skipped("mode_off"));
         }
-        if resolved.records() {
-            // Before the session's order ticket below, so waiting holds up nothing.
-            self.outbox.wait_for_room().await;
-        }
         let user = UserKey::new(identity.tenant, identity.user);
         let session = identity.session;
         let turn_id = self.turn_ids.next();

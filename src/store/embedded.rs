@@ -242,6 +242,7 @@ fn read_hot_record(
         .get(key)
         .map_err(db_error)?
         .map_or(0, |guard| guard.value());
+    let mut bytes_read = 0;
     let update = if version == 0 || cached_version == Some(version) {
         None
     } else {
@@ -253,12 +254,15 @@ fn read_hot_record(
             None => None,
         };
         match changed {
-            Some(changed) => Some(MemoryUpdate::Delta(read_delta(
-                &states, &items, key, &changed,
-            )?)),
-            None if read_whole => {
-                read_memory(&states, &items, key)?.map(|state| MemoryUpdate::Whole(Box::new(state)))
+            Some(changed) => {
+                let (delta, bytes) = read_delta(&states, &items, key, &changed)?;
+                bytes_read += bytes;
+                Some(MemoryUpdate::Delta(delta))
             }
+            None if read_whole => read_memory(&states, &items, key)?.map(|(state, bytes)| {
+                bytes_read += bytes;
+                MemoryUpdate::Whole(Box::new(state))
+            }),
             None => return Ok(None),
         }
     };
@@ -268,13 +272,17 @@ fn read_hot_record(
         .get((key.0, key.1, session_id))
         .map_err(db_error)?
     {
-        Some(guard) => decode::<Vec<CandidateId>>(guard.value())?,
+        Some(guard) => {
+            bytes_read += guard.value().len();
+            decode::<Vec<CandidateId>>(guard.value())?
+        }
         None => Vec::new(),
     };
     Ok(Some(HotRecord {
         version,
         update,
         prefetched,
+        bytes_read: u64::try_from(bytes_read).unwrap_or(u64::MAX),
     }))
 }
 
@@ -297,10 +305,11 @@ fn read_delta(
     table: &impl ReadableTable<(&'static str, &'static str, u8, u32), &'static [u8]>,
     key: UserKeyRef,
     items: &std::collections::BTreeSet<ItemKey>,
-) -> Result<Delta> {
+) -> Result<(Delta, usize)> {
     let Some(guard) = states.get(key).map_err(db_error)? else {
         return Err(Error::Store("memory version without its hot state".into()));
     };
+    let mut bytes = guard.value().len();
     let Stored::Meta(meta) = Stored::decode(guard.value())? else {
         return Err(Error::Store(
             "a memory in the earlier layout has a change ring".into(),
@@ -312,7 +321,10 @@ fn read_delta(
             .get((key.0, key.1, item.kind.code(), item.pos))
             .map_err(db_error)?;
         match found {
-            Some(json) => read.push((*item, json.value().to_vec())),
+            Some(json) => {
+                bytes += json.value().len();
+                read.push((*item, json.value().to_vec()));
+            }
             None => {
                 return Err(Error::Store(format!(
                     "memory item {} is missing",
@@ -321,7 +333,7 @@ fn read_delta(
             }
         }
     }
-    Ok(Delta { meta, items: read })
+    Ok((Delta { meta, items: read }, bytes))
 }
 
 /// The whole memory of `key`, from its hot state and every item.
@@ -329,13 +341,14 @@ fn read_memory(
     states: &impl ReadableTable<(&'static str, &'static str), &'static [u8]>,
     table: &impl ReadableTable<(&'static str, &'static str, u8, u32), &'static [u8]>,
     key: UserKeyRef,
-) -> Result<Option<MemoryState>> {
+) -> Result<Option<(MemoryState, usize)>> {
     let Some(guard) = states.get(key).map_err(db_error)? else {
         return Ok(None);
     };
+    let mut bytes = guard.value().len();
     let meta = match Stored::decode(guard.value())? {
         Stored::Meta(meta) => meta,
-        Stored::Legacy(state) => return Ok(Some(*state)),
+        Stored::Legacy(state) => return Ok(Some((*state, bytes))),
     };
     let mut rows = Vec::new();
     for row in table
@@ -347,9 +360,11 @@ fn read_memory(
         let Some(kind) = ItemKind::from_code(kind) else {
             return Err(Error::Store(format!("unknown memory item kind {kind}")));
         };
+        bytes += json.value().len();
         rows.push((ItemKey { kind, pos }, json.value().to_vec()));
     }
-    layout::assemble(meta, rows.iter().map(|(key, json)| (*key, json.as_slice()))).map(Some)
+    let state = layout::assemble(meta, rows.iter().map(|(key, json)| (*key, json.as_slice())))?;
+    Ok(Some((state, bytes)))
 }
 
 /// Rewrites every memory stored by an earlier release as one value into the layout of
@@ -378,7 +393,7 @@ fn convert_legacy(db: &Database) -> Result<usize> {
                 let items = txn.open_table(ITEMS).map_err(db_error)?;
                 read_memory(&states, &items, key)?
             };
-            if let Some(state) = state {
+            if let Some((state, _)) = state {
                 let encoded = EncodedState::of(&state)?;
                 write_layout(&txn, key, &encoded, None)?;
             }
@@ -649,7 +664,10 @@ impl Store for EmbeddedStore {
             let txn = db.begin_read().map_err(db_error)?;
             let states = txn.open_table(STATES).map_err(db_error)?;
             let items = txn.open_table(ITEMS).map_err(db_error)?;
-            read_memory(&states, &items, (user.tenant.as_str(), user.user.as_str()))
+            Ok(
+                read_memory(&states, &items, (user.tenant.as_str(), user.user.as_str()))?
+                    .map(|(state, _)| state),
+            )
         })
     }
 

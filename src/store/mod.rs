@@ -61,6 +61,9 @@ pub struct HotRecord {
     pub update: Option<MemoryUpdate>,
     /// Candidates the worker prefetched for this session after its last turn.
     pub prefetched: Vec<CandidateId>,
+    /// Bytes of stored memory values the read took (hot state, items, prefetched candidates),
+    /// for the store's byte metrics.
+    pub bytes_read: u64,
 }
 
 /// One exchange of the raw log.

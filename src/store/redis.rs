@@ -659,6 +659,9 @@ impl RedisStore {
             .await
             .map_err(redis_error)?;
         let mut version = parse_version(&version)?;
+        let mut bytes_read = meta.as_ref().map_or(0, Vec::len)
+            + values.iter().flatten().map(Vec::len).sum::<usize>()
+            + prefetched.as_ref().map_or(0, Vec::len);
         let update = match status.as_str() {
             "none" => None,
             "delta" => {
@@ -680,8 +683,9 @@ impl RedisStore {
                 Some(MemoryUpdate::Delta(Delta { meta, items }))
             }
             _ => match self.read_memory(user).await? {
-                Some((read_version, state)) => {
+                Some((read_version, state, bytes)) => {
                     version = read_version;
+                    bytes_read += bytes;
                     Some(MemoryUpdate::Whole(Box::new(state)))
                 }
                 None => {
@@ -697,13 +701,15 @@ impl RedisStore {
                 Some(bytes) => decode(&bytes)?,
                 None => Vec::new(),
             },
+            bytes_read: u64::try_from(bytes_read).unwrap_or(u64::MAX),
         })
     }
 
     /// The whole memory with its version, read atomically without a script (a large memory's
     /// values would all be hashed on their way through Lua). A memory stored by an earlier
     /// release as one value is converted to the item layout here, on its first read.
-    async fn read_memory(&self, user: &UserKey) -> Result<Option<(u64, MemoryState)>> {
+    /// Also returns the bytes read.
+    async fn read_memory(&self, user: &UserKey) -> Result<Option<(u64, MemoryState, usize)>> {
         type Reply = (Option<String>, Option<Vec<u8>>, Vec<(String, Vec<u8>)>);
         let (version, state, items): Reply = redis::pipe()
             .atomic()
@@ -717,6 +723,11 @@ impl RedisStore {
             return Ok(None);
         };
         let version = parse_version(&version)?;
+        let bytes = state.len()
+            + items
+                .iter()
+                .map(|(field, json)| field.len() + json.len())
+                .sum::<usize>();
         match Stored::decode(&state)? {
             Stored::Meta(meta) => {
                 let mut rows = Vec::with_capacity(items.len());
@@ -726,7 +737,7 @@ impl RedisStore {
                     };
                     rows.push((key, json.as_slice()));
                 }
-                Ok(Some((version, layout::assemble(meta, rows)?)))
+                Ok(Some((version, layout::assemble(meta, rows)?, bytes)))
             }
             Stored::Legacy(state) => {
                 let encoded = EncodedState::of(&state)?;
@@ -737,7 +748,7 @@ impl RedisStore {
                     Err(Error::StoreConflict { .. }) => {}
                     Err(error) => return Err(error),
                 }
-                Ok(Some((version, *state)))
+                Ok(Some((version, *state, bytes)))
             }
         }
     }
@@ -915,7 +926,7 @@ impl Store for RedisStore {
     }
 
     fn load_state<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<Option<MemoryState>>> {
-        Box::pin(async move { Ok(self.read_memory(user).await?.map(|(_, state)| state)) })
+        Box::pin(async move { Ok(self.read_memory(user).await?.map(|(_, state, _)| state)) })
     }
 
     fn save_encoded_state<'a>(

@@ -241,8 +241,12 @@ impl Worker {
             return;
         }
         let mut span = self.telemetry.memory_update(&jobs);
+        let started = std::time::Instant::now();
         match self.apply_run(&jobs).await {
             Ok(applied) => {
+                if let Some(metrics) = &self.metrics {
+                    metrics.applied_run(jobs.len(), started.elapsed());
+                }
                 if !span.is_off() {
                     let duplicates = applied
                         .iter()

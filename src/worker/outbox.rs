@@ -28,10 +28,10 @@ const FORWARD_RETRY: Duration = Duration::from_millis(500);
 /// Jobs an in-memory spool holds at most (a few KB each); beyond it a recording is lost, and
 /// counted and logged as such.
 pub const MEMORY_SPOOL_JOBS: u64 = 10_000;
-/// Recordings held in memory waiting for their enqueue, past which new requests that will be
-/// recorded wait for room before they start: an overloaded proxy slows its clients instead of
-/// growing (a closed-loop run at saturation reached 116,865 recordings, 850 MB, without it).
-/// About 7 KB each for chat-sized turns; requests already past the wait can add to it.
+/// Recordings held in memory waiting for their enqueue, past which a recording goes straight
+/// to the spool instead of retrying the store: requests never wait for the update path, and a
+/// backlog is kept as compact jobs rather than captured exchanges. About 7 KB each for
+/// chat-sized turns.
 pub const MAX_RECORDINGS_IN_FLIGHT: u64 = 8_192;
 
 /// Where jobs wait while the store will not take them.
@@ -62,8 +62,6 @@ pub struct Outbox {
     queued: Arc<Notify>,
     /// Wakes the forwarder when a job was spooled.
     spooled_signal: Notify,
-    /// Wakes requests waiting for room among the recordings in flight.
-    room: Notify,
     stats: OutboxStats,
 }
 
@@ -88,7 +86,6 @@ impl Outbox {
             spooled: AtomicU64::new(already),
             queued,
             spooled_signal: Notify::new(),
-            room: Notify::new(),
             stats: OutboxStats::default(),
         }
     }
@@ -104,18 +101,9 @@ impl Outbox {
         InFlight(Arc::clone(self))
     }
 
-    /// Returns once fewer than [`MAX_RECORDINGS_IN_FLIGHT`] recordings are in flight. Call
-    /// before a request that will be recorded takes its place in its session's order, so a
-    /// waiting request holds nothing an earlier recording needs.
-    pub async fn wait_for_room(&self) {
-        loop {
-            // Registered before the check, so a release between the two is not missed.
-            let released = self.room.notified();
-            if self.stats.in_flight.load(Ordering::Acquire) < MAX_RECORDINGS_IN_FLIGHT {
-                return;
-            }
-            released.await;
-        }
+    /// Whether the recordings in flight have passed [`MAX_RECORDINGS_IN_FLIGHT`].
+    fn backlogged(&self) -> bool {
+        self.stats.in_flight.load(Ordering::Acquire) > MAX_RECORDINGS_IN_FLIGHT
     }
 
     /// Jobs waiting in the local spool.
@@ -135,7 +123,7 @@ impl Outbox {
     /// Makes the job durable: in the store, or else in the spool. Logs (never panics) if
     /// neither takes it.
     pub async fn submit(&self, job: Job) {
-        if self.spooled() == 0 && self.enqueue_with_retry(&job).await {
+        if self.spooled() == 0 && !self.backlogged() && self.enqueue_with_retry(&job).await {
             self.stats.queued.fetch_add(1, Ordering::Relaxed);
             self.queued.notify_one();
             return;
@@ -247,10 +235,7 @@ pub struct InFlight(Arc<Outbox>);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        let before = self.0.stats.in_flight.fetch_sub(1, Ordering::AcqRel);
-        if before >= MAX_RECORDINGS_IN_FLIGHT {
-            self.0.room.notify_waiters();
-        }
+        self.0.stats.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -277,39 +262,36 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn requests_wait_for_room_while_too_many_recordings_are_in_flight() {
+    async fn past_the_backlog_bound_a_recording_goes_to_the_spool_without_waiting() {
         let store_dir = tempfile::tempdir().unwrap();
         let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(store_dir.path()).unwrap());
         let spool = Spool::Memory {
             store: Arc::new(EmbeddedStore::in_memory().unwrap()),
             capacity: MEMORY_SPOOL_JOBS,
         };
-        let outbox = Arc::new(Outbox::new(store, spool, Arc::new(Notify::new())).await);
-        let mut recordings: Vec<InFlight> = (0..MAX_RECORDINGS_IN_FLIGHT - 1)
+        let outbox =
+            Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::new(Notify::new())).await);
+        let user = UserKey::new("t", "u");
+        let mut recordings: Vec<InFlight> = (0..MAX_RECORDINGS_IN_FLIGHT)
             .map(|_| outbox.recording())
             .collect();
-        // One below the bound: no wait.
-        tokio::time::timeout(Duration::from_secs(5), outbox.wait_for_room())
-            .await
-            .unwrap();
+        // At the bound: the store takes it.
+        outbox.submit(job(&user, "at-bound")).await;
+        assert_eq!(store.queue_depth().await.unwrap(), 1);
+        assert_eq!(outbox.spooled(), 0);
 
+        // Past it: the spool does, at once, and the forwarder moves it on later.
         recordings.push(outbox.recording());
-        let mut waiting = Box::pin(outbox.wait_for_room());
-        assert!(
-            tokio::time::timeout(Duration::from_millis(100), &mut waiting)
-                .await
-                .is_err(),
-            "no room at the bound"
-        );
-
-        recordings.pop();
-        tokio::time::timeout(Duration::from_secs(5), waiting)
-            .await
-            .unwrap();
-        assert_eq!(
-            outbox.stats().in_flight.load(Ordering::Acquire),
-            MAX_RECORDINGS_IN_FLIGHT - 1
-        );
+        tokio::time::timeout(
+            Duration::from_secs(1),
+            outbox.submit(job(&user, "past-bound")),
+        )
+        .await
+        .unwrap();
+        assert_eq!(store.queue_depth().await.unwrap(), 1);
+        assert_eq!(outbox.spooled(), 1);
+        assert_eq!(outbox.stats().spooled.load(Ordering::Relaxed), 1);
+        drop(recordings);
     }
 
     #[tokio::test]
