@@ -821,7 +821,7 @@ fn measure(
     }
     if degraded_logged > 0 {
         notes.push(format!(
-            "engram's log: {degraded_logged} warnings \"answering without memory\" (warm-up included)"
+            "\"answering without memory\" warnings in engram's log: {degraded_logged} (warm-up included)"
         ));
     }
     notes.extend(result.notes.iter().cloned());

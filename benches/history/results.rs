@@ -308,7 +308,7 @@ impl Report {
                         run.peak_rss_mib
                             .map_or_else(|| "—".into(), |r| format!("{r:.1}")),
                     );
-                    cells.push(notes(run));
+                    cells.push(notes(run, false));
                 }
                 None => {
                     cells.push(
@@ -353,7 +353,7 @@ impl Report {
                         run.peak_rss_mib
                             .map_or_else(|| "—".into(), |r| format!("{r:.1}")),
                     );
-                    cells.push(notes(run));
+                    cells.push(notes(run, true));
                 }
                 None => {
                     cells.push(a.skipped.clone().unwrap_or_else(|| "not measured".into()));
@@ -584,7 +584,7 @@ fn drained_cell(run: &Run) -> String {
     match (run.drained_secs, run.still_queued) {
         (Some(secs), _) => format!("in {secs:.1} s"),
         (None, Some(left)) => format!(
-            "no: {} queued after {} s",
+            "no, {} still queued after {} s",
             thousands(left as f64),
             run.drain_timeout_secs
         ),
@@ -592,7 +592,9 @@ fn drained_cell(run: &Run) -> String {
     }
 }
 
-fn notes(run: &Run) -> String {
+/// A run's notes; `queue_in_columns` when the row already shows the queue at the end and
+/// the drain.
+fn notes(run: &Run, queue_in_columns: bool) -> String {
     let mut notes = Vec::new();
     if let Some(why) = run.saturation() {
         notes.push(format!("{why}: added figures in brackets are queueing"));
@@ -621,11 +623,13 @@ fn notes(run: &Run) -> String {
             .collect();
         notes.push(format!("fail-opens by reason: {}", reasons.join(", ")));
     }
-    notes.push(format!(
-        "{} jobs queued at the end, {}",
-        opt_count(run.queue_depth_end),
-        drained_cell(run)
-    ));
+    if !queue_in_columns {
+        notes.push(format!(
+            "queue depth at the end of the load {}, drained: {}",
+            opt_count(run.queue_depth_end),
+            drained_cell(run)
+        ));
+    }
     if let Some(jobs) = run.jobs_applied {
         notes.push(format!(
             "{} jobs applied, lag observed for {}",
