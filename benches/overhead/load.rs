@@ -335,10 +335,12 @@ pub fn oha_path() -> String {
 /// An oha run: open loop at `rate` with latency correction, or closed loop (`rate` `None`) with
 /// `connections` connections each sending its next request when the last one is answered.
 /// `body_lines`: each request takes a random line of the file as its body (oha's `-Z`).
+/// `headers`: extra `name: value` headers every request carries.
 pub struct OhaRun<'a> {
     pub url: &'a str,
     pub body_file: &'a Path,
     pub body_lines: bool,
+    pub headers: &'a [&'a str],
     pub rate: Option<u64>,
     pub connections: usize,
     pub duration: Duration,
@@ -362,6 +364,9 @@ fn oha_command(run: &OhaRun) -> Command {
         .args(["-H", "content-type: application/json"])
         .args(["-H", &format!("authorization: Bearer {API_KEY}")])
         .args(["-t", "30s"]);
+    for header in run.headers {
+        command.args(["-H", header]);
+    }
     if let Some(rate) = run.rate {
         command.args(["-q", &rate.to_string(), "--latency-correction"]);
     }

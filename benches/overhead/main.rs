@@ -568,6 +568,7 @@ fn oha_step(
         url: &url,
         body_file: &body_file,
         body_lines,
+        headers: &[],
         rate,
         connections,
         duration: rate.map_or(args.duration, |rate| args.run_length(rate)),

@@ -41,7 +41,7 @@ fn pinned(core: Option<&str>, program: &str) -> Command {
 
 /// Starts `engram` with `args`, its warnings going to `log` (or nowhere); returns the child
 /// and the address it printed.
-fn start_engram(
+pub fn start_engram(
     core: Option<&str>,
     args: &[&str],
     env: &[(String, String)],
