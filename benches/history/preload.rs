@@ -104,7 +104,7 @@ async fn run(store: Arc<dyn Store>, turns: u64, timeout: Duration) -> Result<Pre
     };
     let worker = Arc::new(Worker::new(
         Arc::clone(&store),
-        Arc::new(MemoryCache::new(16)),
+        Arc::new(MemoryCache::new(16, usize::MAX)),
         Arc::new(MemoryConfig::default()),
         config,
         Arc::new(Summarizer::heuristic()),
