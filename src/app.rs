@@ -128,7 +128,8 @@ impl Engram {
             config.hot_path_deadline(),
             Arc::clone(&explains),
         )
-        .with_telemetry(telemetry.clone());
+        .with_telemetry(telemetry.clone())
+        .with_background(background.clone());
         metrics.watch(Arc::clone(&store), Arc::clone(&outbox), worker.clone())?;
         let admin = AdminApi::new(
             admin,

@@ -8,7 +8,13 @@ use crate::error::Result;
 use crate::pipeline::{MemoryOutcome, Rewrite};
 
 /// `x-engram-memory-reason` values of a degraded answer (the store failed open).
-const FAIL_OPEN_REASONS: [&str; 4] = ["store_error", "store_timeout", "store_race", "other"];
+const FAIL_OPEN_REASONS: [&str; 5] = [
+    "store_error",
+    "store_timeout",
+    "store_race",
+    "memory_loading",
+    "other",
+];
 /// `x-engram-memory-reason` values of a skipped one.
 const SKIP_REASONS: [&str; 5] = ["no_user", "mode_off", "disabled", "empty", "other"];
 const BLOCKS: [&str; 3] = ["core", "window", "recall"];

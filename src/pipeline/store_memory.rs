@@ -7,11 +7,14 @@
 //! Recorder: the captured exchange becomes a durable job through the [`Outbox`]; the worker
 //! applies it later.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use http::HeaderMap;
+use tokio::sync::watch;
+use tokio_util::task::TaskTracker;
 
 use super::cache::{CachedMemory, MemoryCache};
 use super::explain_log::ExplainLog;
@@ -41,6 +44,10 @@ pub struct StoreMemory {
     order: Arc<SessionOrder>,
     explains: Arc<ExplainLog>,
     telemetry: Telemetry,
+    /// Users whose whole memory is being read into the cache, each with word of the end.
+    cold_loads: Arc<Mutex<HashMap<UserKey, watch::Receiver<bool>>>>,
+    /// Where cold loads run, so they finish (and fill the cache) after their request gave up.
+    background: TaskTracker,
 }
 
 impl StoreMemory {
@@ -65,7 +72,61 @@ impl StoreMemory {
             order: SessionOrder::new(),
             explains,
             telemetry: Telemetry::default(),
+            cold_loads: Arc::default(),
+            background: TaskTracker::new(),
         }
+    }
+
+    /// Runs cold loads on `background` (the app's tracked task set, drained at shutdown).
+    pub fn with_background(mut self, background: TaskTracker) -> StoreMemory {
+        self.background = background;
+        self
+    }
+
+    /// Word of the end of a cold load of `user`'s memory into the cache: the one in flight, or
+    /// a new one. One whole read per user at a time, however many requests find the cache
+    /// cold, and it runs to the end (filling the cache) even when they stop waiting: requests
+    /// that each started their own read of a 50,000-turn memory and dropped it at their
+    /// deadline held a gigabyte between them.
+    fn cold_load(&self, user: &UserKey) -> watch::Receiver<bool> {
+        let mut loads = self.cold_loads.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(done) = loads.get(user) {
+            return done.clone();
+        }
+        let (finished, done) = watch::channel(false);
+        loads.insert(user.clone(), done.clone());
+        drop(loads);
+        let store = Arc::clone(&self.store);
+        let cache = Arc::clone(&self.cache);
+        let cold_loads = Arc::clone(&self.cold_loads);
+        let user = user.clone();
+        self.background.spawn(async move {
+            let loaded = async {
+                let Some(state) = store.load_state(&user).await? else {
+                    return Ok(());
+                };
+                let version = state.version;
+                let update = Some(MemoryUpdate::Whole(Box::new(state)));
+                let memory = tokio::task::spawn_blocking(move || {
+                    CachedMemory::resolve(None, version, update)
+                })
+                .await
+                .map_err(|error| Error::Internal(format!("indexing task failed: {error}")))??;
+                if let Some(memory) = memory {
+                    cache.put(&user, memory);
+                }
+                Ok::<(), Error>(())
+            };
+            if let Err(error) = loaded.await {
+                tracing::warn!(%error, "reading a memory into the cache failed");
+            }
+            cold_loads
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&user);
+            let _ = finished.send(true);
+        });
+        done
     }
 
     /// Spans for the memory steps of traced requests.
@@ -112,7 +173,21 @@ impl StoreMemory {
         });
 
         let mut load = self.telemetry.child("engram.memory.load");
-        let cached = self.cache.get(&user);
+        let mut cached = self.cache.get(&user);
+        let started = tokio::time::Instant::now();
+        if cached.is_none() {
+            let mut done = self.cold_load(&user);
+            if tokio::time::timeout(self.deadline, done.wait_for(|done| *done))
+                .await
+                .is_err()
+            {
+                load.fail("memory_loading");
+                tracing::info!("memory is being read into the cache; answering without it");
+                return Ok(degraded("memory_loading", turn_id, plan));
+            }
+            cached = self.cache.get(&user);
+        }
+        let deadline = self.deadline.saturating_sub(started.elapsed());
         let cached_version = cached.as_ref().map(|m| m.version());
         // A turn that will be recorded is noted as arriving in the same read, so the session's
         // later turns, whichever replica records them, queue behind its job.
@@ -126,7 +201,7 @@ impl StoreMemory {
             ),
             None => self.store.hot_record(&user, &session, cached_version),
         };
-        let read = tokio::time::timeout(self.deadline, hot_record).await;
+        let read = tokio::time::timeout(deadline, hot_record).await;
         let record = match read {
             Ok(Ok(record)) => record,
             Ok(Err(error)) => {
