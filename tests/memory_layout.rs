@@ -22,9 +22,30 @@ use engram::store::{EmbeddedStore, EncodedState, Store, UserKey};
 use proptest::prelude::*;
 
 const WORDS: &[&str] = &[
-    "porto", "lisbon", "hiking", "peanuts", "allergic", "sister", "rita", "dog", "rex", "japan",
-    "april", "grant", "deadline", "sourdough", "starter", "marathon", "radiohead", "locker",
-    "code", "tonight", "curry", "alps", "madrid", "moved",
+    "porto",
+    "lisbon",
+    "hiking",
+    "peanuts",
+    "allergic",
+    "sister",
+    "rita",
+    "dog",
+    "rex",
+    "japan",
+    "april",
+    "grant",
+    "deadline",
+    "sourdough",
+    "starter",
+    "marathon",
+    "radiohead",
+    "locker",
+    "code",
+    "tonight",
+    "curry",
+    "alps",
+    "madrid",
+    "moved",
 ];
 
 const SENTENCES: &[&str] = &[
@@ -108,7 +129,7 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(12))]
+    #![proptest_config(ProptestConfig::with_cases(8))]
 
     #[test]
     fn the_layout_gives_the_reference_models_memory(history in history()) {

@@ -8,8 +8,8 @@
 //! applies it later.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use http::HeaderMap;
@@ -89,7 +89,10 @@ impl StoreMemory {
     /// that each started their own read of a 50,000-turn memory and dropped it at their
     /// deadline held a gigabyte between them.
     fn cold_load(&self, user: &UserKey) -> watch::Receiver<bool> {
-        let mut loads = self.cold_loads.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut loads = self
+            .cold_loads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         if let Some(done) = loads.get(user) {
             return done.clone();
         }
