@@ -200,7 +200,12 @@ async fn three_replicas_keep_a_conversation_in_order_and_share_one_memory() {
         "What should I avoid eating?",
     )
     .await;
-    assert_eq!(header(&question, "x-engram-memory"), "injected");
+    assert_eq!(
+        header(&question, "x-engram-memory"),
+        "injected",
+        "{}",
+        header(&question, "x-engram-memory-reason")
+    );
     assert!(memory_part(recorded(&record).last().unwrap()).contains("shellfish"));
 }
 

@@ -27,8 +27,8 @@ pub struct MemoryMetrics {
     history_tokens: IntCounter,
     candidates: IntCounter,
     hits: IntCounter,
-    fail_open: [IntCounter; 4],
-    skipped: [IntCounter; 5],
+    fail_open: [IntCounter; FAIL_OPEN_REASONS.len()],
+    skipped: [IntCounter; SKIP_REASONS.len()],
 }
 
 impl MemoryMetrics {
@@ -168,7 +168,7 @@ mod tests {
             });
         }
         let fail_open: Vec<u64> = metrics.fail_open.iter().map(IntCounter::get).collect();
-        assert_eq!(fail_open, [0, 1, 0, 1]);
+        assert_eq!(fail_open, [0, 1, 0, 0, 1]);
         let skipped: Vec<u64> = metrics.skipped.iter().map(IntCounter::get).collect();
         assert_eq!(skipped, [1, 0, 0, 0, 1]);
         assert_eq!(metrics.injected_tokens[0].get_sample_count(), 0);

@@ -347,8 +347,11 @@ impl Delta {
     /// `base` (the reader's version) with the delta applied: the changed items are set through
     /// the state's change record, so an index refreshed from the result sees them (and they
     /// must be taken before the state is written back).
-    pub fn apply(self, base: &MemoryState) -> Result<MemoryState> {
+    pub fn apply(mut self, base: &MemoryState) -> Result<MemoryState> {
         let mut state = base.clone();
+        // In position order, so appended items land in turn (a backend may list them in
+        // another order: Redis sorts fields as text, `r10` before `r9`).
+        self.items.sort_by_key(|(key, _)| *key);
         for (key, json) in self.items {
             let placed = match key.kind {
                 ItemKind::Session => set_item(&mut state.sessions, key.pos, &json)?,
@@ -529,6 +532,8 @@ mod tests {
                 .iter()
                 .filter(|(key, _)| wanted.contains(key))
                 .map(|(key, json)| (*key, json.to_vec()))
+                // Out of order, as a backend may list them.
+                .rev()
                 .collect(),
         };
         let mut updated = delta.apply(&base).unwrap();

@@ -708,17 +708,36 @@ impl RedisStore {
     /// The whole memory with its version, read atomically without a script (a large memory's
     /// values would all be hashed on their way through Lua). A memory stored by an earlier
     /// release as one value is converted to the item layout here, on its first read.
-    /// Also returns the bytes read.
+    /// Also returns the bytes read. Plain commands (a cluster connection takes no `MULTI`),
+    /// made consistent by reading the version before and after: every write sets the version
+    /// last, in the script that writes the hot state and items, so an unchanged version means
+    /// no write came in between; a changed one reads again.
     async fn read_memory(&self, user: &UserKey) -> Result<Option<(u64, MemoryState, usize)>> {
-        type Reply = (Option<String>, Option<Vec<u8>>, Vec<(String, Vec<u8>)>);
-        let (version, state, items): Reply = redis::pipe()
-            .atomic()
-            .get(self.user_key(user, "version"))
-            .get(self.user_key(user, "state"))
-            .hgetall(self.user_key(user, "items"))
-            .query_async(&mut self.connection())
-            .await
-            .map_err(redis_error)?;
+        const ATTEMPTS: usize = 5;
+        let version_key = self.user_key(user, "version");
+        let mut connection = self.connection();
+        let mut read = None;
+        for _ in 0..ATTEMPTS {
+            let before: Option<String> = connection.get(&version_key).await.map_err(redis_error)?;
+            let state: Option<Vec<u8>> = connection
+                .get(self.user_key(user, "state"))
+                .await
+                .map_err(redis_error)?;
+            let items: Vec<(String, Vec<u8>)> = connection
+                .hgetall(self.user_key(user, "items"))
+                .await
+                .map_err(redis_error)?;
+            let after: Option<String> = connection.get(&version_key).await.map_err(redis_error)?;
+            if before == after {
+                read = Some((before, state, items));
+                break;
+            }
+        }
+        let Some((version, state, items)) = read else {
+            return Err(Error::Store(format!(
+                "memory kept changing during {ATTEMPTS} whole reads"
+            )));
+        };
         let (Some(version), Some(state)) = (version, state) else {
             return Ok(None);
         };
