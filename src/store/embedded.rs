@@ -476,33 +476,21 @@ impl EmbeddedStore {
                 value,
             });
         };
-        for row in txn
-            .open_table(STATES)
-            .map_err(db_error)?
-            .iter()
-            .map_err(db_error)?
-        {
-            let (key, value) = row.map_err(db_error)?;
-            let (tenant, user) = key.value();
-            push(
-                STATES.name(),
-                vec![tenant.into(), user.into()],
-                value.value().to_vec(),
-            );
-        }
-        for row in txn
-            .open_table(CHANGES)
-            .map_err(db_error)?
-            .iter()
-            .map_err(db_error)?
-        {
-            let (key, value) = row.map_err(db_error)?;
-            let (tenant, user) = key.value();
-            push(
-                CHANGES.name(),
-                vec![tenant.into(), user.into()],
-                value.value().to_vec(),
-            );
+        for definition in [STATES, CHANGES] {
+            for row in txn
+                .open_table(definition)
+                .map_err(db_error)?
+                .iter()
+                .map_err(db_error)?
+            {
+                let (key, value) = row.map_err(db_error)?;
+                let (tenant, user) = key.value();
+                push(
+                    definition.name(),
+                    vec![tenant.into(), user.into()],
+                    value.value().to_vec(),
+                );
+            }
         }
         for row in txn
             .open_table(ITEMS)

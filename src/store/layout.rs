@@ -353,19 +353,8 @@ impl Delta {
         // another order: Redis sorts fields as text, `r10` before `r9`).
         self.items.sort_by_key(|(key, _)| *key);
         for (key, json) in self.items {
-            let placed = match key.kind {
-                ItemKind::Session => set_item(&mut state.sessions, key.pos, &json)?,
-                ItemKind::RawTurn => set_item(&mut state.raw_turns, key.pos, &json)?,
-                ItemKind::TurnLog => set_item(&mut state.turn_log, key.pos, &json)?,
-                ItemKind::Fact => set_item(&mut state.facts, key.pos, &json)?,
-                ItemKind::Episode => set_item(&mut state.episodes, key.pos, &json)?,
-                ItemKind::Artifact => set_item(&mut state.artifacts, key.pos, &json)?,
-            };
-            if !placed {
-                return Err(Error::Store(format!(
-                    "stored memory is missing items before {}",
-                    key.field()
-                )));
+            if !place(&mut state, key, &json, Note::Changed)? {
+                return Err(missing_before(key));
             }
         }
         let counts = self.meta.counts;
@@ -375,13 +364,38 @@ impl Delta {
     }
 }
 
-fn set_item<T: Clone + for<'de> Deserialize<'de>>(
+/// Whether a placed item is recorded as changed (a delta: the index and lookups must see it)
+/// or not (a memory read whole: nothing to refresh or write back).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Note {
+    Changed,
+    Clean,
+}
+
+/// Sets the item at `key` (or appends it at the end of its kind); false when its position is
+/// past the end.
+fn place(state: &mut MemoryState, key: ItemKey, json: &[u8], note: Note) -> Result<bool> {
+    match key.kind {
+        ItemKind::Session => place_in(&mut state.sessions, key.pos, json, note),
+        ItemKind::RawTurn => place_in(&mut state.raw_turns, key.pos, json, note),
+        ItemKind::TurnLog => place_in(&mut state.turn_log, key.pos, json, note),
+        ItemKind::Fact => place_in(&mut state.facts, key.pos, json, note),
+        ItemKind::Episode => place_in(&mut state.episodes, key.pos, json, note),
+        ItemKind::Artifact => place_in(&mut state.artifacts, key.pos, json, note),
+    }
+}
+
+fn place_in<T: Clone + for<'de> Deserialize<'de>>(
     items: &mut Segmented<T>,
     pos: u32,
     json: &[u8],
+    note: Note,
 ) -> Result<bool> {
     let item: T = super::decode(json)?;
     let pos = pos as usize;
+    if note == Note::Clean {
+        return Ok(items.put_clean(pos, item));
+    }
     if pos == items.len() {
         items.push(item);
         Ok(true)
@@ -393,6 +407,13 @@ fn set_item<T: Clone + for<'de> Deserialize<'de>>(
     }
 }
 
+fn missing_before(key: ItemKey) -> Error {
+    Error::Store(format!(
+        "stored memory is missing items before {}",
+        key.field()
+    ))
+}
+
 /// A whole memory from its hot state and every item, in any order.
 pub fn assemble<'a>(
     meta: Meta,
@@ -402,33 +423,14 @@ pub fn assemble<'a>(
     sorted.sort_by_key(|(key, _)| *key);
     let mut state = MemoryState::new();
     for (key, json) in sorted {
-        let placed = match key.kind {
-            ItemKind::Session => place(&mut state.sessions, key.pos, json)?,
-            ItemKind::RawTurn => place(&mut state.raw_turns, key.pos, json)?,
-            ItemKind::TurnLog => place(&mut state.turn_log, key.pos, json)?,
-            ItemKind::Fact => place(&mut state.facts, key.pos, json)?,
-            ItemKind::Episode => place(&mut state.episodes, key.pos, json)?,
-            ItemKind::Artifact => place(&mut state.artifacts, key.pos, json)?,
-        };
-        if !placed {
-            return Err(Error::Store(format!(
-                "stored memory is missing items before {}",
-                key.field()
-            )));
+        if !place(&mut state, key, json, Note::Clean)? {
+            return Err(missing_before(key));
         }
     }
     let counts = meta.counts;
     meta.apply_to(&mut state);
     check_counts(&state, counts)?;
     Ok(state)
-}
-
-fn place<T: Clone + for<'de> Deserialize<'de>>(
-    items: &mut Segmented<T>,
-    pos: u32,
-    json: &[u8],
-) -> Result<bool> {
-    Ok(items.put_clean(pos as usize, super::decode(json)?))
 }
 
 fn check_counts(state: &MemoryState, counts: [u32; 6]) -> Result<()> {
