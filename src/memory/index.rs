@@ -361,17 +361,18 @@ impl Segment {
             .is_some_and(|(part, doc)| part.has(doc, term))
     }
 
-    /// Indexes `key` (replacing its earlier document, if any) unless its text is unchanged.
-    /// `text` is `None` for a key without a document.
+    /// Whether `key`'s live document was indexed from text with this fingerprint (callers
+    /// check it before they tokenize).
+    fn holds(&self, key: u32, fingerprint: u64) -> bool {
+        self.live
+            .get(key as usize)
+            .is_some_and(|loc| loc.part != ABSENT && loc.fingerprint == fingerprint)
+    }
+
+    /// Indexes `key`, replacing its earlier document, if any (callers skip a key whose text is
+    /// unchanged, see [`Segment::holds`]). `text` is `None` for a key without a document.
     fn put(&mut self, key: u32, text: Option<(Vec<TermId>, Vec<TermId>)>, fingerprint: u64) {
         let current = self.live.get(key as usize).copied();
-        if let Some(current) = current
-            && current.part != ABSENT
-            && text.is_some()
-            && current.fingerprint == fingerprint
-        {
-            return;
-        }
         if current.is_none_or(|loc| loc.part == ABSENT) && text.is_none() {
             self.set_live(key, DocLoc::NONE);
             return;
@@ -705,12 +706,11 @@ impl MemoryIndex {
                 .unwrap_or_default();
             let said = format!("{} {}", turn.user, turn.assistant);
             let print = fingerprint(&[&said, &date]);
-            let text = (self.raw.live.get(seq as usize).map(|loc| loc.fingerprint) != Some(print))
-                .then(|| (self.term_ids(&said), self.term_ids(&date)));
-            match text {
-                Some(text) => self.raw.put(seq, Some(text), print),
-                None => continue,
+            if self.raw.holds(seq, print) {
+                continue;
             }
+            let text = (self.term_ids(&said), self.term_ids(&date));
+            self.raw.put(seq, Some(text), print);
             self.chains.insert(turn.chain, seq);
         }
         for seq in keys_to_index(
@@ -772,12 +772,7 @@ impl MemoryIndex {
 
     fn put_text(&mut self, kind: SegmentKind, key: u32, text: Option<&str>) {
         let print = text.map_or(0, |text| fingerprint(&[text]));
-        let segment = self.segment(kind);
-        let unchanged = segment
-            .live
-            .get(key as usize)
-            .is_some_and(|loc| loc.part != ABSENT && loc.fingerprint == print && text.is_some());
-        if unchanged {
+        if text.is_some() && self.segment(kind).holds(key, print) {
             return;
         }
         let terms = text.map(|text| (self.term_ids(text), Vec::new()));

@@ -372,12 +372,8 @@ impl Worker {
                 (version, None, Some(cached)) if cached.version() == version => {
                     Start::Cached(cached)
                 }
-                (version, Some(MemoryUpdate::Delta(delta)), Some(cached)) => {
-                    match CachedMemory::resolve(
-                        Some(cached),
-                        version,
-                        Some(MemoryUpdate::Delta(delta)),
-                    )? {
+                (version, update @ Some(MemoryUpdate::Delta(_)), Some(cached)) => {
+                    match CachedMemory::resolve(Some(cached), version, update)? {
                         Some(memory) => {
                             self.cache.put(user, Arc::clone(&memory));
                             Start::Cached(memory)
@@ -577,14 +573,7 @@ pub async fn edit_memory<T>(
             (state, 0, None)
         } else {
             let version = stored.version;
-            let current = match stored.update {
-                Some(MemoryUpdate::Whole(state)) => {
-                    let memory = Arc::new(CachedMemory::new(*state));
-                    Some(memory)
-                }
-                update => CachedMemory::resolve(cached, version, update)?,
-            };
-            match current {
+            match CachedMemory::resolve(cached, version, stored.update)? {
                 Some(memory) => (memory.state.clone(), version, Some(memory)),
                 None => continue,
             }
