@@ -2,8 +2,11 @@
 //! salience tags, links into the raw log, rehydration hints and a size estimate, computed from
 //! the episode's turns. Pure functions of the state, so a refresh rebuilds them exactly.
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashSet};
+use std::rc::Rc;
 
+use super::memo::{TextMemo, memoised};
 use super::model::{EpisodeId, EpisodeManifest, FactId, MemoryState, TurnSeq};
 use super::render::recount_episode;
 use super::text::{clip_chars, is_stop_word, stem, terms, words};
@@ -39,19 +42,16 @@ pub fn build_manifest(
         let (user_summary, assistant_summary) = entry.texts(raw);
         summaries.push(user_summary.clone().into_owned());
         let raw_user = raw.map_or("", |turn| turn.user.as_str());
-        let text = format!("{user_summary} {assistant_summary} {raw_user}");
-        for word in words(&text) {
-            position += 1;
-            if word.len() < 3 || is_stop_word(&word) || word.chars().all(|c| c.is_ascii_digit()) {
-                continue;
-            }
+        let turn_words = turn_words(&user_summary, &assistant_summary, raw_user);
+        for (offset, term, word) in &turn_words.salient {
             let slot = counts
-                .entry(stem(&word))
-                .or_insert((0, position, word.clone()));
+                .entry(term.clone())
+                .or_insert((0, position + offset, word.clone()));
             slot.0 += 1;
         }
-        for entity in capitalised_words(raw_user) {
-            let slot = entities.entry(entity).or_insert((0, position));
+        position += turn_words.count;
+        for entity in &turn_words.entities {
+            let slot = entities.entry(entity.clone()).or_insert((0, position));
             slot.0 += 1;
         }
         if let Some(turn) = raw {
@@ -131,6 +131,45 @@ pub fn build_manifest(
     };
     recount_episode(&mut manifest);
     manifest
+}
+
+/// What one turn lends its episode's manifest: its salient words (1-based position among the
+/// turn's words, stem, surface form), how many words it has, and its capitalised names.
+struct TurnWords {
+    salient: Vec<(usize, String, String)>,
+    count: usize,
+    entities: Vec<String>,
+}
+
+thread_local! {
+    static TURN_WORDS: RefCell<TextMemo<TurnWords>> = RefCell::default();
+}
+
+/// The [`TurnWords`] of a turn, remembered per thread: an episode's manifest is rebuilt from
+/// all its turns each time one joins or changes.
+fn turn_words(user_summary: &str, assistant_summary: &str, raw_user: &str) -> Rc<TurnWords> {
+    // The raw message's length first, so the key names each part unambiguously.
+    let key = format!(
+        "{}:{raw_user}{user_summary} {assistant_summary}",
+        raw_user.len()
+    );
+    memoised(&TURN_WORDS, &key, || {
+        let text = format!("{user_summary} {assistant_summary} {raw_user}");
+        let mut salient = Vec::new();
+        let mut count = 0;
+        for word in words(&text) {
+            count += 1;
+            if word.len() < 3 || is_stop_word(&word) || word.chars().all(|c| c.is_ascii_digit()) {
+                continue;
+            }
+            salient.push((count, stem(&word), word));
+        }
+        TurnWords {
+            salient,
+            count,
+            entities: capitalised_words(raw_user),
+        }
+    })
 }
 
 fn push_unique(list: &mut Vec<String>, item: String) {

@@ -20,6 +20,7 @@ pub mod layered;
 pub mod lookups;
 pub mod manage;
 pub mod manifest;
+pub mod memo;
 pub mod model;
 pub mod record;
 pub mod render;

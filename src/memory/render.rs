@@ -5,8 +5,10 @@
 //! Every item renders as whole lines that start with `- ` and end with `\n` (see `tokens` for
 //! why that makes counts add up).
 
+use std::cell::RefCell;
 use std::sync::OnceLock;
 
+use super::memo::{TextMemo, memoised};
 use super::model::{
     Artifact, ArtifactKind, EpisodeManifest, Fact, Identity, PinnedItem, RawTurn, TurnLogEntry,
 };
@@ -241,8 +243,15 @@ pub fn recount_summary(entry: &mut TurnLogEntry, raw: Option<&RawTurn>) {
     entry.tokens = TokenCount::of(&summary_line(entry, raw));
 }
 
+thread_local! {
+    static EPISODE_LINES: RefCell<TextMemo<TokenCount>> = RefCell::default();
+}
+
 pub fn recount_episode(episode: &mut EpisodeManifest) {
-    episode.tokens = TokenCount::of(&episode_line(episode));
+    // Remembered: a manifest is rebuilt each time a turn joins its episode, and its line
+    // often comes out the same.
+    let line = episode_line(episode);
+    episode.tokens = *memoised(&EPISODE_LINES, &line, || TokenCount::of(&line));
 }
 
 /// The tokens of an artifact's full rendering and of its one-line reference. `content` is

@@ -3,7 +3,11 @@
 //! date display.
 
 use std::borrow::Cow;
+use std::cell::RefCell;
 use std::collections::HashSet;
+use std::rc::Rc;
+
+use super::memo::{TextMemo, memoised};
 
 /// English function words that carry no retrieval signal.
 const STOP_WORDS: &[&str] = &[
@@ -232,6 +236,16 @@ pub fn distinct_terms(text: &str) -> Vec<String> {
         }
     }
     out
+}
+
+thread_local! {
+    static DISTINCT_TERMS: RefCell<TextMemo<Vec<String>>> = RefCell::default();
+}
+
+/// [`distinct_terms`], remembered per thread: the worker asks for the terms of the same
+/// working-set items on every turn.
+pub fn remembered_terms(text: &str) -> Rc<Vec<String>> {
+    memoised(&DISTINCT_TERMS, text, || distinct_terms(text))
 }
 
 /// A light suffix-stripping stemmer: plurals, `-ies`/`-ied`, `-ing`, `-ed`, then a final silent

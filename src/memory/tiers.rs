@@ -14,7 +14,7 @@ use super::model::{
     EpisodeId, EpisodeManifest, FactId, ItemRef, MemoryState, Tier, TierState, TurnSeq,
 };
 use super::score::{fact_score, summary_score};
-use super::text::distinct_terms;
+use super::text::remembered_terms;
 use super::tokens::Encoding;
 use crate::worker::priority;
 
@@ -39,9 +39,9 @@ pub fn touch_related(
 ) -> Vec<ItemRef> {
     let mut touched = Vec::new();
     let related = |text: &str| {
-        // Distinct terms, normalised once per spelling: this runs over every active item per
-        // recorded turn, and was 5 % of the proxy's CPU at 1,000 req/s as a set of every term.
-        let item_terms = distinct_terms(text);
+        // Distinct terms, remembered per text: this runs over every working-set item per
+        // recorded turn (a quarter of the worker's time when computed afresh each turn).
+        let item_terms = remembered_terms(text);
         let shared = item_terms
             .iter()
             .filter(|term| user_terms.contains(*term))
@@ -306,9 +306,8 @@ fn fold_into_episodes(
             .get(*seq as usize)
             .map_or(0, |turn| turn.session);
         let (user, assistant) = entry.texts(state.raw_turns.get(*seq as usize));
-        let entry_terms: HashSet<String> = distinct_terms(&format!("{user} {assistant}"))
-            .into_iter()
-            .collect();
+        // Distinct already: its length is its set's size.
+        let entry_terms = remembered_terms(&format!("{user} {assistant}"));
         let open = state
             .episodes
             .iter()
@@ -320,7 +319,10 @@ fn fold_into_episodes(
             let room = episode.links.len() < config.episodes.max_turns;
             let on_topic = episode.links.len() < 3 || {
                 let episode_terms = episode_terms(state, &episode.links);
-                let shared = entry_terms.intersection(&episode_terms).count();
+                let shared = entry_terms
+                    .iter()
+                    .filter(|term| episode_terms.contains(term.as_str()))
+                    .count();
                 !entry_terms.is_empty()
                     && shared as f32 / entry_terms.len() as f32 >= config.episodes.min_topic_overlap
             };
@@ -364,13 +366,16 @@ fn fold_into_episodes(
 
 /// Terms of an episode's turn summaries (broader than its tags, for the topic check).
 fn episode_terms(state: &MemoryState, links: &[TurnSeq]) -> HashSet<String> {
-    links
-        .iter()
-        .flat_map(|seq| {
-            let (user, assistant) = state.summary_texts(*seq);
-            distinct_terms(&format!("{user} {assistant}"))
-        })
-        .collect()
+    let mut terms = HashSet::new();
+    for seq in links {
+        let (user, assistant) = state.summary_texts(*seq);
+        terms.extend(
+            remembered_terms(&format!("{user} {assistant}"))
+                .iter()
+                .cloned(),
+        );
+    }
+    terms
 }
 
 /// Rebuilds an episode's manifest from its links.
