@@ -16,7 +16,8 @@ use crate::store::{
     JobState, MemoryRecords, Published, RawEntry, Store, UserKey,
 };
 
-/// The `operation` label, one per `Store` method.
+/// The `operation` label, one per method of the store traits (`MemoryRecords`, `JobQueue`,
+/// `Store`).
 #[derive(Debug, Clone, Copy)]
 enum Operation {
     HotRecord,
