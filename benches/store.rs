@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use engram::memory::{
     ExchangeInput, HeuristicExtractor, ItemRef, MemoryConfig, MemoryState, record_exchange,
 };
-use engram::store::{EmbeddedStore, Job, JobId, Store, UserKey};
+use engram::store::{EmbeddedStore, Job, JobId, JobQueue, MemoryRecords, UserKey};
 
 const TURNS: usize = 2_000;
 

@@ -18,7 +18,7 @@ use engram::memory::{
     ExchangeInput, HeuristicExtractor, MemoryConfig, MemoryIndex, MemoryState, record_exchange,
 };
 use engram::pipeline::cache::CachedMemory;
-use engram::store::{EmbeddedStore, EncodedState, Store, UserKey};
+use engram::store::{EmbeddedStore, EncodedState, MemoryRecords, UserKey};
 use proptest::prelude::*;
 
 const WORDS: &[&str] = &[

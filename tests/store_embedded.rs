@@ -13,7 +13,7 @@ use std::process::Command;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use engram::store::{EmbeddedStore, Enqueued, JobState, Store, UserKey};
+use engram::store::{EmbeddedStore, Enqueued, JobQueue, JobState, MemoryRecords, UserKey};
 use tempfile::TempDir;
 
 use store_suite::{exchange, job, state_with};

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use engram::config::WorkerConfig;
 use engram::memory::{ExchangeInput, MemoryConfig};
 use engram::pipeline::cache::MemoryCache;
-use engram::store::{EmbeddedStore, Job, JobId, Store, UserKey};
+use engram::store::{EmbeddedStore, Job, JobId, JobQueue, Store, UserKey};
 use engram::summarizer::Summarizer;
 use engram::worker::Worker;
 use tokio::sync::Notify;
@@ -206,7 +206,7 @@ async fn run(store: Arc<dyn Store>, turns: u64, timeout: Duration) -> Result<Pre
 
 /// Enqueues `jobs` concurrently, each first polled in order (so they reach the store in
 /// order); the first error stops it.
-async fn enqueue_all(store: &dyn Store, jobs: &[Job]) -> Result<(), String> {
+async fn enqueue_all(store: &dyn JobQueue, jobs: &[Job]) -> Result<(), String> {
     let mut pending: Vec<_> = jobs.iter().map(|job| Some(store.enqueue(job))).collect();
     std::future::poll_fn(|cx| {
         let mut all_done = true;

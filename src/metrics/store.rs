@@ -12,11 +12,12 @@ use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
 use crate::pipeline::BoxFuture;
 use crate::store::{
-    Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobState,
-    Published, RawEntry, Store, UserKey,
+    Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobQueue,
+    JobState, MemoryRecords, Published, RawEntry, Store, UserKey,
 };
 
-/// The `operation` label, one per `Store` method.
+/// The `operation` label, one per method of the store traits (`MemoryRecords`, `JobQueue`,
+/// `Store`).
 #[derive(Debug, Clone, Copy)]
 enum Operation {
     HotRecord,
@@ -190,7 +191,7 @@ impl Drop for Timer<'_> {
     }
 }
 
-impl Store for MeteredStore {
+impl MemoryRecords for MeteredStore {
     fn hot_record<'a>(
         &'a self,
         user: &'a UserKey,
@@ -289,7 +290,9 @@ impl Store for MeteredStore {
     fn read_raw<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<Vec<RawEntry>>> {
         self.timed(Operation::ReadRaw, self.inner.read_raw(user))
     }
+}
 
+impl JobQueue for MeteredStore {
     fn enqueue<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Enqueued>> {
         self.wrote(Operation::Enqueue, exchange_bytes(&job.exchange));
         self.timed(Operation::Enqueue, self.inner.enqueue(job))
@@ -327,6 +330,16 @@ impl Store for MeteredStore {
         self.timed(Operation::Fail, self.inner.fail(job, reason))
     }
 
+    fn job_state<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<Option<JobState>>> {
+        self.timed(Operation::JobState, self.inner.job_state(job))
+    }
+
+    fn queue_depth(&self) -> BoxFuture<'_, Result<u64>> {
+        self.timed(Operation::QueueDepth, self.inner.queue_depth())
+    }
+}
+
+impl Store for MeteredStore {
     fn commit_jobs<'a>(
         &'a self,
         jobs: &'a [Job],
@@ -358,14 +371,6 @@ impl Store for MeteredStore {
             self.inner
                 .commit_jobs_then(jobs, state, expected_version, prefetched, published),
         )
-    }
-
-    fn job_state<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<Option<JobState>>> {
-        self.timed(Operation::JobState, self.inner.job_state(job))
-    }
-
-    fn queue_depth(&self) -> BoxFuture<'_, Result<u64>> {
-        self.timed(Operation::QueueDepth, self.inner.queue_depth())
     }
 
     fn forget_user<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<ForgetReport>> {

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::store::{Store, UserKey};
+use crate::store::{MemoryRecords, UserKey};
 
 /// Longest a recorder waits for an earlier one of its session; past it, it goes ahead (and
 /// says so), rather than hold a recording back forever.
@@ -144,11 +144,11 @@ impl Drop for Ticket {
     }
 }
 
-/// A recorded turn noted in the store as arriving (`Store::hot_record_arriving`). Dropped
+/// A recorded turn noted in the store as arriving (`MemoryRecords::hot_record_arriving`). Dropped
 /// without [`Arrival::recorded`], it ends the note in the background, so a request that ends
 /// without a job does not hold the session's later jobs back.
 pub struct Arrival {
-    store: Arc<dyn Store>,
+    store: Arc<dyn MemoryRecords>,
     user: UserKey,
     session: String,
     turn_id: String,
@@ -156,7 +156,12 @@ pub struct Arrival {
 }
 
 impl Arrival {
-    pub fn new(store: Arc<dyn Store>, user: UserKey, session: String, turn_id: String) -> Arrival {
+    pub fn new(
+        store: Arc<dyn MemoryRecords>,
+        user: UserKey,
+        session: String,
+        turn_id: String,
+    ) -> Arrival {
         Arrival {
             store,
             user,

@@ -168,7 +168,7 @@ impl StoreMemory {
                     .ticket(format!("{}\u{0}{}\u{0}{session}", user.tenant, user.user)),
             )),
             arrival: Some(Arc::new(Arrival::new(
-                Arc::clone(&self.store),
+                Arc::<dyn Store>::clone(&self.store),
                 user.clone(),
                 session.clone(),
                 turn_id.clone(),

@@ -23,8 +23,8 @@ use super::db_handle::DbHandle;
 use super::group_commit::{Committed, GroupCommit};
 use super::layout::{self, Change, Delta, ItemKey, ItemKind, MemoryUpdate, Stored};
 use super::{
-    Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobState,
-    Published, RawEntry, Store, UserKey, decode, now_ms,
+    Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobQueue,
+    JobState, MemoryRecords, Published, RawEntry, Store, UserKey, decode, now_ms,
 };
 use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
@@ -621,7 +621,7 @@ fn decode_job(guard: Option<redb::AccessGuard<'_, &'static [u8]>>) -> Result<Opt
     guard.map(|guard| decode(guard.value())).transpose()
 }
 
-impl Store for EmbeddedStore {
+impl MemoryRecords for EmbeddedStore {
     fn hot_record<'a>(
         &'a self,
         user: &'a UserKey,
@@ -728,7 +728,9 @@ impl Store for EmbeddedStore {
             Ok(entries)
         })
     }
+}
 
+impl JobQueue for EmbeddedStore {
     fn enqueue<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Enqueued>> {
         Box::pin(self.enqueues.submit(&self.db, job.clone()))
     }
@@ -778,6 +780,28 @@ impl Store for EmbeddedStore {
         })
     }
 
+    fn job_state<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<Option<JobState>>> {
+        let id = job.clone();
+        self.blocking(move |db| {
+            let txn = db.begin_read().map_err(db_error)?;
+            let jobs = txn.open_table(JOBS).map_err(db_error)?;
+            let record = decode_job(jobs.get(job_key(&id)).map_err(db_error)?)?;
+            Ok(record.map(|record| record.state))
+        })
+    }
+
+    fn queue_depth(&self) -> BoxFuture<'_, Result<u64>> {
+        self.blocking(|db| {
+            let txn = db.begin_read().map_err(db_error)?;
+            txn.open_table(QUEUE)
+                .map_err(db_error)?
+                .len()
+                .map_err(db_error)
+        })
+    }
+}
+
+impl Store for EmbeddedStore {
     fn commit_jobs<'a>(
         &'a self,
         jobs: &'a [Job],
@@ -797,26 +821,6 @@ impl Store for EmbeddedStore {
         published: Published,
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(self.commit(jobs, state, expected_version, prefetched, Some(published)))
-    }
-
-    fn job_state<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<Option<JobState>>> {
-        let id = job.clone();
-        self.blocking(move |db| {
-            let txn = db.begin_read().map_err(db_error)?;
-            let jobs = txn.open_table(JOBS).map_err(db_error)?;
-            let record = decode_job(jobs.get(job_key(&id)).map_err(db_error)?)?;
-            Ok(record.map(|record| record.state))
-        })
-    }
-
-    fn queue_depth(&self) -> BoxFuture<'_, Result<u64>> {
-        self.blocking(|db| {
-            let txn = db.begin_read().map_err(db_error)?;
-            txn.open_table(QUEUE)
-                .map_err(db_error)?
-                .len()
-                .map_err(db_error)
-        })
     }
 
     fn forget_user<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<ForgetReport>> {

@@ -1,4 +1,5 @@
-//! Persistence for memory: the `Store` trait and its backends.
+//! Persistence for memory: the store traits (`MemoryRecords`, `JobQueue`, `Store`) and their
+//! backends.
 //!
 //! Everything is keyed by a [`UserKey`] (tenant, user): every per-user call takes one, so no
 //! call made for one user can read or change another user's records. The job queue is the one
@@ -148,9 +149,9 @@ impl ForgetReport {
     }
 }
 
-/// Persistent memory. Object-safe (boxed futures) so the proxy can hold an `Arc<dyn Store>`
-/// chosen by configuration.
-pub trait Store: Send + Sync + 'static {
+/// A user's memory records: the state with its version, the session's prefetched candidates, the
+/// raw log. Object-safe (boxed futures), like [`JobQueue`] and [`Store`].
+pub trait MemoryRecords: Send + Sync + 'static {
     /// The hot-path read, in one store operation: the user's memory version, the state unless
     /// the caller's `cached_version` is current, and the session's prefetched candidates.
     fn hot_record<'a>(
@@ -160,7 +161,7 @@ pub trait Store: Send + Sync + 'static {
         cached_version: Option<u64>,
     ) -> BoxFuture<'a, Result<HotRecord>>;
 
-    /// [`Store::hot_record`] for a request whose exchange will be recorded as `turn_id`, which
+    /// [`Self::hot_record`] for a request whose exchange will be recorded as `turn_id`, which
     /// arrived at `arrival_us` (µs since the epoch, the recording process's clock). A store
     /// shared by several processes (Redis) also notes the turn as arriving, in the same round
     /// trip, so that the session's later jobs wait for its job rather than overtake it when
@@ -208,7 +209,7 @@ pub trait Store: Send + Sync + 'static {
         })
     }
 
-    /// [`Store::save_state`] with the state already encoded (the worker encodes off the async
+    /// [`Self::save_state`] with the state already encoded (the worker encodes off the async
     /// threads).
     fn save_encoded_state<'a>(
         &'a self,
@@ -235,7 +236,11 @@ pub trait Store: Send + Sync + 'static {
 
     /// The user's raw log in append order.
     fn read_raw<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<Vec<RawEntry>>>;
+}
 
+/// The job queue shared by all users: recorded exchanges waiting for the worker. Object-safe
+/// (boxed futures).
+pub trait JobQueue: Send + Sync + 'static {
     /// Queues a job, once per job id.
     fn enqueue<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Enqueued>>;
 
@@ -251,7 +256,7 @@ pub trait Store: Send + Sync + 'static {
         lease: Duration,
     ) -> BoxFuture<'a, Result<Option<ClaimedJob>>>;
 
-    /// Leases up to `max` jobs at once, by the rules of [`Store::claim`]. A batch may hold
+    /// Leases up to `max` jobs at once, by the rules of [`Self::claim`]. A batch may hold
     /// several jobs of one session, consecutive and in order (the holder applies them in that
     /// order); the provided loop holds at most one per session. Backends that can do it in one
     /// step override this loop.
@@ -292,6 +297,17 @@ pub trait Store: Send + Sync + 'static {
         )
     }
 
+    fn job_state<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<Option<JobState>>>;
+
+    /// Jobs queued or leased, of all users.
+    fn queue_depth(&self) -> BoxFuture<'_, Result<u64>>;
+}
+
+/// Persistent memory: a user's [`MemoryRecords`] and the [`JobQueue`], plus the operations that
+/// span both (the worker's atomic write of applied jobs, and forgetting a user). Object-safe
+/// (boxed futures) so the proxy can hold an `Arc<dyn Store>` chosen by configuration; code that
+/// needs only one side can take that trait instead.
+pub trait Store: MemoryRecords + JobQueue {
     /// The worker's whole write for applied jobs of one session (in order): their raw-log
     /// appends, the state after them (with the version check of `save_state`), the session's
     /// prefetched candidates, and the jobs marked applied. Fails with `Error::JobGone`, writing
@@ -353,11 +369,6 @@ pub trait Store: Send + Sync + 'static {
             Ok(())
         })
     }
-
-    fn job_state<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<Option<JobState>>>;
-
-    /// Jobs queued or leased, of all users.
-    fn queue_depth(&self) -> BoxFuture<'_, Result<u64>>;
 
     /// Deletes every record of the user: state, prefetched candidates, raw log, jobs.
     fn forget_user<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<ForgetReport>>;

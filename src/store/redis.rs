@@ -38,8 +38,8 @@ use self::connection::{Connection, Target};
 use self::scripts::Scripts;
 use super::layout::{self, Delta, ItemKey, MemoryUpdate, Stored};
 use super::{
-    Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobState,
-    RawEntry, Store, UserKey, decode, now_ms,
+    Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobQueue,
+    JobState, MemoryRecords, RawEntry, Store, UserKey, decode, now_ms,
 };
 use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
@@ -899,7 +899,7 @@ fn parse_version(text: &str) -> Result<u64> {
         .map_err(|_| Error::Store(format!("stored version is not a number: {text:?}")))
 }
 
-impl Store for RedisStore {
+impl MemoryRecords for RedisStore {
     fn hot_record<'a>(
         &'a self,
         user: &'a UserKey,
@@ -1067,7 +1067,9 @@ impl Store for RedisStore {
                 .collect()
         })
     }
+}
 
+impl JobQueue for RedisStore {
     /// User step (record, backlog), then queue step (a token); each waits for the replicas
     /// when configured, and a write they did not acknowledge fails the enqueue (the outbox
     /// retries it, then keeps it in the local spool). A repeated enqueue of a job still queued
@@ -1224,6 +1226,36 @@ impl Store for RedisStore {
         })
     }
 
+    fn job_state<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<Option<JobState>>> {
+        Box::pin(async move {
+            let state: Option<Vec<u8>> = self
+                .connection()
+                .hget(self.job_record_key(job), "state")
+                .await
+                .map_err(redis_error)?;
+            state.as_deref().map(decode).transpose()
+        })
+    }
+
+    /// The sum of the shards' counters (exact unless a process died between the two steps of
+    /// an enqueue or a finish).
+    fn queue_depth(&self) -> BoxFuture<'_, Result<u64>> {
+        Box::pin(async move {
+            let mut total = 0u64;
+            for shard in 0..self.shards.len() {
+                let depth: Option<i64> = self
+                    .connection()
+                    .get(self.shard_key(shard, "depth"))
+                    .await
+                    .map_err(redis_error)?;
+                total += depth.map_or(0, |depth| u64::try_from(depth).unwrap_or(0));
+            }
+            Ok(total)
+        })
+    }
+}
+
+impl Store for RedisStore {
     /// One script in the user's slot (job check, raw log, state, prefetched, jobs applied),
     /// then the queue step that releases the tokens.
     fn commit_jobs<'a>(
@@ -1312,34 +1344,6 @@ impl Store for RedisStore {
             };
             self.release_tokens(user, queued, &released).await;
             Ok(())
-        })
-    }
-
-    fn job_state<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<Option<JobState>>> {
-        Box::pin(async move {
-            let state: Option<Vec<u8>> = self
-                .connection()
-                .hget(self.job_record_key(job), "state")
-                .await
-                .map_err(redis_error)?;
-            state.as_deref().map(decode).transpose()
-        })
-    }
-
-    /// The sum of the shards' counters (exact unless a process died between the two steps of
-    /// an enqueue or a finish).
-    fn queue_depth(&self) -> BoxFuture<'_, Result<u64>> {
-        Box::pin(async move {
-            let mut total = 0u64;
-            for shard in 0..self.shards.len() {
-                let depth: Option<i64> = self
-                    .connection()
-                    .get(self.shard_key(shard, "depth"))
-                    .await
-                    .map_err(redis_error)?;
-                total += depth.map_or(0, |depth| u64::try_from(depth).unwrap_or(0));
-            }
-            Ok(total)
         })
     }
 

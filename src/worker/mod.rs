@@ -35,7 +35,9 @@ use crate::memory::{self, CandidateId, ExchangeInput, MemoryConfig, MemoryState,
 use crate::metrics::WorkerMetrics;
 use crate::pipeline::cache::{CachedMemory, MemoryCache, first_version};
 use crate::ratelimit::TokenBudget;
-use crate::store::{ClaimedJob, EncodedState, Job, MemoryUpdate, Published, Store, UserKey};
+use crate::store::{
+    ClaimedJob, EncodedState, Job, MemoryRecords, MemoryUpdate, Published, Store, UserKey,
+};
 use crate::summarizer::{Summarizer, SummaryFailure, SummarySource};
 use crate::telemetry::{Telemetry, attributes};
 
@@ -531,7 +533,7 @@ fn compute(
 /// Applies a later, better diff to an already recorded turn (found by its turn id). False when
 /// the turn is gone (forgotten) or the diff changed nothing.
 async fn refine(
-    store: &dyn Store,
+    store: &dyn MemoryRecords,
     cache: &MemoryCache,
     user: &UserKey,
     turn_id: &str,
@@ -555,7 +557,7 @@ async fn refine(
 /// memory goes into this process's cache. Returns what `change` returned and the memory version
 /// after it (0 when nothing is stored). A change that does not bump the version writes nothing.
 pub async fn edit_memory<T>(
-    store: &dyn Store,
+    store: &dyn MemoryRecords,
     cache: &MemoryCache,
     user: &UserKey,
     change: impl Fn(&mut MemoryState) -> T,

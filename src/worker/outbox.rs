@@ -243,7 +243,7 @@ impl Drop for InFlight {
 mod tests {
     use super::*;
     use crate::memory::ExchangeInput;
-    use crate::store::{EmbeddedStore, JobId};
+    use crate::store::{EmbeddedStore, JobId, JobQueue};
 
     fn job(user: &UserKey, key: &str) -> Job {
         Job {
