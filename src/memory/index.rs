@@ -251,6 +251,14 @@ impl Segment {
 
     /// `search` with a weight per query term, scores divided by `ceiling` (the caller's
     /// normaliser: an expanded query keeps its original query's scale).
+    ///
+    /// Term at a time, with MaxScore pruning, so that a long history's common words do not
+    /// make every query walk tens of thousands of postings: terms are taken by the most they
+    /// can add to a document (largest first), and once the `top` best documents found so far
+    /// all score more than the remaining terms could give a document not yet found, those
+    /// terms only add to the documents still in the running (looked up in their postings
+    /// instead of walking them). The result equals the exhaustive search: each document's
+    /// score adds its terms in the same order either way.
     pub fn search_weighted(
         &self,
         query: &[(TermId, f32)],
@@ -262,26 +270,88 @@ impl Segment {
             return Vec::new();
         }
         let average = self.average_len();
-        let idfs: Vec<f32> = query.iter().map(|(term, _)| self.idf(*term)).collect();
+        // (term, weight, idf), largest bound first; the sort is stable, so ties keep the
+        // query's order.
+        let mut terms: Vec<(TermId, f32, f32)> = query
+            .iter()
+            .map(|(term, weight)| (*term, *weight, self.idf(*term)))
+            .filter(|(_, weight, idf)| *weight > 0.0 && *idf > 0.0)
+            .collect();
+        let bound = |(_, weight, idf): &(TermId, f32, f32)| weight * idf * (bm25.k1 + 1.0);
+        terms.sort_by(|a, b| bound(b).total_cmp(&bound(a)));
+        // rest[i]: the most terms i.. can add to one document (BM25's tf part stays below
+        // k1 + 1).
+        let mut rest = vec![0.0f32; terms.len() + 1];
+        for i in (0..terms.len()).rev() {
+            rest[i] = rest[i + 1] + bound(&terms[i]);
+        }
+        // The best live documents so far, as (key, raw score); at most `top` after each part.
         let mut hits: Vec<(u32, f32)> = Vec::new();
         let mut scores: Vec<f32> = Vec::new();
         let mut touched: Vec<u32> = Vec::new();
+        let mut running: Vec<f32> = Vec::new();
+        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         for part in self.all_parts() {
             // Dense accumulation: a few kilobytes per query, no hashing on the hot path.
             scores.clear();
             scores.resize(part.len(), 0.0);
             touched.clear();
-            for ((term, weight), idf) in query.iter().zip(&idfs) {
+            let score = |posting: &Posting, weight: f32, idf: f32| {
+                let len = part.doc_len.get(posting.doc as usize).copied().unwrap_or(0);
+                weight * Segment::term_score(idf, posting.tf, len, average, bm25)
+            };
+            let mut walked = terms.len();
+            for (i, (term, weight, idf)) in terms.iter().enumerate() {
                 let Some(postings) = part.postings.get(term) else {
                     continue;
                 };
+                // Finding the bar costs a pass over the documents found; only worth it
+                // before a walk at least as long.
+                if postings.len() >= touched.len().max(top) {
+                    let bar = self.bar(part, &scores, &touched, &hits, top, &mut running);
+                    if rest[i] < bar {
+                        walked = i;
+                        break;
+                    }
+                }
                 for posting in postings {
                     let slot = &mut scores[posting.doc as usize];
                     if *slot == 0.0 {
                         touched.push(posting.doc);
                     }
-                    let len = part.doc_len.get(posting.doc as usize).copied().unwrap_or(0);
-                    *slot += weight * Segment::term_score(*idf, posting.tf, len, average, bm25);
+                    *slot += score(posting, *weight, *idf);
+                }
+            }
+            if walked < terms.len() {
+                // Documents that cannot reach the bar any more leave the running (below zero,
+                // so no term adds to them); the rest take the remaining terms in order.
+                let bar = self.bar(part, &scores, &touched, &hits, top, &mut running);
+                touched.retain(|doc| {
+                    let slot = &mut scores[*doc as usize];
+                    let stays = *slot + rest[walked] >= bar;
+                    if !stays {
+                        *slot = f32::NEG_INFINITY;
+                    }
+                    stays
+                });
+                for (term, weight, idf) in &terms[walked..] {
+                    let Some(postings) = part.postings.get(term) else {
+                        continue;
+                    };
+                    if postings.len() <= touched.len() {
+                        for posting in postings {
+                            let slot = &mut scores[posting.doc as usize];
+                            if *slot > 0.0 {
+                                *slot += score(posting, *weight, *idf);
+                            }
+                        }
+                    } else {
+                        for doc in &touched {
+                            if let Ok(at) = postings.binary_search_by_key(doc, |p| p.doc) {
+                                scores[*doc as usize] += score(&postings[at], *weight, *idf);
+                            }
+                        }
+                    }
                 }
             }
             for doc in &touched {
@@ -293,16 +363,45 @@ impl Segment {
                     .get(*doc as usize)
                     .copied()
                     .unwrap_or(u32::MAX);
-                hits.push((key, scores[*doc as usize] / ceiling));
+                hits.push((key, scores[*doc as usize]));
+            }
+            if hits.len() > top {
+                hits.select_nth_unstable_by(top - 1, order);
+                hits.truncate(top);
             }
         }
-        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if hits.len() > top {
-            hits.select_nth_unstable_by(top - 1, order);
-            hits.truncate(top);
+        for hit in &mut hits {
+            hit.1 /= ceiling;
         }
         hits.sort_by(order);
         hits
+    }
+
+    /// The score a document must reach to be among the `top` best: the `top`-th best of the
+    /// earlier parts' live hits and this part's live documents' scores so far (each only
+    /// grows); 0 while fewer are known.
+    fn bar(
+        &self,
+        part: &Part,
+        scores: &[f32],
+        touched: &[u32],
+        hits: &[(u32, f32)],
+        top: usize,
+        running: &mut Vec<f32>,
+    ) -> f32 {
+        running.clear();
+        running.extend(hits.iter().map(|(_, score)| *score));
+        running.extend(
+            touched
+                .iter()
+                .filter(|doc| self.stale_docs == 0 || self.is_live(part, **doc))
+                .map(|doc| scores[*doc as usize]),
+        );
+        if running.len() < top {
+            return 0.0;
+        }
+        let (_, kth, _) = running.select_nth_unstable_by(top - 1, |a, b| b.total_cmp(a));
+        *kth
     }
 
     /// The live document of `key`: its part and number.
@@ -963,6 +1062,96 @@ mod tests {
         let (index, segment) = segment(&["we went hiking in the alps", "taxes are due"]);
         let (query, _) = index.query_terms("hikes");
         assert_eq!(segment.search(&query, BM25, 5)[0].0, 0);
+    }
+
+    /// Every live document's score by brute force, in the query's order: what the pruned
+    /// search must equal.
+    fn exhaustive(
+        segment: &Segment,
+        query: &[(TermId, f32)],
+        ceiling: f32,
+        top: usize,
+    ) -> Vec<(u32, f32)> {
+        let average = segment.average_len();
+        let mut hits = Vec::new();
+        for part in segment.all_parts() {
+            for doc in 0..part.len() as u32 {
+                if !segment.is_live(part, doc) {
+                    continue;
+                }
+                let mut total = 0.0;
+                let mut found = false;
+                for (term, weight) in query {
+                    let posted = part
+                        .postings
+                        .get(term)
+                        .and_then(|postings| postings.iter().find(|p| p.doc == doc));
+                    if let Some(posting) = posted {
+                        let len = part.doc_len[doc as usize];
+                        let idf = segment.idf(*term);
+                        total += weight * Segment::term_score(idf, posting.tf, len, average, BM25);
+                        found = true;
+                    }
+                }
+                if found {
+                    hits.push((part.doc_keys[doc as usize], total / ceiling));
+                }
+            }
+        }
+        hits.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        hits.truncate(top);
+        hits
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(48))]
+
+        /// The pruned search finds the same best documents with the same scores as scoring
+        /// every document, over several parts, replaced documents and skewed word counts.
+        #[test]
+        fn pruned_search_equals_scoring_every_document(
+            docs in proptest::collection::vec(
+                (0u32..400, proptest::collection::vec(0usize..1_600, 1..14)),
+                1..700,
+            ),
+            query in proptest::collection::vec((0usize..1_600, 1u32..8), 1..24),
+            top in 1usize..30,
+        ) {
+            // Squaring skews the vocabulary: low words are common, high ones rare.
+            let word = |n: usize| format!("w{}", n * n / 16_000);
+            let mut index = MemoryIndex::default();
+            let mut segment = Segment::default();
+            for (key, words) in &docs {
+                let text: Vec<String> = words.iter().map(|n| word(*n)).collect();
+                let text = text.join(" ");
+                let ids = index.term_ids(&text);
+                segment.put(*key, Some((ids, Vec::new())), fingerprint(&[&text]));
+            }
+            let query: Vec<(TermId, f32)> = query
+                .iter()
+                .filter_map(|(n, weight)| {
+                    let (ids, _) = index.query_terms(&word(*n));
+                    Some((*ids.first()?, *weight as f32 / 4.0))
+                })
+                .collect();
+            let ceiling = 3.0;
+            let pruned = segment.search_weighted(&query, ceiling, BM25, top);
+            let every = exhaustive(&segment, &query, ceiling, top);
+            proptest::prop_assert_eq!(pruned.len(), every.len());
+            let close = |a: f32, b: f32| (a - b).abs() <= 1e-5 * a.abs().max(b.abs()).max(1.0);
+            for (found, wanted) in pruned.iter().zip(&every) {
+                // Same scores rank by rank (summing in another order moves the last bits)...
+                proptest::prop_assert!(close(found.1, wanted.1), "{:?} vs {:?}", pruned, every);
+            }
+            // ...and each document found has the score the brute force gives it.
+            for (key, score) in &pruned {
+                let own = exhaustive(&segment, &query, ceiling, usize::MAX)
+                    .into_iter()
+                    .find(|(other, _)| other == key)
+                    .map(|(_, score)| score);
+                proptest::prop_assert!(own.is_some_and(|own| close(own, *score)), "key {}", key);
+            }
+        }
     }
 
     #[test]

@@ -946,17 +946,19 @@ fn write_layout(
             .map_err(db_error)?;
     }
     let mut changes = txn.open_table(CHANGES).map_err(db_error)?;
-    let mut ring = match previous {
-        Some(_) => read_ring(&changes, key)?.unwrap_or_default(),
-        None => Vec::new(),
+    // Appended as text: decoding and re-encoding the whole ring was a tenth of a commit.
+    let ring = match previous {
+        Some(previous) => {
+            let stored = changes.get(key).map_err(db_error)?;
+            let stored = stored
+                .as_ref()
+                .map(|guard| String::from_utf8_lossy(guard.value()))
+                .unwrap_or_default();
+            layout::push_change_text(&stored, &encoded.change(previous))
+        }
+        None => String::new(),
     };
-    if let Some(previous) = previous {
-        layout::push_change(&mut ring, encoded.change(previous));
-    }
-    let text: Vec<String> = ring.iter().map(Change::encode).collect();
-    changes
-        .insert(key, text.join("\n").as_bytes())
-        .map_err(db_error)?;
+    changes.insert(key, ring.as_bytes()).map_err(db_error)?;
     Ok(())
 }
 

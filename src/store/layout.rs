@@ -328,6 +328,20 @@ pub fn push_change(ring: &mut Vec<Change>, change: Change) {
     }
 }
 
+/// [`push_change`] on a stored ring's text (one encoded change per line), without decoding
+/// it: a write appends a line and drops the oldest past [`RING`].
+pub fn push_change_text(ring: &str, change: &Change) -> String {
+    let kept: Vec<&str> = ring.lines().filter(|line| !line.is_empty()).collect();
+    let from = kept.len().saturating_sub(RING - 1);
+    let mut text = String::with_capacity(ring.len() + 64);
+    for line in &kept[from..] {
+        text.push_str(line);
+        text.push('\n');
+    }
+    text.push_str(&change.encode());
+    text
+}
+
 /// What a reader holding an older version (or none) gets.
 #[derive(Debug)]
 pub enum MemoryUpdate {
@@ -549,18 +563,27 @@ mod tests {
     #[test]
     fn the_ring_keeps_its_latest_entries_and_decodes_what_it_stores() {
         let mut ring = Vec::new();
+        let mut text = String::new();
         for version in 1..=(RING as u64 + 10) {
-            push_change(
-                &mut ring,
-                Change {
-                    previous: version - 1,
-                    version,
-                    items: vec![ItemKey {
+            let change = Change {
+                previous: version - 1,
+                version,
+                items: vec![
+                    ItemKey {
                         kind: ItemKind::Fact,
                         pos: version as u32,
-                    }],
-                },
-            );
+                    },
+                    ItemKey {
+                        kind: ItemKind::RawTurn,
+                        pos: 7,
+                    },
+                ],
+            };
+            text = push_change_text(&text, &change);
+            push_change(&mut ring, change);
+            // The text form, appended without decoding, holds the same ring.
+            let decoded: Vec<Change> = text.lines().filter_map(Change::decode).collect();
+            assert_eq!(decoded, ring);
         }
         assert_eq!(ring.len(), RING);
         assert_eq!(ring[0].previous, 10);
