@@ -15,8 +15,10 @@ use std::sync::Arc;
 
 use engram::memory::index::Bm25;
 use engram::memory::{
-    ExchangeInput, HeuristicExtractor, MemoryConfig, MemoryIndex, MemoryState, record_exchange,
+    ComposeRequest, ExchangeInput, HeuristicExtractor, MemoryConfig, MemoryIndex, MemoryState,
+    compose, record_exchange,
 };
+use engram::openai::ChatMessage;
 use engram::pipeline::cache::CachedMemory;
 use engram::store::{EmbeddedStore, EncodedState, MemoryRecords, UserKey};
 use proptest::prelude::*;
@@ -91,7 +93,7 @@ fn exchange(n: usize, turn: &Turn) -> ExchangeInput {
 
 /// Searches every segment of both indexes for a few queries and compares the hits.
 fn assert_same_search(incremental: &MemoryIndex, fresh: &MemoryIndex) {
-    let bm25 = Bm25 { k1: 1.2, b: 0.75 };
+    let bm25 = Bm25::STANDARD;
     for query in [
         "porto madrid moved",
         "allergic peanuts",
@@ -189,5 +191,22 @@ proptest! {
         let fresh = MemoryIndex::build(&reference);
         assert_same_search(&cached.index, &fresh);
         assert_same_search(&reader.index, &fresh);
+
+        // A request composed from the cached memory (through its lookups: the working set and
+        // the hard constraints) gets the prompt that a scan of every fact gives (the memory
+        // read back whole has no lookups built).
+        prop_assert!(cached.state.lookups.is_current(&cached.state));
+        prop_assert!(!stored.lookups.is_current(&stored));
+        for text in ["Where do I go hiking?", "What am I allergic to?", "grant deadline"] {
+            let messages = [ChatMessage::new("user", text)];
+            let request = ComposeRequest {
+                session_id: "s0",
+                messages: &messages,
+                model: "gpt-4o",
+            };
+            let mine = compose(&cached.state, &cached.index, &[], &request, &config);
+            let theirs = compose(&stored, &fresh, &[], &request, &config);
+            prop_assert_eq!(&mine.messages, &theirs.messages, "{}", text);
+        }
     }
 }

@@ -370,6 +370,96 @@ async fn a_worker_killed_mid_job_applies_every_recorded_turn_exactly_once_after_
     assert_eq!(applied, turn_ids, "memory: each turn once, in order");
 }
 
+/// Kills the proxy once its worker has applied at least `applied` of the `queued` jobs it was
+/// sent and some are still queued: mid-way through the worker's run of jobs, whose index
+/// refreshes seal and merge parts every 128 turns.
+async fn kill_while_applying(mut proxy: Process, queued: usize, applied: u64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let queue = admin(&proxy, "/engram/v1/queue", "default").await.json();
+        if queue["recorded"]["queued"] == queued
+            && queue["worker"]["applied"].as_u64() >= Some(applied)
+        {
+            assert!(queue["depth"].as_u64().unwrap() > 0, "{queue}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "{queue}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    proxy.signal("KILL");
+    assert!(proxy.wait_exit(Duration::from_secs(5)).is_some());
+}
+
+/// A long history crosses several index merges; the process is killed twice while its worker
+/// applies (at a moment that varies from run to run), and restarted: every turn is in memory
+/// exactly once, in order, and the rebuilt index still finds the oldest and the newest ones.
+#[tokio::test]
+async fn killed_twice_during_index_merges_every_turn_stays_once_and_findable() {
+    let record = temp_path("merges.jsonl");
+    let upstream = mock(&["--record", record.to_str().unwrap()]);
+    // A summarizer answering in 10 ms keeps the worker behind the requests, so each kill lands
+    // while jobs are still being applied.
+    let summarizer = mock(&["--reply", SLOW_SUMMARY, "--latency-ms", "10"]);
+    let summarizer_url = format!("{}/v1", summarizer.address);
+    let data = tempfile::tempdir().unwrap();
+    let data_dir = data.path().display().to_string();
+    let env = [
+        ("ENGRAM_STORE__DATA_DIR", data_dir.as_str()),
+        ("ENGRAM_SUMMARIZER__BASE_URL", summarizer_url.as_str()),
+        ("ENGRAM_WORKER__CONCURRENCY", "1"),
+        ("ENGRAM_WORKER__LEASE_MS", "1000"),
+    ];
+    let word = |turn: usize| format!("quillon{turn}");
+    let jitter = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos() as u64;
+    let mut turn_ids = Vec::new();
+    let mut sent = 0;
+    for (batch, kill_after) in [(300, 60 + jitter % 200), (200, 40 + jitter / 7 % 120)] {
+        let proxy = proxy(&upstream.address, &env);
+        for turn in sent..sent + batch {
+            let text = format!("Note {turn}: the code word for today is {}.", word(turn));
+            let reply = say(&proxy, "default", "solo", "s", &text).await;
+            turn_ids.push(header(&reply, "x-engram-turn-id").to_owned());
+        }
+        sent += batch;
+        kill_while_applying(proxy, batch, kill_after).await;
+    }
+
+    let proxy = proxy(&upstream.address, &env);
+    wait_drained(&proxy, Duration::from_secs(120)).await;
+    let memory = export(&proxy, "default", "solo").await;
+    assert_eq!(
+        common::memory::raw_turn_ids(&memory),
+        turn_ids,
+        "raw log: each turn once, in order"
+    );
+    let applied: Vec<&str> = memory["memory"]["raw_turns"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|turn| turn["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(applied, turn_ids, "memory: each turn once, in order");
+    for turn in [3, 150, sent - 5] {
+        say(
+            &proxy,
+            "default",
+            "solo",
+            "other",
+            &format!("Which note had the code word {}?", word(turn)),
+        )
+        .await;
+        let prompt = recorded(&record).pop().unwrap();
+        assert!(
+            memory_part(&prompt).contains(&format!("Note {turn}:")),
+            "turn {turn} not recalled: {}",
+            memory_part(&prompt)
+        );
+    }
+}
+
 /// A summarizer reply with one grounded fact and one the exchange never mentions.
 const SUMMARY_WITH_HALLUCINATION: &str = r#"{"user_summary":"The user named their greyhound.","assistant_summary":"The assistant liked the name.","add":["dog name: Comet","boat: a yacht in Monaco"],"update":[],"remove":[]}"#;
 

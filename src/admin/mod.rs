@@ -103,9 +103,11 @@ impl AdminApi {
             outbox,
             worker,
             identity: config.identity.clone(),
+            // The admin search ranks a whole memory for an operator: every posting counts.
             bm25: Bm25 {
                 k1: config.memory.retrieval.bm25_k1,
                 b: config.memory.retrieval.bm25_b,
+                postings_per_term: usize::MAX,
             },
         }
     }

@@ -15,7 +15,7 @@
 //! content), each turn once in the fullest form that fits; episode manifests take what recall
 //! left. Only stored token counts are added here; nothing is tokenized.
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -26,7 +26,8 @@ use super::explain::{Block, BlockTokens, ClientMode, Explain, ExplainedItem, For
 use super::fence::{has_fence_marker, neutralise_fences, strip_fences};
 use super::history::request_shape;
 use super::index::MemoryIndex;
-use super::model::{CandidateId, Depth, ItemRef, MemoryState, Tier, TurnSeq};
+use super::lookups::Lookups;
+use super::model::{CandidateId, Depth, FactId, ItemRef, MemoryState, Tier, TurnSeq};
 use super::render::{
     FENCE_CLOSE, Fixed, artifact_full, artifact_reference, episode_line, fact_line, identity_lines,
     pinned_line, raw_turn_line, summary_line,
@@ -262,9 +263,18 @@ pub fn compose(
     let mut reserved_over_budget = false;
     let mut order = 0u64;
     let mut reserved: Vec<(Section, ItemRef, u32, Reason)> = Vec::new();
-    let mut constraints: Vec<_> = state
-        .facts
-        .iter()
+    // Through the lookups when they are current (a cached memory's are), so that a request's
+    // cost does not grow with the user's facts; each fact is checked either way.
+    let lookups = state.lookups.is_current(state).then_some(&state.lookups);
+    let listed = |list: Option<&BTreeSet<FactId>>| -> Vec<usize> {
+        match list {
+            Some(ids) => ids.iter().map(|id| *id as usize).collect(),
+            None => (0..state.facts.len()).collect(),
+        }
+    };
+    let mut constraints: Vec<_> = listed(lookups.map(Lookups::hard_constraints))
+        .into_iter()
+        .filter_map(|index| state.facts.get(index))
         .filter(|fact| fact.active && fact.is_hard_constraint())
         .collect();
     constraints.sort_by(|a, b| b.importance.total_cmp(&a.importance).then(a.id.cmp(&b.id)));
@@ -332,10 +342,9 @@ pub fn compose(
     let core_fact_limit = (budgets.current as f32 * config.core_fact_share.clamp(0.0, 1.0)) as u32;
     packer.stage(core_fact_limit);
     let core_fact_room = packer.stage_left;
-    let mut working: Vec<(f32, usize)> = state
-        .facts
-        .iter()
-        .enumerate()
+    let mut working: Vec<(f32, usize)> = listed(lookups.map(Lookups::working_facts))
+        .into_iter()
+        .filter_map(|index| Some((index, state.facts.get(index)?)))
         .filter(|(_, fact)| {
             fact.active
                 && !fact.is_hard_constraint()

@@ -115,6 +115,9 @@ impl MemoryConfig {
         if self.depth.max_message_bytes < 1024 {
             return fail("depth.max_message_bytes", "must be at least 1024");
         }
+        if self.retrieval.postings_per_term == 0 {
+            return fail("retrieval.postings_per_term", "must be greater than 0");
+        }
         if self.episodes.max_turns == 0 {
             return fail("episodes.max_turns", "must be greater than 0");
         }
@@ -189,6 +192,10 @@ impl Default for DepthConfig {
 pub struct RetrievalConfig {
     pub bm25_k1: f32,
     pub bm25_b: f32,
+    /// A query word finds and scores documents in at most this many of its postings per
+    /// segment, the newest: bounds a request's search whatever the history (a word said in
+    /// more turns than this counts in its newest mentions only).
+    pub postings_per_term: usize,
     /// Hits taken from each part of the index per query.
     pub top_raw_turns: usize,
     pub top_summaries: usize,
@@ -225,6 +232,7 @@ impl Default for RetrievalConfig {
         RetrievalConfig {
             bm25_k1: 1.2,
             bm25_b: 0.75,
+            postings_per_term: 1_024,
             top_raw_turns: 24,
             top_summaries: 12,
             top_facts: 16,

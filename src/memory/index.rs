@@ -151,6 +151,20 @@ impl Part {
 pub struct Bm25 {
     pub k1: f32,
     pub b: f32,
+    /// A query term finds and scores documents in at most this many of its postings, the
+    /// newest (`usize::MAX`: all). Bounds a query's work whatever the history: a word found in
+    /// more documents than this counts in its newest mentions only (its rarity, the idf, still
+    /// counts all of them).
+    pub postings_per_term: usize,
+}
+
+impl Bm25 {
+    /// k1 1.2, b 0.75, every posting.
+    pub const STANDARD: Bm25 = Bm25 {
+        k1: 1.2,
+        b: 0.75,
+        postings_per_term: usize::MAX,
+    };
 }
 
 /// One BM25 collection, whose documents are keyed by a turn sequence number or an id.
@@ -291,7 +305,17 @@ impl Segment {
         let mut touched: Vec<u32> = Vec::new();
         let mut running: Vec<f32> = Vec::new();
         let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        for part in self.all_parts() {
+        // Postings each term may still use: parts are taken newest first, and each part's
+        // postings from its newest (a posting list is in document order). Stale copies count
+        // too, so past the cap what is searched depends on when parts were merged.
+        let mut left = vec![bm25.postings_per_term; terms.len()];
+        let mut parts: Vec<&Part> = self.all_parts().collect();
+        parts.reverse();
+        for part in parts {
+            let postings_of = |i: usize, left: &[usize]| -> Option<&[Posting]> {
+                let all = part.postings.get(&terms[i].0)?;
+                Some(&all[all.len().saturating_sub(left[i])..])
+            };
             // Dense accumulation: a few kilobytes per query, no hashing on the hot path.
             scores.clear();
             scores.resize(part.len(), 0.0);
@@ -301,8 +325,8 @@ impl Segment {
                 weight * Segment::term_score(idf, posting.tf, len, average, bm25)
             };
             let mut walked = terms.len();
-            for (i, (term, weight, idf)) in terms.iter().enumerate() {
-                let Some(postings) = part.postings.get(term) else {
+            for (i, (_, weight, idf)) in terms.iter().enumerate() {
+                let Some(postings) = postings_of(i, &left) else {
                     continue;
                 };
                 // Finding the bar costs a pass over the documents found; only worth it
@@ -314,6 +338,7 @@ impl Segment {
                         break;
                     }
                 }
+                left[i] -= postings.len();
                 for posting in postings {
                     let slot = &mut scores[posting.doc as usize];
                     if *slot == 0.0 {
@@ -334,10 +359,11 @@ impl Segment {
                     }
                     stays
                 });
-                for (term, weight, idf) in &terms[walked..] {
-                    let Some(postings) = part.postings.get(term) else {
+                for (i, (_, weight, idf)) in terms.iter().enumerate().skip(walked) {
+                    let Some(postings) = postings_of(i, &left) else {
                         continue;
                     };
+                    left[i] -= postings.len();
                     if postings.len() <= touched.len() {
                         for posting in postings {
                             let slot = &mut scores[posting.doc as usize];
@@ -1004,7 +1030,7 @@ mod tests {
         (index, segment)
     }
 
-    const BM25: Bm25 = Bm25 { k1: 1.2, b: 0.75 };
+    const BM25: Bm25 = Bm25::STANDARD;
 
     #[test]
     fn bm25_ranks_rare_terms_higher() {
@@ -1064,17 +1090,30 @@ mod tests {
         assert_eq!(segment.search(&query, BM25, 5)[0].0, 0);
     }
 
-    /// Every live document's score by brute force, in the query's order: what the pruned
-    /// search must equal.
+    /// Every live document's score by brute force, in the query's order, each term counting
+    /// in its newest `bm25.postings_per_term` postings only: what the pruned search must equal.
     fn exhaustive(
         segment: &Segment,
         query: &[(TermId, f32)],
         ceiling: f32,
+        bm25: Bm25,
         top: usize,
     ) -> Vec<(u32, f32)> {
         let average = segment.average_len();
+        let parts: Vec<&Part> = segment.all_parts().collect();
+        // (term, part id, document) of the postings each term may use.
+        let mut usable = std::collections::HashSet::new();
+        for (term, _) in query {
+            let newest_first = parts.iter().rev().flat_map(|part| {
+                let postings = part.postings.get(term).map_or(&[][..], Vec::as_slice);
+                postings.iter().rev().map(|p| (part.id, p.doc))
+            });
+            for (part, doc) in newest_first.take(bm25.postings_per_term) {
+                usable.insert((*term, part, doc));
+            }
+        }
         let mut hits = Vec::new();
-        for part in segment.all_parts() {
+        for part in parts {
             for doc in 0..part.len() as u32 {
                 if !segment.is_live(part, doc) {
                     continue;
@@ -1085,11 +1124,12 @@ mod tests {
                     let posted = part
                         .postings
                         .get(term)
-                        .and_then(|postings| postings.iter().find(|p| p.doc == doc));
+                        .and_then(|postings| postings.iter().find(|p| p.doc == doc))
+                        .filter(|_| usable.contains(&(*term, part.id, doc)));
                     if let Some(posting) = posted {
                         let len = part.doc_len[doc as usize];
                         let idf = segment.idf(*term);
-                        total += weight * Segment::term_score(idf, posting.tf, len, average, BM25);
+                        total += weight * Segment::term_score(idf, posting.tf, len, average, bm25);
                         found = true;
                     }
                 }
@@ -1107,7 +1147,8 @@ mod tests {
         #![proptest_config(proptest::test_runner::Config::with_cases(48))]
 
         /// The pruned search finds the same best documents with the same scores as scoring
-        /// every document, over several parts, replaced documents and skewed word counts.
+        /// every document, over several parts, replaced documents and skewed word counts,
+        /// with and without a cap on each term's postings.
         #[test]
         fn pruned_search_equals_scoring_every_document(
             docs in proptest::collection::vec(
@@ -1116,7 +1157,12 @@ mod tests {
             ),
             query in proptest::collection::vec((0usize..1_600, 1u32..8), 1..24),
             top in 1usize..30,
+            cap in proptest::prop_oneof![proptest::strategy::Just(usize::MAX), 1usize..60],
         ) {
+            let bm25 = Bm25 {
+                postings_per_term: cap,
+                ..BM25
+            };
             // Squaring skews the vocabulary: low words are common, high ones rare.
             let word = |n: usize| format!("w{}", n * n / 16_000);
             let mut index = MemoryIndex::default();
@@ -1135,8 +1181,8 @@ mod tests {
                 })
                 .collect();
             let ceiling = 3.0;
-            let pruned = segment.search_weighted(&query, ceiling, BM25, top);
-            let every = exhaustive(&segment, &query, ceiling, top);
+            let pruned = segment.search_weighted(&query, ceiling, bm25, top);
+            let every = exhaustive(&segment, &query, ceiling, bm25, top);
             proptest::prop_assert_eq!(pruned.len(), every.len());
             let close = |a: f32, b: f32| (a - b).abs() <= 1e-5 * a.abs().max(b.abs()).max(1.0);
             for (found, wanted) in pruned.iter().zip(&every) {
@@ -1145,7 +1191,7 @@ mod tests {
             }
             // ...and each document found has the score the brute force gives it.
             for (key, score) in &pruned {
-                let own = exhaustive(&segment, &query, ceiling, usize::MAX)
+                let own = exhaustive(&segment, &query, ceiling, bm25, usize::MAX)
                     .into_iter()
                     .find(|(other, _)| other == key)
                     .map(|(_, score)| score);

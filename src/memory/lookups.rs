@@ -50,6 +50,8 @@ pub struct Lookups {
     stale_episodes: BTreeSet<EpisodeId>,
     working_facts: BTreeSet<FactId>,
     working_summaries: BTreeSet<TurnSeq>,
+    /// Active hard constraints (the core block reserves room for each on every request).
+    hard_constraints: BTreeSet<FactId>,
 }
 
 impl std::fmt::Debug for Lookups {
@@ -246,6 +248,26 @@ impl Lookups {
         &self.working_facts
     }
 
+    /// Active hard constraints, ascending.
+    pub fn hard_constraints(&self) -> &BTreeSet<FactId> {
+        &self.hard_constraints
+    }
+
+    /// Whether the lookups have taken in every change `state` recorded (a cached memory's
+    /// have): a reader that cannot bring them up to date (it holds the memory shared) uses
+    /// them only then.
+    pub fn is_current(&self, state: &MemoryState) -> bool {
+        self.built
+            && self.seen
+                == [
+                    state.raw_turns.pending().len(),
+                    state.facts.pending().len(),
+                    state.turn_log.pending().len(),
+                    state.episodes.pending().len(),
+                    state.sessions.pending().len(),
+                ]
+    }
+
     /// Turn summaries in NEW or CURRENT, ascending.
     pub fn working_summaries(&self) -> &BTreeSet<TurnSeq> {
         &self.working_summaries
@@ -363,6 +385,11 @@ impl Lookups {
             self.working_facts.insert(fact.id);
         } else {
             self.working_facts.remove(&fact.id);
+        }
+        if fact.active && fact.is_hard_constraint() {
+            self.hard_constraints.insert(fact.id);
+        } else {
+            self.hard_constraints.remove(&fact.id);
         }
     }
 

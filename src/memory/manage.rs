@@ -759,7 +759,7 @@ mod tests {
     use crate::memory::index::MemoryIndex;
     use crate::memory::record::{ExchangeInput, consolidate, pin, pin_fact, record_exchange};
 
-    const BM25: Bm25 = Bm25 { k1: 1.2, b: 0.75 };
+    const BM25: Bm25 = Bm25::STANDARD;
 
     fn recorded(turns: &[&str]) -> MemoryState {
         let mut state = MemoryState::new();

@@ -5,7 +5,7 @@
 //! so a memo never changes an answer, only how often it is computed.
 
 use std::cell::RefCell;
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 use std::rc::Rc;
 use std::thread::LocalKey;
 
@@ -72,9 +72,7 @@ pub fn memoised<T: 'static>(
 }
 
 fn fingerprint(text: &str) -> u64 {
-    let mut hasher = rustc_hash::FxBuildHasher.build_hasher();
-    text.hash(&mut hasher);
-    hasher.finish()
+    rustc_hash::FxBuildHasher.hash_one(text)
 }
 
 #[cfg(test)]

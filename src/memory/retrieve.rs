@@ -71,6 +71,7 @@ fn bm25(config: &RetrievalConfig) -> Bm25 {
     Bm25 {
         k1: config.bm25_k1,
         b: config.bm25_b,
+        postings_per_term: config.postings_per_term,
     }
 }
 
