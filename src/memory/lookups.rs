@@ -23,6 +23,10 @@ use super::text::terms;
 
 type Strings<V> = LayeredMap<String, V, foldhash::fast::RandomState>;
 
+/// Episodes a message's term brings up as rehydration candidates at most: the newest that
+/// have it (episode ids grow with time).
+pub const EPISODES_PER_TERM: usize = 256;
+
 #[derive(Clone, Default)]
 pub struct Lookups {
     built: bool,
@@ -181,8 +185,9 @@ impl Lookups {
 
     /// Episodes sharing at least `min` of `terms` with their match terms, as `(bound, id)`
     /// ordered by bound then id, both descending: the bound counts the terms whose lists name
-    /// the episode, never fewer than it really shares (a list may still name an episode whose
-    /// terms have changed since).
+    /// the episode, never fewer than it shares among those lists (a list may still name an
+    /// episode whose terms have changed since). Each term names its newest
+    /// [`EPISODES_PER_TERM`] episodes only.
     pub fn episodes_with_terms<'a>(
         &self,
         terms: impl Iterator<Item = &'a String>,
@@ -191,7 +196,13 @@ impl Lookups {
         let mut counts: std::collections::HashMap<EpisodeId, usize, FxBuildHasher> =
             std::collections::HashMap::default();
         for term in terms {
-            for id in self.episode_terms.get(term.as_str()).into_iter().flatten() {
+            // The newest episodes of each term only: a word the user says every day would
+            // otherwise make each turn count thousands of episodes.
+            let listed = self
+                .episode_terms
+                .get(term.as_str())
+                .map_or(&[][..], Vec::as_slice);
+            for id in listed.iter().rev().take(EPISODES_PER_TERM) {
                 *counts.entry(*id).or_default() += 1;
             }
         }

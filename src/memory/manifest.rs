@@ -201,6 +201,21 @@ fn capitalised_words(text: &str) -> Vec<String> {
     out
 }
 
+thread_local! {
+    static MATCH_TERMS: RefCell<TextMemo<HashSet<String>>> = RefCell::default();
+}
+
+/// [`match_terms`], remembered per thread: each turn weighs the same candidate episodes for
+/// rehydration.
+pub fn remembered_match_terms(manifest: &EpisodeManifest) -> Rc<HashSet<String>> {
+    // The terms are those of every tag and hint together, and a newline separates terms
+    // anyway: however the key splits into tags and hints, it names one answer.
+    let mut key = manifest.salience_tags.join("\n");
+    key.push_str("\n\n");
+    key.push_str(&manifest.rehydration_hints.join("\n"));
+    memoised(&MATCH_TERMS, &key, || match_terms(manifest))
+}
+
 /// The stems an incoming message must share with the episode for it to be rehydrated.
 pub fn match_terms(manifest: &EpisodeManifest) -> HashSet<String> {
     let mut out = HashSet::new();

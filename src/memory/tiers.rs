@@ -9,7 +9,7 @@ use std::collections::{BTreeSet, HashSet};
 use serde::{Deserialize, Serialize};
 
 use super::config::MemoryConfig;
-use super::manifest::{build_manifest, match_terms};
+use super::manifest::{build_manifest, remembered_match_terms};
 use super::model::{
     EpisodeId, EpisodeManifest, FactId, ItemRef, MemoryState, Tier, TierState, TurnSeq,
 };
@@ -103,7 +103,9 @@ pub fn rehydrate(
     if config.episodes.rehydrate_min_matches == 0 {
         for episode in &state.episodes {
             if dormant(state, episode.id).is_some() {
-                let matches = match_terms(episode).intersection(user_terms).count();
+                let matches = remembered_match_terms(episode)
+                    .intersection(user_terms)
+                    .count();
                 matching.push((matches, episode.id));
             }
         }
@@ -126,7 +128,9 @@ pub fn rehydrate(
             let Some(episode) = dormant(state, id) else {
                 continue;
             };
-            let matches = match_terms(episode).intersection(user_terms).count();
+            let matches = remembered_match_terms(episode)
+                .intersection(user_terms)
+                .count();
             if matches >= config.episodes.rehydrate_min_matches {
                 matching.push((matches, episode.id));
             }
