@@ -11,9 +11,10 @@ use std::thread::LocalKey;
 
 use rustc_hash::FxHashMap;
 
-/// Texts remembered per generation; two generations are kept, so the most recent 2,048 to
-/// 4,096 distinct texts hit (a working set is a few hundred items).
-const GENERATION: usize = 2_048;
+/// Texts remembered per generation; two generations are kept, so the most recent 256 to 512
+/// distinct texts hit: a working set and the episodes a turn looks at are fewer, and each of
+/// the worker's blocking threads keeps its own memos.
+const GENERATION: usize = 256;
 
 /// Two generations: a hit in the older one moves to the newer one; when the newer one fills,
 /// the older one is dropped. Roughly least-recently-used, with no per-hit bookkeeping.
