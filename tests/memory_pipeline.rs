@@ -326,7 +326,7 @@ async fn a_worker_killed_mid_job_applies_every_recorded_turn_exactly_once_after_
         ("ENGRAM_WORKER__CONCURRENCY", "1"),
         ("ENGRAM_WORKER__LEASE_MS", "1500"),
     ];
-    let mut first = proxy(&upstream.address, &env);
+    let first = proxy(&upstream.address, &env);
     let turns = 24;
     let mut turn_ids = Vec::new();
     for turn in 0..turns {
@@ -341,30 +341,14 @@ async fn a_worker_killed_mid_job_applies_every_recorded_turn_exactly_once_after_
         turn_ids.push(header(&reply, "x-engram-turn-id").to_owned());
     }
     // Every exchange is queued (the outbox counts them) and some, not all, are applied.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let queue = admin(&first, "/engram/v1/queue", "default").await.json();
-        if queue["recorded"]["queued"] == turns && queue["worker"]["applied"].as_u64() >= Some(2) {
-            assert!(queue["depth"].as_u64().unwrap() > 0, "{queue}");
-            break;
-        }
-        assert!(Instant::now() < deadline, "{queue}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    first.signal("KILL");
-    assert!(first.wait_exit(Duration::from_secs(5)).is_some());
+    kill_while_applying(first, turns, 2).await;
 
     let second = proxy(&upstream.address, &env);
     wait_drained(&second, Duration::from_secs(60)).await;
     let memory = export(&second, "default", "kim").await;
     let raw = common::memory::raw_turn_ids(&memory);
     assert_eq!(raw, turn_ids, "raw log: each turn once, in order");
-    let applied: Vec<&str> = memory["memory"]["raw_turns"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|turn| turn["id"].as_str().unwrap())
-        .collect();
+    let applied = common::memory::applied_turn_ids(&memory);
     assert_eq!(applied.len(), turns);
     assert_eq!(applied.iter().collect::<HashSet<_>>().len(), turns);
     assert_eq!(applied, turn_ids, "memory: each turn once, in order");
@@ -435,12 +419,7 @@ async fn killed_twice_during_index_merges_every_turn_stays_once_and_findable() {
         turn_ids,
         "raw log: each turn once, in order"
     );
-    let applied: Vec<&str> = memory["memory"]["raw_turns"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|turn| turn["id"].as_str().unwrap())
-        .collect();
+    let applied = common::memory::applied_turn_ids(&memory);
     assert_eq!(applied, turn_ids, "memory: each turn once, in order");
     for turn in [3, 150, sent - 5] {
         say(

@@ -151,12 +151,7 @@ async fn three_replicas_keep_a_conversation_in_order_and_share_one_memory() {
     let raw = wait_raw_log(&replicas[1], "acme", "rita", turn_ids.len()).await;
     assert_eq!(raw, turn_ids, "every turn once, in the order it happened");
     let memory = export(&replicas[2], "acme", "rita").await;
-    let applied: Vec<&str> = memory["memory"]["raw_turns"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|turn| turn["id"].as_str().unwrap())
-        .collect();
+    let applied = common::memory::applied_turn_ids(&memory);
     assert_eq!(applied, turn_ids, "applied in order");
 
     // Two requests of one session at once, on two replicas: the first is slow upstream, so

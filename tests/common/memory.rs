@@ -134,6 +134,16 @@ pub fn raw_turn_ids(memory: &Value) -> Vec<String> {
         .collect()
 }
 
+/// The ids of the turns applied to an exported memory, in memory order.
+pub fn applied_turn_ids(memory: &Value) -> Vec<String> {
+    memory["memory"]["raw_turns"]
+        .as_array()
+        .expect("raw_turns")
+        .iter()
+        .map(|turn| turn["id"].as_str().expect("turn id").to_owned())
+        .collect()
+}
+
 /// The requests the mock recorded, in arrival order.
 pub fn recorded(path: &Path) -> Vec<Value> {
     std::fs::read_to_string(path)
