@@ -381,9 +381,9 @@ async fn kill_while_applying(mut proxy: Process, queued: usize, applied: u64) {
 async fn killed_twice_during_index_merges_every_turn_stays_once_and_findable() {
     let record = temp_path("merges.jsonl");
     let upstream = mock(&["--record", record.to_str().unwrap()]);
-    // A summarizer answering in 10 ms keeps the worker behind the requests, so each kill lands
-    // while jobs are still being applied.
-    let summarizer = mock(&["--reply", SLOW_SUMMARY, "--latency-ms", "10"]);
+    // A summarizer answering in 20 ms keeps the worker (at most 50 jobs a second) behind the
+    // requests, so each kill lands while jobs are still being applied.
+    let summarizer = mock(&["--reply", SLOW_SUMMARY, "--latency-ms", "20"]);
     let summarizer_url = format!("{}/v1", summarizer.address);
     let data = tempfile::tempdir().unwrap();
     let data_dir = data.path().display().to_string();
