@@ -14,9 +14,10 @@
 use std::sync::Arc;
 
 use engram::memory::index::Bm25;
+use engram::memory::manifest::build_manifest;
 use engram::memory::{
     ComposeRequest, ExchangeInput, HeuristicExtractor, MemoryConfig, MemoryIndex, MemoryState,
-    compose, record_exchange,
+    compose, consolidate, record_exchange,
 };
 use engram::openai::ChatMessage;
 use engram::pipeline::cache::CachedMemory;
@@ -186,6 +187,22 @@ proptest! {
             .unwrap()
             .unwrap();
         prop_assert_eq!(&reader.state, &reference);
+
+        // After a consolidation every manifest is what a rebuild from its turns gives: a fact
+        // change refreshes only the episode's fact list, the one part that depends on facts.
+        let mut consolidated = reference.clone();
+        consolidate(&mut consolidated);
+        consolidated.sync_lookups();
+        for episode in consolidated.episodes.iter().filter(|episode| !episode.erased) {
+            let rebuilt = build_manifest(
+                &consolidated,
+                episode.id,
+                episode.session,
+                &episode.links,
+                episode.rehydrated_at.clone(),
+            );
+            prop_assert_eq!(&rebuilt, episode);
+        }
 
         // The LSM index, refreshed turn by turn, searches like one built afresh.
         let fresh = MemoryIndex::build(&reference);

@@ -95,24 +95,7 @@ pub fn build_manifest(
 
     let first = links.first().and_then(|seq| state.turn_date(*seq));
     let last = links.last().and_then(|seq| state.turn_date(*seq));
-    // Through the lookups when they are built (the caller brought them up to date), so a
-    // rebuild costs the episode's size, not the memory's.
-    let facts: Vec<FactId> = if state.lookups.is_built() {
-        state
-            .lookups
-            .facts_of_turns(state, &links)
-            .into_iter()
-            .filter(|id| state.fact(*id).is_some_and(|fact| fact.active))
-            .collect()
-    } else {
-        let link_set: HashSet<TurnSeq> = links.iter().copied().collect();
-        state
-            .facts
-            .iter()
-            .filter(|fact| fact.active && fact.provenance.iter().any(|seq| link_set.contains(seq)))
-            .map(|fact| fact.id)
-            .collect()
-    };
+    let facts = episode_facts(state, &links);
 
     let mut manifest = EpisodeManifest {
         id,
@@ -170,6 +153,29 @@ fn turn_words(user_summary: &str, assistant_summary: &str, raw_user: &str) -> Rc
             entities: capitalised_words(raw_user),
         }
     })
+}
+
+/// The active facts whose provenance names one of `links` (sorted and distinct), as a
+/// manifest lists them.
+pub fn episode_facts(state: &MemoryState, links: &[TurnSeq]) -> Vec<FactId> {
+    // Through the lookups when they are built (the caller brought them up to date), so a
+    // rebuild costs the episode's size, not the memory's.
+    if state.lookups.is_built() {
+        state
+            .lookups
+            .facts_of_turns(state, links)
+            .into_iter()
+            .filter(|id| state.fact(*id).is_some_and(|fact| fact.active))
+            .collect()
+    } else {
+        let link_set: HashSet<TurnSeq> = links.iter().copied().collect();
+        state
+            .facts
+            .iter()
+            .filter(|fact| fact.active && fact.provenance.iter().any(|seq| link_set.contains(seq)))
+            .map(|fact| fact.id)
+            .collect()
+    }
 }
 
 fn push_unique(list: &mut Vec<String>, item: String) {

@@ -23,7 +23,7 @@ use super::render::{
     recount_summary,
 };
 use super::text::{clip_words, excerpt, terms, word_count};
-use super::tiers::{TierReport, maintain, refresh_episode, rehydrate, touch_related};
+use super::tiers::{TierReport, maintain, refresh_episode_facts, rehydrate, touch_related};
 
 /// One exchange to record, as the proxy saw it.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -314,11 +314,11 @@ pub fn consolidate(state: &mut MemoryState) -> ConsolidationReport {
         }
         report.merged_facts.push((merged, into));
     }
-    // Manifests list the facts of their turns: rebuild those whose facts changed since the
-    // last consolidation (every one, the first time a process consolidates this memory).
+    // Manifests list the facts of their turns: bring those lists up to date where facts
+    // changed since the last consolidation.
     let ids = state.take_stale_episodes();
     for id in &ids {
-        refresh_episode(state, *id);
+        refresh_episode_facts(state, *id);
     }
     report.refreshed_episodes = ids.len();
     if !report.merged_facts.is_empty() {

@@ -9,7 +9,7 @@ use std::collections::{BTreeSet, HashSet};
 use serde::{Deserialize, Serialize};
 
 use super::config::MemoryConfig;
-use super::manifest::{build_manifest, remembered_match_terms};
+use super::manifest::{build_manifest, episode_facts, remembered_match_terms};
 use super::model::{
     EpisodeId, EpisodeManifest, FactId, ItemRef, MemoryState, Tier, TierState, TurnSeq,
 };
@@ -380,6 +380,22 @@ fn episode_terms(state: &MemoryState, links: &[TurnSeq]) -> HashSet<String> {
         );
     }
     terms
+}
+
+/// Brings an episode's list of facts up to date (after facts of its turns changed); the rest
+/// of a manifest comes from its turns' text, which a fact change leaves as it was.
+pub fn refresh_episode_facts(state: &mut MemoryState, id: EpisodeId) {
+    state.sync_lookups();
+    let Some(episode) = state.episodes.get(id as usize).filter(|e| !e.erased) else {
+        return;
+    };
+    let facts = episode_facts(state, &episode.links);
+    // Unchanged lists leave the episode unwritten.
+    if facts != episode.facts
+        && let Some(slot) = state.episodes.get_mut(id as usize)
+    {
+        slot.facts = facts;
+    }
 }
 
 /// Rebuilds an episode's manifest from its links.
