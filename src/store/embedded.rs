@@ -469,135 +469,82 @@ impl EmbeddedStore {
             ));
         }
         let mut rows = Vec::new();
-        let mut push = |table: &str, key: Vec<String>, value: Vec<u8>| {
-            rows.push(StoredRow {
-                table: table.to_owned(),
-                key,
-                value,
-            });
-        };
+        let bytes = |value: &[u8]| value.to_vec();
+        let text = |value: u64| value.to_string().into_bytes();
         for definition in [STATES, CHANGES] {
-            for row in txn
-                .open_table(definition)
-                .map_err(db_error)?
-                .iter()
-                .map_err(db_error)?
-            {
-                let (key, value) = row.map_err(db_error)?;
-                let (tenant, user) = key.value();
-                push(
-                    definition.name(),
-                    vec![tenant.into(), user.into()],
-                    value.value().to_vec(),
-                );
-            }
+            dump_table(&txn, definition, &mut rows, |(tenant, user), value| {
+                (vec![tenant.into(), user.into()], bytes(value))
+            })?;
         }
-        for row in txn
-            .open_table(ITEMS)
-            .map_err(db_error)?
-            .iter()
-            .map_err(db_error)?
-        {
-            let (key, value) = row.map_err(db_error)?;
-            let (tenant, user, kind, pos) = key.value();
-            push(
-                ITEMS.name(),
-                vec![
+        dump_table(
+            &txn,
+            ITEMS,
+            &mut rows,
+            |(tenant, user, kind, pos), value| {
+                let key = vec![
                     tenant.into(),
                     user.into(),
                     kind.to_string(),
                     pos.to_string(),
-                ],
-                value.value().to_vec(),
-            );
-        }
-        for row in txn
-            .open_table(VERSIONS)
-            .map_err(db_error)?
-            .iter()
-            .map_err(db_error)?
-        {
-            let (key, value) = row.map_err(db_error)?;
-            let (tenant, user) = key.value();
-            push(
-                VERSIONS.name(),
-                vec![tenant.into(), user.into()],
-                value.value().to_string().into_bytes(),
-            );
-        }
+                ];
+                (key, bytes(value))
+            },
+        )?;
+        dump_table(&txn, VERSIONS, &mut rows, |(tenant, user), value| {
+            (vec![tenant.into(), user.into()], text(value))
+        })?;
         for definition in [PREFETCHED, JOBS, JOB_EXCHANGES] {
-            for row in txn
-                .open_table(definition)
-                .map_err(db_error)?
-                .iter()
-                .map_err(db_error)?
-            {
-                let (key, value) = row.map_err(db_error)?;
-                let (tenant, user, rest) = key.value();
-                push(
-                    definition.name(),
-                    vec![tenant.into(), user.into(), rest.into()],
-                    value.value().to_vec(),
-                );
-            }
+            dump_table(
+                &txn,
+                definition,
+                &mut rows,
+                |(tenant, user, rest), value| {
+                    (vec![tenant.into(), user.into(), rest.into()], bytes(value))
+                },
+            )?;
         }
-        for row in txn
-            .open_table(RAW_LOG)
-            .map_err(db_error)?
-            .iter()
-            .map_err(db_error)?
-        {
-            let (key, value) = row.map_err(db_error)?;
-            let (tenant, user, seq) = key.value();
-            push(
-                RAW_LOG.name(),
+        dump_table(&txn, RAW_LOG, &mut rows, |(tenant, user, seq), value| {
+            (
                 vec![tenant.into(), user.into(), seq.to_string()],
-                value.value().to_vec(),
-            );
-        }
-        for row in txn
-            .open_table(RAW_IDS)
-            .map_err(db_error)?
-            .iter()
-            .map_err(db_error)?
-        {
-            let (key, value) = row.map_err(db_error)?;
-            let (tenant, user, id) = key.value();
-            push(
-                RAW_IDS.name(),
-                vec![tenant.into(), user.into(), id.into()],
-                value.value().to_string().into_bytes(),
-            );
-        }
-        for row in txn
-            .open_table(QUEUE)
-            .map_err(db_error)?
-            .iter()
-            .map_err(db_error)?
-        {
-            let (key, value) = row.map_err(db_error)?;
-            let (tenant, user, job) = value.value();
-            push(
-                QUEUE.name(),
-                vec![key.value().to_string()],
-                format!("{tenant}\u{0}{user}\u{0}{job}").into_bytes(),
-            );
-        }
-        for row in txn
-            .open_table(COUNTERS)
-            .map_err(db_error)?
-            .iter()
-            .map_err(db_error)?
-        {
-            let (key, value) = row.map_err(db_error)?;
-            push(
-                COUNTERS.name(),
-                vec![key.value().to_owned()],
-                value.value().to_string().into_bytes(),
-            );
-        }
+                bytes(value),
+            )
+        })?;
+        dump_table(&txn, RAW_IDS, &mut rows, |(tenant, user, id), value| {
+            (vec![tenant.into(), user.into(), id.into()], text(value))
+        })?;
+        dump_table(&txn, QUEUE, &mut rows, |position, (tenant, user, job)| {
+            let value = format!("{tenant}\u{0}{user}\u{0}{job}").into_bytes();
+            (vec![position.to_string()], value)
+        })?;
+        dump_table(&txn, COUNTERS, &mut rows, |name, value| {
+            (vec![name.to_owned()], text(value))
+        })?;
         Ok(rows)
     }
+}
+
+/// Appends every row of `definition` to `rows`, as `row` renders its key and value.
+fn dump_table<K: redb::Key + 'static, V: redb::Value + 'static>(
+    txn: &redb::ReadTransaction,
+    definition: TableDefinition<K, V>,
+    rows: &mut Vec<StoredRow>,
+    row: impl for<'a> Fn(K::SelfType<'a>, V::SelfType<'a>) -> (Vec<String>, Vec<u8>),
+) -> Result<()> {
+    for entry in txn
+        .open_table(definition)
+        .map_err(db_error)?
+        .iter()
+        .map_err(db_error)?
+    {
+        let (key, value) = entry.map_err(db_error)?;
+        let (key, value) = row(key.value(), value.value());
+        rows.push(StoredRow {
+            table: definition.name().to_owned(),
+            key,
+            value,
+        });
+    }
+    Ok(())
 }
 
 fn db_error(error: impl Into<redb::Error>) -> Error {
