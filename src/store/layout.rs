@@ -319,17 +319,8 @@ pub fn changed_between(ring: &[Change], cached: u64, current: u64) -> Option<BTr
     None
 }
 
-/// The ring after a write: `change` appended, the oldest entries dropped past [`RING`].
-pub fn push_change(ring: &mut Vec<Change>, change: Change) {
-    ring.push(change);
-    if ring.len() > RING {
-        let extra = ring.len() - RING;
-        ring.drain(..extra);
-    }
-}
-
-/// [`push_change`] on a stored ring's text (one encoded change per line), without decoding
-/// it: a write appends a line and drops the oldest past [`RING`].
+/// A stored ring's text (one encoded change per line) after a write, without decoding it:
+/// `change` appended as a line, the oldest lines dropped past [`RING`].
 pub fn push_change_text(ring: &str, change: &Change) -> String {
     let kept: Vec<&str> = ring.lines().filter(|line| !line.is_empty()).collect();
     let from = kept.len().saturating_sub(RING - 1);
@@ -470,6 +461,15 @@ fn check_counts(state: &MemoryState, counts: [u32; 6]) -> Result<()> {
 mod tests {
     use super::*;
     use crate::memory::{ExchangeInput, HeuristicExtractor, MemoryConfig, record_exchange};
+
+    /// The ring as decoded changes after a write: the model the stored text must follow.
+    fn push_change(ring: &mut Vec<Change>, change: Change) {
+        ring.push(change);
+        if ring.len() > RING {
+            let extra = ring.len() - RING;
+            ring.drain(..extra);
+        }
+    }
 
     fn recorded(turns: usize) -> MemoryState {
         let mut state = MemoryState::new();
