@@ -27,6 +27,17 @@ type Strings<V> = LayeredMap<String, V, foldhash::fast::RandomState>;
 /// have it (episode ids grow with time).
 pub const EPISODES_PER_TERM: usize = 256;
 
+/// The positions each kind of item recorded as changed, in the order of [`Lookups::seen`].
+fn pending(state: &MemoryState) -> [&[u32]; 5] {
+    [
+        state.raw_turns.pending(),
+        state.facts.pending(),
+        state.turn_log.pending(),
+        state.episodes.pending(),
+        state.sessions.pending(),
+    ]
+}
+
 #[derive(Clone, Default)]
 pub struct Lookups {
     built: bool,
@@ -268,15 +279,7 @@ impl Lookups {
     /// have): a reader that cannot bring them up to date (it holds the memory shared) uses
     /// them only then.
     pub fn is_current(&self, state: &MemoryState) -> bool {
-        self.built
-            && self.seen
-                == [
-                    state.raw_turns.pending().len(),
-                    state.facts.pending().len(),
-                    state.turn_log.pending().len(),
-                    state.episodes.pending().len(),
-                    state.sessions.pending().len(),
-                ]
+        self.built && self.seen == pending(state).map(<[u32]>::len)
     }
 
     /// Turn summaries in NEW or CURRENT, ascending.
@@ -286,13 +289,7 @@ impl Lookups {
 
     /// Applies the changes `state` recorded since the last call (or builds everything).
     fn catch_up(&mut self, state: &MemoryState) {
-        let pending = [
-            state.raw_turns.pending(),
-            state.facts.pending(),
-            state.turn_log.pending(),
-            state.episodes.pending(),
-            state.sessions.pending(),
-        ];
+        let pending = pending(state);
         if !self.built {
             *self = Lookups {
                 built: true,
