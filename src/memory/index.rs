@@ -250,10 +250,13 @@ impl Segment {
     }
 
     fn is_live(&self, part: &Part, doc: u32) -> bool {
-        part.doc_keys
-            .get(doc as usize)
-            .and_then(|key| self.live.get(*key as usize))
-            .is_some_and(|loc| loc.part == part.id && loc.doc == doc)
+        // No stale copy anywhere: every posted document is its key's live one.
+        self.stale_docs == 0
+            || part
+                .doc_keys
+                .get(doc as usize)
+                .and_then(|key| self.live.get(*key as usize))
+                .is_some_and(|loc| loc.part == part.id && loc.doc == doc)
     }
 
     /// The `top` best documents for `query` as `(key, normalised score)`, best first, ties by
@@ -271,8 +274,9 @@ impl Segment {
     /// can add to a document (largest first), and once the `top` best documents found so far
     /// all score more than the remaining terms could give a document not yet found, those
     /// terms only add to the documents still in the running (looked up in their postings
-    /// instead of walking them). The result equals the exhaustive search: each document's
-    /// score adds its terms in the same order either way.
+    /// instead of walking them). The result equals scoring every document under the same
+    /// `postings_per_term` rule: each document's score adds its terms in the same order
+    /// either way.
     pub fn search_weighted(
         &self,
         query: &[(TermId, f32)],
@@ -381,7 +385,7 @@ impl Segment {
                 }
             }
             for doc in &touched {
-                if self.stale_docs > 0 && !self.is_live(part, *doc) {
+                if !self.is_live(part, *doc) {
                     continue;
                 }
                 let key = part
@@ -420,7 +424,7 @@ impl Segment {
         running.extend(
             touched
                 .iter()
-                .filter(|doc| self.stale_docs == 0 || self.is_live(part, **doc))
+                .filter(|doc| self.is_live(part, **doc))
                 .map(|doc| scores[*doc as usize]),
         );
         if running.len() < top {
