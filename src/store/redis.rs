@@ -705,7 +705,7 @@ impl RedisStore {
         })
     }
 
-    /// The whole memory with its version, read atomically without a script (a large memory's
+    /// The whole memory with its version, read consistently without a script (a large memory's
     /// values would all be hashed on their way through Lua). A memory stored by an earlier
     /// release as one value is converted to the item layout here, on its first read.
     /// Also returns the bytes read. Plain commands (a cluster connection takes no `MULTI`),
