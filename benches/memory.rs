@@ -429,6 +429,7 @@ fn report(fixture: &Fixture) {
                 session_id: "session-19",
                 messages,
                 model: "gpt-4o",
+                unapplied: &[],
             },
             config,
         );
@@ -528,6 +529,7 @@ fn report_pasted(size: usize) {
         session_id: "pasted",
         messages: &messages,
         model: "gpt-4o",
+        unapplied: &[],
     };
     let mut samples = Vec::with_capacity(300);
     for _ in 0..300 {
@@ -558,6 +560,7 @@ fn main() {
         session_id: "session-19",
         messages: &fixture.queries[0],
         model: "gpt-4o",
+        unapplied: &[],
     };
     criterion.bench_function("compose_2000_turns_500_facts", |bencher| {
         bencher.iter(|| {

@@ -240,7 +240,8 @@ async fn prune_limits(
 pub async fn open_store(config: &StoreConfig) -> Result<(Arc<dyn Store>, Spool)> {
     match config.backend {
         StoreBackend::Embedded => {
-            let store = open_embedded(config.data_dir.clone(), "store.data_dir").await?;
+            let linger = Duration::from_millis(config.group_commit_ms);
+            let store = open_embedded(config.data_dir.clone(), "store.data_dir", linger).await?;
             let spool = Spool::Memory {
                 store: Arc::new(EmbeddedStore::in_memory()?),
                 capacity: MEMORY_SPOOL_JOBS,
@@ -255,15 +256,21 @@ pub async fn open_store(config: &StoreConfig) -> Result<(Arc<dyn Store>, Spool)>
                     path: "store.redis_url".into(),
                     message: format!("cannot connect to Redis: {error}"),
                 })?;
-            let spool = open_embedded(config.data_dir.join(SPOOL_DIR), "store.data_dir").await?;
+            let spool_dir = config.data_dir.join(SPOOL_DIR);
+            let linger = Duration::from_millis(config.group_commit_ms);
+            let spool = open_embedded(spool_dir, "store.data_dir", linger).await?;
             Ok((Arc::new(store), Spool::Durable(Arc::new(spool))))
         }
     }
 }
 
-async fn open_embedded(dir: std::path::PathBuf, key: &str) -> Result<EmbeddedStore> {
+async fn open_embedded(
+    dir: std::path::PathBuf,
+    key: &str,
+    linger: Duration,
+) -> Result<EmbeddedStore> {
     let shown = dir.display().to_string();
-    tokio::task::spawn_blocking(move || EmbeddedStore::open(&dir))
+    tokio::task::spawn_blocking(move || EmbeddedStore::open_with_linger(&dir, linger))
         .await
         .map_err(|error| Error::Internal(format!("opening the store: {error}")))?
         .map_err(|error| Error::Config {

@@ -220,6 +220,7 @@ proptest! {
                 session_id: "s0",
                 messages: &messages,
                 model: "gpt-4o",
+                unapplied: &[],
             };
             let mine = compose(&cached.state, &cached.index, &[], &request, &config);
             let theirs = compose(&stored, &fresh, &[], &request, &config);

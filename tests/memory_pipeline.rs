@@ -89,6 +89,8 @@ async fn receipts_name_the_turn_and_job_and_the_admin_api_reports_the_job() {
     let job = header(&reply, "x-engram-job-id").to_owned();
     assert!(turn.starts_with('t'), "{turn}");
     assert_eq!(job.len(), 32);
+    // The answer ended once the exchange was durable in the store.
+    assert_eq!(header(&reply, "x-engram-job-state"), "queued");
     wait_applied(&proxy, "default", "carol", &reply).await;
 
     // A stream ends with the receipt comment, after the upstream's last frame.
@@ -109,7 +111,7 @@ async fn receipts_name_the_turn_and_job_and_the_admin_api_reports_the_job() {
     assert_eq!(
         receipt,
         format!(
-            ": engram turn={} job={stream_job} state=recording",
+            ": engram turn={} job={stream_job} state=queued",
             header(&streamed, "x-engram-turn-id")
         )
     );

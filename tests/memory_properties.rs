@@ -146,6 +146,7 @@ fn run(
             session_id: "s0",
             messages,
             model,
+            unapplied: &[],
         },
         config,
     )

@@ -64,6 +64,7 @@ impl Conversation {
                 session_id: SESSION,
                 messages: &messages,
                 model: "gpt-4o-mini",
+                unapplied: &[],
             },
             &self.config,
         );

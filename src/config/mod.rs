@@ -109,6 +109,9 @@ pub struct StoreConfig {
     /// The longest a session's job waits for the job of an earlier turn still in flight
     /// (being answered or recorded, on any replica).
     pub redis_order_grace_ms: u64,
+    /// How long the embedded store's first enqueue of a commit waits for others to share its
+    /// transaction and fsync (group commit); a recorded answer's end waits for that commit.
+    pub group_commit_ms: u64,
     /// The hot path's store read must answer within this; past it (or on an error) the request
     /// goes upstream without memory (fail open).
     pub hot_path_deadline_ms: u64,
@@ -163,6 +166,9 @@ pub struct CaptureConfig {
     pub channel_frames: usize,
     /// Largest response body the recorder keeps; past it the capture is marked incomplete.
     pub max_response_bytes: usize,
+    /// Longest the end of a recorded answer waits for its recording to be durable (see
+    /// `pipeline::Receipt`); past it the answer ends with the receipt `pending`.
+    pub receipt_wait_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -210,6 +216,7 @@ impl Default for CaptureConfig {
         CaptureConfig {
             channel_frames: 1024,
             max_response_bytes: 4 * 1024 * 1024,
+            receipt_wait_ms: 1000,
         }
     }
 }
@@ -229,6 +236,7 @@ impl Default for StoreConfig {
             redis_wait_replicas: 0,
             redis_wait_timeout_ms: 200,
             redis_order_grace_ms: 60_000,
+            group_commit_ms: 1,
             hot_path_deadline_ms: 20,
         }
     }
@@ -321,6 +329,18 @@ impl Config {
         }
         if self.capture.channel_frames == 0 {
             return invalid("capture.channel_frames", "must be greater than 0");
+        }
+        if self.store.group_commit_ms > 100 {
+            return invalid(
+                "store.group_commit_ms",
+                "must be at most 100 (every recorded answer's end waits for it)",
+            );
+        }
+        if self.capture.receipt_wait_ms > 60_000 {
+            return invalid(
+                "capture.receipt_wait_ms",
+                "must be at most 60000 (an answer's end held longer looks like a hung upstream)",
+            );
         }
         if self.store.data_dir.as_os_str().is_empty() {
             return invalid("store.data_dir", "must name a directory");

@@ -56,6 +56,8 @@ pub enum Error {
     UpstreamUnreachable(String),
     #[error("The upstream did not respond within {0:?}.")]
     UpstreamTimeout(Duration),
+    #[error("The upstream failed mid-response: {0}")]
+    UpstreamFailed(String),
     #[error("The proxy is shutting down.")]
     ShuttingDown,
     #[error("invalid configuration at `{path}`: {message}")]
@@ -109,7 +111,7 @@ impl Error {
             Error::Forbidden(_) => StatusCode::FORBIDDEN,
             Error::Conflict(_) => StatusCode::CONFLICT,
             Error::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Error::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
+            Error::UpstreamUnreachable(_) | Error::UpstreamFailed(_) => StatusCode::BAD_GATEWAY,
             Error::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             Error::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             Error::Config { .. }
@@ -141,7 +143,9 @@ impl Error {
             Error::Unauthorized => "authentication_error",
             Error::Forbidden(_) => "permission_error",
             Error::RateLimited { .. } => "rate_limit_error",
-            Error::UpstreamUnreachable(_) | Error::UpstreamTimeout(_) => "upstream_error",
+            Error::UpstreamUnreachable(_)
+            | Error::UpstreamTimeout(_)
+            | Error::UpstreamFailed(_) => "upstream_error",
             Error::ShuttingDown => "service_unavailable",
             Error::Config { .. }
             | Error::Io(_)
@@ -166,6 +170,7 @@ impl Error {
             Error::Conflict(_) => "conflict",
             Error::RateLimited { .. } => "rate_limit_exceeded",
             Error::UpstreamUnreachable(_) => "upstream_unreachable",
+            Error::UpstreamFailed(_) => "upstream_stream_failed",
             Error::UpstreamTimeout(_) => "upstream_timeout",
             Error::ShuttingDown => "shutting_down",
             Error::Store(_) => "store_error",
@@ -287,6 +292,7 @@ mod tests {
             (Error::UnsupportedMediaType("text/plain".into()), 415),
             (Error::PayloadTooLarge { limit: 1 }, 413),
             (Error::UpstreamUnreachable("refused".into()), 502),
+            (Error::UpstreamFailed("reset".into()), 502),
             (Error::UpstreamTimeout(Duration::from_secs(1)), 504),
             (Error::Unauthorized, 401),
         ];

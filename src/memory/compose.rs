@@ -28,6 +28,7 @@ use super::history::request_shape;
 use super::index::MemoryIndex;
 use super::lookups::Lookups;
 use super::model::{CandidateId, Depth, FactId, ItemRef, MemoryState, Tier, TurnSeq};
+use super::record::ExchangeInput;
 use super::render::{
     FENCE_CLOSE, Fixed, artifact_full, artifact_reference, episode_line, fact_line, identity_lines,
     pinned_line, raw_turn_line, summary_line,
@@ -44,6 +45,31 @@ pub struct ComposeRequest<'a> {
     pub session_id: &'a str,
     pub messages: &'a [ChatMessage],
     pub model: &'a str,
+    /// The session's recorded exchanges the memory does not hold yet, oldest first
+    /// ([`crate::store::HotRecord::unapplied`]): the newest turns of a stateless client's raw
+    /// window, so a follow-up sees the previous exchange before the worker has applied it.
+    pub unapplied: &'a [ExchangeInput],
+}
+
+/// A turn of the raw window: stored in the memory, or recorded and not applied yet (an index
+/// into [`ComposeRequest::unapplied`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WindowTurn {
+    Stored(TurnSeq),
+    Unapplied(usize),
+}
+
+/// An unapplied exchange's text is counted exactly up to this size; a longer one is charged
+/// its byte length (never fewer than its tokens), which keeps the hot path from tokenizing a
+/// pasted document. It rarely fits the raw window either way.
+const UNAPPLIED_COUNT_BYTES: usize = 16 * 1024;
+
+fn unapplied_tokens(encoding: Encoding, text: &str) -> u32 {
+    if text.len() > UNAPPLIED_COUNT_BYTES {
+        u32::try_from(text.len()).unwrap_or(u32::MAX)
+    } else {
+        super::tokens::count_in(encoding, text)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -389,8 +415,9 @@ pub fn compose(
     let mut in_prompt: HashSet<ItemRef> = core.lines.iter().map(|line| line.item).collect();
     in_prompt.extend(pinned_sources.iter().copied());
     packer.stage(budgets.new);
-    let mut window: Vec<TurnSeq> = Vec::new();
+    let mut window: Vec<WindowTurn> = Vec::new();
     let mut window_tokens = 0u32;
+    let mut unapplied_shown: Vec<String> = Vec::new();
     let mut recent_context: Vec<TurnSeq> = Vec::new();
     let mut keep_from = shape.last_user.unwrap_or(request.messages.len());
     let client_mode = match shape.last_user {
@@ -400,15 +427,58 @@ pub fn compose(
         }
         Some(_) if shape.exchanges.is_empty() => {
             let session = state.session_index(request.session_id);
-            let candidates: Vec<TurnSeq> = match session {
+            let stored: Vec<TurnSeq> = match session {
                 Some(session) => state
                     .session_turns_rev(session)
                     .take(config.raw_window_turns + config.new_ttl_turns as usize)
                     .collect(),
                 None => Vec::new(),
             };
+            // A read that raced the worker may list an exchange the memory already holds.
+            let applied: HashSet<&str> = stored
+                .iter()
+                .filter_map(|seq| state.turn_id(*seq))
+                .collect();
+            let candidates = request
+                .unapplied
+                .iter()
+                .enumerate()
+                .rev()
+                .filter(|(_, exchange)| {
+                    let said = !(exchange.user_text.trim().is_empty()
+                        && exchange.assistant_text.trim().is_empty());
+                    said && !applied.contains(exchange.turn_id.as_str())
+                })
+                .map(|(at, _)| WindowTurn::Unapplied(at))
+                .chain(stored.iter().map(|seq| WindowTurn::Stored(*seq)));
             let mut overflowed = false;
-            for (age, seq) in candidates.into_iter().enumerate() {
+            for (age, candidate) in candidates.enumerate() {
+                let seq = match candidate {
+                    WindowTurn::Stored(seq) => seq,
+                    WindowTurn::Unapplied(at) => {
+                        // Not applied, so no summary: shown whole in the window, or not at all.
+                        if age >= config.raw_window_turns || overflowed {
+                            continue;
+                        }
+                        let exchange = &request.unapplied[at];
+                        let messages = if exchange.assistant_text.is_empty() {
+                            1
+                        } else {
+                            2
+                        };
+                        let cost = unapplied_tokens(encoding, &exchange.user_text)
+                            .saturating_add(unapplied_tokens(encoding, &exchange.assistant_text))
+                            .saturating_add(messages * overhead);
+                        if packer.take(cost) {
+                            window.push(candidate);
+                            window_tokens += cost;
+                            unapplied_shown.push(exchange.turn_id.clone());
+                        } else {
+                            overflowed = true;
+                        }
+                        continue;
+                    }
+                };
                 let turn = &state.raw_turns[seq as usize];
                 let long = matches!(turn.depth, Depth::Long | Depth::Code);
                 let in_window = age < config.raw_window_turns
@@ -422,7 +492,7 @@ pub fn compose(
                     + turn.tokens.assistant.get(encoding)
                     + messages * overhead;
                 if packer.take(cost) {
-                    window.push(seq);
+                    window.push(candidate);
                     window_tokens += cost;
                     in_prompt.insert(ItemRef::RawTurn(seq));
                     in_prompt.insert(ItemRef::Summary(seq));
@@ -626,6 +696,7 @@ pub fn compose(
             }
             Block::Window => {
                 window.clear();
+                unapplied_shown.clear();
                 tokens.window = 0;
             }
             Block::Core => {
@@ -648,7 +719,7 @@ pub fn compose(
         &recall,
         config.placement,
     );
-    let items = explain_items.len();
+    let items = explain_items.len() + unapplied_shown.len();
     let outcome = if reserved_over_budget {
         MemoryOutcome::ReservedOverBudget
     } else if items == 0 {
@@ -676,6 +747,7 @@ pub fn compose(
             coverage: retrieval.coverage,
             escalated: retrieval.escalated,
             items: explain_items,
+            unapplied_turns: unapplied_shown,
             left_out,
             guard_trimmed,
         },
@@ -994,7 +1066,7 @@ fn assemble(
     shape: &super::history::RequestShape,
     keep_from: usize,
     core: &BlockPlan,
-    window: &[TurnSeq],
+    window: &[WindowTurn],
     recall: &BlockPlan,
     placement: Placement,
 ) -> Vec<OutgoingMessage> {
@@ -1010,12 +1082,20 @@ fn assemble(
     ) {
         out.push(written("system", text));
     }
-    for seq in window {
-        if let Some(turn) = state.raw_turns.get(*seq as usize) {
-            out.push(written("user", turn.user.clone()));
-            if !turn.assistant.is_empty() {
-                out.push(written("assistant", turn.assistant.clone()));
-            }
+    for turn in window {
+        let (user, assistant) = match *turn {
+            WindowTurn::Stored(seq) => match state.raw_turns.get(seq as usize) {
+                Some(turn) => (&turn.user, &turn.assistant),
+                None => continue,
+            },
+            WindowTurn::Unapplied(at) => match request.unapplied.get(at) {
+                Some(exchange) => (&exchange.user_text, &exchange.assistant_text),
+                None => continue,
+            },
+        };
+        out.push(written("user", user.clone()));
+        if !assistant.is_empty() {
+            out.push(written("assistant", assistant.clone()));
         }
     }
     let last_user = shape.last_user.unwrap_or(source.len());
@@ -1091,6 +1171,7 @@ mod tests {
                 session_id: "s",
                 messages,
                 model: "gpt-4o",
+                unapplied: &[],
             },
             config,
         )
@@ -1459,6 +1540,7 @@ mod tests {
                 session_id: "s",
                 messages: &[ChatMessage::new("user", "snack ideas?")],
                 model: "gpt-4",
+                unapplied: &[],
             },
             &config,
         );

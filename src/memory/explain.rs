@@ -101,6 +101,9 @@ pub struct Explain {
     pub coverage: f32,
     pub escalated: bool,
     pub items: Vec<ExplainedItem>,
+    /// Turn ids of recorded exchanges the worker had not applied yet, shown in the raw window.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unapplied_turns: Vec<String>,
     /// Candidates that ranked but did not fit (at most 16, best first).
     pub left_out: Vec<ItemRef>,
     /// The final guard had to drop a block (a packing bug if it ever shows up).

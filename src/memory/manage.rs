@@ -1022,6 +1022,7 @@ mod tests {
             session_id: "s",
             messages: &messages,
             model: "gpt-4o",
+            unapplied: &[],
         };
         let summaries = |state: &MemoryState| -> Vec<ItemRef> {
             let index = MemoryIndex::build(state);

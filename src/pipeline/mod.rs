@@ -131,13 +131,49 @@ pub struct Capture {
 }
 
 /// One request and its captured answer, handed to the recorder.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Exchange {
     /// The request as the client sent it (before any rewrite).
     pub request: ChatRequest,
     pub client_headers: HeaderMap,
     pub capture: Capture,
     pub record: Option<RecordPlan>,
+    /// Told how far the recording got, once it is durable (or failed); the end of the answer
+    /// waits for it (see [`Receipt`]).
+    pub receipt: Option<tokio::sync::oneshot::Sender<Receipt>>,
+}
+
+/// How far an exchange's recording had got when the end of its answer went to the client:
+/// the `state` of a stream's closing receipt comment and the `x-engram-job-state` header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Receipt {
+    /// Durable in the store (fsynced on the embedded store; acknowledged by Redis and the
+    /// replicas `store.redis.wait_replicas` asks for): the next request of the session sees
+    /// it, and a crash does not lose it.
+    Queued,
+    /// Durable in the local spool (the Redis backend's spool file); the store gets it once it
+    /// answers again.
+    Spooled,
+    /// Not durable yet: the store did not take it within `capture.receipt_wait_ms`, or only
+    /// the in-memory spool did. The recording goes on after the answer.
+    Pending,
+    /// Neither the store nor the spool took it.
+    Lost,
+    /// Nothing to record (an empty exchange).
+    Unrecorded,
+}
+
+impl Receipt {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Receipt::Queued => "queued",
+            Receipt::Spooled => "spooled",
+            Receipt::Pending => "pending",
+            Receipt::Lost => "lost",
+            Receipt::Unrecorded => "unrecorded",
+        }
+    }
 }
 
 /// The memory behaviour of the proxy: [`store_memory::StoreMemory`] in `engram serve`;

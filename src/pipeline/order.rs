@@ -112,6 +112,11 @@ pub struct Ticket {
 }
 
 impl Ticket {
+    /// Whether every earlier ticket of the session was released already.
+    pub fn is_turn(&self) -> bool {
+        self.order.is_turn(&self.session, self.number)
+    }
+
     /// Waits until every earlier ticket of the session was released. False if it gave up
     /// after the longest wait.
     pub async fn wait_turn(&self) -> bool {

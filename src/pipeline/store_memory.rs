@@ -21,7 +21,7 @@ use super::explain_log::ExplainLog;
 use super::identity::{self, IdentityConfig, RequestIdentity};
 use super::order::{Arrival, SessionOrder};
 use super::{
-    BoxFuture, Exchange, MemoryLayer, MemoryMeasures, MemoryOutcome, RecordPlan, Rewrite,
+    BoxFuture, Exchange, MemoryLayer, MemoryMeasures, MemoryOutcome, Receipt, RecordPlan, Rewrite,
     log_capture,
 };
 use crate::error::Error;
@@ -271,6 +271,7 @@ impl StoreMemory {
                 session_id: &session,
                 messages: &request.messages,
                 model: &request.model,
+                unapplied: &record.unapplied,
             },
             &self.config,
         );
@@ -331,6 +332,7 @@ impl MemoryLayer for StoreMemory {
         let outbox = Arc::clone(&self.outbox);
         let in_flight = exchange.record.is_some().then(|| outbox.recording());
         let telemetry = self.telemetry.clone();
+        let mut receipt = exchange.receipt;
         Box::pin(async move {
             let _in_flight = in_flight;
             let Some(mut plan) = exchange.record else {
@@ -341,6 +343,16 @@ impl MemoryLayer for StoreMemory {
             // queues after this one.
             let ticket = plan.ticket.take();
             let arrival = plan.arrival.take();
+            if let Some(ticket) = &ticket
+                && !ticket.is_turn()
+            {
+                // An earlier request of the session is still going (a concurrent request, not
+                // a follow-up): its answer may take minutes, so this one ends now, not yet
+                // recorded, rather than wait for it.
+                if let Some(receipt) = receipt.take() {
+                    let _ = receipt.send(Receipt::Pending);
+                }
+            }
             if let Some(ticket) = &ticket
                 && !ticket.wait_turn().await
             {
@@ -353,6 +365,9 @@ impl MemoryLayer for StoreMemory {
                 .unwrap_or_default();
             let assistant_text = exchange.capture.message.content;
             if user_text.trim().is_empty() && assistant_text.trim().is_empty() {
+                if let Some(receipt) = receipt {
+                    let _ = receipt.send(Receipt::Unrecorded);
+                }
                 return;
             }
             let job = Job {
@@ -374,8 +389,13 @@ impl MemoryLayer for StoreMemory {
             if let Some(arrival) = &arrival {
                 arrival.recorded();
             }
-            outbox.submit(job).await;
+            let recorded = outbox.submit(job).await;
+            // The session's next recording may go now; then the client may have the end of
+            // the answer.
             drop(ticket);
+            if let Some(receipt) = receipt {
+                let _ = receipt.send(recorded);
+            }
         })
     }
 }

@@ -1,6 +1,7 @@
 //! `POST /v1/chat/completions`, the interception point, as named phases in request order.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderValue};
@@ -8,13 +9,14 @@ use http::request::Parts;
 use http::{Request, Response};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
+use tokio::sync::oneshot;
 
 use super::AppState;
-use super::tee::{self, TeeBody, TeeOptions};
+use super::tee::{self, PrefixedBody, ReceiptWait, TeeBody, TeeOptions};
 use crate::error::{BodyError, Error, ProxyBody, full_body};
 use crate::metrics::{Route, Timing};
 use crate::openai::ChatRequest;
-use crate::pipeline::{Exchange, Rewrite};
+use crate::pipeline::{Exchange, Receipt, Rewrite};
 use crate::telemetry::{self, RequestTrace};
 use crate::upstream::without_hop_by_hop;
 
@@ -88,19 +90,31 @@ async fn proxy(
         }
     }
     let event_stream = is_event_stream(&response_parts.headers);
-    // The write receipt of a stream: an SSE comment after the last frame, which SSE clients
-    // ignore and a client that wants to read its own writes can parse.
-    let trailer = rewrite
-        .record
-        .as_ref()
-        .filter(|_| event_stream)
-        .map(|plan| {
-            Bytes::from(format!(
-                ": engram turn={} job={} state=recording\n\n",
-                plan.turn_id, plan.job.key
-            ))
-        });
-    if (strip_usage || trailer.is_some()) && event_stream {
+    let mut whole_receipt = None;
+    // A recorded answer ends only once its recording is durable (or the wait ran out), so the
+    // session's next request finds it; the receipt says which. A stream's receipt is an SSE
+    // comment after the last frame, which SSE clients ignore and a client that wants to read
+    // its own writes can parse; a whole answer's is the `x-engram-job-state` header.
+    let (receipt_sender, receipt) = match &rewrite.record {
+        Some(_) => {
+            let (sender, receiver) = oneshot::channel();
+            (Some(sender), Some(receiver))
+        }
+        None => (None, None),
+    };
+    let max_wait = Duration::from_millis(state.config.capture.receipt_wait_ms);
+    let stream_receipt = match (&rewrite.record, receipt) {
+        (Some(plan), Some(recorded)) if event_stream => Some(ReceiptWait {
+            recorded,
+            max_wait,
+            comment: format!(": engram turn={} job={}", plan.turn_id, plan.job.key),
+        }),
+        (_, receipt) => {
+            whole_receipt = receipt;
+            None
+        }
+    };
+    if (strip_usage || stream_receipt.is_some()) && event_stream {
         response_parts.headers.remove(header::CONTENT_LENGTH);
     }
 
@@ -114,7 +128,7 @@ async fn proxy(
             idle_timeout: state.upstream.read_timeout(),
             event_stream,
             strip_usage: strip_usage && event_stream,
-            trailer,
+            receipt: stream_receipt,
             first_frame: Some(state.metrics.http.first_frame(&timing, event_stream)),
         },
     );
@@ -132,11 +146,53 @@ async fn proxy(
             client_headers,
             capture,
             record,
+            receipt: receipt_sender,
         };
         memory.record(exchange).await;
     }));
+    let body = match whole_receipt {
+        Some(recorded) => {
+            let (receipt, body) = whole_with_receipt(body, recorded, max_wait, capture).await?;
+            if let Some(receipt) = receipt {
+                response_parts.headers.insert(
+                    "x-engram-job-state",
+                    HeaderValue::from_static(receipt.as_str()),
+                );
+            }
+            body
+        }
+        None => BodyExt::boxed(body),
+    };
     state.metrics.http.observe(Route::ChatCompletions, &timing);
-    Ok(Response::from_parts(response_parts, BodyExt::boxed(body)))
+    Ok(Response::from_parts(response_parts, body))
+}
+
+/// A recorded answer that is not a stream: read whole (it is one JSON value), then sent once
+/// its recording is durable or `max_wait` ran out, with the receipt. One larger than
+/// `capture.max_response_bytes` goes on as it comes, without a receipt.
+async fn whole_with_receipt(
+    mut body: TeeBody,
+    recorded: oneshot::Receiver<Receipt>,
+    max_wait: Duration,
+    capture: &crate::config::CaptureConfig,
+) -> Result<(Option<Receipt>, ProxyBody), Error> {
+    let mut read = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|error| Error::UpstreamFailed(error.to_string()))?;
+        if let Ok(data) = frame.into_data() {
+            read.extend_from_slice(&data);
+        }
+        if read.len() > capture.max_response_bytes {
+            let rest = PrefixedBody::new(Bytes::from(read), body);
+            return Ok((None, BodyExt::boxed(rest)));
+        }
+    }
+    let receipt = match tokio::time::timeout(max_wait, recorded).await {
+        Ok(Ok(receipt)) => receipt,
+        Ok(Err(_)) => Receipt::Unrecorded,
+        Err(_) => Receipt::Pending,
+    };
+    Ok((Some(receipt), full_body(Bytes::from(read))))
 }
 
 fn check_content_type(headers: &HeaderMap) -> Result<(), Error> {

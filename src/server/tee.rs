@@ -11,14 +11,14 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, Sleep};
 
 use crate::error::BodyError;
 use crate::metrics::FirstFrame;
 use crate::openai::sse::UsageStripper;
 use crate::openai::{AssistantMessage, StreamAccumulator};
-use crate::pipeline::{Capture, Incomplete};
+use crate::pipeline::{Capture, Incomplete, Receipt};
 
 /// The first reason the capture became incomplete, shared by the tee and the recorder.
 #[derive(Debug, Default)]
@@ -65,11 +65,32 @@ pub struct TeeBody {
     event_stream: bool,
     tapped_bytes: usize,
     max_tapped_bytes: usize,
-    /// Sent after the upstream's last frame (the write receipt comment of a stream).
-    trailer: Option<Bytes>,
+    /// What the end of the body waits for, until the upstream has ended.
+    receipt: Option<ReceiptWait>,
+    /// The end of the body, held back until the recording is durable.
+    holding: Option<Holding>,
     /// Observed when the first data frame goes to the client (time to first token).
     first_frame: Option<FirstFrame>,
+    /// The upstream body ended (whole or not).
     ended: bool,
+}
+
+/// A recorded stream's end waits for the recording to be durable, so that the client's next
+/// request (to this replica or another) finds the exchange, and the receipt comment after the
+/// upstream's last frame says how far it got.
+pub struct ReceiptWait {
+    pub recorded: oneshot::Receiver<Receipt>,
+    /// Longest the end waits (`capture.receipt_wait_ms`); then the receipt says `pending`.
+    pub max_wait: Duration,
+    /// The receipt comment before its state, e.g. `: engram turn=… job=…`.
+    pub comment: String,
+}
+
+struct Holding {
+    wait: ReceiptWait,
+    /// The last bytes for the client, sent with the receipt comment.
+    tail: Bytes,
+    deadline: Pin<Box<Sleep>>,
 }
 
 pub struct TeeOptions {
@@ -79,8 +100,8 @@ pub struct TeeOptions {
     pub event_stream: bool,
     /// Remove the usage chunk the proxy requested but the client did not.
     pub strip_usage: bool,
-    /// Bytes to send after the upstream body ended whole.
-    pub trailer: Option<Bytes>,
+    /// Hold the end of the body for the recording's receipt (see [`ReceiptWait`]).
+    pub receipt: Option<ReceiptWait>,
     pub first_frame: Option<FirstFrame>,
 }
 
@@ -102,7 +123,8 @@ impl TeeBody {
             event_stream: options.event_stream,
             tapped_bytes: 0,
             max_tapped_bytes: options.max_tapped_bytes,
-            trailer: options.trailer,
+            receipt: options.receipt,
+            holding: None,
             first_frame: options.first_frame,
             ended: false,
         };
@@ -132,20 +154,52 @@ impl TeeBody {
         }
     }
 
-    /// The upstream body ended whole: closes the tap and returns any held-back tail.
+    /// The upstream body ended whole: closes the tap (so the recorder can finish) and returns
+    /// any held-back tail.
     fn end(&mut self) -> Bytes {
         self.ended = true;
         self.tap = None;
-        let tail = self
-            .stripper
+        self.stripper
             .as_mut()
             .map(UsageStripper::finish)
-            .unwrap_or_default();
-        match self.trailer.take() {
-            Some(trailer) if tail.is_empty() => trailer,
-            Some(trailer) => [tail, trailer].concat().into(),
-            None => tail,
-        }
+            .unwrap_or_default()
+    }
+
+    fn end_and_hold(&mut self) -> Option<Bytes> {
+        let tail = self.end();
+        self.hold(tail)
+    }
+
+    /// Holds `tail` back for the receipt, if the body waits for one; else gives it back.
+    fn hold(&mut self, tail: Bytes) -> Option<Bytes> {
+        let Some(wait) = self.receipt.take() else {
+            return Some(tail);
+        };
+        let deadline = Box::pin(tokio::time::sleep(wait.max_wait));
+        self.holding = Some(Holding {
+            wait,
+            tail,
+            deadline,
+        });
+        None
+    }
+
+    /// The held end once the receipt came (or the wait ran out): the tail and the comment.
+    fn poll_held(&mut self, cx: &mut Context<'_>) -> Poll<Bytes> {
+        let Some(holding) = &mut self.holding else {
+            return Poll::Ready(Bytes::new());
+        };
+        let receipt = match Pin::new(&mut holding.wait.recorded).poll(cx) {
+            Poll::Ready(Ok(receipt)) => receipt,
+            // The recorder ended without a word: nothing was recorded.
+            Poll::Ready(Err(_)) => Receipt::Unrecorded,
+            Poll::Pending if holding.deadline.as_mut().poll(cx).is_ready() => Receipt::Pending,
+            Poll::Pending => return Poll::Pending,
+        };
+        let comment = format!("{} state={}\n\n", holding.wait.comment, receipt.as_str());
+        let out = [holding.tail.as_ref(), comment.as_bytes()].concat();
+        self.holding = None;
+        Poll::Ready(Bytes::from(out))
     }
 
     /// Ends the body after an upstream failure: an error event for SSE, an error otherwise.
@@ -180,6 +234,12 @@ impl Body for TeeBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let this = self.get_mut();
         loop {
+            if this.holding.is_some() {
+                return this.poll_held(cx).map(|out| {
+                    this.sending_data();
+                    Some(Ok(Frame::data(out)))
+                });
+            }
             if this.ended {
                 return Poll::Ready(None);
             }
@@ -203,6 +263,10 @@ impl Body for TeeBody {
                         if !tail.is_empty() {
                             out = [out, tail].concat().into();
                         }
+                        match this.hold(out) {
+                            Some(unheld) => out = unheld,
+                            None => continue,
+                        }
                     }
                     if out.is_empty() {
                         continue;
@@ -211,7 +275,9 @@ impl Body for TeeBody {
                     return Poll::Ready(Some(Ok(Frame::data(out))));
                 }
                 Poll::Ready(None) => {
-                    let tail = this.end();
+                    let Some(tail) = this.end_and_hold() else {
+                        continue;
+                    };
                     return if tail.is_empty() {
                         Poll::Ready(None)
                     } else {
@@ -232,13 +298,13 @@ impl Body for TeeBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended
+        self.ended && self.holding.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {
-        if self.ended {
+        if self.is_end_stream() {
             SizeHint::with_exact(0)
-        } else if self.stripper.is_none() && self.trailer.is_none() {
+        } else if self.stripper.is_none() && self.receipt.is_none() && self.holding.is_none() {
             self.upstream.size_hint()
         } else {
             SizeHint::default()
@@ -287,5 +353,40 @@ pub async fn collect(
         message,
         incomplete,
         streamed,
+    }
+}
+
+/// A body read in part already: `prefix`, then the rest of `rest`.
+pub struct PrefixedBody {
+    prefix: Option<Bytes>,
+    rest: TeeBody,
+}
+
+impl PrefixedBody {
+    pub fn new(prefix: Bytes, rest: TeeBody) -> PrefixedBody {
+        PrefixedBody {
+            prefix: Some(prefix),
+            rest,
+        }
+    }
+}
+
+impl Body for PrefixedBody {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let this = self.get_mut();
+        if let Some(prefix) = this.prefix.take() {
+            return Poll::Ready(Some(Ok(Frame::data(prefix))));
+        }
+        Pin::new(&mut this.rest).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.prefix.is_none() && self.rest.is_end_stream()
     }
 }

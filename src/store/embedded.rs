@@ -24,7 +24,8 @@ use super::group_commit::{Committed, GroupCommit};
 use super::layout::{self, Change, Delta, ItemKey, ItemKind, MemoryUpdate, Stored};
 use super::{
     Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobQueue,
-    JobState, MemoryRecords, Published, RawEntry, Store, UserKey, decode, now_ms,
+    JobState, MemoryRecords, Published, RawEntry, Store, UNAPPLIED_BYTES, UNAPPLIED_TURNS, UserKey,
+    decode, now_ms,
 };
 use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
@@ -33,10 +34,11 @@ use crate::telemetry::TraceParent;
 
 /// The file name inside the data directory.
 pub const FILE_NAME: &str = "engram.redb";
-/// How long a recorder's enqueue waits for others to share its commit. A durable commit costs an
-/// fsync; at 1,000 recorded requests/s one commit per enqueue took ~15 % of the proxy's CPU
-/// samples, 7 % with the wait. It comes after the answer has gone back: no client waits for it.
-const ENQUEUE_LINGER: Duration = Duration::from_millis(2);
+/// How long a recorder's enqueue waits for others to share its commit, unless configured
+/// (`store.group_commit_ms`). A durable commit costs an fsync; at 1,000 recorded requests/s one
+/// commit per enqueue took ~15 % of the proxy's CPU samples, 7 % with a 2 ms wait. The end of a
+/// recorded answer waits for its commit.
+const ENQUEUE_LINGER: Duration = Duration::from_millis(1);
 
 /// (tenant, user) → the memory state as JSON.
 const STATES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("memory_state");
@@ -62,6 +64,11 @@ const JOB_EXCHANGES: TableDefinition<(&str, &str, &str), &[u8]> =
     TableDefinition::new("job_exchanges");
 /// queue position → (tenant, user, job key) of a queued job; a job leaves on ack or fail.
 const QUEUE: TableDefinition<u64, (&str, &str, &str)> = TableDefinition::new("job_queue");
+/// (tenant, user, session, queue position) → job key of a job still queued: the session's
+/// recorded exchanges the worker has not applied yet, which the hot path reads (see
+/// `HotRecord::unapplied`). Jobs queued before it existed are not in it.
+const SESSION_QUEUE: TableDefinition<(&str, &str, &str, u64), &str> =
+    TableDefinition::new("session_queue");
 /// Named counters (the next queue position).
 const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("counters");
 
@@ -150,6 +157,11 @@ impl EmbeddedStore {
     /// Opens (or creates) `engram.redb` in `data_dir`, creating the directory if needed.
     /// Blocking; call it at start-up.
     pub fn open(data_dir: &Path) -> Result<EmbeddedStore> {
+        EmbeddedStore::open_with_linger(data_dir, ENQUEUE_LINGER)
+    }
+
+    /// [`EmbeddedStore::open`] whose enqueues wait `linger` for company (group commit).
+    pub fn open_with_linger(data_dir: &Path, linger: Duration) -> Result<EmbeddedStore> {
         std::fs::create_dir_all(data_dir)?;
         let db = DbHandle::open(&data_dir.join(FILE_NAME), create_tables)?;
         if let Some(database) = db.current() {
@@ -163,7 +175,7 @@ impl EmbeddedStore {
         }
         Ok(EmbeddedStore {
             db: Arc::new(db),
-            enqueues: GroupCommit::in_background(write_enqueue, ENQUEUE_LINGER, "engram-recorder")?,
+            enqueues: GroupCommit::in_background(write_enqueue, linger, "engram-recorder")?,
             commits: GroupCommit::new(write_commit),
         })
     }
@@ -278,12 +290,54 @@ fn read_hot_record(
         }
         None => Vec::new(),
     };
+    let unapplied = read_unapplied(&txn, key, session_id, &mut bytes_read)?;
     Ok(Some(HotRecord {
         version,
         update,
         prefetched,
+        unapplied,
         bytes_read: u64::try_from(bytes_read).unwrap_or(u64::MAX),
     }))
+}
+
+/// The session's queued exchanges, oldest first (see `HotRecord::unapplied`); one seek when
+/// there are none.
+fn read_unapplied(
+    txn: &redb::ReadTransaction,
+    key: UserKeyRef,
+    session_id: &str,
+    bytes_read: &mut usize,
+) -> Result<Vec<ExchangeInput>> {
+    let session_queue = txn.open_table(SESSION_QUEUE).map_err(db_error)?;
+    let range = (key.0, key.1, session_id, 0)..=(key.0, key.1, session_id, u64::MAX);
+    let mut rows = session_queue
+        .range(range)
+        .map_err(db_error)?
+        .rev()
+        .peekable();
+    if rows.peek().is_none() {
+        return Ok(Vec::new());
+    }
+    let exchanges = txn.open_table(JOB_EXCHANGES).map_err(db_error)?;
+    let mut unapplied = Vec::new();
+    let mut taken = 0;
+    for row in rows.take(UNAPPLIED_TURNS) {
+        let (_, job) = row.map_err(db_error)?;
+        let Some(guard) = exchanges
+            .get((key.0, key.1, job.value()))
+            .map_err(db_error)?
+        else {
+            continue;
+        };
+        taken += guard.value().len();
+        unapplied.push(decode::<ExchangeInput>(guard.value())?);
+        if taken >= UNAPPLIED_BYTES {
+            break;
+        }
+    }
+    *bytes_read += taken;
+    unapplied.reverse();
+    Ok(unapplied)
 }
 
 type UserKeyRef<'k> = (&'k str, &'k str);
@@ -416,6 +470,7 @@ fn create_tables(db: &Database) -> Result<()> {
     txn.open_table(JOBS).map_err(db_error)?;
     txn.open_table(JOB_EXCHANGES).map_err(db_error)?;
     txn.open_table(QUEUE).map_err(db_error)?;
+    txn.open_table(SESSION_QUEUE).map_err(db_error)?;
     txn.open_table(COUNTERS).map_err(db_error)?;
     txn.commit().map_err(db_error)
 }
@@ -448,6 +503,7 @@ impl EmbeddedStore {
             JOBS.name(),
             JOB_EXCHANGES.name(),
             QUEUE.name(),
+            SESSION_QUEUE.name(),
             COUNTERS.name(),
         ];
         for table in txn.list_tables().map_err(db_error)? {
@@ -516,6 +572,20 @@ impl EmbeddedStore {
             let value = format!("{tenant}\u{0}{user}\u{0}{job}").into_bytes();
             (vec![position.to_string()], value)
         })?;
+        dump_table(
+            &txn,
+            SESSION_QUEUE,
+            &mut rows,
+            |(tenant, user, session, position), job| {
+                let key = vec![
+                    tenant.into(),
+                    user.into(),
+                    session.into(),
+                    position.to_string(),
+                ];
+                (key, job.as_bytes().to_vec())
+            },
+        )?;
         dump_table(&txn, COUNTERS, &mut rows, |name, value| {
             (vec![name.to_owned()], text(value))
         })?;
@@ -846,6 +916,24 @@ impl Store for EmbeddedStore {
                     }
                     report.jobs += 1;
                 }
+                let mut session_queue = txn.open_table(SESSION_QUEUE).map_err(db_error)?;
+                let mut entries = Vec::new();
+                for row in session_queue
+                    .range((tenant, user_id, "", 0)..)
+                    .map_err(db_error)?
+                {
+                    let (key, _) = row.map_err(db_error)?;
+                    let (row_tenant, row_user, session, position) = key.value();
+                    if row_tenant != tenant || row_user != user_id {
+                        break;
+                    }
+                    entries.push((session.to_owned(), position));
+                }
+                for (session, position) in entries {
+                    session_queue
+                        .remove((tenant, user_id, session.as_str(), position))
+                        .map_err(db_error)?;
+                }
             }
             txn.commit().map_err(db_error)?;
             Ok(report)
@@ -1086,6 +1174,13 @@ fn write_enqueue(txn: &WriteTransaction, job: &Job) -> Result<Enqueued> {
         .map_err(db_error)?
         .insert(position, key)
         .map_err(db_error)?;
+    txn.open_table(SESSION_QUEUE)
+        .map_err(db_error)?
+        .insert(
+            (key.0, key.1, job.exchange.session_id.as_str(), position),
+            key.2,
+        )
+        .map_err(db_error)?;
     Ok(Enqueued::Queued)
 }
 
@@ -1150,6 +1245,10 @@ fn write_finish(txn: &WriteTransaction, id: &JobId, state: JobState) -> Result<b
         txn.open_table(QUEUE)
             .map_err(db_error)?
             .remove(record.queue_position)
+            .map_err(db_error)?;
+        txn.open_table(SESSION_QUEUE)
+            .map_err(db_error)?
+            .remove((key.0, key.1, record.session(), record.queue_position))
             .map_err(db_error)?;
     }
     // The raw log keeps an applied exchange; a failed one stays with its job, the only copy.

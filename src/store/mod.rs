@@ -62,10 +62,22 @@ pub struct HotRecord {
     pub update: Option<MemoryUpdate>,
     /// Candidates the worker prefetched for this session after its last turn.
     pub prefetched: Vec<CandidateId>,
-    /// Bytes of stored memory values the read took (hot state, items, prefetched candidates),
-    /// for the store's byte metrics.
+    /// The session's recorded exchanges that `version` does not hold yet (queued for the
+    /// worker), oldest first: the newest [`UNAPPLIED_TURNS`] of them, read in the same snapshot
+    /// as the version, so the next request of a session carries the previous exchange however
+    /// far behind the worker is.
+    pub unapplied: Vec<ExchangeInput>,
+    /// Bytes of stored memory values the read took (hot state, items, prefetched candidates,
+    /// unapplied exchanges), for the store's byte metrics.
     pub bytes_read: u64,
 }
+
+/// The most unapplied exchanges of a session a hot-path read returns (newest first, and no
+/// more once [`UNAPPLIED_BYTES`] were read): more than the raw window shows.
+pub const UNAPPLIED_TURNS: usize = 8;
+/// Stored bytes of unapplied exchanges past which a hot-path read takes no older one (a
+/// pasted document is megabytes).
+pub const UNAPPLIED_BYTES: usize = 1 << 20;
 
 /// One exchange of the raw log.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

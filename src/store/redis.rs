@@ -39,7 +39,8 @@ use self::scripts::Scripts;
 use super::layout::{self, Delta, ItemKey, MemoryUpdate, Stored};
 use super::{
     Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobQueue,
-    JobState, MemoryRecords, RawEntry, Store, UserKey, decode, now_ms,
+    JobState, MemoryRecords, RawEntry, Store, UNAPPLIED_BYTES, UNAPPLIED_TURNS, UserKey, decode,
+    now_ms,
 };
 use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
@@ -635,8 +636,10 @@ impl RedisStore {
             Vec<String>,
             Vec<Option<Vec<u8>>>,
             Option<Vec<u8>>,
+            Vec<Vec<u8>>,
         );
-        let (version, status, meta, fields, values, prefetched): Reply = self
+        let session = hex(session_id);
+        let (version, status, meta, fields, values, prefetched, unapplied): Reply = self
             .scripts
             .hot_record
             .key(self.user_key(user, "version"))
@@ -645,6 +648,7 @@ impl RedisStore {
             .key(self.user_key(user, "changes"))
             .key(self.user_key(user, "prefetched"))
             .key(self.user_key(user, "arriving"))
+            .key(self.user_key(user, &format!("session:{session}")))
             .arg(
                 cached_version
                     .map(|version| version.to_string())
@@ -655,13 +659,17 @@ impl RedisStore {
             .arg(arrival)
             // Markers live for the grace; the key goes once its last marker is this old.
             .arg(duration_ms(self.order_grace).max(1) * 2)
+            .arg(self.user_prefix(user))
+            .arg(UNAPPLIED_TURNS)
+            .arg(UNAPPLIED_BYTES)
             .invoke_async(&mut self.connection())
             .await
             .map_err(redis_error)?;
         let mut version = parse_version(&version)?;
         let mut bytes_read = meta.as_ref().map_or(0, Vec::len)
             + values.iter().flatten().map(Vec::len).sum::<usize>()
-            + prefetched.as_ref().map_or(0, Vec::len);
+            + prefetched.as_ref().map_or(0, Vec::len)
+            + unapplied.iter().map(Vec::len).sum::<usize>();
         let update = match status.as_str() {
             "none" => None,
             "delta" => {
@@ -701,6 +709,10 @@ impl RedisStore {
                 Some(bytes) => decode(&bytes)?,
                 None => Vec::new(),
             },
+            unapplied: unapplied
+                .iter()
+                .map(|json| decode::<ClaimedExchange>(json).map(|queued| queued.exchange))
+                .collect::<Result<_>>()?,
             bytes_read: u64::try_from(bytes_read).unwrap_or(u64::MAX),
         })
     }

@@ -16,6 +16,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::Result;
+use crate::pipeline::Receipt;
 use crate::store::{ForgetReport, Job, Store, UserKey};
 
 /// Enqueue attempts before a job goes to the spool.
@@ -120,13 +121,13 @@ impl Outbox {
         Ok(report)
     }
 
-    /// Makes the job durable: in the store, or else in the spool. Logs (never panics) if
-    /// neither takes it.
-    pub async fn submit(&self, job: Job) {
+    /// Makes the job durable: in the store, or else in the spool; says which. Logs (never
+    /// panics) if neither takes it.
+    pub async fn submit(&self, job: Job) -> Receipt {
         if self.spooled() == 0 && !self.backlogged() && self.enqueue_with_retry(&job).await {
             self.stats.queued.fetch_add(1, Ordering::Relaxed);
             self.queued.notify_one();
-            return;
+            return Receipt::Queued;
         }
         if let Spool::Memory { capacity, .. } = &self.spool
             && self.spooled() >= *capacity
@@ -137,7 +138,7 @@ impl Outbox {
                 capacity,
                 "the store did not take a recorded exchange and the in-memory spool is full; it is lost"
             );
-            return;
+            return Receipt::Lost;
         }
         let spool = self.spool.store();
         match spool.enqueue(&job).await {
@@ -146,6 +147,10 @@ impl Outbox {
                 self.stats.spooled.fetch_add(1, Ordering::Relaxed);
                 self.spooled_signal.notify_one();
                 tracing::warn!(job = %job.id.key, "store unreachable; exchange kept in the local spool");
+                match self.spool {
+                    Spool::Durable(_) => Receipt::Spooled,
+                    Spool::Memory { .. } => Receipt::Pending,
+                }
             }
             Err(error) => {
                 self.stats.lost.fetch_add(1, Ordering::Relaxed);
@@ -154,6 +159,7 @@ impl Outbox {
                     job = %job.id.key,
                     "neither the store nor the local spool took a recorded exchange; it is lost"
                 );
+                Receipt::Lost
             }
         }
     }

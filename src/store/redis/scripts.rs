@@ -99,9 +99,12 @@ end
 /// one the ring no longer reaches); then the session's prefetched candidates. With a marker,
 /// notes the turn as arriving (its job will follow) and keeps the arrivals key alive for the
 /// grace. Returns {version, 'none'|'delta'|'whole', hot state or false, fields, values,
-/// prefetched or false}.
-/// KEYS: version, state, items, changes, prefetched, arriving. ARGV: cached version or '',
-/// session id, marker or '', arrival µs, marker ttl ms.
+/// prefetched or false, unapplied}: `unapplied` is the newest jobs of the session's backlog
+/// (at most ARGV[7] of them, no older one once ARGV[8] bytes were taken), oldest first, each
+/// its queued exchange JSON.
+/// KEYS: version, state, items, changes, prefetched, arriving, session backlog. ARGV: cached
+/// version or '', session id, marker or '', arrival µs, marker ttl ms, user prefix, most
+/// jobs, most bytes.
 const HOT_RECORD: &str = r"
 local version = redis.call('GET', KEYS[1]) or '0'
 local status, meta, fields, values = 'none', false, {}, {}
@@ -151,7 +154,21 @@ if ARGV[3] ~= '' then
   redis.call('ZADD', KEYS[6], ARGV[4], ARGV[3])
   redis.call('PEXPIRE', KEYS[6], ARGV[5])
 end
-return {version, status, meta, fields, values, prefetched}
+local unapplied = {}
+local newest = redis.call('ZRANGE', KEYS[7], -tonumber(ARGV[7]), -1)
+local taken = 0
+for index = #newest, 1, -1 do
+  local exchange = redis.call('HGET', ARGV[6] .. 'job:' .. newest[index], 'exchange')
+    or redis.call('GET', ARGV[6] .. 'jobx:' .. newest[index])
+  if exchange then
+    table.insert(unapplied, 1, exchange)
+    taken = taken + #exchange
+    if taken >= tonumber(ARGV[8]) then
+      break
+    end
+  end
+end
+return {version, status, meta, fields, values, prefetched, unapplied}
 ";
 
 /// Writes a memory's hot state and items, and records the write in the change ring (an empty
