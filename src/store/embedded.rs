@@ -172,6 +172,13 @@ impl EmbeddedStore {
                     "converted memories stored as one value to the item layout"
                 );
             }
+            let released = release_leases(&database)?;
+            if released > 0 {
+                tracing::info!(
+                    jobs = released,
+                    "released the leases of jobs a previous process was applying"
+                );
+            }
         }
         Ok(EmbeddedStore {
             db: Arc::new(db),
@@ -455,6 +462,32 @@ fn convert_legacy(db: &Database) -> Result<usize> {
         txn.commit().map_err(db_error)?;
     }
     Ok(legacy.len())
+}
+
+/// Clears every lease. The file is open in one process at a time, so a lease found at open
+/// belongs to a process that is gone (killed mid-job): its jobs are free at once instead of
+/// after the lease, which would hold each of their sessions back for `worker.lease_ms`.
+fn release_leases(db: &Database) -> Result<usize> {
+    let txn = db.begin_write().map_err(db_error)?;
+    let mut released = 0;
+    {
+        let queue = txn.open_table(QUEUE).map_err(db_error)?;
+        let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
+        for row in queue.iter().map_err(db_error)? {
+            let (_, value) = row.map_err(db_error)?;
+            let key = value.value();
+            let Some(mut record) = decode_job(jobs.get(key).map_err(db_error)?)? else {
+                continue;
+            };
+            if record.lease.take().is_some() {
+                jobs.insert(key, encode(&record)?.as_slice())
+                    .map_err(db_error)?;
+                released += 1;
+            }
+        }
+    }
+    txn.commit().map_err(db_error)?;
+    Ok(released)
 }
 
 /// Creates every table up front, so read transactions never meet a missing one.
@@ -1366,6 +1399,24 @@ mod tests {
     }
 
     const LEASE: Duration = Duration::from_secs(30);
+
+    #[tokio::test]
+    async fn a_lease_of_a_process_that_died_is_released_when_the_store_opens() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(dir.path()).unwrap();
+        let job = job("k1", "remember the code");
+        store.enqueue(&job).await.unwrap();
+        assert_eq!(store.claim_batch("gone", LEASE, 4).await.unwrap().len(), 1);
+        // Another consumer must wait for the lease...
+        assert!(store.claim_batch("w", LEASE, 4).await.unwrap().is_empty());
+        // ...unless the process holding it is gone: the next process finds it free.
+        drop(store);
+        let reopened = EmbeddedStore::open(dir.path()).unwrap();
+        let claimed = reopened.claim_batch("w", LEASE, 4).await.unwrap();
+        assert_eq!(claimed.len(), 1);
+        assert_eq!(claimed[0].job.id, job.id);
+        assert_eq!(claimed[0].attempt, 2);
+    }
 
     #[tokio::test]
     async fn a_job_keeps_its_exchange_apart_from_its_record_until_it_is_applied() {

@@ -51,6 +51,7 @@ macro_rules! store_suite {
     (@list $form:ident [$($args:tt)*]) => {
         $crate::store_suite!(@ $form [$($args)*];
             hot_record_reads_version_state_and_prefetched,
+            hot_record_lists_the_sessions_unapplied_exchanges,
             a_reader_catches_up_through_the_items_that_changed,
             save_state_detects_version_conflicts,
             concurrent_saves_from_one_version_let_one_win,
@@ -128,6 +129,100 @@ pub fn state_with(lines: &[&str]) -> MemoryState {
         record_exchange(&mut state, &input, &HeuristicExtractor, &config);
     }
     state
+}
+
+/// The hot-path read carries the session's queued exchanges, oldest first, in the snapshot
+/// of its version: a job leaves the list in the commit that applies it, and a failed or
+/// forgotten one leaves it too. Other sessions' and users' jobs never show.
+pub async fn hot_record_lists_the_sessions_unapplied_exchanges(store: &dyn Store) {
+    let alice = UserKey::new("acme", "alice");
+    let bob = UserKey::new("acme", "bob");
+    let turns = |record: &engram::store::HotRecord| -> Vec<String> {
+        record
+            .unapplied
+            .iter()
+            .map(|exchange| exchange.turn_id.clone())
+            .collect()
+    };
+    assert!(
+        store
+            .hot_record(&alice, "s1", None)
+            .await
+            .unwrap()
+            .unapplied
+            .is_empty()
+    );
+    let jobs: Vec<Job> = ["a", "b", "c"]
+        .iter()
+        .map(|key| job_in(&alice, "s1", key))
+        .collect();
+    for job in &jobs {
+        store.enqueue(job).await.unwrap();
+    }
+    store.enqueue(&job_in(&alice, "s2", "other")).await.unwrap();
+    store.enqueue(&job_in(&bob, "s1", "bobs")).await.unwrap();
+    let read = store.hot_record(&alice, "s1", None).await.unwrap();
+    assert_eq!(turns(&read), ["a", "b", "c"]);
+    assert_eq!(read.unapplied[0], jobs[0].exchange);
+    assert_eq!(
+        turns(&store.hot_record(&alice, "s2", None).await.unwrap()),
+        ["other"]
+    );
+
+    // The first job applied: it leaves the list in the same commit that bumps the version.
+    let mut state = MemoryState::new();
+    let config = MemoryConfig::default();
+    record_exchange(&mut state, &jobs[0].exchange, &HeuristicExtractor, &config);
+    let claimed = store
+        .claim("consumer", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(claimed.job.id, jobs[0].id);
+    store
+        .commit_jobs(
+            std::slice::from_ref(&jobs[0]),
+            &EncodedState::of(&state).unwrap(),
+            0,
+            &[],
+        )
+        .await
+        .unwrap();
+    let read = store.hot_record(&alice, "s1", None).await.unwrap();
+    assert_eq!(read.version, state.version);
+    assert_eq!(turns(&read), ["b", "c"]);
+    // A failed job is not waiting any more.
+    store
+        .finish(
+            &jobs[1].id,
+            JobState::Failed {
+                reason: "test".into(),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        turns(
+            &store
+                .hot_record(&alice, "s1", Some(state.version))
+                .await
+                .unwrap()
+        ),
+        ["c"]
+    );
+    store.forget_user(&alice).await.unwrap();
+    assert!(
+        store
+            .hot_record(&alice, "s1", None)
+            .await
+            .unwrap()
+            .unapplied
+            .is_empty()
+    );
+    assert_eq!(
+        turns(&store.hot_record(&bob, "s1", None).await.unwrap()),
+        ["bobs"]
+    );
 }
 
 /// A job of session `s1`.
