@@ -103,7 +103,7 @@ async fn run(label: &str, store: Arc<dyn Store>, users: usize, turns: usize, con
         cancel.clone(),
     ));
     let started = Instant::now();
-    worker.start(&tokio::runtime::Handle::current());
+    worker.start(&tokio::runtime::Handle::current(), None);
     while store.queue_depth().await.unwrap() > 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }

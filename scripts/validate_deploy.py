@@ -7,7 +7,7 @@ Kubernetes OpenAPI schemas). Usage: validate_deploy.py ENGRAM_BINARY
 
 Every rendered object is validated strictly (unknown fields rejected) against the oldest
 Kubernetes version the chart supports and the newest the schemas know. The Prometheus Operator
-kinds (ServiceMonitor, PodMonitor) have no bundled schema: they are checked against the strict
+kinds (ServiceMonitor, PodMonitor, PrometheusRule) have no bundled schema: they are checked against the strict
 subsets in scripts/deploy-schemas/, which list only fields of the real CRDs. Each rendered
 config.yaml (with the container's ENGRAM_* variables) goes through `engram serve --check-config`.
 
@@ -40,6 +40,7 @@ EXAMPLE_CHART = ROOT / "helm" / "examples" / "app-with-engram"
 MANIFESTS = ROOT / "deploy" / "kubernetes"
 DASHBOARD = ROOT / "deploy" / "grafana" / "engram-dashboard.json"
 CHART_DASHBOARD = CHART / "dashboards" / "engram-dashboard.json"
+ALERTS = ROOT / "deploy" / "grafana" / "engram-alerts.yaml"
 CRD_SCHEMAS = ROOT / "scripts" / "deploy-schemas"
 
 # The chart's kubeVersion floor (native sidecars) and the newest schemas kubernetes-validate has.
@@ -295,6 +296,7 @@ SCENARIOS = {
     "sidecar_monitoring_and_dashboard": {
         "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}, "namespaceSelector": {"any": True}},
         "dashboard": {"enabled": True, "annotations": {"grafana_folder": "LLM"}, "namespace": "monitoring"},
+        "metrics": {"prometheusRule": {"enabled": True, "labels": {"release": "prom"}, "jobLagSeconds": 2}},
     },
     "sidecar_embedded": {"store": {"backend": "embedded"}, "metrics": {"podAnnotations": False}},
     "standalone_bundled_redis_persistent": {
@@ -329,7 +331,7 @@ SCENARIOS = {
 EXPECTED_KINDS = {
     "sidecar_default": {"ConfigMap": 1, "Deployment": 2, "Service": 1},
     "sidecar_ordinary_container_with_inline_secrets": {"ConfigMap": 1, "Deployment": 2, "Service": 1, "Secret": 1},
-    "sidecar_monitoring_and_dashboard": {"ConfigMap": 2, "Deployment": 2, "Service": 1, "PodMonitor": 1},
+    "sidecar_monitoring_and_dashboard": {"ConfigMap": 2, "Deployment": 2, "Service": 1, "PodMonitor": 1, "PrometheusRule": 1},
     "sidecar_embedded": {"ConfigMap": 1, "Deployment": 1},
     "standalone_bundled_redis_persistent": {"ConfigMap": 1, "Deployment": 2, "Service": 2, "PersistentVolumeClaim": 1},
     "standalone_external_redis": {"ConfigMap": 2, "Deployment": 1, "Service": 1, "ServiceMonitor": 1},
@@ -379,6 +381,26 @@ def chart_scenario(engram: Path, scenario: str) -> None:
             expect(obj["metadata"]["labels"].get("grafana_dashboard") == "1", "dashboard ConfigMap lacks grafana_dashboard: \"1\"")
             expect(obj["data"]["engram-dashboard.json"].strip() == CHART_DASHBOARD.read_text().strip(), "dashboard ConfigMap differs from the file")
             json.loads(obj["data"]["engram-dashboard.json"])
+        if obj["kind"] == "PrometheusRule":
+            prometheus_rule(obj, values["metrics"]["prometheusRule"])
+
+
+def prometheus_rule(obj: dict, values: dict) -> None:
+    """The chart's alerts are the Grafana rules' (deploy/grafana/engram-alerts.yaml), with the
+    chart's thresholds and labels."""
+    expect(obj["metadata"]["labels"].get("release") == values["labels"]["release"], "PrometheusRule lacks its labels")
+    rules = {r["alert"]: r for g in obj["spec"]["groups"] for r in g["rules"]}
+    grafana = yaml.safe_load(ALERTS.read_text())
+    grafana_rules = {r["title"]: r for g in grafana["groups"] for r in g["rules"]}
+    expect(set(rules) == set(grafana_rules), f"alerts {sorted(rules)} differ from Grafana's {sorted(grafana_rules)}")
+    for name, rule in grafana_rules.items():
+        query = next(d["model"]["expr"] for d in rule["data"] if d["refId"] == "A")
+        threshold = next(d["model"]["conditions"][0]["evaluator"]["params"][0] for d in rule["data"] if d["refId"] == "B")
+        if name == "EngramJobLagHigh":
+            expect(rules[name]["expr"] == f"{query} > {values['jobLagSeconds']}", f"{name}: {rules[name]['expr']}")
+            expect(threshold == 1, f"Grafana's {name} threshold is {threshold}, the chart's default 1")
+        else:
+            expect(rules[name]["expr"] == query, f"{name}: {rules[name]['expr']} is not {query}")
 
 
 def chart_rejects(scenario: str) -> None:

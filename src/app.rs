@@ -41,6 +41,9 @@ pub struct Engram {
     worker: Option<Arc<Worker>>,
     /// The worker's own runtime (low-priority threads); `None` without a worker.
     worker_runtime: Option<priority::WorkerRuntime>,
+    /// The catch-up's runtime (normal priority) that bounds the idle worker's lag; `None`
+    /// without a worker at idle priority or with `worker.max_lag_ms: 0`.
+    catch_up_runtime: Option<priority::WorkerRuntime>,
     outbox: Arc<Outbox>,
     token_budget: Option<Arc<TokenBudget>>,
     background: TaskTracker,
@@ -94,6 +97,7 @@ impl Engram {
         let background = TaskTracker::new();
         let cancel = CancellationToken::new();
         let idle_priority = config.worker.idle_priority;
+        let catch_up = idle_priority && config.worker.max_lag_ms > 0;
         let token_budget = TokenBudget::from_config(&config.rate_limits)
             .map(|budget| Arc::new(budget.with_metrics(metrics.rate_limits.clone())));
         let worker = if config.worker.enabled {
@@ -148,10 +152,15 @@ impl Engram {
             Some(_) => Some(priority::worker_runtime(idle_priority)?),
             None => None,
         };
+        let catch_up_runtime = match &worker {
+            Some(_) if catch_up => Some(priority::catch_up_runtime()?),
+            _ => None,
+        };
         Ok(Engram {
             server,
             worker,
             worker_runtime,
+            catch_up_runtime,
             outbox,
             token_budget,
             background,
@@ -175,6 +184,7 @@ impl Engram {
             server,
             worker,
             worker_runtime,
+            catch_up_runtime,
             outbox,
             token_budget,
             background,
@@ -187,7 +197,10 @@ impl Engram {
                 .as_ref()
                 .and_then(priority::WorkerRuntime::handle),
         ) {
-            worker.start(handle);
+            let catch_up = catch_up_runtime
+                .as_ref()
+                .and_then(priority::WorkerRuntime::handle);
+            worker.start(handle, catch_up);
         }
         // The tokenizers load lazily (a few hundred ms, more in a debug build); loaded now, the
         // first requests do not wait for them.

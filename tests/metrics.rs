@@ -1,5 +1,5 @@
 //! `/metrics` through the real binary: traffic on every path moves the metrics it should, and
-//! every metric the Grafana dashboard queries is exported.
+//! every metric the Grafana dashboard and alert rules query is exported.
 
 #![allow(
     clippy::unwrap_used,
@@ -20,6 +20,11 @@ use serde_json::{Value, json};
 const DASHBOARD: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/deploy/grafana/engram-dashboard.json"
+);
+
+const ALERTS: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/deploy/grafana/engram-alerts.yaml"
 );
 
 /// A scraped page: each family's type, and each sample's value by its full series name
@@ -100,6 +105,20 @@ fn dashboard_metrics(scrape: &Scrape) -> BTreeSet<String> {
     let mut queries = Vec::new();
     collect_queries(&dashboard, &mut queries);
     assert!(queries.len() > 20, "{queries:?}");
+    metric_names(scrape, &queries)
+}
+
+/// Every `engram_*` metric the Grafana alert rules query.
+fn alert_metrics(scrape: &Scrape) -> BTreeSet<String> {
+    let alerts: Value = serde_saphyr::from_str(&std::fs::read_to_string(ALERTS).unwrap())
+        .expect("the alert rules are YAML");
+    let mut queries = Vec::new();
+    collect_queries(&alerts, &mut queries);
+    assert_eq!(queries.len(), 2, "{queries:?}");
+    metric_names(scrape, &queries)
+}
+
+fn metric_names(scrape: &Scrape, queries: &[String]) -> BTreeSet<String> {
     let mut names = BTreeSet::new();
     for query in queries {
         let mut rest = query.as_str();
@@ -260,6 +279,16 @@ async fn traffic_moves_the_metrics_and_every_dashboard_metric_is_exported() {
     assert!(
         missing.is_empty(),
         "dashboard metrics not exported: {missing:?}"
+    );
+    let alerted = alert_metrics(&scrape);
+    assert!(alerted.contains("engram_job_lag_seconds"), "{alerted:?}");
+    let missing: Vec<_> = alerted
+        .iter()
+        .filter(|name| !scrape.exports(name))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "alerted metrics not exported: {missing:?}"
     );
 
     // Requests by route, status class and memory outcome.

@@ -112,7 +112,7 @@ async fn run(store: Arc<dyn Store>, turns: u64, timeout: Duration) -> Result<Pre
         tasks.clone(),
         cancel.clone(),
     ));
-    worker.start(&tokio::runtime::Handle::current());
+    worker.start(&tokio::runtime::Handle::current(), None);
     let done = |worker: &Worker| {
         let stats = worker.stats();
         stats.applied.load(Ordering::Relaxed)

@@ -61,6 +61,10 @@ pub struct WorkerConfig {
     /// Run the worker's threads with the idle scheduling policy (Linux), so applying memory
     /// never takes CPU from serving requests.
     pub idle_priority: bool,
+    /// With `idle_priority`: the job lag to keep under. When the idle threads fall behind (every
+    /// core busy, so they get no CPU), a catch-up on a normal-priority thread applies the jobs
+    /// once they have waited half of this. 0 turns the catch-up off.
+    pub max_lag_ms: u64,
 }
 
 impl Default for WorkerConfig {
@@ -74,6 +78,7 @@ impl Default for WorkerConfig {
             cache_users: 4096,
             cache_bytes: 256 * 1024 * 1024,
             idle_priority: true,
+            max_lag_ms: 1000,
         }
     }
 }

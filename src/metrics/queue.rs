@@ -80,8 +80,9 @@ pub(super) struct StatsCollector {
     outbox_jobs: Desc,
     spooled: Desc,
     in_flight: Desc,
-    /// Only with a worker: jobs, conflicts, summarizer refinements.
-    worker_descs: Option<[Desc; 3]>,
+    /// Only with a worker: jobs, conflicts, summarizer refinements, the catch-up's jobs and
+    /// whether it is on.
+    worker_descs: Option<[Desc; 5]>,
 }
 
 impl StatsCollector {
@@ -101,6 +102,16 @@ impl StatsCollector {
                 desc(
                     "engram_summarizer_refined_total",
                     "Background summarizer retries whose diff was applied to an already recorded turn.",
+                    None,
+                )?,
+                desc(
+                    "engram_worker_catch_up_jobs_total",
+                    "Jobs applied by the normal-priority catch-up (worker.max_lag_ms) because the idle-priority worker fell behind; counted in engram_jobs_total too.",
+                    None,
+                )?,
+                desc(
+                    "engram_worker_catch_up_active",
+                    "1 while the catch-up claims the jobs at normal priority (the job lag reached half of worker.max_lag_ms), else 0.",
                     None,
                 )?,
             ]),
@@ -155,7 +166,8 @@ impl Collector for StatsCollector {
             gauge(&self.spooled, self.outbox.spooled()),
             gauge(&self.in_flight, load(&outbox.in_flight)),
         ];
-        if let (Some(worker), Some([jobs, conflicts, refined])) = (&self.worker, &self.worker_descs)
+        if let (Some(worker), Some([jobs, conflicts, refined, catch_up_jobs, catch_up_active])) =
+            (&self.worker, &self.worker_descs)
         {
             let stats = worker.stats();
             families.push(counters(
@@ -170,6 +182,12 @@ impl Collector for StatsCollector {
             ));
             families.push(counters(conflicts, &[""], [load(&stats.conflicts)]));
             families.push(counters(refined, &[""], [load(&stats.summarizer_refined)]));
+            families.push(counters(
+                catch_up_jobs,
+                &[""],
+                [load(&stats.catch_up_applied)],
+            ));
+            families.push(gauge(catch_up_active, load(&stats.catch_up_active)));
         }
         families
     }

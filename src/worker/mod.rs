@@ -18,14 +18,15 @@
 //! after `background_retry_delay_ms`; its grounded diff is then applied to the turn. That retry
 //! lives in memory only: if the process stops first, the heuristic extraction stands.
 
+pub mod lag;
 pub mod outbox;
 pub mod priority;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::{Notify, Semaphore, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -41,6 +42,7 @@ use crate::store::{
 use crate::summarizer::{Summarizer, SummaryFailure, SummarySource};
 use crate::telemetry::{Telemetry, attributes};
 
+use lag::{Claimer, LagGate, Progress};
 pub use outbox::Outbox;
 
 /// Version conflicts tolerated per job before it is left for a later claim.
@@ -65,6 +67,8 @@ pub struct Worker {
     token_budget: Option<Arc<TokenBudget>>,
     metrics: Option<WorkerMetrics>,
     telemetry: Telemetry,
+    /// What the catch-up's monitor reads: both claim loops report their applied jobs.
+    progress: Progress,
 }
 
 #[derive(Debug, Default)]
@@ -79,6 +83,10 @@ pub struct WorkerStats {
     pub summarizer_fallbacks: AtomicU64,
     /// Background summarizer retries whose diff was applied.
     pub summarizer_refined: AtomicU64,
+    /// Jobs applied by the catch-up (see [`lag`]), among `applied`.
+    pub catch_up_applied: AtomicU64,
+    /// 1 while the catch-up claims the jobs, else 0.
+    pub catch_up_active: AtomicU64,
 }
 
 /// Spends the job's estimated summarizer tokens from its tenant's budget; true when the model
@@ -137,6 +145,7 @@ impl Worker {
             token_budget: None,
             metrics: None,
             telemetry: Telemetry::default(),
+            progress: Progress::default(),
         }
     }
 
@@ -162,24 +171,63 @@ impl Worker {
         &self.stats
     }
 
-    /// Starts the claim loop on `runtime` (see [`priority`]); it stops when the cancel token
-    /// fires, and jobs in hand finish. What the worker spawns runs on that runtime too.
-    pub fn start(self: &Arc<Self>, runtime: &tokio::runtime::Handle) {
+    /// Starts the claim loop on `idle` (see [`priority`]) and, with `catch_up` (a
+    /// normal-priority runtime), the catch-up's claim loop and its lag monitor there (see
+    /// [`lag`]). They stop when the cancel token fires, and jobs in hand finish. What each loop
+    /// spawns runs on its own runtime.
+    pub fn start(
+        self: &Arc<Self>,
+        idle: &tokio::runtime::Handle,
+        catch_up: Option<&tokio::runtime::Handle>,
+    ) {
+        let max_lag = Duration::from_millis(self.config.max_lag_ms);
+        let Some(catch_up) = catch_up.filter(|_| !max_lag.is_zero()) else {
+            self.spawn_dispatch(Claimer::Idle, None, idle);
+            return;
+        };
+        let (turns, turn) = watch::channel(Claimer::Idle);
+        self.spawn_dispatch(Claimer::Idle, Some(turn.clone()), idle);
+        self.spawn_dispatch(Claimer::CatchUp, Some(turn), catch_up);
+        let worker = Arc::clone(self);
+        let (idle, cancel) = (idle.clone(), self.cancel.clone());
+        self.tasks.spawn_on(
+            async move { worker.monitor(turns, idle, max_lag, cancel).await },
+            catch_up,
+        );
+    }
+
+    fn spawn_dispatch(
+        self: &Arc<Self>,
+        me: Claimer,
+        turn: Option<watch::Receiver<Claimer>>,
+        runtime: &tokio::runtime::Handle,
+    ) {
         let worker = Arc::clone(self);
         let cancel = self.cancel.clone();
-        self.tasks
-            .spawn_on(async move { worker.dispatch(cancel).await }, runtime);
+        self.tasks.spawn_on(
+            async move { worker.dispatch(me, turn, cancel).await },
+            runtime,
+        );
     }
 
     /// Keeps up to `concurrency` jobs in flight: claims as many as there is room for in one
     /// store call (so they can share commits), and applies each session's run of them on its
-    /// own task.
-    async fn dispatch(self: Arc<Self>, cancel: CancellationToken) {
+    /// own task. With a `turn`, claims only while it names `me`.
+    async fn dispatch(
+        self: Arc<Self>,
+        me: Claimer,
+        mut turn: Option<watch::Receiver<Claimer>>,
+        cancel: CancellationToken,
+    ) {
         let lease = Duration::from_millis(self.config.lease_ms);
         let poll = Duration::from_millis(self.config.poll_interval_ms);
         let room = Arc::new(Semaphore::new(self.config.concurrency));
         let mut backoff = poll;
         loop {
+            tokio::select! {
+                open = turn_is(&mut turn, |claimer| claimer == me) => if !open { return },
+                () = cancel.cancelled() => return,
+            }
             let first = tokio::select! {
                 permit = Arc::clone(&room).acquire_owned() => permit,
                 () = cancel.cancelled() => return,
@@ -200,7 +248,7 @@ impl Worker {
                         let permits: Vec<_> = permits.drain(..held).collect();
                         let worker = Arc::clone(&self);
                         self.tasks.spawn(async move {
-                            worker.process(run).await;
+                            worker.process(run, me).await;
                             drop(permits);
                         });
                     }
@@ -219,13 +267,62 @@ impl Worker {
             tokio::select! {
                 () = self.wake.notified() => {}
                 () = tokio::time::sleep(backoff) => {}
+                // Our turn ended: stop waiting on the wake-ups, they are the other loop's now.
+                _ = turn_is(&mut turn, |claimer| claimer != me) => {}
                 () = cancel.cancelled() => return,
             }
         }
     }
 
-    /// Applies a run of one session's jobs, in order.
-    async fn process(&self, run: Vec<ClaimedJob>) {
+    /// Every [`lag::TICK`]: estimates the job lag, probes whether the idle threads get the CPU,
+    /// and tells the claim loops whose turn it is (see [`LagGate`]).
+    async fn monitor(
+        self: Arc<Self>,
+        turns: watch::Sender<Claimer>,
+        idle: tokio::runtime::Handle,
+        max_lag: Duration,
+        cancel: CancellationToken,
+    ) {
+        let mut gate = LagGate::new(max_lag);
+        let mut probe = Probe::default();
+        let mut ticks = tokio::time::interval(lag::TICK);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => {}
+                () = cancel.cancelled() => return,
+            }
+            let starved = probe.starved(&idle);
+            let depth = match self.store.queue_depth().await {
+                Ok(depth) => depth,
+                Err(error) => {
+                    tracing::debug!(%error, "the lag monitor could not read the queue depth");
+                    continue;
+                }
+            };
+            let now = Instant::now();
+            let lag = self.progress.estimate(depth, now);
+            let claimer = gate.update(lag, starved, now);
+            let changed =
+                turns.send_if_modified(|current| std::mem::replace(current, claimer) != claimer);
+            if changed {
+                let active = claimer == Claimer::CatchUp;
+                self.stats
+                    .catch_up_active
+                    .store(u64::from(active), Ordering::Relaxed);
+                tracing::info!(
+                    claimer = ?claimer,
+                    lag_ms = lag.as_millis() as u64,
+                    depth,
+                    starved,
+                    "update path: claims moved"
+                );
+            }
+        }
+    }
+
+    /// Applies a run of one session's jobs, in order; `me` is the claim loop that claimed it.
+    async fn process(&self, run: Vec<ClaimedJob>, me: Claimer) {
         let mut jobs = Vec::with_capacity(run.len());
         for claimed in run {
             if claimed.attempt > self.config.max_attempts {
@@ -260,6 +357,12 @@ impl Worker {
                     match applied {
                         Applied::Recorded { version } => {
                             self.stats.applied.fetch_add(1, Ordering::Relaxed);
+                            if me == Claimer::CatchUp {
+                                self.stats.catch_up_applied.fetch_add(1, Ordering::Relaxed);
+                            }
+                            if let Some(lag) = lag::turn_lag(&job.exchange.turn_id) {
+                                self.progress.applied(lag, Instant::now());
+                            }
                             if let Some(metrics) = &self.metrics {
                                 metrics.applied(&job.exchange.turn_id);
                             }
@@ -433,6 +536,53 @@ impl Worker {
         Err(Error::Store(format!(
             "memory kept changing: {CONFLICT_RETRIES} version conflicts in a row"
         )))
+    }
+}
+
+/// Waits until `turn` satisfies `is`; at once without a turn. False when the turn's sender is
+/// gone (the worker is stopping).
+async fn turn_is(
+    turn: &mut Option<watch::Receiver<Claimer>>,
+    is: impl Fn(Claimer) -> bool,
+) -> bool {
+    match turn {
+        Some(turn) => turn.wait_for(|claimer| is(*claimer)).await.is_ok(),
+        None => true,
+    }
+}
+
+/// Whether the idle runtime gets the CPU: a task sent there must run within [`lag::PROMPT`].
+#[derive(Default)]
+struct Probe {
+    /// The probe in flight: when it was sent, and where it says when it ran.
+    sent: Option<(Instant, oneshot::Receiver<Instant>)>,
+    starved: bool,
+}
+
+impl Probe {
+    /// Reads the probe in flight and sends the next one once it has answered.
+    fn starved(&mut self, idle: &tokio::runtime::Handle) -> bool {
+        if let Some((sent, mut answer)) = self.sent.take() {
+            match answer.try_recv() {
+                Ok(ran) => self.starved = ran.saturating_duration_since(sent) > lag::PROMPT,
+                Err(oneshot::error::TryRecvError::Empty) => {
+                    self.starved |= sent.elapsed() > lag::PROMPT;
+                    self.sent = Some((sent, answer));
+                }
+                // The idle runtime is shutting down.
+                Err(oneshot::error::TryRecvError::Closed) => {}
+            }
+        }
+        if self.sent.is_none() {
+            let (ran, answer) = oneshot::channel();
+            // Not on the task tracker: a starved runtime may never run it, and shutdown must
+            // not wait for that.
+            drop(idle.spawn(async move {
+                let _ = ran.send(Instant::now());
+            }));
+            self.sent = Some((Instant::now(), answer));
+        }
+        self.starved
     }
 }
 

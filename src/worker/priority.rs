@@ -62,6 +62,21 @@ pub fn worker_runtime(idle: bool) -> Result<WorkerRuntime> {
     Ok(WorkerRuntime(Some(builder.build()?)))
 }
 
+/// The catch-up's runtime (see [`super::lag`]): one async thread and one blocking thread at
+/// normal priority, so it takes a core at most, both passing [`checkpoint`]s as background
+/// threads so a waiting request gets the core within a slice. Normal priority because an
+/// unprivileged thread cannot leave `SCHED_IDLE` once the worker's threads are in it.
+pub fn catch_up_runtime() -> Result<WorkerRuntime> {
+    let runtime = Builder::new_multi_thread()
+        .worker_threads(1)
+        .max_blocking_threads(1)
+        .thread_name("engram-catch-up")
+        .on_thread_start(mark_background)
+        .enable_all()
+        .build()?;
+    Ok(WorkerRuntime(Some(runtime)))
+}
+
 /// How a [`recorder_pool`]'s thread is scheduled.
 #[derive(Clone, Copy)]
 pub enum RecorderPriority {

@@ -1,0 +1,271 @@
+//! Bounding the update path's lag (`worker.max_lag_ms`).
+//!
+//! The worker's `SCHED_IDLE` threads get no CPU while other processes keep every core busy (a
+//! pod sharing a node with its app), and an unprivileged thread cannot leave `SCHED_IDLE` again
+//! (that needs `CAP_SYS_NICE` or an `RLIMIT_NICE` above 0). So the priority is raised by moving
+//! the work instead: a second claim loop, the catch-up, runs on a normal-priority thread of its
+//! own and claims only while this module says so. A monitor on that thread looks every [`TICK`]:
+//!
+//! - the lag: how long the queue has held work without progress (a job applied, the queue seen
+//!   empty or shrinking), or the lag of the last applied job, whichever is more ([`Progress`]);
+//! - whether the idle threads get the CPU at all: a probe task sent to their runtime must run
+//!   within [`PROMPT`].
+//!
+//! [`LagGate`] turns those into who may claim: the catch-up once the lag reaches half the bound
+//! (the other half is for applying the job), until the lag has stayed under a quarter of it and
+//! the idle threads have answered every probe promptly for ten bounds. While they are starved
+//! (a probe was late in the last ten bounds) and the lag is still small, neither claims, so the
+//! idle loop cannot lease jobs it would then hold for seconds, blocking their sessions for the
+//! catch-up.
+
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use crate::pipeline::store_memory::turn_time_micros;
+
+/// How often the monitor looks at the queue and probes the idle threads.
+pub const TICK: Duration = Duration::from_millis(100);
+
+/// The idle threads count as starved when a probe waits longer than this to run. An idle
+/// thread with a free core wakes in microseconds; one behind a busy core waits for seconds.
+pub const PROMPT: Duration = Duration::from_millis(50);
+
+/// How many bounds the calm must last before the catch-up stops, and how long the idle threads
+/// count as starved after a late probe. They get moments of CPU under contention too (another
+/// process blocking briefly), and a job they lease in one may then wait seconds for the next,
+/// its session blocked for the catch-up: a short hold let that happen every few seconds.
+const HOLD_BOUNDS: u32 = 10;
+
+/// Which claim loop may claim jobs now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claimer {
+    /// The worker at idle priority: requests come first.
+    Idle,
+    /// The catch-up at normal priority: the lag reached the bound's half.
+    CatchUp,
+    /// Neither: the idle threads are starved but the jobs can still wait.
+    Neither,
+}
+
+/// Decides who claims from the estimated lag and the idle threads' health, with hysteresis so
+/// the catch-up does not flap on and off with every job.
+#[derive(Debug)]
+pub struct LagGate {
+    engage: Duration,
+    release: Duration,
+    /// How long the calm must last before the catch-up stops.
+    hold: Duration,
+    engaged: bool,
+    calm_since: Option<Instant>,
+    /// When a probe last found the idle threads starved.
+    starved_at: Option<Instant>,
+}
+
+impl LagGate {
+    pub fn new(max_lag: Duration) -> LagGate {
+        LagGate {
+            engage: max_lag / 2,
+            release: max_lag / 4,
+            hold: max_lag * HOLD_BOUNDS,
+            engaged: false,
+            calm_since: None,
+            starved_at: None,
+        }
+    }
+
+    /// Who may claim, given the estimated lag and whether a probe of the idle threads just
+    /// found them starved (which counts for the hold after it was seen).
+    pub fn update(&mut self, lag: Duration, starved_now: bool, now: Instant) -> Claimer {
+        if starved_now {
+            self.starved_at = Some(now);
+        }
+        let starved = self
+            .starved_at
+            .is_some_and(|at| now.saturating_duration_since(at) < self.hold);
+        if !self.engaged {
+            self.engaged = lag >= self.engage;
+            self.calm_since = None;
+        } else if lag < self.release && !starved {
+            let since = *self.calm_since.get_or_insert(now);
+            if now.saturating_duration_since(since) >= self.hold {
+                self.engaged = false;
+                self.calm_since = None;
+            }
+        } else {
+            self.calm_since = None;
+        }
+        match (self.engaged, starved) {
+            (true, _) => Claimer::CatchUp,
+            (false, true) => Claimer::Neither,
+            (false, false) => Claimer::Idle,
+        }
+    }
+}
+
+/// What the monitor knows of the queue's progress; both claim loops report applied jobs.
+#[derive(Debug)]
+pub struct Progress(Mutex<Seen>);
+
+#[derive(Debug)]
+struct Seen {
+    /// The last sign of progress: a job applied, the queue seen empty or shorter.
+    mark: Instant,
+    /// The last applied job's lag; zero once the queue was seen empty after it.
+    behind: Duration,
+    depth: u64,
+}
+
+impl Default for Progress {
+    fn default() -> Self {
+        Progress::new(Instant::now())
+    }
+}
+
+impl Progress {
+    pub fn new(now: Instant) -> Progress {
+        Progress(Mutex::new(Seen {
+            mark: now,
+            behind: Duration::ZERO,
+            depth: 0,
+        }))
+    }
+
+    fn seen(&self) -> std::sync::MutexGuard<'_, Seen> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A job was applied `lag` after its request arrived.
+    pub fn applied(&self, lag: Duration, now: Instant) {
+        let mut seen = self.seen();
+        seen.mark = now;
+        seen.behind = lag;
+    }
+
+    /// The lag of the oldest waiting job, as far as one look at the queue's depth tells: a
+    /// lower bound when jobs were applied meanwhile, never less than the last one's lag.
+    /// Progress made by other processes shows only as a shorter queue.
+    pub fn estimate(&self, depth: u64, now: Instant) -> Duration {
+        let mut seen = self.seen();
+        if depth == 0 {
+            seen.behind = Duration::ZERO;
+        }
+        if depth < seen.depth || depth == 0 {
+            seen.mark = now;
+        }
+        seen.depth = depth;
+        now.saturating_duration_since(seen.mark).max(seen.behind)
+    }
+}
+
+/// How long ago the request of a turn id this proxy made arrived; `None` for other ids.
+pub fn turn_lag(turn_id: &str) -> Option<Duration> {
+    let made = turn_time_micros(turn_id)?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?;
+    // Clock skew between the proxy that made the id and this one: no lag.
+    Some(now.saturating_sub(Duration::from_micros(made)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BOUND: Duration = Duration::from_millis(1000);
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn the_catch_up_starts_at_half_the_bound_and_stops_after_ten_calm_bounds() {
+        let start = Instant::now();
+        let at = |n: u64| start + ms(n);
+        let mut gate = LagGate::new(BOUND);
+        assert_eq!(gate.update(ms(0), false, at(0)), Claimer::Idle);
+        assert_eq!(gate.update(ms(499), false, at(100)), Claimer::Idle);
+        assert_eq!(gate.update(ms(500), false, at(200)), Claimer::CatchUp);
+        // Between a quarter and a half of the bound it keeps going: hysteresis.
+        assert_eq!(gate.update(ms(300), false, at(300)), Claimer::CatchUp);
+        // Calm from 400 ms on; ten bounds later it stops.
+        assert_eq!(gate.update(ms(100), false, at(400)), Claimer::CatchUp);
+        assert_eq!(gate.update(ms(100), false, at(10_399)), Claimer::CatchUp);
+        assert_eq!(gate.update(ms(100), false, at(10_400)), Claimer::Idle);
+        // And starts again only at half the bound.
+        assert_eq!(gate.update(ms(400), false, at(10_500)), Claimer::Idle);
+    }
+
+    #[test]
+    fn a_lag_spike_or_starved_idle_threads_restart_the_calm() {
+        let start = Instant::now();
+        let at = |n: u64| start + ms(n);
+        let mut gate = LagGate::new(BOUND);
+        assert_eq!(gate.update(ms(600), false, at(0)), Claimer::CatchUp);
+        assert_eq!(gate.update(ms(0), false, at(100)), Claimer::CatchUp);
+        // Over a quarter of the bound: the calm starts again.
+        assert_eq!(gate.update(ms(250), false, at(9_000)), Claimer::CatchUp);
+        assert_eq!(gate.update(ms(0), false, at(9_100)), Claimer::CatchUp);
+        assert_eq!(gate.update(ms(0), false, at(19_099)), Claimer::CatchUp);
+        // Starved idle threads too, even with the queue caught up: they could not take over.
+        assert_eq!(gate.update(ms(0), true, at(19_099)), Claimer::CatchUp);
+        // And they count as starved for ten bounds after the last late probe.
+        assert_eq!(gate.update(ms(0), false, at(19_200)), Claimer::CatchUp);
+        assert_eq!(gate.update(ms(0), false, at(29_098)), Claimer::CatchUp);
+        // Calm from 29,099 on.
+        assert_eq!(gate.update(ms(0), false, at(29_099)), Claimer::CatchUp);
+        assert_eq!(gate.update(ms(0), false, at(39_098)), Claimer::CatchUp);
+        assert_eq!(gate.update(ms(0), false, at(39_099)), Claimer::Idle);
+    }
+
+    #[test]
+    fn starved_idle_threads_claim_nothing_until_the_lag_calls_for_the_catch_up() {
+        let start = Instant::now();
+        let at = |n: u64| start + ms(n);
+        let mut gate = LagGate::new(BOUND);
+        assert_eq!(gate.update(ms(0), true, at(0)), Claimer::Neither);
+        assert_eq!(gate.update(ms(200), false, at(200)), Claimer::Neither);
+        // A prompt probe now and then does not hand the jobs back to them.
+        assert_eq!(gate.update(ms(0), false, at(9_999)), Claimer::Neither);
+        assert_eq!(gate.update(ms(0), false, at(10_000)), Claimer::Idle);
+        assert_eq!(gate.update(ms(0), true, at(10_100)), Claimer::Neither);
+        assert_eq!(gate.update(ms(500), false, at(10_600)), Claimer::CatchUp);
+    }
+
+    #[test]
+    fn the_lag_is_the_time_without_progress_or_the_last_jobs_lag() {
+        let start = Instant::now();
+        let at = |n: u64| start + ms(n);
+        let progress = Progress::new(start);
+        assert_eq!(progress.estimate(0, at(100)), ms(0));
+        // Work waits from the last look that saw the queue empty.
+        assert_eq!(progress.estimate(2, at(200)), ms(100));
+        assert_eq!(progress.estimate(3, at(700)), ms(600));
+        // A shorter queue is progress (made here or by another process).
+        assert_eq!(progress.estimate(1, at(800)), ms(0));
+        assert_eq!(progress.estimate(1, at(900)), ms(100));
+        // An applied job is progress, but the queue is as late as that job was.
+        progress.applied(ms(700), at(950));
+        assert_eq!(progress.estimate(1, at(1000)), ms(700));
+        assert_eq!(progress.estimate(1, at(1800)), ms(850));
+        // Until the queue is seen empty.
+        assert_eq!(progress.estimate(0, at(1900)), ms(0));
+        assert_eq!(progress.estimate(1, at(2000)), ms(100));
+    }
+
+    #[test]
+    fn turn_lag_reads_the_turn_ids_time() {
+        let made = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|now| now.saturating_sub(ms(1500)).as_micros())
+            .unwrap_or_default();
+        let lag = turn_lag(&format!("t{made:x}-0000abcd-1"));
+        assert!(
+            lag.is_some_and(|lag| lag >= ms(1500) && lag < ms(60_000)),
+            "{lag:?}"
+        );
+        assert_eq!(turn_lag("turn-1"), None);
+        // A turn made in the future (another proxy's clock): no lag.
+        let future = u128::from(u64::MAX >> 8);
+        assert_eq!(turn_lag(&format!("t{future:x}-0-1")), Some(Duration::ZERO));
+    }
+}
