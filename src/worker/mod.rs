@@ -69,7 +69,15 @@ pub struct Worker {
     telemetry: Telemetry,
     /// What the catch-up's monitor reads: both claim loops report their applied jobs.
     progress: Progress,
+    /// One user's runs of different sessions apply one at a time in this process (a stripe per
+    /// user hash): run side by side they each read the same version and all but one commit
+    /// conflicted, and after a restart with a backlog, eight conflicts in a row left a job to
+    /// wait out its lease.
+    applying: Arc<[tokio::sync::Mutex<()>]>,
 }
+
+/// Stripes of [`Worker::applying`].
+const APPLY_STRIPES: usize = 64;
 
 #[derive(Debug, Default)]
 pub struct WorkerStats {
@@ -146,6 +154,9 @@ impl Worker {
             metrics: None,
             telemetry: Telemetry::default(),
             progress: Progress::default(),
+            applying: (0..APPLY_STRIPES)
+                .map(|_| tokio::sync::Mutex::new(()))
+                .collect(),
         }
     }
 
@@ -412,11 +423,22 @@ impl Worker {
             }
             extractions.push(Precomputed(summary.extraction));
         }
-        let applied = self.apply_with(jobs, &extractions).await?;
+        let applied = {
+            let _user = self.applying_user(&jobs[0].id.user).lock().await;
+            self.apply_with(jobs, &extractions).await?
+        };
         for job in retry {
             self.schedule_refinement(job);
         }
         Ok(applied)
+    }
+
+    /// The stripe of [`Worker::applying`] that `user`'s applies take.
+    fn applying_user(&self, user: &UserKey) -> &tokio::sync::Mutex<()> {
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        std::hash::Hash::hash(user, &mut hasher);
+        let stripe = std::hash::Hasher::finish(&hasher) as usize % self.applying.len();
+        &self.applying[stripe]
     }
 
     /// Asks the summarizer again later and applies its diff to the recorded turn.
