@@ -20,14 +20,16 @@ use crate::pipeline::cache::MemoryCache;
 use crate::pipeline::explain_log::ExplainLog;
 use crate::pipeline::store_memory::StoreMemory;
 use crate::ratelimit::{PRUNE_INTERVAL, TokenBudget};
+use crate::recorder::Recorder;
+use crate::recorder::journal::{self, Journal};
+use crate::recorder::outbox::{MEMORY_SPOOL_JOBS, Outbox, Spool};
 use crate::server::{AppState, Server};
 use crate::store::redis::RedisOptions;
 use crate::store::{EmbeddedStore, RedisStore, Store};
 use crate::summarizer::Summarizer;
 use crate::telemetry::Telemetry;
 use crate::upstream::Upstream;
-use crate::worker::outbox::{MEMORY_SPOOL_JOBS, Spool};
-use crate::worker::{Outbox, Worker, priority};
+use crate::worker::{Worker, priority};
 
 /// Turns whose explanation this process keeps for the management API. Estimated, not measured:
 /// a full 2,048-token block explains ~57 items at ~200 bytes each, so about 10 MB at most.
@@ -123,10 +125,17 @@ impl Engram {
             None
         };
         let explains = Arc::new(ExplainLog::new(EXPLAINED_TURNS));
+        let journal = open_journal(&config.store.data_dir, &outbox)?;
+        let recorder = Recorder::new(
+            Arc::clone(&outbox),
+            Duration::from_millis(config.capture.receipt_wait_ms),
+        )
+        .with_journal(journal)
+        .with_telemetry(telemetry.clone());
         let memory = StoreMemory::new(
             Arc::clone(&store),
             Arc::clone(&cache),
-            Arc::clone(&outbox),
+            recorder,
             memory_config,
             config.identity.clone(),
             config.hot_path_deadline(),
@@ -278,6 +287,32 @@ pub async fn open_store(config: &StoreConfig) -> Result<(Arc<dyn Store>, Spool)>
             Ok((Arc::new(store), Spool::Durable(Arc::new(spool))))
         }
     }
+}
+
+/// The journal of answers released before their recording was durable; reports (log and
+/// metric) the turns the previous process answered and never recorded.
+fn open_journal(data_dir: &std::path::Path, outbox: &Outbox) -> Result<Arc<Journal>> {
+    let journal = Journal::open(data_dir).map_err(|error| Error::Config {
+        path: "store.data_dir".into(),
+        message: format!(
+            "cannot open {} in {}: {error}",
+            journal::FILE_NAME,
+            data_dir.display()
+        ),
+    })?;
+    let lost = journal.unrecorded_at_start();
+    outbox
+        .stats()
+        .unrecorded_at_start
+        .store(lost.len() as u64, std::sync::atomic::Ordering::Relaxed);
+    if !lost.is_empty() {
+        tracing::error!(
+            turns = lost.len(),
+            jobs = %lost.iter().take(20).cloned().collect::<Vec<_>>().join(","),
+            "the previous process stopped with answered turns not yet recorded; they are lost"
+        );
+    }
+    Ok(Arc::new(journal))
 }
 
 async fn open_embedded(

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use common::memory::{applied_turn_ids, export, wait_drained};
+use common::redis::RedisServer;
 use common::{Process, Reply, mock, post_json, proxy};
 use http::Request;
 use http_body_util::{BodyExt, Full};
@@ -230,4 +231,65 @@ async fn sigkill_at_any_moment_loses_no_turn_whose_receipt_said_queued() {
          durable)"
     );
     assert!(queued_total > 0, "no turn was answered before the kills");
+}
+
+/// Answers released `pending` (Redis stalled past `capture.receipt_wait_ms`), then a kill: the
+/// restarted process counts them as answered and never recorded, in a metric and the log.
+#[tokio::test]
+async fn answers_released_pending_and_lost_to_a_kill_are_counted_at_restart() {
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let upstream = mock(&[]);
+    let data = tempfile::tempdir().unwrap();
+    let data_dir = data.path().display().to_string();
+    let url = redis.url();
+    let env = [
+        ("ENGRAM_STORE__DATA_DIR", data_dir.as_str()),
+        ("ENGRAM_STORE__BACKEND", "redis"),
+        ("ENGRAM_STORE__REDIS_URL", url.as_str()),
+        ("ENGRAM_STORE__HOT_PATH_DEADLINE_MS", "200"),
+        ("ENGRAM_CAPTURE__RECEIPT_WAIT_MS", "300"),
+    ];
+    let proxy = proxy(&upstream.address, &env);
+    redis.pause();
+    let mut pending = 0;
+    for turn in 0..3 {
+        let body = json!({
+            "model": "gpt-test",
+            "messages": [{"role": "user", "content": format!("turn {turn}: remember it")}],
+        });
+        let headers = [
+            ("x-engram-tenant", "crash"),
+            ("x-engram-user", "stalled"),
+            ("x-engram-session", "s"),
+        ];
+        let reply = post_json(&proxy.url("/v1/chat/completions"), &body, &headers).await;
+        assert_eq!(reply.status, 200);
+        assert_eq!(receipt(&reply).as_deref(), Some("pending"));
+        pending += 1;
+    }
+    proxy.signal("KILL");
+    drop(proxy);
+    redis.resume();
+
+    let restarted = common::proxy(&upstream.address, &env);
+    let metrics = common::send("GET", &restarted.url("/metrics"), &[], "").await;
+    let page = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        page.contains(&format!("engram_turns_unrecorded_at_start {pending}")),
+        "{page}"
+    );
+    let logged = restarted
+        .wait_for_log(
+            "the previous process stopped with answered turns not yet recorded; they are lost",
+            1,
+        )
+        .await;
+    assert_eq!(logged[0]["fields"]["turns"], pending);
+    drop(restarted);
+    // Counted once: the next start finds nothing.
+    let again = common::proxy(&upstream.address, &env);
+    let metrics = common::send("GET", &again.url("/metrics"), &[], "").await;
+    assert!(String::from_utf8_lossy(&metrics.body).contains("engram_turns_unrecorded_at_start 0"));
 }

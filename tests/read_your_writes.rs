@@ -315,3 +315,49 @@ async fn a_follow_up_while_a_slow_summarizer_works_carries_the_previous_exchange
     assert_eq!(messages[n - 3]["content"], user_text(0, 0));
     assert_eq!(messages[n - 2]["content"], answer_text(&first).as_str());
 }
+
+#[tokio::test]
+async fn an_answer_beside_a_longer_one_of_its_session_ends_at_once_and_is_pending_until_recorded() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let upstream = mock(&[]);
+    let proxy = proxy(&upstream.address, &[RECEIPT_WAIT]);
+    let headers = [
+        ("x-engram-tenant", "ryw"),
+        ("x-engram-user", "solo"),
+        ("x-engram-session", "side"),
+    ];
+    // A stream of 2.4 s, and beside it a short answer of the same session: its recording waits
+    // for the stream's (a session's jobs queue in arrival order), but its answer does not.
+    let url = proxy.url("/v1/chat/completions");
+    let long_body = json!({
+        "model": "gpt-test",
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "stream": true,
+    });
+    let long_url = url.clone();
+    let long = tokio::spawn(async move {
+        let mut with_delay = headers.to_vec();
+        with_delay.extend([("x-mock-chunks", "8"), ("x-mock-chunk-delay-ms", "300")]);
+        post_json(&long_url, &long_body, &with_delay).await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let short_body = json!({
+        "model": "gpt-test",
+        "messages": [{"role": "user", "content": "And what time is it?"}],
+    });
+    let started = std::time::Instant::now();
+    let short = post_json(&url, &short_body, &headers).await;
+    assert!(
+        started.elapsed() < Duration::from_millis(1500),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(header(&short, "x-engram-job-state"), "pending");
+    let job = header(&short, "x-engram-job-id").to_owned();
+    let state =
+        common::memory::admin(&proxy, &format!("/engram/v1/users/solo/jobs/{job}"), "ryw").await;
+    assert_eq!(state.json()["state"], "pending", "{}", state.json());
+    let long = long.await.unwrap();
+    assert_eq!(receipt(&long), "queued");
+    common::memory::wait_applied(&proxy, "ryw", "solo", &short).await;
+}

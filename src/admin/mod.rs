@@ -41,8 +41,9 @@ use crate::memory::{self, ItemRef, Tier};
 use crate::pipeline::cache::{CachedMemory, MemoryCache};
 use crate::pipeline::explain_log::ExplainLog;
 use crate::pipeline::identity::{self, IdentityConfig};
+use crate::recorder::outbox::Outbox;
 use crate::store::{JobId, JobState, Store, UserKey};
-use crate::worker::{Outbox, Worker, edit_memory};
+use crate::worker::{Worker, edit_memory};
 
 use auth::Access;
 pub use auth::{AdminAuth, TENANT_TOKENS_ENV, TENANT_TOKENS_FILE_ENV, TOKEN_ENV};
@@ -360,8 +361,15 @@ impl AdminApi {
             key: key.to_owned(),
         };
         let Some(state) = self.store.job_state(&id).await? else {
+            // Answered by this process and on its way to the store.
+            if self.outbox.is_recording(&id) {
+                return Ok(json_response(
+                    StatusCode::OK,
+                    &json!({ "job": id.key, "state": "pending" }),
+                ));
+            }
             return Err(Error::ResourceNotFound(format!(
-                "No job {} for this user (it may not be recorded yet).",
+                "No job {} for this user (another replica may still be recording it).",
                 id.key
             )));
         };

@@ -28,8 +28,9 @@ use prometheus::{
 };
 
 use crate::error::{Error, Result};
+use crate::recorder::outbox::Outbox;
 use crate::store::Store;
-use crate::worker::{Outbox, Worker};
+use crate::worker::Worker;
 
 pub use http::{FirstFrame, HttpMetrics, Route, Timing};
 pub use memory::MemoryMetrics;

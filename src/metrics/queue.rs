@@ -12,8 +12,9 @@ use prometheus::{Histogram, Registry};
 
 use super::{LAG_BUCKETS, STORE_BUCKETS, histogram, metrics_error};
 use crate::error::Result;
-use crate::pipeline::store_memory::turn_time_micros;
-use crate::worker::{Outbox, Worker};
+use crate::recorder::ids::turn_time_micros;
+use crate::recorder::outbox::Outbox;
+use crate::worker::Worker;
 
 /// The worker's own observations.
 #[derive(Clone)]
@@ -80,6 +81,7 @@ pub(super) struct StatsCollector {
     outbox_jobs: Desc,
     spooled: Desc,
     in_flight: Desc,
+    unrecorded_at_start: Desc,
     /// Only with a worker: jobs, conflicts, summarizer refinements, the catch-up's jobs and
     /// whether it is on.
     worker_descs: Option<[Desc; 5]>,
@@ -135,6 +137,11 @@ impl StatsCollector {
                 "Answered exchanges not yet durable as jobs.",
                 None,
             )?,
+            unrecorded_at_start: desc(
+                "engram_turns_unrecorded_at_start",
+                "Turns the previous process answered (receipt pending or lost) and never recorded: lost by a crash or a failing store before this start.",
+                None,
+            )?,
             worker_descs,
         })
     }
@@ -142,7 +149,12 @@ impl StatsCollector {
 
 impl Collector for StatsCollector {
     fn desc(&self) -> Vec<&Desc> {
-        let mut descs = vec![&self.outbox_jobs, &self.spooled, &self.in_flight];
+        let mut descs = vec![
+            &self.outbox_jobs,
+            &self.spooled,
+            &self.in_flight,
+            &self.unrecorded_at_start,
+        ];
         if let Some(worker) = &self.worker_descs {
             descs.extend(worker.iter());
         }
@@ -165,6 +177,7 @@ impl Collector for StatsCollector {
             ),
             gauge(&self.spooled, self.outbox.spooled()),
             gauge(&self.in_flight, load(&outbox.in_flight)),
+            gauge(&self.unrecorded_at_start, load(&outbox.unrecorded_at_start)),
         ];
         if let (Some(worker), Some([jobs, conflicts, refined, catch_up_jobs, catch_up_active])) =
             (&self.worker, &self.worker_descs)
@@ -265,7 +278,7 @@ mod tests {
     async fn outbox_counts_are_exported_as_they_are_when_scraped() {
         let dir = tempfile::tempdir().unwrap();
         let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(dir.path()).unwrap());
-        let spool = crate::worker::outbox::Spool::Memory {
+        let spool = crate::recorder::outbox::Spool::Memory {
             store: Arc::new(EmbeddedStore::in_memory().unwrap()),
             capacity: 10,
         };
@@ -278,7 +291,14 @@ mod tests {
             .unwrap();
         outbox.stats().queued.store(3, Ordering::Relaxed);
         outbox.stats().lost.store(1, Ordering::Relaxed);
-        let _recording = outbox.recording();
+        let _recording = outbox.recording(&crate::store::JobId {
+            user: crate::store::UserKey::new("t", "u"),
+            key: "k".into(),
+        });
+        outbox
+            .stats()
+            .unrecorded_at_start
+            .store(2, Ordering::Relaxed);
         let mut page = Vec::new();
         TextEncoder::new()
             .encode(&registry.gather(), &mut page)
@@ -291,6 +311,7 @@ mod tests {
         assert!(page.contains("engram_outbox_jobs_total{result=\"lost\"} 1"));
         assert!(page.contains("engram_recordings_in_flight 1"));
         assert!(page.contains("engram_outbox_spooled_jobs 0"));
+        assert!(page.contains("engram_turns_unrecorded_at_start 2"));
         // No worker in this process: no worker series.
         assert!(!page.contains("engram_jobs_total"));
     }

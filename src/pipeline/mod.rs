@@ -10,22 +10,16 @@
 pub mod cache;
 pub mod explain_log;
 pub mod identity;
-pub mod order;
 pub mod store_memory;
-
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::Arc;
 
 use http::HeaderMap;
 use serde::Serialize;
 
 use crate::error::Error;
+pub use crate::future::BoxFuture;
 use crate::memory::BlockTokens;
-use crate::openai::{AssistantMessage, ChatRequest, OutgoingMessage};
-use crate::store::JobId;
-
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+use crate::openai::{ChatRequest, OutgoingMessage};
+pub use crate::recorder::{Capture, Exchange, Incomplete, Receipt, RecordPlan, log_capture};
 
 /// What the memory phase did to a request; rendered as `x-engram-*` response headers.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -61,28 +55,6 @@ pub struct MemoryMeasures {
     pub retrieval_hits: u32,
 }
 
-/// Everything the recorder needs that the hot path already resolved.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RecordPlan {
-    pub session: String,
-    /// The exchange's id, returned to the client as `x-engram-turn-id`.
-    pub turn_id: String,
-    /// When the request arrived (µs since the epoch); orders the session's jobs across
-    /// replicas ([`crate::memory::ExchangeInput::arrival`]).
-    pub arrival_us: u64,
-    /// The job the exchange becomes (with the user it belongs to); its key hashes the
-    /// exchange's identity, so a replayed exchange maps to the same job and applies once.
-    pub job: JobId,
-    pub event_time: Option<String>,
-    /// The chain link of the conversation the client sent (full-history clients).
-    pub prior_chain: Option<u64>,
-    /// The request's place in its session's order; the recorder enqueues in that order.
-    pub ticket: Option<Arc<order::Ticket>>,
-    /// The turn's arrival note in the store (the order across replicas); ended when the
-    /// request ends without a recording.
-    pub arrival: Option<Arc<order::Arrival>>,
-}
-
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MemoryOutcome {
@@ -101,77 +73,6 @@ impl MemoryOutcome {
             MemoryOutcome::Injected => "injected",
             MemoryOutcome::Skipped => "skipped",
             MemoryOutcome::Degraded => "degraded",
-        }
-    }
-}
-
-/// Why a capture is not the whole answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Incomplete {
-    /// The client went away before the response ended.
-    ClientDisconnected,
-    /// The upstream connection failed or went idle past the read timeout mid-body.
-    UpstreamFailed,
-    /// The recorder fell behind the client and frames were not copied.
-    TeeOverflow,
-    /// The response was larger than `capture.max_response_bytes`.
-    TooLarge,
-    /// The body could not be read as a completion (bad JSON, or a stream without `[DONE]`).
-    Malformed,
-}
-
-/// The assistant's answer as the recorder saw it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Capture {
-    pub message: AssistantMessage,
-    /// `None` when the whole response arrived and was read.
-    pub incomplete: Option<Incomplete>,
-    pub streamed: bool,
-}
-
-/// One request and its captured answer, handed to the recorder.
-#[derive(Debug)]
-pub struct Exchange {
-    /// The request as the client sent it (before any rewrite).
-    pub request: ChatRequest,
-    pub client_headers: HeaderMap,
-    pub capture: Capture,
-    pub record: Option<RecordPlan>,
-    /// Told how far the recording got, once it is durable (or failed); the end of the answer
-    /// waits for it (see [`Receipt`]).
-    pub receipt: Option<tokio::sync::oneshot::Sender<Receipt>>,
-}
-
-/// How far an exchange's recording had got when the end of its answer went to the client:
-/// the `state` of a stream's closing receipt comment and the `x-engram-job-state` header.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Receipt {
-    /// Durable in the store (fsynced on the embedded store; acknowledged by Redis and the
-    /// replicas `store.redis.wait_replicas` asks for): the next request of the session sees
-    /// it, and a crash does not lose it.
-    Queued,
-    /// Durable in the local spool (the Redis backend's spool file); the store gets it once it
-    /// answers again.
-    Spooled,
-    /// Not durable yet: the store did not take it within `capture.receipt_wait_ms`, or only
-    /// the in-memory spool did. The recording goes on after the answer.
-    Pending,
-    /// Neither the store nor the spool took it.
-    Lost,
-    /// Nothing to record (an empty exchange).
-    Unrecorded,
-}
-
-impl Receipt {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Receipt::Queued => "queued",
-            Receipt::Spooled => "spooled",
-            Receipt::Pending => "pending",
-            Receipt::Lost => "lost",
-            Receipt::Unrecorded => "unrecorded",
         }
     }
 }
@@ -211,20 +112,4 @@ impl MemoryLayer for NoMemory {
         log_capture(&exchange);
         Box::pin(std::future::ready(()))
     }
-}
-
-/// One debug line per captured exchange: sizes and state, never the text itself.
-pub fn log_capture(exchange: &Exchange) {
-    let capture = &exchange.capture;
-    tracing::debug!(
-        model = %exchange.request.model,
-        streamed = capture.streamed,
-        complete = capture.incomplete.is_none(),
-        incomplete = capture.incomplete.map(|reason| format!("{reason:?}")),
-        content_chars = capture.message.content.chars().count(),
-        tool_calls = capture.message.tool_calls.len(),
-        finish_reason = capture.message.finish_reason.as_deref(),
-        completion_tokens = capture.message.usage.map(|usage| usage.completion_tokens),
-        "exchange captured"
-    );
 }

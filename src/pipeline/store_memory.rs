@@ -4,11 +4,10 @@
 //! deadline → the user's cached memory and index (rebuilt only when the version moved) →
 //! `memory::compose`. Any store trouble sends the request upstream without memory (fail open).
 //!
-//! Recorder: the captured exchange becomes a durable job through the [`Outbox`]; the worker
-//! applies it later.
+//! Recording: handed to the [`Recorder`] (the captured exchange becomes a durable job in the
+//! session's tail); the worker applies it later.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -19,22 +18,20 @@ use tokio_util::task::TaskTracker;
 use super::cache::{CachedMemory, MemoryCache};
 use super::explain_log::ExplainLog;
 use super::identity::{self, IdentityConfig, RequestIdentity};
-use super::order::{Arrival, SessionOrder};
-use super::{
-    BoxFuture, Exchange, MemoryLayer, MemoryMeasures, MemoryOutcome, Receipt, RecordPlan, Rewrite,
-    log_capture,
-};
+use super::{BoxFuture, Exchange, MemoryLayer, MemoryMeasures, MemoryOutcome, RecordPlan, Rewrite};
 use crate::error::Error;
-use crate::memory::{self, ComposeRequest, ExchangeInput, MemoryConfig, MemoryState};
+use crate::memory::{self, ComposeRequest, MemoryConfig, MemoryState};
 use crate::openai::ChatRequest;
-use crate::store::{Job, JobId, MemoryUpdate, Store, UserKey};
+use crate::recorder::Recorder;
+use crate::recorder::ids::{TurnIds, job_key, now_micros};
+use crate::recorder::order::{Arrival, SessionOrder};
+use crate::store::{JobId, MemoryUpdate, Store, UserKey};
 use crate::telemetry::Telemetry;
-use crate::worker::Outbox;
 
 pub struct StoreMemory {
     store: Arc<dyn Store>,
     cache: Arc<MemoryCache>,
-    outbox: Arc<Outbox>,
+    recorder: Recorder,
     config: Arc<MemoryConfig>,
     identity: IdentityConfig,
     deadline: Duration,
@@ -54,7 +51,7 @@ impl StoreMemory {
     pub fn new(
         store: Arc<dyn Store>,
         cache: Arc<MemoryCache>,
-        outbox: Arc<Outbox>,
+        recorder: Recorder,
         config: Arc<MemoryConfig>,
         identity: IdentityConfig,
         deadline: Duration,
@@ -63,7 +60,7 @@ impl StoreMemory {
         StoreMemory {
             store,
             cache,
-            outbox,
+            recorder,
             config,
             identity,
             deadline,
@@ -152,7 +149,7 @@ impl StoreMemory {
         let user = UserKey::new(identity.tenant, identity.user);
         let session = identity.session;
         let turn_id = self.turn_ids.next();
-        let arrival_us = super::cache::first_version();
+        let arrival_us = now_micros();
         let plan = resolved.records().then(|| RecordPlan {
             job: JobId {
                 key: job_key(&user, &session, &turn_id),
@@ -328,75 +325,7 @@ impl MemoryLayer for StoreMemory {
     }
 
     fn record(&self, exchange: Exchange) -> BoxFuture<'static, ()> {
-        log_capture(&exchange);
-        let outbox = Arc::clone(&self.outbox);
-        let in_flight = exchange.record.is_some().then(|| outbox.recording());
-        let telemetry = self.telemetry.clone();
-        let mut receipt = exchange.receipt;
-        Box::pin(async move {
-            let _in_flight = in_flight;
-            let Some(mut plan) = exchange.record else {
-                return;
-            };
-            let _span = telemetry.child("engram.memory.record");
-            // Released (dropped) only after the enqueue, so the session's next recording
-            // queues after this one.
-            let ticket = plan.ticket.take();
-            let arrival = plan.arrival.take();
-            if let Some(ticket) = &ticket
-                && !ticket.is_turn()
-            {
-                // An earlier request of the session is still going (a concurrent request, not
-                // a follow-up): its answer may take minutes, so this one ends now, not yet
-                // recorded, rather than wait for it.
-                if let Some(receipt) = receipt.take() {
-                    let _ = receipt.send(Receipt::Pending);
-                }
-            }
-            if let Some(ticket) = &ticket
-                && !ticket.wait_turn().await
-            {
-                tracing::warn!("an earlier recording of this session is stuck; queueing anyway");
-            }
-            let user_text = exchange
-                .request
-                .last_user_message()
-                .map(|message| message.text())
-                .unwrap_or_default();
-            let assistant_text = exchange.capture.message.content;
-            if user_text.trim().is_empty() && assistant_text.trim().is_empty() {
-                if let Some(receipt) = receipt {
-                    let _ = receipt.send(Receipt::Unrecorded);
-                }
-                return;
-            }
-            let job = Job {
-                id: plan.job,
-                exchange: ExchangeInput {
-                    session_id: plan.session,
-                    turn_id: plan.turn_id,
-                    user_text,
-                    assistant_text,
-                    event_time: plan.event_time,
-                    prior_chain: plan.prior_chain,
-                    incomplete: exchange.capture.incomplete.is_some(),
-                    arrival: Some(plan.arrival_us),
-                },
-                trace: telemetry.current_trace_parent(),
-            };
-            // The enqueue ends the arrival note (or, spooled, keeps holding the session's
-            // later jobs until it is forwarded).
-            if let Some(arrival) = &arrival {
-                arrival.recorded();
-            }
-            let recorded = outbox.submit(job).await;
-            // The session's next recording may go now; then the client may have the end of
-            // the answer.
-            drop(ticket);
-            if let Some(receipt) = receipt {
-                let _ = receipt.send(recorded);
-            }
-        })
+        self.recorder.record(exchange)
     }
 }
 
@@ -417,111 +346,5 @@ fn degraded(reason: &'static str, turn_id: String, plan: Option<RecordPlan>) -> 
         turn_id: Some(turn_id),
         record: plan,
         ..Rewrite::default()
-    }
-}
-
-/// The job key of an exchange: a hash of what identifies it (tenant, user, session, turn id),
-/// so recording the same exchange twice queues one job.
-pub fn job_key(user: &UserKey, session: &str, turn_id: &str) -> String {
-    let fields = [user.tenant.as_str(), user.user.as_str(), session, turn_id];
-    let mut high = FNV_OFFSET;
-    let mut low = FNV_OFFSET ^ 0x9e37_79b9_7f4a_7c15;
-    for field in fields {
-        // Length-prefixed, so ("ab", "c") and ("a", "bc") differ.
-        for bytes in [&(field.len() as u64).to_le_bytes()[..], field.as_bytes()] {
-            high = fnv1a(high, bytes);
-            low = fnv1a(low, bytes);
-        }
-        low = low.rotate_left(17);
-    }
-    format!("{high:016x}{low:016x}")
-}
-
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-
-fn fnv1a(mut hash: u64, bytes: &[u8]) -> u64 {
-    for &byte in bytes {
-        hash ^= u64::from(byte);
-        hash = hash.wrapping_mul(0x0100_0000_01b3);
-    }
-    hash
-}
-
-/// Turn ids unique across processes and restarts: the time the id was made, a per-process
-/// nonce and a counter (`t<micros>-<nonce>-<n>`), all in hex. The time tells the worker's job
-/// lag metric when the request arrived (see [`turn_time_micros`]).
-struct TurnIds {
-    nonce: u32,
-    counter: AtomicU64,
-}
-
-impl TurnIds {
-    fn new() -> TurnIds {
-        let started = super::cache::first_version();
-        let nonce = fnv1a(
-            FNV_OFFSET,
-            format!("{}:{started}", std::process::id()).as_bytes(),
-        );
-        TurnIds {
-            nonce: (nonce >> 32) as u32 ^ nonce as u32,
-            counter: AtomicU64::new(0),
-        }
-    }
-
-    fn next(&self) -> String {
-        let n = self.counter.fetch_add(1, Ordering::Relaxed);
-        format!(
-            "t{:x}-{:08x}-{n:x}",
-            super::cache::first_version(),
-            self.nonce
-        )
-    }
-}
-
-/// When a turn id made by this proxy was made (its request's arrival), in microseconds since
-/// the Unix epoch; `None` for any other id.
-pub fn turn_time_micros(turn_id: &str) -> Option<u64> {
-    let (micros, _) = turn_id.strip_prefix('t')?.split_once('-')?;
-    u64::from_str_radix(micros, 16).ok()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_turn_id_tells_when_it_was_made() {
-        let before = super::super::cache::first_version();
-        let id = TurnIds::new().next();
-        let after = super::super::cache::first_version();
-        let made = turn_time_micros(&id).unwrap();
-        assert!(before <= made && made <= after, "{id}");
-        assert_eq!(turn_time_micros("turn-1"), None);
-        assert_eq!(turn_time_micros("t-1"), None);
-    }
-
-    #[test]
-    fn job_keys_depend_on_every_field_and_their_boundaries() {
-        let user = UserKey::new("t", "u");
-        let base = job_key(&user, "s", "turn");
-        assert_eq!(base, job_key(&user, "s", "turn"));
-        assert_eq!(base.len(), 32);
-        assert_ne!(base, job_key(&UserKey::new("t2", "u"), "s", "turn"));
-        assert_ne!(base, job_key(&UserKey::new("t", "u2"), "s", "turn"));
-        assert_ne!(base, job_key(&user, "s2", "turn"));
-        assert_ne!(base, job_key(&user, "s", "turn2"));
-        assert_ne!(
-            job_key(&UserKey::new("ab", "c"), "s", "t"),
-            job_key(&UserKey::new("a", "bc"), "s", "t")
-        );
-    }
-
-    #[test]
-    fn turn_ids_do_not_repeat() {
-        let ids = TurnIds::new();
-        let mut seen = std::collections::HashSet::new();
-        for _ in 0..1000 {
-            assert!(seen.insert(ids.next()));
-        }
     }
 }

@@ -12,11 +12,11 @@ use hyper::body::Incoming;
 use tokio::sync::oneshot;
 
 use super::AppState;
-use super::tee::{self, PrefixedBody, ReceiptWait, TeeBody, TeeOptions};
 use crate::error::{BodyError, Error, ProxyBody, full_body};
 use crate::metrics::{Route, Timing};
 use crate::openai::ChatRequest;
 use crate::pipeline::{Exchange, Receipt, Rewrite};
+use crate::recorder::tee::{self, PrefixedBody, ReceiptWait, TeeBody, TeeOptions};
 use crate::telemetry::{self, RequestTrace};
 use crate::upstream::without_hop_by_hop;
 
@@ -102,7 +102,9 @@ async fn proxy(
         }
         None => (None, None),
     };
-    let max_wait = Duration::from_millis(state.config.capture.receipt_wait_ms);
+    // The recorder releases the answer at `receipt_wait_ms` (noting it in its journal); this
+    // later bound only covers a recorder that never answers.
+    let max_wait = Duration::from_millis(state.config.capture.receipt_wait_ms) + RECEIPT_BACKSTOP;
     let stream_receipt = match (&rewrite.record, receipt) {
         (Some(plan), Some(recorded)) if event_stream => Some(ReceiptWait {
             recorded,
@@ -166,6 +168,9 @@ async fn proxy(
     state.metrics.http.observe(Route::ChatCompletions, &timing);
     Ok(Response::from_parts(response_parts, body))
 }
+
+/// How much longer than `capture.receipt_wait_ms` an answer's end waits for the recorder.
+const RECEIPT_BACKSTOP: Duration = Duration::from_secs(1);
 
 /// A recorded answer that is not a stream: read whole (it is one JSON value), then sent once
 /// its recording is durable or `max_wait` ran out, with the receipt. One larger than

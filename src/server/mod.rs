@@ -4,7 +4,6 @@
 mod chat;
 mod passthrough;
 mod router;
-pub mod tee;
 
 use std::convert::Infallible;
 use std::future::Future;

@@ -27,8 +27,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::future::BoxFuture;
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
-use crate::pipeline::BoxFuture;
 use crate::telemetry::TraceParent;
 
 pub use self::redis::{RedisOptions, RedisStore};

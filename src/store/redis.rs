@@ -43,8 +43,8 @@ use super::{
     now_ms,
 };
 use crate::error::{Error, Result};
+use crate::future::BoxFuture;
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
-use crate::pipeline::BoxFuture;
 use crate::telemetry::TraceParent;
 use crate::worker::priority::{self, RecorderPriority, WorkerRuntime};
 

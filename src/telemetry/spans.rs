@@ -13,7 +13,8 @@ use serde_json::json;
 use super::{Telemetry, Tracing, propagation};
 use crate::error::Error;
 use crate::openai::ChatRequest;
-use crate::pipeline::{Capture, Incomplete, MemoryOutcome, Rewrite};
+use crate::pipeline::{MemoryOutcome, Rewrite};
+use crate::recorder::{Capture, Incomplete};
 
 /// Attribute names: the OpenTelemetry semantic conventions' (GenAI, HTTP, error) and engram's.
 pub mod attributes {

@@ -21,7 +21,7 @@
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::pipeline::store_memory::turn_time_micros;
+use crate::recorder::ids::turn_time_micros;
 
 /// How often the monitor looks at the queue and probes the idle threads.
 pub const TICK: Duration = Duration::from_millis(100);

@@ -19,7 +19,6 @@
 //! lives in memory only: if the process stops first, the heuristic extraction stands.
 
 pub mod lag;
-pub mod outbox;
 pub mod priority;
 
 use std::sync::Arc;
@@ -43,7 +42,6 @@ use crate::summarizer::{Summarizer, SummaryFailure, SummarySource};
 use crate::telemetry::{Telemetry, attributes};
 
 use lag::{Claimer, LagGate, Progress};
-pub use outbox::Outbox;
 
 /// Version conflicts tolerated per job before it is left for a later claim.
 const CONFLICT_RETRIES: u32 = 8;

@@ -14,11 +14,11 @@ use hyper::body::Incoming;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, Sleep};
 
+use super::{Capture, Incomplete, Receipt};
 use crate::error::BodyError;
 use crate::metrics::FirstFrame;
 use crate::openai::sse::UsageStripper;
 use crate::openai::{AssistantMessage, StreamAccumulator};
-use crate::pipeline::{Capture, Incomplete, Receipt};
 
 /// The first reason the capture became incomplete, shared by the tee and the recorder.
 #[derive(Debug, Default)]

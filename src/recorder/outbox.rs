@@ -8,16 +8,17 @@
 //! would be on the very disk that is failing, so it is in memory, bounded by
 //! [`MEMORY_SPOOL_JOBS`]: a recording survives a full or failing disk, not a crash during it.
 
-use std::sync::Arc;
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use super::Receipt;
 use crate::error::Result;
-use crate::pipeline::Receipt;
-use crate::store::{ForgetReport, Job, Store, UserKey};
+use crate::store::{ForgetReport, Job, JobId, Store, UserKey};
 
 /// Enqueue attempts before a job goes to the spool.
 const ATTEMPTS: u32 = 3;
@@ -64,6 +65,8 @@ pub struct Outbox {
     /// Wakes the forwarder when a job was spooled.
     spooled_signal: Notify,
     stats: OutboxStats,
+    /// The jobs of the recordings in flight.
+    recording: Mutex<HashSet<JobId>>,
 }
 
 #[derive(Debug, Default)]
@@ -74,6 +77,9 @@ pub struct OutboxStats {
     pub spooled: AtomicU64,
     pub forwarded: AtomicU64,
     pub lost: AtomicU64,
+    /// Turns the previous process answered before their recording was durable and never
+    /// recorded (see `recorder::journal`).
+    pub unrecorded_at_start: AtomicU64,
 }
 
 impl Outbox {
@@ -88,6 +94,7 @@ impl Outbox {
             queued,
             spooled_signal: Notify::new(),
             stats: OutboxStats::default(),
+            recording: Mutex::default(),
         }
     }
 
@@ -95,11 +102,27 @@ impl Outbox {
         &self.stats
     }
 
-    /// Counts a recording as in flight until the guard drops (the admin API reports it, so
-    /// "nothing in flight and the queue empty" means every answered turn is applied).
-    pub fn recording(self: &Arc<Self>) -> InFlight {
+    /// Counts the recording of `job` as in flight until the guard drops (the admin API reports
+    /// it, so "nothing in flight and the queue empty" means every answered turn is applied, and
+    /// answers `pending` for the job meanwhile).
+    pub fn recording(self: &Arc<Self>, job: &JobId) -> InFlight {
         self.stats.in_flight.fetch_add(1, Ordering::AcqRel);
-        InFlight(Arc::clone(self))
+        self.recording
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(job.clone());
+        InFlight {
+            outbox: Arc::clone(self),
+            job: job.clone(),
+        }
+    }
+
+    /// Whether `job` is being recorded by this process (answered, not yet in the store).
+    pub fn is_recording(&self, job: &JobId) -> bool {
+        self.recording
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(job)
     }
 
     /// Whether the recordings in flight have passed [`MAX_RECORDINGS_IN_FLIGHT`].
@@ -237,11 +260,19 @@ impl Outbox {
 }
 
 /// A recording in flight; see [`Outbox::recording`].
-pub struct InFlight(Arc<Outbox>);
+pub struct InFlight {
+    outbox: Arc<Outbox>,
+    job: JobId,
+}
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.stats.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.outbox
+            .recording
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.job);
+        self.outbox.stats.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -279,7 +310,7 @@ mod tests {
             Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::new(Notify::new())).await);
         let user = UserKey::new("t", "u");
         let mut recordings: Vec<InFlight> = (0..MAX_RECORDINGS_IN_FLIGHT)
-            .map(|_| outbox.recording())
+            .map(|n| outbox.recording(&job(&user, &format!("r{n}")).id))
             .collect();
         // At the bound: the store takes it.
         outbox.submit(job(&user, "at-bound")).await;
@@ -287,7 +318,7 @@ mod tests {
         assert_eq!(outbox.spooled(), 0);
 
         // Past it: the spool does, at once, and the forwarder moves it on later.
-        recordings.push(outbox.recording());
+        recordings.push(outbox.recording(&job(&user, "past").id));
         tokio::time::timeout(
             Duration::from_secs(1),
             outbox.submit(job(&user, "past-bound")),

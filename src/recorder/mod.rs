@@ -1,0 +1,321 @@
+//! The recorder: everything between the end of an answer and the exchange being durable in
+//! the session's tail, in one place.
+//!
+//! - [`tee`]: the response body filter; frames go to the client untouched and a copy to the
+//!   recorder, and the end of a recorded answer waits for its [`Receipt`];
+//! - [`order`]: a session's recordings enqueue in the order its requests arrived;
+//! - [`outbox`]: the enqueue, retried, with the local spool when the store will not take it;
+//! - [`journal`]: answers released before their recording was durable, so a restart can say how
+//!   many a crash took;
+//! - [`Recorder::record`]: captured exchange → job → outbox → receipt.
+//!
+//! The job a recording becomes is in the store's queue, which the hot path reads as the
+//! session's unapplied tail (`store::HotRecord::unapplied`): once the receipt says `queued`, the
+//! session's next request carries the exchange, on any replica, whatever the worker's lag.
+//!
+//! Imports point down: the recorder uses the store, the memory engine's input type, the OpenAI
+//! wire types and telemetry; the hot path (`pipeline`) and the server use the recorder.
+
+pub mod ids;
+pub mod journal;
+pub mod order;
+pub mod outbox;
+pub mod tee;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::HeaderMap;
+use serde::Serialize;
+
+use self::journal::Journal;
+use self::order::{Arrival, Ticket};
+use self::outbox::Outbox;
+use crate::future::BoxFuture;
+use crate::memory::ExchangeInput;
+use crate::openai::{AssistantMessage, ChatRequest};
+use crate::store::{Job, JobId};
+use crate::telemetry::Telemetry;
+
+/// Everything the recorder needs that the hot path already resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecordPlan {
+    pub session: String,
+    /// The exchange's id, returned to the client as `x-engram-turn-id`.
+    pub turn_id: String,
+    /// When the request arrived (µs since the epoch); orders the session's jobs across
+    /// replicas ([`crate::memory::ExchangeInput::arrival`]).
+    pub arrival_us: u64,
+    /// The job the exchange becomes (with the user it belongs to); its key hashes the
+    /// exchange's identity, so a replayed exchange maps to the same job and applies once.
+    pub job: JobId,
+    pub event_time: Option<String>,
+    /// The chain link of the conversation the client sent (full-history clients).
+    pub prior_chain: Option<u64>,
+    /// The request's place in its session's order; the recorder enqueues in that order.
+    pub ticket: Option<Arc<Ticket>>,
+    /// The turn's arrival note in the store (the order across replicas); ended when the
+    /// request ends without a recording.
+    pub arrival: Option<Arc<Arrival>>,
+}
+
+/// Why a capture is not the whole answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Incomplete {
+    /// The client went away before the response ended.
+    ClientDisconnected,
+    /// The upstream connection failed or went idle past the read timeout mid-body.
+    UpstreamFailed,
+    /// The recorder fell behind the client and frames were not copied.
+    TeeOverflow,
+    /// The response was larger than `capture.max_response_bytes`.
+    TooLarge,
+    /// The body could not be read as a completion (bad JSON, or a stream without `[DONE]`).
+    Malformed,
+}
+
+/// The assistant's answer as the recorder saw it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Capture {
+    pub message: AssistantMessage,
+    /// `None` when the whole response arrived and was read.
+    pub incomplete: Option<Incomplete>,
+    pub streamed: bool,
+}
+
+/// One request and its captured answer, handed to the recorder.
+#[derive(Debug)]
+pub struct Exchange {
+    /// The request as the client sent it (before any rewrite).
+    pub request: ChatRequest,
+    pub client_headers: HeaderMap,
+    pub capture: Capture,
+    pub record: Option<RecordPlan>,
+    /// Told how far the recording got, once it is durable (or failed); the end of the answer
+    /// waits for it (see [`Receipt`]).
+    pub receipt: Option<tokio::sync::oneshot::Sender<Receipt>>,
+}
+
+/// How far an exchange's recording had got when the end of its answer went to the client:
+/// the `state` of a stream's closing receipt comment and the `x-engram-job-state` header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Receipt {
+    /// Durable in the store (fsynced on the embedded store; acknowledged by Redis and the
+    /// replicas `store.redis.wait_replicas` asks for): the next request of the session sees
+    /// it, and a crash does not lose it.
+    Queued,
+    /// Durable in the local spool (the Redis backend's spool file); the store gets it once it
+    /// answers again.
+    Spooled,
+    /// Not durable yet: the store did not take it within `capture.receipt_wait_ms`, or only
+    /// the in-memory spool did. The recording goes on after the answer.
+    Pending,
+    /// Neither the store nor the spool took it.
+    Lost,
+    /// Nothing to record (an empty exchange).
+    Unrecorded,
+}
+
+impl Receipt {
+    /// The exchange is in the store or the durable spool: a crash does not lose it.
+    pub fn is_durable(self) -> bool {
+        matches!(self, Receipt::Queued | Receipt::Spooled)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Receipt::Queued => "queued",
+            Receipt::Spooled => "spooled",
+            Receipt::Pending => "pending",
+            Receipt::Lost => "lost",
+            Receipt::Unrecorded => "unrecorded",
+        }
+    }
+}
+
+/// Turns captured exchanges into durable jobs and tells each answer's end how far its
+/// recording got.
+pub struct Recorder {
+    outbox: Arc<Outbox>,
+    journal: Option<Arc<Journal>>,
+    /// Longest an answer's end waits for its recording (`capture.receipt_wait_ms`).
+    receipt_wait: Duration,
+    telemetry: Telemetry,
+}
+
+impl Recorder {
+    pub fn new(outbox: Arc<Outbox>, receipt_wait: Duration) -> Recorder {
+        Recorder {
+            outbox,
+            journal: None,
+            receipt_wait,
+            telemetry: Telemetry::default(),
+        }
+    }
+
+    /// Notes answers released before their recording was durable in `journal`.
+    pub fn with_journal(mut self, journal: Arc<Journal>) -> Recorder {
+        self.journal = Some(journal);
+        self
+    }
+
+    pub fn with_telemetry(mut self, telemetry: Telemetry) -> Recorder {
+        self.telemetry = telemetry;
+        self
+    }
+
+    /// Records a finished exchange (after its response, off the hot path): waits for the
+    /// session's earlier recordings, makes the job durable through the outbox, and sends the
+    /// receipt. Past `receipt_wait` (or at once, when an earlier request of the session is still
+    /// going) the answer is released with `pending`, noted in the journal, and the recording
+    /// goes on.
+    pub fn record(&self, exchange: Exchange) -> BoxFuture<'static, ()> {
+        log_capture(&exchange);
+        let outbox = Arc::clone(&self.outbox);
+        let in_flight = exchange
+            .record
+            .as_ref()
+            .map(|plan| outbox.recording(&plan.job));
+        let telemetry = self.telemetry.clone();
+        let mut answer = AnswerEnd {
+            receipt: exchange.receipt,
+            journal: self.journal.clone(),
+            deadline: tokio::time::Instant::now() + self.receipt_wait,
+            released_pending: false,
+        };
+        Box::pin(async move {
+            let _in_flight = in_flight;
+            let Some(mut plan) = exchange.record else {
+                return;
+            };
+            let _span = telemetry.child("engram.memory.record");
+            let key = plan.job.key.clone();
+            // Released (dropped) only after the enqueue, so the session's next recording
+            // queues after this one.
+            let ticket = plan.ticket.take();
+            let arrival = plan.arrival.take();
+            if let Some(ticket) = &ticket {
+                if !ticket.is_turn() {
+                    // An earlier request of the session is still going (a concurrent request,
+                    // not a follow-up): its answer may take minutes, so this one ends now.
+                    answer.release_pending(&key);
+                }
+                if !ticket.wait_turn().await {
+                    tracing::warn!(
+                        "an earlier recording of this session is stuck; queueing anyway"
+                    );
+                }
+            }
+            let user_text = exchange
+                .request
+                .last_user_message()
+                .map(|message| message.text())
+                .unwrap_or_default();
+            let assistant_text = exchange.capture.message.content;
+            if user_text.trim().is_empty() && assistant_text.trim().is_empty() {
+                answer.send(&key, Receipt::Unrecorded);
+                return;
+            }
+            let job = Job {
+                id: plan.job,
+                exchange: ExchangeInput {
+                    session_id: plan.session,
+                    turn_id: plan.turn_id,
+                    user_text,
+                    assistant_text,
+                    event_time: plan.event_time,
+                    prior_chain: plan.prior_chain,
+                    incomplete: exchange.capture.incomplete.is_some(),
+                    arrival: Some(plan.arrival_us),
+                },
+                trace: telemetry.current_trace_parent(),
+            };
+            // The enqueue ends the arrival note (or, spooled, keeps holding the session's
+            // later jobs until it is forwarded).
+            if let Some(arrival) = &arrival {
+                arrival.recorded();
+            }
+            let submit = outbox.submit(job);
+            tokio::pin!(submit);
+            let recorded = tokio::select! {
+                recorded = &mut submit => recorded,
+                () = tokio::time::sleep_until(answer.deadline), if answer.waiting() => {
+                    answer.release_pending(&key);
+                    submit.await
+                }
+            };
+            // The session's next recording may go now; then the client may have the end of
+            // the answer.
+            drop(ticket);
+            answer.send(&key, recorded);
+        })
+    }
+}
+
+/// The end of one answer, waiting for its receipt.
+struct AnswerEnd {
+    receipt: Option<tokio::sync::oneshot::Sender<Receipt>>,
+    journal: Option<Arc<Journal>>,
+    /// When the answer is released whatever the recording's state.
+    deadline: tokio::time::Instant,
+    /// The answer went with `pending`, noted in the journal.
+    released_pending: bool,
+}
+
+impl AnswerEnd {
+    fn waiting(&self) -> bool {
+        self.receipt.is_some()
+    }
+
+    /// Releases the answer before its recording is durable, noting it in the journal first.
+    fn release_pending(&mut self, job_key: &str) {
+        let Some(receipt) = self.receipt.take() else {
+            return;
+        };
+        if let Some(journal) = &self.journal {
+            journal.answered(job_key);
+        }
+        self.released_pending = true;
+        let _ = receipt.send(Receipt::Pending);
+    }
+
+    /// The recording's outcome: the receipt, if the answer still waits for one; the journal's
+    /// note closed, if it was released early and the recording is durable now.
+    fn send(&mut self, job_key: &str, recorded: Receipt) {
+        match self.receipt.take() {
+            Some(receipt) => {
+                if !recorded.is_durable()
+                    && recorded != Receipt::Unrecorded
+                    && let Some(journal) = &self.journal
+                {
+                    journal.answered(job_key);
+                }
+                let _ = receipt.send(recorded);
+            }
+            None if self.released_pending && recorded.is_durable() => {
+                if let Some(journal) = &self.journal {
+                    journal.recorded(job_key);
+                }
+            }
+            None => {}
+        }
+    }
+}
+
+/// One debug line per captured exchange: sizes and state, never the text itself.
+pub fn log_capture(exchange: &Exchange) {
+    let capture = &exchange.capture;
+    tracing::debug!(
+        model = %exchange.request.model,
+        streamed = capture.streamed,
+        complete = capture.incomplete.is_none(),
+        incomplete = capture.incomplete.map(|reason| format!("{reason:?}")),
+        content_chars = capture.message.content.chars().count(),
+        tool_calls = capture.message.tool_calls.len(),
+        finish_reason = capture.message.finish_reason.as_deref(),
+        completion_tokens = capture.message.usage.map(|usage| usage.completion_tokens),
+        "exchange captured"
+    );
+}
