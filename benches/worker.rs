@@ -22,9 +22,9 @@ mod support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use engram::cache::MemoryCache;
 use engram::config::WorkerConfig;
 use engram::memory::{ExchangeInput, MemoryConfig};
-use engram::pipeline::cache::MemoryCache;
 use engram::store::{EmbeddedStore, Job, JobId, RedisStore, Store, UserKey};
 use engram::summarizer::Summarizer;
 use engram::worker::Worker;

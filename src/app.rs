@@ -13,10 +13,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::admin::{AdminApi, AdminAuth};
+use crate::cache::MemoryCache;
 use crate::config::{Config, StoreBackend, StoreConfig};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
-use crate::pipeline::cache::MemoryCache;
 use crate::pipeline::explain_log::ExplainLog;
 use crate::pipeline::store_memory::StoreMemory;
 use crate::ratelimit::{PRUNE_INTERVAL, TokenBudget};

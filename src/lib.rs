@@ -2,6 +2,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod cache;
 pub mod cli;
 pub mod config;
 pub mod error;

@@ -13,6 +13,7 @@
 
 use std::sync::Arc;
 
+use engram::cache::CachedMemory;
 use engram::memory::index::Bm25;
 use engram::memory::manifest::build_manifest;
 use engram::memory::{
@@ -20,7 +21,6 @@ use engram::memory::{
     compose, consolidate, record_exchange,
 };
 use engram::openai::ChatMessage;
-use engram::pipeline::cache::CachedMemory;
 use engram::store::{EmbeddedStore, EncodedState, MemoryRecords, UserKey};
 use proptest::prelude::*;
 

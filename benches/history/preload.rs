@@ -10,9 +10,9 @@ use std::sync::atomic::Ordering;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
+use engram::cache::MemoryCache;
 use engram::config::WorkerConfig;
 use engram::memory::{ExchangeInput, MemoryConfig};
-use engram::pipeline::cache::MemoryCache;
 use engram::store::{EmbeddedStore, Job, JobId, JobQueue, Store, UserKey};
 use engram::summarizer::Summarizer;
 use engram::worker::Worker;

@@ -33,12 +33,12 @@ use http::{HeaderMap, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde_json::{Value, json};
 
+use crate::cache::{CachedMemory, MemoryCache};
 use crate::config::Config;
 use crate::error::{Error, ProxyBody};
 use crate::memory::index::Bm25;
 use crate::memory::manage::{self, ItemFilter, ItemKind, ManageError};
 use crate::memory::{self, ItemRef, Tier};
-use crate::pipeline::cache::{CachedMemory, MemoryCache};
 use crate::pipeline::explain_log::ExplainLog;
 use crate::pipeline::identity::{self, IdentityConfig};
 use crate::recorder::outbox::Outbox;

@@ -7,7 +7,6 @@
 //! 5. **`MemoryLayer::record`** — after the response has streamed back (or the client left),
 //!    off the hot path, on the tracked task set that shutdown drains.
 
-pub mod cache;
 pub mod explain_log;
 pub mod identity;
 pub mod store_memory;

@@ -15,10 +15,10 @@ use http::HeaderMap;
 use tokio::sync::watch;
 use tokio_util::task::TaskTracker;
 
-use super::cache::{CachedMemory, MemoryCache};
 use super::explain_log::ExplainLog;
 use super::identity::{self, IdentityConfig, RequestIdentity};
 use super::{BoxFuture, Exchange, MemoryLayer, MemoryMeasures, MemoryOutcome, RecordPlan, Rewrite};
+use crate::cache::{CachedMemory, MemoryCache};
 use crate::error::Error;
 use crate::memory::{self, ComposeRequest, MemoryConfig, MemoryState};
 use crate::openai::ChatRequest;

@@ -29,11 +29,11 @@ use tokio::sync::{Notify, Semaphore, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::cache::{CachedMemory, MemoryCache, first_version};
 use crate::config::WorkerConfig;
 use crate::error::{Error, Result};
 use crate::memory::{self, CandidateId, ExchangeInput, MemoryConfig, MemoryState, Precomputed};
 use crate::metrics::WorkerMetrics;
-use crate::pipeline::cache::{CachedMemory, MemoryCache, first_version};
 use crate::ratelimit::TokenBudget;
 use crate::store::{
     ClaimedJob, EncodedState, Job, MemoryRecords, MemoryUpdate, Published, Store, UserKey,

@@ -2,6 +2,9 @@
 //! state and rebuild the index on every request. An entry is valid for one memory version: the
 //! hot path's store read returns the stored version, and only a different one brings the state.
 //!
+//! Shared by the hot path, which reads it, and the worker, which puts what it applied in it; it
+//! sits below both, so neither imports the other for it.
+//!
 //! Versions never repeat for a user (a new memory starts at its creation time in microseconds,
 //! see [`first_version`]), so an entry cached before a `forget` cannot match the memory that
 //! replaces it.
