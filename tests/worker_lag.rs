@@ -18,8 +18,8 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::memory::{say, wait_applied};
-use common::{Process, mock, proxy, send};
+use common::memory::{recorded, say, wait_applied};
+use common::{Process, mock, proxy, send, temp_path};
 
 const TURNS: u32 = 40;
 const TURN_EVERY: Duration = Duration::from_millis(500);
@@ -87,7 +87,8 @@ async fn buckets(proxy: &Process) -> Vec<(&'static str, f64)> {
 
 #[tokio::test]
 async fn job_lag_stays_under_a_second_while_other_processes_keep_every_core_busy() {
-    let upstream = mock(&[]);
+    let record = temp_path("worker-lag.jsonl");
+    let upstream = mock(&["--record", record.to_str().unwrap()]);
     let proxy = proxy(&upstream.address, &[]);
     // The first request loads the tokenizers; not part of the measured conversation.
     let warm = say(
@@ -105,10 +106,13 @@ async fn job_lag_stays_under_a_second_while_other_processes_keep_every_core_busy
     let busy = BusyCores::start();
     tokio::time::sleep(Duration::from_millis(300)).await;
     let started = tokio::time::Instant::now();
+    let said =
+        |turn: u32| format!("Turn {turn}: I visited city number {turn} and liked its museum.");
+    let mut answers = Vec::new();
     for turn in 0..TURNS {
         tokio::time::sleep_until(started + TURN_EVERY * turn).await;
-        let text = format!("Turn {turn}: I visited city number {turn} and liked its museum.");
-        say(&proxy, "default", "traveller", "trip", &text).await;
+        let reply = say(&proxy, "default", "traveller", "trip", &said(turn)).await;
+        answers.push(reply.json()["choices"][0]["message"]["content"].clone());
     }
     let talked = started.elapsed();
 
@@ -145,4 +149,30 @@ async fn job_lag_stays_under_a_second_while_other_processes_keep_every_core_busy
         late + waiting <= f64::from(TURNS) * 0.01,
         "jobs over 1 s of lag: {late} applied, {waiting} not applied; claims moved: {moves:#?}"
     );
+    // And whatever the worker's lag, each prompt's raw window ends with the previous exchange.
+    let prompts: Vec<serde_json::Value> = recorded(&record)
+        .into_iter()
+        .filter(|prompt| prompt.to_string().contains("I visited city number"))
+        .collect();
+    assert_eq!(prompts.len(), TURNS as usize);
+    for (turn, prompt) in prompts.iter().enumerate().skip(1) {
+        // The conversation without engram's blocks (the recall block sits before the question).
+        let messages: Vec<&serde_json::Value> = prompt["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|message| message["role"] != "system")
+            .collect();
+        let n = messages.len();
+        assert!(n >= 3, "turn {turn}: {prompt}");
+        assert_eq!(messages[n - 1]["content"], said(turn as u32).as_str());
+        assert_eq!(messages[n - 3]["role"], "user", "turn {turn}: {prompt}");
+        assert_eq!(messages[n - 3]["content"], said(turn as u32 - 1).as_str());
+        assert_eq!(
+            messages[n - 2]["role"],
+            "assistant",
+            "turn {turn}: {prompt}"
+        );
+        assert_eq!(messages[n - 2]["content"], answers[turn - 1]);
+    }
 }
