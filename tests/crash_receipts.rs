@@ -174,7 +174,7 @@ async fn sigkill_at_any_moment_loses_no_turn_whose_receipt_said_queued() {
         wait_drained(&restarted, Duration::from_secs(120)).await;
         let drained = restart.elapsed();
         let mut queued = 0;
-        let mut other = 0;
+        let mut other = 0u64;
         for user in 0..USERS {
             let memory = export(&restarted, "crash", &format!("u{user}")).await;
             let applied = if memory["memory"].is_null() {
@@ -214,11 +214,23 @@ async fn sigkill_at_any_moment_loses_no_turn_whose_receipt_said_queued() {
                 }
             }
         }
+        // Each answer that went out before its recording was durable is in the journal; the
+        // restart counts those never recorded, so never more than there were.
+        let metrics = common::send("GET", &restarted.url("/metrics"), &[], "").await;
+        let unrecorded: u64 = String::from_utf8_lossy(&metrics.body)
+            .lines()
+            .find_map(|line| line.strip_prefix("engram_turns_unrecorded_at_start "))
+            .and_then(|value| value.parse().ok())
+            .unwrap();
+        assert!(
+            unrecorded <= other,
+            "run {run}: {unrecorded} unrecorded of {other}"
+        );
         let answered_here: usize = answered.values().map(Vec::len).sum();
         println!(
             "run {run}: killed after {kill_after:?}; {answered_here} answered, {queued} queued \
              (all applied once, in order), {other} with another receipt; restarted and drained \
-             in {drained:?}, checked in {:?}",
+             in {drained:?}, checked in {:?}; {unrecorded} answered and never recorded",
             restart.elapsed() - drained
         );
         queued_total += queued;
