@@ -86,6 +86,39 @@ async fn invalid_utf8_in_a_body_is_a_400() {
 }
 
 #[tokio::test]
+async fn data_after_the_json_body_is_a_400_with_or_without_memory() {
+    let upstream = mock(&[]);
+    let proxy = proxy(&upstream.address, &[]);
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+    for trailing in [r#"{"model":"other"}"#, "x", "]"] {
+        for user in ["", "someone"] {
+            let mut headers = vec![("content-type", "application/json")];
+            if !user.is_empty() {
+                headers.push(("x-engram-user", user));
+            }
+            let reply = send(
+                "POST",
+                &proxy.url(CHAT),
+                &headers,
+                format!("{body}{trailing}"),
+            )
+            .await;
+            let error = assert_openai_error(&reply, 400);
+            assert_eq!(error["error"]["code"], "invalid_json", "{error}");
+        }
+    }
+    // Whitespace after the value is still a valid body.
+    let reply = send(
+        "POST",
+        &proxy.url(CHAT),
+        &[("content-type", "application/json")],
+        format!("{body} \n"),
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+}
+
+#[tokio::test]
 async fn huge_headers_are_refused_and_the_proxy_keeps_serving() {
     let upstream = mock(&[]);
     let proxy = proxy(&upstream.address, &[]);

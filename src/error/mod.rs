@@ -236,7 +236,7 @@ impl Error {
 /// (`InvalidJson`, a 400).
 pub fn decode_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T> {
     let deserializer = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(deserializer).map_err(|error| {
+    let value = serde_path_to_error::deserialize(&mut *deserializer).map_err(|error| {
         let path = error.path().to_string();
         let inner = error.into_inner();
         let param = (path != "." && !inner.is_syntax() && !inner.is_eof()).then_some(path);
@@ -244,7 +244,14 @@ pub fn decode_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T> {
             message: inner.to_string(),
             param,
         }
-    })
+    })?;
+    // Anything but whitespace after the value is malformed: it would be dropped unseen when
+    // the body is rewritten, or reach an upstream that reads it differently.
+    deserializer.end().map_err(|error| Error::InvalidJson {
+        message: error.to_string(),
+        param: None,
+    })?;
+    Ok(value)
 }
 
 pub fn full_body(bytes: impl Into<Bytes>) -> ProxyBody {
@@ -256,6 +263,25 @@ pub fn full_body(bytes: impl Into<Bytes>) -> ProxyBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_body_with_data_after_its_json_is_malformed() {
+        #[derive(serde::Deserialize)]
+        struct Body {
+            #[allow(dead_code, reason = "only decoded")]
+            model: String,
+        }
+        assert!(decode_json::<Body>(br#"{"model":"m"} "#).is_ok());
+        for body in [&br#"{"model":"m"}{"model":"n"}"#[..], br#"{"model":"m"} x"#] {
+            match decode_json::<Body>(body) {
+                Err(Error::InvalidJson { message, .. }) => {
+                    assert!(message.contains("trailing"), "{message}");
+                }
+                Err(error) => panic!("{error}"),
+                Ok(_) => panic!("accepted {}", String::from_utf8_lossy(body)),
+            }
+        }
+    }
 
     #[test]
     fn renders_openai_shape_with_status() {
