@@ -241,7 +241,7 @@ impl Default for StoreConfig {
             redis_wait_replicas: 0,
             redis_wait_timeout_ms: 200,
             redis_order_grace_ms: 60_000,
-            group_commit_ms: 1,
+            group_commit_ms: 0,
             hot_path_deadline_ms: 20,
         }
     }

@@ -36,9 +36,10 @@ use crate::telemetry::TraceParent;
 pub const FILE_NAME: &str = "engram.redb";
 /// How long a recorder's enqueue waits for others to share its commit, unless configured
 /// (`store.group_commit_ms`). A durable commit costs an fsync; at 1,000 recorded requests/s one
-/// commit per enqueue took ~15 % of the proxy's CPU samples, 7 % with a 2 ms wait. The end of a
-/// recorded answer waits for its commit.
-const ENQUEUE_LINGER: Duration = Duration::from_millis(1);
+/// commit per enqueue took ~15 % of the proxy's CPU samples, 7 % with a 2 ms wait, when no
+/// client waited for it. Now the end of a recorded answer waits for its commit, and enqueues
+/// arriving while a commit runs share the next one anyway: no wait (docs/benchmarks.md).
+const ENQUEUE_LINGER: Duration = Duration::ZERO;
 
 /// (tenant, user) → the memory state as JSON.
 const STATES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("memory_state");

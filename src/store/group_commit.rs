@@ -56,15 +56,16 @@ where
         Arc::new(GroupCommit::with(apply, Duration::ZERO, None))
     }
 
-    /// A group commit whose rounds run on a low-priority thread of their own (`thread` names
-    /// it) and start `linger` after their first write, so the writes arriving meanwhile share
-    /// its commit and its fsync.
+    /// A group commit whose rounds run on a thread of their own (`thread` names it), at normal
+    /// priority without checkpoints (a recorded answer's end waits for them), and start
+    /// `linger` after their first write, so the writes arriving meanwhile share its commit and
+    /// its fsync.
     pub fn in_background(
         apply: Apply<Op, Out>,
         linger: Duration,
         thread: &str,
     ) -> Result<Arc<GroupCommit<Op, Out>>> {
-        let pool = priority::recorder_pool(thread, RecorderPriority::Normal)?;
+        let pool = priority::recorder_pool(thread, RecorderPriority::Answering)?;
         Ok(Arc::new(GroupCommit::with(apply, linger, Some(pool))))
     }
 

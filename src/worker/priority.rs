@@ -5,14 +5,13 @@
 //! latency; on an idle one it runs at full speed. Elsewhere, or if the policy cannot be set,
 //! the threads run at normal priority.
 //!
-//! The embedded store's enqueues (the recorder's durable writes, after each answer) run on a
-//! blocking pool of their own whose one thread ([`recorder_pool`]) runs at normal priority and
-//! gives way at every step (see [`checkpoint_step`]); on the request path's blocking threads
-//! they had held the core for up to a slice at a time. Niced to 19, the recorder could be
-//! starved at full load once it yielded that often: its enqueues fell behind and a later,
-//! larger commit stalled the requests (2,000 req/s, docs/benchmarks.md). The Redis store's
-//! encoding of large exchanges, one long call without checkpoints, runs on such a thread niced
-//! to 19.
+//! The embedded store's enqueues (the recorder's durable writes, which the end of each
+//! recorded answer waits for) run on a blocking pool of their own whose one thread
+//! ([`recorder_pool`], [`RecorderPriority::Answering`]) runs at normal priority without
+//! checkpoints: while no client waited for them they gave way at every step, and once the
+//! answers waited, those yields only made them wait longer (docs/benchmarks.md). Niced to 19,
+//! a recorder that yields that often was starved at full load. The Redis store's encoding of
+//! large exchanges, one long call without checkpoints, runs on a thread niced to 19.
 //!
 //! Neither policy stops a background thread that the scheduler has already picked from keeping
 //! the core until the next tick, so the worker also yields between its steps
@@ -86,6 +85,10 @@ pub enum RecorderPriority {
     /// The lowest normal priority (nice 19), for long calls without checkpoints (encoding a
     /// large exchange), which would otherwise hold the core for a whole time slice.
     Lowest,
+    /// Normal priority without checkpoints, for work requests wait for (the embedded store's
+    /// enqueues, which a recorded answer's end waits for): giving way at every step only made
+    /// those requests wait longer.
+    Answering,
 }
 
 /// A runtime used only for its blocking pool: one thread, named `name`, scheduled as
@@ -94,6 +97,7 @@ pub enum RecorderPriority {
 pub fn recorder_pool(name: &str, priority: RecorderPriority) -> Result<WorkerRuntime> {
     let start: fn() = match priority {
         RecorderPriority::Normal => mark_background,
+        RecorderPriority::Answering => || {},
         RecorderPriority::Lowest => nice_lowest,
     };
     let runtime = Builder::new_current_thread()
