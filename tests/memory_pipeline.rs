@@ -579,3 +579,41 @@ async fn an_upstream_error_is_forwarded_and_records_nothing() {
     assert_eq!(raw.len(), 1);
     assert_eq!(raw[0]["exchange"]["user_text"], "I work as a baker.");
 }
+
+#[tokio::test]
+async fn any_body_user_an_app_already_sends_gets_a_memory_of_its_own() {
+    let upstream = mock(&[]);
+    let proxy = proxy(&upstream.address, &[]);
+    let url = proxy.url("/v1/chat/completions");
+    let ask = |user: &'static str, text: &'static str| {
+        let url = url.clone();
+        async move {
+            let body = json!({
+                "model": "gpt-test",
+                "messages": [{"role": "user", "content": text}],
+                "user": user,
+            });
+            post_json(&url, &body, &[]).await
+        }
+    };
+    for (user, id) in [
+        ("user:123", "enc+757365723a313233"),
+        ("a b", "enc+612062"),
+        ("josé", "enc+6a6f73c3a9"),
+    ] {
+        let reply = ask(user, "My favourite colour is teal.").await;
+        assert_eq!(
+            reply.status,
+            200,
+            "{user}: {}",
+            String::from_utf8_lossy(&reply.body)
+        );
+        wait_applied(&proxy, "default", id, &reply).await;
+        let memory = export(&proxy, "default", id).await;
+        assert!(memory.to_string().contains("teal"), "{user}: {memory}");
+    }
+    // An empty `user` names nobody: no memory, no error.
+    let reply = ask("", "Hello.").await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(header(&reply, "x-engram-memory-reason"), "no_user");
+}

@@ -134,12 +134,38 @@ pub fn user(
 ) -> Result<Option<String>, Error> {
     match header(headers, USER_HEADER)? {
         Some(user) => Ok(Some(checked_id(USER_HEADER, user)?)),
-        None if config.user_from_body => match request.end_user() {
-            Some(user) => Ok(Some(checked_id("user", user)?)),
-            None => Ok(None),
-        },
+        None if config.user_from_body => Ok(request.end_user().and_then(body_user_id)),
         None => Ok(None),
     }
+}
+
+/// Prefix of the user ids made from body `user` values that are not ids already.
+pub const ENCODED_USER_PREFIX: &str = "enc+";
+
+/// The user id of OpenAI's body `user` (or `safety_identifier`), which may be any string: an
+/// app that already sets it must not get a 400 for swapping its base URL. Empty names no user.
+/// A value that is an id already ([`checked_id`]) is used as it is; any other, and an id that
+/// begins with [`ENCODED_USER_PREFIX`], becomes that prefix and the value's bytes in hex (up to
+/// 62 bytes; a longer one, a 128-bit hash of it), so two different values never share a
+/// memory and every result is a valid id the management API can address.
+pub fn body_user_id(value: &str) -> Option<String> {
+    if value.is_empty() {
+        return None;
+    }
+    if !value.starts_with(ENCODED_USER_PREFIX) && checked_id("user", value).is_ok() {
+        return Some(value.to_owned());
+    }
+    let encoded = if value.len() <= (MAX_ID_LEN - ENCODED_USER_PREFIX.len()) / 2 {
+        value
+            .bytes()
+            .map(|byte| format!("{byte:02x}"))
+            .collect::<String>()
+    } else {
+        let hash =
+            crate::recorder::ids::job_key(&crate::store::UserKey::new("body-user", value), "", "");
+        format!("h{hash}")
+    };
+    Some(format!("{ENCODED_USER_PREFIX}{encoded}"))
 }
 
 /// The tenant of any request: `x-engram-tenant`, else `identity.default_tenant`.
@@ -290,6 +316,32 @@ mod tests {
     }
 
     #[test]
+    fn any_body_user_maps_to_an_id_of_its_own() {
+        let cases = [
+            "bob",
+            "user:123",
+            "a b",
+            "josé",
+            "enc+626f62",
+            ".",
+            "..",
+            "x".repeat(500).as_str(),
+        ]
+        .map(str::to_owned);
+        let mut ids = std::collections::HashSet::new();
+        for value in &cases {
+            let id = body_user_id(value).unwrap();
+            assert!(checked_id("user", &id).is_ok(), "{value:?} -> {id:?}");
+            assert!(ids.insert(id), "{value:?} shares an id");
+        }
+        assert_eq!(body_user_id("bob").as_deref(), Some("bob"));
+        assert_eq!(body_user_id("a b").as_deref(), Some("enc+612062"));
+        assert_eq!(body_user_id(""), None);
+        // The prefix cannot be forged: "enc+612062" sent as such is encoded again.
+        assert_ne!(body_user_id("enc+612062").as_deref(), Some("enc+612062"));
+    }
+
+    #[test]
     fn defaults_and_body_fallback() {
         let body = request(serde_json::json!({
             "model": "m", "messages": [{"role": "user", "content": "hi"}], "user": "bob"
@@ -359,11 +411,14 @@ mod tests {
         // Two values for one identity header are ambiguous.
         let twice = headers(&[(USER_HEADER, "a"), (USER_HEADER, "b")]);
         assert!(resolve(&twice, &plain(), &config).is_err());
-        // A forged user in the body is checked as strictly as the header.
+        // A body user with a separator reaches no other key: it is encoded into an id.
         let body = request(serde_json::json!({
             "model": "m", "messages": [{"role": "user", "content": "x"}], "user": "eve:alice"
         }));
-        assert!(resolve(&HeaderMap::new(), &body, &config).is_err());
+        let resolved = resolve(&HeaderMap::new(), &body, &config).unwrap();
+        let user = resolved.identity.unwrap().user;
+        assert_eq!(user, "enc+6576653a616c696365");
+        assert!(checked_id("user", &user).is_ok());
     }
 
     #[test]
