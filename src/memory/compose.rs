@@ -153,6 +153,8 @@ struct BlockPlan {
     fixed: u32,
     headings: Vec<Section>,
     lines: Vec<Line>,
+    /// Each line's own tokens, by position in `lines`.
+    line_tokens: Vec<u32>,
     tokens: u32,
 }
 
@@ -162,6 +164,7 @@ impl BlockPlan {
             fixed,
             headings: Vec::new(),
             lines: Vec::new(),
+            line_tokens: Vec::new(),
             tokens: 0,
         }
     }
@@ -192,7 +195,24 @@ impl BlockPlan {
             self.headings.push(line.section);
         }
         self.lines.push(line);
+        self.line_tokens.push(tokens);
         self.tokens = self.tokens.saturating_add(cost);
+        true
+    }
+
+    /// Shows `line` in place of the line showing `old` (same section), if what it costs more
+    /// fits: a turn shown as its summary becomes its raw line, and is still shown once.
+    fn replace(&mut self, packer: &mut Packer, old: ItemRef, line: Line, tokens: u32) -> bool {
+        let Some(at) = self.lines.iter().position(|shown| shown.item == old) else {
+            return false;
+        };
+        let was = self.line_tokens[at];
+        if !packer.take(tokens.saturating_sub(was)) {
+            return false;
+        }
+        self.lines[at] = line;
+        self.line_tokens[at] = tokens;
+        self.tokens = self.tokens.saturating_sub(was).saturating_add(tokens);
         true
     }
 
@@ -247,6 +267,33 @@ fn pack_recall(
                 item: shown,
                 form,
             };
+            // A turn already shown as its summary (the recent context) is shown once: its raw
+            // line takes the summary's place when the difference fits.
+            if let ItemRef::RawTurn(seq) = shown
+                && recall.contains(ItemRef::Summary(seq))
+            {
+                if recall.replace(packer, ItemRef::Summary(seq), line, tokens) {
+                    let upgraded = explained(
+                        state,
+                        shown,
+                        Block::Recall,
+                        score,
+                        Some(relevance),
+                        tokens,
+                        reason,
+                        form,
+                    );
+                    match explain_items
+                        .iter_mut()
+                        .find(|entry| entry.item == ItemRef::Summary(seq))
+                    {
+                        Some(entry) => *entry = upgraded,
+                        None => explain_items.push(upgraded),
+                    }
+                    break;
+                }
+                continue;
+            }
             if recall.try_add(packer, line, tokens, encoding) {
                 explain_items.push(explained(
                     state,
@@ -692,6 +739,7 @@ pub fn compose(
         match block {
             Block::Recall => {
                 recall.lines.clear();
+                recall.line_tokens.clear();
                 tokens.recall = 0;
             }
             Block::Window => {
@@ -701,6 +749,7 @@ pub fn compose(
             }
             Block::Core => {
                 core.lines.clear();
+                core.line_tokens.clear();
                 tokens.core = 0;
             }
         }
@@ -1524,6 +1573,57 @@ mod tests {
         assert_eq!(
             injected_tokens(&state, &composition, &config, Encoding::O200k),
             composition.tokens.total
+        );
+    }
+
+    #[test]
+    fn a_turn_of_the_recent_context_that_recall_finds_is_shown_once_raw() {
+        // 40 turns: the window holds the last 6, the recent context summarises the 8 before
+        // them; turn 30 is among those, and the question finds it.
+        let mut turns: Vec<(String, String)> = (0..40)
+            .map(|n| {
+                (
+                    format!("Let's talk about subject {n} and item{n}."),
+                    format!("Reply {n}."),
+                )
+            })
+            .collect();
+        turns[30] = (
+            "My cousin Ines keeps bees on her balcony in Porto.".into(),
+            "Bees on a balcony, how brave!".into(),
+        );
+        let borrowed: Vec<(&str, &str)> = turns
+            .iter()
+            .map(|(u, a)| (u.as_str(), a.as_str()))
+            .collect();
+        let state = recorded(&borrowed);
+        let config = MemoryConfig::default();
+        let messages = vec![ChatMessage::new("user", "Where does Ines keep her bees?")];
+        let composition = compose_for(&state, &messages, &config);
+        let shown: Vec<&ExplainedItem> = composition
+            .explain
+            .items
+            .iter()
+            .filter(|item| matches!(item.item, ItemRef::RawTurn(30) | ItemRef::Summary(30)))
+            .collect();
+        assert_eq!(shown.len(), 1, "{shown:?}");
+        assert_eq!(shown[0].item, ItemRef::RawTurn(30));
+        let recall = composition
+            .prompt(&messages)
+            .into_iter()
+            .map(ChatMessage::text)
+            .find(|text| text.contains("kind=\"recall\""))
+            .unwrap();
+        assert_eq!(
+            recall.matches("My cousin Ines keeps bees").count(),
+            1,
+            "{recall}"
+        );
+        // The turns around it are still summarised in the recent context.
+        assert!(recall.contains("(summary)"), "{recall}");
+        assert!(
+            injected_tokens(&state, &composition, &config, Encoding::O200k)
+                <= composition.tokens.total
         );
     }
 

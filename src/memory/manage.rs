@@ -1014,9 +1014,11 @@ mod tests {
         let turns: Vec<&str> = turns.iter().map(String::as_str).collect();
         let mut state = recorded(&turns);
         let config = MemoryConfig::default();
+        // A question recall finds nothing for: the turns before the window are shown as their
+        // summaries (the recent context). One recall found would show raw instead.
         let messages = [crate::openai::ChatMessage::new(
             "user",
-            "And the harbour walk?",
+            "What should I cook tonight?",
         )];
         let request = crate::memory::ComposeRequest {
             session_id: "s",
