@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
 
-use common::memory::{header, recorded};
+use common::memory::{chat_turn, header, recorded};
 use common::redis::RedisServer;
 use common::redis_cluster::RedisCluster;
 use common::{Process, Reply, mock, post_json, proxy, temp_path};
@@ -50,31 +50,10 @@ fn user_text(session: usize, turn: usize) -> String {
     }
 }
 
-/// One stateless turn: only the new message.
+/// One stateless turn of the one user: only the new message.
 async fn ask(address: &str, session: usize, text: &str, stream: bool) -> Reply {
-    let body = json!({
-        "model": "gpt-test",
-        "messages": [{"role": "user", "content": text}],
-        "stream": stream,
-    });
     let session_id = format!("s{session}");
-    let reply = post_json(
-        &format!("{address}/v1/chat/completions"),
-        &body,
-        &[
-            ("x-engram-tenant", "ryw"),
-            ("x-engram-user", "solo"),
-            ("x-engram-session", session_id.as_str()),
-        ],
-    )
-    .await;
-    assert_eq!(
-        reply.status.as_u16(),
-        200,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
-    reply
+    chat_turn(address, "ryw", "solo", &session_id, text, stream).await
 }
 
 /// The answer's text, from a whole completion or a stream.

@@ -372,27 +372,7 @@ fn hex(text: &str) -> String {
 
 /// One stateless turn of `user` (tenant `acme`) in `session` at a replica's address.
 async fn say_at(address: &str, user: &str, session: &str, text: &str) -> common::Reply {
-    let body = serde_json::json!({
-        "model": "gpt-test",
-        "messages": [{"role": "user", "content": text}],
-    });
-    let reply = common::post_json(
-        &format!("{address}/v1/chat/completions"),
-        &body,
-        &[
-            ("x-engram-tenant", "acme"),
-            ("x-engram-user", user),
-            ("x-engram-session", session),
-        ],
-    )
-    .await;
-    assert_eq!(
-        reply.status.as_u16(),
-        200,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
-    reply
+    common::memory::chat_turn(address, "acme", user, session, text, false).await
 }
 
 fn header_of(reply: &common::Reply, name: &str) -> String {

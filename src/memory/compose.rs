@@ -1522,8 +1522,9 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_recalled_turn_is_shown_once_and_raw_when_it_fits() {
+    /// 40 turns of one session, turn `at` about Ines's bees and the others about numbered
+    /// subjects.
+    fn bees_at_turn(at: usize) -> MemoryState {
         let mut turns: Vec<(String, String)> = (0..40)
             .map(|n| {
                 (
@@ -1532,7 +1533,7 @@ mod tests {
                 )
             })
             .collect();
-        turns[5] = (
+        turns[at] = (
             "My cousin Ines keeps bees on her balcony in Porto.".into(),
             "Bees on a balcony, how brave!".into(),
         );
@@ -1540,7 +1541,12 @@ mod tests {
             .iter()
             .map(|(u, a)| (u.as_str(), a.as_str()))
             .collect();
-        let state = recorded(&borrowed);
+        recorded(&borrowed)
+    }
+
+    #[test]
+    fn a_recalled_turn_is_shown_once_and_raw_when_it_fits() {
+        let state = bees_at_turn(5);
         let config = MemoryConfig::default();
         let messages = vec![ChatMessage::new("user", "Where does Ines keep her bees?")];
         let composition = compose_for(&state, &messages, &config);
@@ -1580,23 +1586,7 @@ mod tests {
     fn a_turn_of_the_recent_context_that_recall_finds_is_shown_once_raw() {
         // 40 turns: the window holds the last 6, the recent context summarises the 8 before
         // them; turn 30 is among those, and the question finds it.
-        let mut turns: Vec<(String, String)> = (0..40)
-            .map(|n| {
-                (
-                    format!("Let's talk about subject {n} and item{n}."),
-                    format!("Reply {n}."),
-                )
-            })
-            .collect();
-        turns[30] = (
-            "My cousin Ines keeps bees on her balcony in Porto.".into(),
-            "Bees on a balcony, how brave!".into(),
-        );
-        let borrowed: Vec<(&str, &str)> = turns
-            .iter()
-            .map(|(u, a)| (u.as_str(), a.as_str()))
-            .collect();
-        let state = recorded(&borrowed);
+        let state = bees_at_turn(30);
         let config = MemoryConfig::default();
         let messages = vec![ChatMessage::new("user", "Where does Ines keep her bees?")];
         let composition = compose_for(&state, &messages, &config);

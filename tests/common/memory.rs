@@ -10,12 +10,27 @@ use super::{ADMIN_TOKEN, Process, Reply, post_json, send};
 
 /// One chat turn as a stateless client: only the new user message.
 pub async fn say(proxy: &Process, tenant: &str, user: &str, session: &str, text: &str) -> Reply {
-    let body = json!({
+    chat_turn(&proxy.url(""), tenant, user, session, text, false).await
+}
+
+/// [`say`] at a proxy's address (`http://host:port`), streamed or not; the answer must be 200.
+pub async fn chat_turn(
+    address: &str,
+    tenant: &str,
+    user: &str,
+    session: &str,
+    text: &str,
+    stream: bool,
+) -> Reply {
+    let mut body = json!({
         "model": "gpt-test",
         "messages": [{"role": "user", "content": text}],
     });
+    if stream {
+        body["stream"] = json!(true);
+    }
     let reply = post_json(
-        &proxy.url("/v1/chat/completions"),
+        &format!("{address}/v1/chat/completions"),
         &body,
         &[
             ("x-engram-tenant", tenant),
