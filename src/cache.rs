@@ -295,11 +295,7 @@ impl Entries {
 /// then grow by one per change, so a memory created after a `forget` never reuses a version of
 /// the forgotten one (which would let a cache serve forgotten memory).
 pub fn first_version() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(1, |elapsed| {
-            u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX / 2)
-        })
+    crate::recorder::ids::now_micros()
 }
 
 #[cfg(test)]

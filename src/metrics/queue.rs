@@ -12,7 +12,7 @@ use prometheus::{Histogram, Registry};
 
 use super::{LAG_BUCKETS, STORE_BUCKETS, histogram, metrics_error};
 use crate::error::Result;
-use crate::recorder::ids::turn_time_micros;
+use crate::recorder::ids::{now_micros, turn_time_micros};
 use crate::recorder::outbox::Outbox;
 use crate::worker::Worker;
 
@@ -61,14 +61,6 @@ impl WorkerMetrics {
 /// Clock skew between the proxy that made the id and this worker can make it negative: 0.
 fn lag_seconds(made_micros: u64, now_micros: u64) -> f64 {
     now_micros.saturating_sub(made_micros) as f64 / 1e6
-}
-
-fn now_micros() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |elapsed| {
-            u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX)
-        })
 }
 
 const JOB_RESULTS: [&str; 4] = ["applied", "duplicate", "retried", "failed"];

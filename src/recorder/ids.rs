@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::store::UserKey;
 
-/// The current time in microseconds since the Unix epoch: when a turn's request arrived.
+/// The current time in microseconds since the Unix epoch: when a turn's request arrived, the
+/// start of a new memory's versions (`cache::first_version`), the job lag metric's clock.
 pub fn now_micros() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -90,7 +90,6 @@ async fn proxy(
         }
     }
     let event_stream = is_event_stream(&response_parts.headers);
-    let mut whole_receipt = None;
     // A recorded answer ends only once its recording is durable (or the wait ran out), so the
     // session's next request finds it; the receipt says which. A stream's receipt is an SSE
     // comment after the last frame, which SSE clients ignore and a client that wants to read
@@ -105,16 +104,17 @@ async fn proxy(
     // The recorder releases the answer at `receipt_wait_ms` (noting it in its journal); this
     // later bound only covers a recorder that never answers.
     let max_wait = Duration::from_millis(state.config.capture.receipt_wait_ms) + RECEIPT_BACKSTOP;
-    let stream_receipt = match (&rewrite.record, receipt) {
-        (Some(plan), Some(recorded)) if event_stream => Some(ReceiptWait {
-            recorded,
-            max_wait,
-            comment: format!(": engram turn={} job={}", plan.turn_id, plan.job.key),
-        }),
-        (_, receipt) => {
-            whole_receipt = receipt;
-            None
+    let (stream_receipt, whole_receipt) = match (&rewrite.record, receipt) {
+        (Some(plan), Some(recorded)) if event_stream => {
+            let comment = format!(": engram turn={} job={}", plan.turn_id, plan.job.key);
+            let wait = ReceiptWait {
+                recorded,
+                max_wait,
+                comment,
+            };
+            (Some(wait), None)
         }
+        (_, receipt) => (None, receipt),
     };
     if (strip_usage || stream_receipt.is_some()) && event_stream {
         response_parts.headers.remove(header::CONTENT_LENGTH);
