@@ -564,30 +564,39 @@ pub fn compose(
         }
         Some(_) => {
             let resent = shape.exchanges.len();
-            let recognised: Vec<TurnSeq> = shape
+            // By the whole conversation up to it, or else by its own texts: a client that
+            // trimmed the front of its history or edited a message still carries the
+            // exchanges it kept, and those are never injected again.
+            let carried: Vec<Option<TurnSeq>> = shape
                 .exchanges
                 .iter()
-                .map_while(|exchange| index.turn_for_chain(exchange.chain))
+                .map(|exchange| {
+                    index
+                        .turn_for_chain(exchange.chain)
+                        .or_else(|| index.turn_for_pair(exchange.pair))
+                })
                 .collect();
-            let replaced = recognised
-                .len()
-                .min(resent.saturating_sub(config.raw_window_turns));
+            // Only a recognised run from the first exchange on is replaced by summaries, so
+            // what the client sent stays in order.
+            let leading = carried.iter().take_while(|seq| seq.is_some()).count();
+            let replaced = leading.min(resent.saturating_sub(config.raw_window_turns));
             if let Some(first_kept) = shape.exchanges.get(replaced) {
                 keep_from = first_kept.start;
             }
-            for seq in &recognised[replaced..] {
+            for seq in carried[replaced..].iter().flatten() {
                 in_prompt.insert(ItemRef::RawTurn(*seq));
                 in_prompt.insert(ItemRef::Summary(*seq));
             }
             recent_context.extend(
-                recognised[..replaced]
+                carried[..replaced]
                     .iter()
+                    .flatten()
                     .rev()
                     .take(config.new_ttl_turns as usize),
             );
             ClientMode::FullHistory {
                 resent,
-                recognised: recognised.len(),
+                recognised: carried.iter().flatten().count(),
                 replaced,
             }
         }
@@ -1084,6 +1093,23 @@ fn neutralised(source: &[ChatMessage], at: usize) -> OutgoingMessage {
     OutgoingMessage::Written(message)
 }
 
+/// A message with no text and nothing else: no parts, no tool calls, no name.
+fn is_blank(message: &ChatMessage) -> bool {
+    let content_blank = match &message.content {
+        None | Some(Value::Null) => true,
+        Some(Value::String(text)) => text.trim().is_empty(),
+        Some(Value::Array(parts)) => parts.iter().all(|part| {
+            part.get("type").and_then(Value::as_str) == Some("text")
+                && part
+                    .get("text")
+                    .and_then(Value::as_str)
+                    .is_none_or(|text| text.trim().is_empty())
+        }),
+        Some(_) => false,
+    };
+    content_blank && message.extra.keys().all(|key| key == "name")
+}
+
 fn written(role: &str, text: String) -> OutgoingMessage {
     OutgoingMessage::Written(ChatMessage::new(role, text))
 }
@@ -1121,7 +1147,12 @@ fn assemble(
 ) -> Vec<OutgoingMessage> {
     let source = request.messages;
     let mut out = Vec::with_capacity(source.len() + window.len() * 2 + 2);
-    out.extend((0..shape.system_end).map(|at| neutralised(source, at)));
+    // A blank instruction says nothing, and some providers reject an empty message.
+    out.extend(
+        (0..shape.system_end)
+            .filter(|at| source.get(*at).is_some_and(|message| !is_blank(message)))
+            .map(|at| neutralised(source, at)),
+    );
     if let Some(text) = block_text(
         state,
         core,
@@ -1142,9 +1173,14 @@ fn assemble(
                 None => continue,
             },
         };
-        out.push(written("user", user.clone()));
-        if !assistant.is_empty() {
-            out.push(written("assistant", assistant.clone()));
+        // A turn with one side empty shows the other alone; an agent's tool calls are left
+        // out whole (see `answer_words`).
+        let assistant = super::history::answer_words(assistant);
+        if !user.trim().is_empty() {
+            out.push(written("user", user.clone()));
+        }
+        if !assistant.trim().is_empty() {
+            out.push(written("assistant", assistant.into_owned()));
         }
     }
     let last_user = shape.last_user.unwrap_or(source.len());
@@ -1474,6 +1510,117 @@ mod tests {
         assert!(recall.contains("zebra2"), "{recall}");
         // The chain of the resent conversation is what the next record call links to.
         assert_eq!(composition.prior_chain, state.raw_turns[9].chain);
+    }
+
+    /// Ten recorded turns about distinct animals, for the resent-history tests.
+    fn animal_turns() -> Vec<(String, String)> {
+        [
+            "zebra", "okapi", "tapir", "lemur", "ibex", "quokka", "dingo", "narwhal", "gecko",
+            "marmot",
+        ]
+        .iter()
+        .map(|animal| {
+            (
+                format!("I saw a {animal} at the park today."),
+                format!("A {animal}, how lovely."),
+            )
+        })
+        .collect()
+    }
+
+    fn resent(turns: &[(String, String)], question: &str) -> Vec<ChatMessage> {
+        let mut messages = vec![ChatMessage::new("system", "sys")];
+        for (user, assistant) in turns {
+            messages.push(ChatMessage::new("user", user.clone()));
+            messages.push(ChatMessage::new("assistant", assistant.clone()));
+        }
+        messages.push(ChatMessage::new("user", question));
+        messages
+    }
+
+    fn recall_text(composition: &Composition, messages: &[ChatMessage]) -> String {
+        composition
+            .prompt(messages)
+            .into_iter()
+            .map(ChatMessage::text)
+            .find(|text| text.contains("kind=\"recall\""))
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn a_trimmed_history_is_recognised_and_never_injected_again() {
+        let turns = animal_turns();
+        let borrowed: Vec<(&str, &str)> = turns
+            .iter()
+            .map(|(u, a)| (u.as_str(), a.as_str()))
+            .collect();
+        let state = recorded(&borrowed);
+        // A sliding-window client: the first six exchanges dropped, the last four resent; the
+        // question names every animal, so recall would pick any turn not known to be carried.
+        let question = "Which of zebra, okapi, tapir, lemur, ibex, quokka, dingo, narwhal, \
+                        gecko and marmot did I see at the park?";
+        let messages = resent(&turns[6..], question);
+        let config = MemoryConfig::default();
+        let composition = compose_for(&state, &messages, &config);
+        assert_eq!(
+            composition.explain.client_mode,
+            ClientMode::FullHistory {
+                resent: 4,
+                recognised: 4,
+                replaced: 0
+            }
+        );
+        let recall = recall_text(&composition, &messages);
+        for animal in ["dingo", "narwhal", "gecko", "marmot"] {
+            assert!(
+                !recall.contains(animal),
+                "{animal} carried, yet in {recall}"
+            );
+        }
+        // What the client no longer carries is what recall spends its budget on.
+        assert!(recall.contains("zebra"), "{recall}");
+
+        // An edited exchange is new: its turn may be recalled, the unchanged ones still not.
+        let mut edited = turns[6..].to_vec();
+        edited[1].0 = "I saw a narwhal at the aquarium, not the park.".into();
+        let messages = resent(&edited, question);
+        let composition = compose_for(&state, &messages, &config);
+        assert_eq!(
+            composition.explain.client_mode,
+            ClientMode::FullHistory {
+                resent: 4,
+                recognised: 3,
+                replaced: 0
+            }
+        );
+        let recall = recall_text(&composition, &messages);
+        for animal in ["dingo", "gecko", "marmot"] {
+            assert!(
+                !recall.contains(animal),
+                "{animal} carried, yet in {recall}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_blank_client_instruction_is_not_forwarded_with_memory() {
+        let state = recorded(&[("I live in Oslo.", "ok")]);
+        let messages = vec![
+            ChatMessage::new("system", ""),
+            ChatMessage::new("developer", "  "),
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "Where do I live?"),
+        ];
+        let composition = compose_for(&state, &messages, &MemoryConfig::default());
+        let prompt = composition.prompt(&messages);
+        assert!(
+            prompt
+                .iter()
+                .all(|message| !message.text().trim().is_empty()),
+            "{prompt:?}"
+        );
+        assert_eq!(prompt[0].text(), "Be brief.");
+        assert!(prompt.iter().any(|message| message.text().contains("Oslo")));
     }
 
     #[test]

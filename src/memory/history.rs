@@ -1,9 +1,20 @@
-//! Recognising a full-history client's turns: a hash chain over normalised exchanges. Each link
-//! hashes the previous link with the exchange's user and assistant text (whitespace collapsed,
-//! engram fences removed), so a client's k-th exchange matches a recorded turn only if the whole
-//! conversation up to it matches too.
+//! Recognising a full-history client's turns. Two hashes over normalised exchanges (whitespace
+//! collapsed, engram fences removed):
+//! - a chain: each link hashes the previous link with the exchange's user and answer text, so a
+//!   client's k-th exchange matches a recorded turn only if the whole conversation up to it
+//!   matches too;
+//! - a pair: the exchange's own texts alone, so a client that trims the front of its history (a
+//!   sliding window) or edits one message still matches every exchange it kept unchanged.
+//!
+//! An exchange's answer is every message between its user message and the next one: the
+//! assistant's texts, and in an agent's tool loop its tool calls and their results, rendered by
+//! [`AnswerText`] the same way here and when the recorder records the turn.
 
-use crate::openai::ChatMessage;
+use std::collections::HashMap;
+
+use serde_json::Value;
+
+use crate::openai::{ChatMessage, ToolCall};
 
 use super::fence::{has_fence_marker, strip_fences};
 use super::text::{fnv1a, fnv1a_one_line};
@@ -29,6 +40,164 @@ pub fn link(previous: u64, user: &str, assistant: &str) -> u64 {
     hash_normalised(hash, assistant)
 }
 
+/// The link before the first exchange of a pair hash ([`pair`]); any constant other than
+/// [`CHAIN_ORIGIN`] keeps pairs and first links apart.
+const PAIR_ORIGIN: u64 = 0x5851_f42d_4c95_7f2d;
+
+/// The hash of one exchange's texts alone, wherever it sits in a conversation.
+pub fn pair(user: &str, assistant: &str) -> u64 {
+    link(PAIR_ORIGIN, user, assistant)
+}
+
+/// Tool results and arguments up to this size, on one line, stay inline; longer ones are fenced
+/// so the memory keeps them whole as artifacts.
+const INLINE_TOOL_BYTES: usize = 200;
+
+/// The answer side of an exchange as text: the assistant's words, its tool calls and their
+/// results, in order, one part per line. What the recorder stores as the turn's answer, and what
+/// a resent exchange is hashed with, so an agent's earlier turns are recognised when resent.
+#[derive(Debug, Default)]
+pub struct AnswerText {
+    text: String,
+    /// Tool call id → function name, to name a result by the call it answers.
+    names: HashMap<String, String>,
+}
+
+impl AnswerText {
+    /// Adds a message that followed the user message: an assistant message (text and tool
+    /// calls) or a tool result; others (a system note) say nothing of the answer.
+    pub fn message(&mut self, message: &ChatMessage) {
+        match message.role.as_str() {
+            "assistant" => {
+                self.words(&message.text_borrowed());
+                let calls = message.extra.get("tool_calls").and_then(Value::as_array);
+                for call in calls.into_iter().flatten() {
+                    let id = call.get("id").and_then(Value::as_str).unwrap_or_default();
+                    let function = call.get("function");
+                    let field = |key| {
+                        function
+                            .and_then(|function| function.get(key))
+                            .and_then(Value::as_str)
+                            .unwrap_or_default()
+                    };
+                    self.call(id, field("name"), field("arguments"));
+                }
+                // The legacy single `function_call`.
+                if let Some(call) = message.extra.get("function_call") {
+                    let field = |key| call.get(key).and_then(Value::as_str).unwrap_or_default();
+                    self.call("", field("name"), field("arguments"));
+                }
+            }
+            "tool" | "function" => {
+                let by_id = message
+                    .extra
+                    .get("tool_call_id")
+                    .and_then(Value::as_str)
+                    .and_then(|id| self.names.get(id))
+                    .cloned();
+                let name = by_id
+                    .or_else(|| {
+                        message
+                            .extra
+                            .get("name")
+                            .and_then(Value::as_str)
+                            .map(str::to_owned)
+                    })
+                    .unwrap_or_else(|| "tool".to_owned());
+                let result = message.text_borrowed();
+                self.part(&format!("{name} returned"), &result);
+            }
+            _ => {}
+        }
+    }
+
+    /// Adds the answer the upstream gave (the round being recorded).
+    pub fn reply(&mut self, content: &str, calls: &[ToolCall]) {
+        self.words(content);
+        for call in calls {
+            self.call(&call.id, &call.name, &call.arguments);
+        }
+    }
+
+    pub fn finish(self) -> String {
+        self.text
+    }
+
+    fn words(&mut self, text: &str) {
+        let text = text.trim();
+        if !text.is_empty() {
+            self.line(text);
+        }
+    }
+
+    fn call(&mut self, id: &str, name: &str, arguments: &str) {
+        if !id.is_empty() {
+            self.names.insert(id.to_owned(), name.to_owned());
+        }
+        self.part(&format!("called {name}"), arguments);
+    }
+
+    /// `[label: body]` on one line, or the label and the body fenced below it.
+    fn part(&mut self, label: &str, body: &str) {
+        let body = body.trim();
+        if body.is_empty() {
+            self.line(&format!("[{label}]"));
+        } else if body.len() <= INLINE_TOOL_BYTES && !body.contains('\n') {
+            self.line(&format!("[{label}: {body}]"));
+        } else {
+            let language = if body.starts_with('{') || body.starts_with('[') {
+                "json"
+            } else {
+                ""
+            };
+            self.line(&format!("[{label}:]\n```{language}\n{body}\n```"));
+        }
+    }
+
+    fn line(&mut self, text: &str) {
+        if !self.text.is_empty() {
+            self.text.push('\n');
+        }
+        self.text.push_str(text);
+    }
+}
+
+/// An answer [`AnswerText`] wrote with its tool calls and results left out: what the raw window
+/// shows a stateless client, which could not be given a valid tool-call sequence from text
+/// (an assistant message with `tool_calls` needs its `tool` messages after it). The calls and
+/// results stay in memory for recall.
+pub fn answer_words(answer: &str) -> std::borrow::Cow<'_, str> {
+    if !answer.contains(" returned") && !answer.contains("[called ") {
+        return std::borrow::Cow::Borrowed(answer);
+    }
+    let mut kept: Vec<&str> = Vec::new();
+    let mut lines = answer.lines();
+    while let Some(line) = lines.next() {
+        let part = line
+            .strip_prefix('[')
+            .and_then(|rest| rest.strip_suffix(']'));
+        let Some(part) = part else {
+            kept.push(line);
+            continue;
+        };
+        let label = part.split_once(':').map_or(part, |(label, _)| label);
+        let is_tool = label.starts_with("called ") || label.ends_with(" returned");
+        if !is_tool {
+            kept.push(line);
+            continue;
+        }
+        // `[label:]` introduces a fenced body: skip it to its closing fence.
+        if part.ends_with(':') && lines.next().is_some_and(|open| open.starts_with("```")) {
+            for body in lines.by_ref() {
+                if body == "```" {
+                    break;
+                }
+            }
+        }
+    }
+    std::borrow::Cow::Owned(kept.join("\n"))
+}
+
 /// One client exchange: a user message and the messages that answered it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientExchange {
@@ -37,6 +206,8 @@ pub struct ClientExchange {
     pub end: usize,
     /// Chain link after this exchange.
     pub chain: u64,
+    /// [`pair`] of this exchange.
+    pub pair: u64,
 }
 
 /// Where the parts of a request sit.
@@ -77,18 +248,18 @@ pub fn request_shape(messages: &[ChatMessage]) -> RequestShape {
         } else {
             String::new()
         };
-        let mut assistant = Vec::new();
+        let mut answer = AnswerText::default();
         while index < conversation_end && messages[index].role != "user" {
-            if messages[index].role == "assistant" {
-                assistant.push(messages[index].text());
-            }
+            answer.message(&messages[index]);
             index += 1;
         }
-        chain = link(chain, &user, &assistant.join("\n"));
+        let answer = answer.finish();
+        chain = link(chain, &user, &answer);
         exchanges.push(ClientExchange {
             start,
             end: index,
             chain,
+            pair: pair(&user, &answer),
         });
     }
     RequestShape {

@@ -762,6 +762,9 @@ pub struct MemoryIndex {
     pub artifacts: Segment,
     /// Chain link -> raw turn, for recognising a full-history client's turns.
     chains: LayeredMap<u64, TurnSeq, FxBuildHasher>,
+    /// Exchange pair hash -> its latest raw turn, for a client that trimmed or edited the
+    /// history it resends.
+    pairs: LayeredMap<u64, TurnSeq, FxBuildHasher>,
 }
 
 const ARTIFACT_INDEX_CHARS: usize = 4000;
@@ -841,6 +844,7 @@ impl MemoryIndex {
             let text = (self.term_ids(&said), self.term_ids(&date));
             self.raw.put(seq, Some(text), print);
             self.chains.insert(turn.chain, seq);
+            self.pairs.insert(turn.pair(), seq);
         }
         for seq in keys_to_index(
             state.turn_log.pending(),
@@ -985,6 +989,11 @@ impl MemoryIndex {
         self.chains.get(&chain).copied()
     }
 
+    /// The latest raw turn with this exchange [`pair`](super::history::pair) hash.
+    pub fn turn_for_pair(&self, pair: u64) -> Option<TurnSeq> {
+        self.pairs.get(&pair).copied()
+    }
+
     /// `query` ready to score items of any segment, one by one.
     pub fn item_scorer(&self, query: &[TermId], bm25: Bm25) -> ItemScorer<'_> {
         ItemScorer {
@@ -999,7 +1008,7 @@ impl MemoryIndex {
     /// Approximate heap size in bytes (for the per-user memory report and the cache's budget).
     pub fn estimated_bytes(&self) -> usize {
         self.vocabulary_bytes
-            + self.chains.stored() * 24
+            + (self.chains.stored() + self.pairs.stored()) * 24
             + self.raw.estimated_bytes()
             + self.summaries.estimated_bytes()
             + self.facts.estimated_bytes()

@@ -251,6 +251,7 @@ mod tests {
                 assistant: "ok".into(),
                 event_time: Some(format!("2024-03-0{}T10:00:00Z", seq + 1)),
                 chain: 0,
+                pair: 0,
                 depth: Depth::Short,
                 incomplete: false,
                 tokens: Default::default(),

@@ -365,6 +365,10 @@ pub struct RawTurn {
     pub event_time: Option<String>,
     /// Hash chain link over the normalised conversation up to and including this exchange.
     pub chain: u64,
+    /// [`pair`](super::history::pair) of the exchange as sent (before any excerpt); 0 in turns
+    /// recorded before it was kept, whose pair is taken from the stored texts.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub pair: u64,
     pub depth: Depth,
     /// The answer did not finish streaming (client disconnect).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -372,7 +376,19 @@ pub struct RawTurn {
     pub tokens: RawTurnTokens,
 }
 
+fn is_zero(value: &u64) -> bool {
+    *value == 0
+}
+
 impl RawTurn {
+    /// The exchange's [`pair`](super::history::pair) hash.
+    pub fn pair(&self) -> u64 {
+        match self.pair {
+            0 => super::history::pair(&self.user, &self.assistant),
+            pair => pair,
+        }
+    }
+
     pub fn side(&self, side: Side) -> &str {
         match side {
             Side::User => &self.user,

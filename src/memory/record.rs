@@ -121,6 +121,7 @@ pub fn record_exchange(
         assistant: assistant.clone(),
         event_time: exchange.event_time.clone(),
         chain,
+        pair: super::history::pair(&exchange.user_text, &exchange.assistant_text),
         depth,
         incomplete: exchange.incomplete,
         tokens: Default::default(),

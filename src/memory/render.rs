@@ -303,6 +303,7 @@ mod tests {
             assistant: "reply".into(),
             event_time: Some("2024-01-02T03:04:05Z".into()),
             chain: 0,
+            pair: 0,
             depth: crate::memory::model::Depth::Short,
             incomplete: false,
             tokens: Default::default(),

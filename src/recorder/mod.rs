@@ -33,6 +33,7 @@ use self::order::{Arrival, Ticket};
 use self::outbox::Outbox;
 use crate::future::BoxFuture;
 use crate::memory::ExchangeInput;
+use crate::memory::history::AnswerText;
 use crate::openai::{AssistantMessage, ChatRequest};
 use crate::store::{Job, JobId};
 use crate::telemetry::Telemetry;
@@ -116,6 +117,10 @@ pub enum Receipt {
     Lost,
     /// Nothing to record (an empty exchange).
     Unrecorded,
+    /// A round of an agent's tool loop (the answer calls tools): not recorded by itself; the
+    /// user's turn is recorded whole, tool calls and results included, with the round whose
+    /// answer ends it.
+    Deferred,
 }
 
 impl Receipt {
@@ -131,6 +136,7 @@ impl Receipt {
             Receipt::Pending => "pending",
             Receipt::Lost => "lost",
             Receipt::Unrecorded => "unrecorded",
+            Receipt::Deferred => "deferred",
         }
     }
 }
@@ -208,12 +214,14 @@ impl Recorder {
                     );
                 }
             }
-            let user_text = exchange
-                .request
-                .last_user_message()
-                .map(|message| message.text())
-                .unwrap_or_default();
-            let assistant_text = exchange.capture.message.content;
+            let answered = &exchange.capture.message;
+            if !answered.tool_calls.is_empty() {
+                // A round of an agent's tool loop: the turn is recorded once, whole, with the
+                // round that answers it.
+                answer.send(&key, Receipt::Deferred);
+                return;
+            }
+            let (user_text, assistant_text) = turn_texts(&exchange.request, answered);
             if user_text.trim().is_empty() && assistant_text.trim().is_empty() {
                 answer.send(&key, Receipt::Unrecorded);
                 return;
@@ -254,6 +262,26 @@ impl Recorder {
     }
 }
 
+/// The user's turn a request ends and its answer: the latest user message, and everything
+/// after it (an agent's tool calls and their results) with the answer, as one text.
+fn turn_texts(request: &ChatRequest, answered: &AssistantMessage) -> (String, String) {
+    let last_user = request
+        .messages
+        .iter()
+        .rposition(|message| message.role == "user");
+    let user_text = last_user
+        .and_then(|at| request.messages.get(at))
+        .map(|message| message.text())
+        .unwrap_or_default();
+    let mut answer = AnswerText::default();
+    let after_user = last_user.map_or(request.messages.len(), |at| at + 1);
+    for message in request.messages.get(after_user..).unwrap_or_default() {
+        answer.message(message);
+    }
+    answer.reply(&answered.content, &answered.tool_calls);
+    (user_text, answer.finish())
+}
+
 /// The end of one answer, waiting for its receipt.
 struct AnswerEnd {
     receipt: Option<tokio::sync::oneshot::Sender<Receipt>>,
@@ -287,7 +315,7 @@ impl AnswerEnd {
         match self.receipt.take() {
             Some(receipt) => {
                 if !recorded.is_durable()
-                    && recorded != Receipt::Unrecorded
+                    && !matches!(recorded, Receipt::Unrecorded | Receipt::Deferred)
                     && let Some(journal) = &self.journal
                 {
                     journal.answered(job_key);
@@ -318,4 +346,141 @@ pub fn log_capture(exchange: &Exchange) {
         completion_tokens = capture.message.usage.map(|usage| usage.completion_tokens),
         "exchange captured"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use tokio::sync::Notify;
+
+    use super::outbox::Spool;
+    use super::*;
+    use crate::memory::history::{CHAIN_ORIGIN, link, pair, request_shape};
+    use crate::openai::{ChatMessage, ToolCall};
+    use crate::store::{EmbeddedStore, Store, UserKey};
+
+    fn message(value: serde_json::Value) -> ChatMessage {
+        serde_json::from_value(value).unwrap()
+    }
+
+    fn request(messages: Vec<ChatMessage>) -> ChatRequest {
+        ChatRequest {
+            model: "m".into(),
+            messages,
+            stream: None,
+            stream_options: None,
+            extra: serde_json::Map::new(),
+        }
+    }
+
+    /// An agent's turn: the question, a tool call, its (long) result, then the answer.
+    fn tool_loop() -> Vec<ChatMessage> {
+        let forecast = format!("{{\"city\":\"Paris\",\"hours\":[{}]}}", "12,".repeat(80));
+        vec![
+            ChatMessage::new("user", "What is the weather in Paris?"),
+            message(json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]})),
+            message(json!({"role": "tool", "tool_call_id": "call_1", "content": forecast})),
+        ]
+    }
+
+    #[test]
+    fn a_tool_loop_is_one_turn_with_its_calls_and_results() {
+        let answered = AssistantMessage {
+            content: "It is 12 °C in Paris.".into(),
+            ..AssistantMessage::default()
+        };
+        let (user, answer) = turn_texts(&request(tool_loop()), &answered);
+        assert_eq!(user, "What is the weather in Paris?");
+        let lines: Vec<&str> = answer.lines().collect();
+        assert_eq!(lines[0], "[called get_weather: {\"city\":\"Paris\"}]");
+        // A long result is fenced, so the memory keeps it whole as an artifact.
+        assert_eq!(lines[1], "[get_weather returned:]");
+        assert_eq!(lines[2], "```json");
+        assert!(lines[3].starts_with("{\"city\":\"Paris\",\"hours\":[12,"));
+        assert_eq!(lines[4], "```");
+        assert_eq!(lines[5], "It is 12 °C in Paris.");
+        // The raw window leaves the calls out whole, keeping the words.
+        assert_eq!(
+            crate::memory::history::answer_words(&answer),
+            "It is 12 °C in Paris."
+        );
+
+        // Resent later by a full-history agent, the turn hashes as the recorder stored it.
+        let mut later = tool_loop();
+        later.push(ChatMessage::new("assistant", "It is 12 °C in Paris."));
+        later.push(ChatMessage::new("user", "And tomorrow?"));
+        let shape = request_shape(&later);
+        assert_eq!(shape.exchanges.len(), 1);
+        assert_eq!(shape.exchanges[0].chain, link(CHAIN_ORIGIN, &user, &answer));
+        assert_eq!(shape.exchanges[0].pair, pair(&user, &answer));
+    }
+
+    fn exchange(messages: Vec<ChatMessage>, answered: AssistantMessage, turn: &str) -> Exchange {
+        let (receipt, _) = tokio::sync::oneshot::channel();
+        Exchange {
+            request: request(messages),
+            client_headers: HeaderMap::new(),
+            capture: Capture {
+                message: answered,
+                incomplete: None,
+                streamed: false,
+            },
+            record: Some(RecordPlan {
+                session: "s".into(),
+                turn_id: turn.into(),
+                arrival_us: 1,
+                job: JobId {
+                    user: UserKey::new("tenant", "ana"),
+                    key: format!("job-{turn}"),
+                },
+                event_time: None,
+                prior_chain: None,
+                ticket: None,
+                arrival: None,
+            }),
+            receipt: Some(receipt),
+        }
+    }
+
+    async fn recorded(recorder: &Recorder, mut exchange: Exchange) -> Receipt {
+        let (receipt, told) = tokio::sync::oneshot::channel();
+        exchange.receipt = Some(receipt);
+        recorder.record(exchange).await;
+        told.await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_round_that_calls_tools_is_deferred_to_the_answer() {
+        let store: Arc<dyn Store> = Arc::new(EmbeddedStore::in_memory().unwrap());
+        let spool = Spool::Memory {
+            store: Arc::new(EmbeddedStore::in_memory().unwrap()),
+            capacity: 16,
+        };
+        let outbox =
+            Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::new(Notify::new())).await);
+        let recorder = Recorder::new(outbox, Duration::from_secs(1));
+        let calls = AssistantMessage {
+            tool_calls: vec![ToolCall {
+                id: "call_1".into(),
+                kind: "function".into(),
+                name: "get_weather".into(),
+                arguments: "{}".into(),
+            }],
+            ..AssistantMessage::default()
+        };
+        let first_round = exchange(tool_loop()[..1].to_vec(), calls, "t1");
+        assert_eq!(recorded(&recorder, first_round).await, Receipt::Deferred);
+        assert_eq!(store.queue_depth().await.unwrap(), 0);
+
+        let answer = AssistantMessage {
+            content: "It is 12 °C in Paris.".into(),
+            ..AssistantMessage::default()
+        };
+        let last_round = exchange(tool_loop(), answer, "t2");
+        assert_eq!(recorded(&recorder, last_round).await, Receipt::Queued);
+        assert_eq!(store.queue_depth().await.unwrap(), 1);
+    }
 }
