@@ -11,6 +11,13 @@
 //! - `x-mock-fault: reset | malformed | hang` — a stream that breaks its connection half-way,
 //!   sends an event that is not JSON and no `[DONE]`, or stops sending after its first chunk.
 //!
+//! - `x-mock-script: parrot` — answer `You said: <the last user message>`, so each turn of a
+//!   conversation gets its own answer;
+//! - `x-mock-script: tool:NAME` — an agent's tool: a request whose last message is not a tool
+//!   result gets a call of `NAME` (arguments `{"query": <last user message>}`, finish reason
+//!   `tool_calls`, streamed as OpenAI streams tool calls); one whose last message is a tool
+//!   result gets the answer `NAME says: <the result>`.
+//!
 //! `MockOptions::reply` (`--reply TEXT`) makes every chat completion, streamed or not, answer
 //! with exactly that content (summarizer tests script a model's JSON this way).
 //!
@@ -222,12 +229,14 @@ impl Mock {
             .unwrap_or("mock-model")
             .to_owned();
         let messages = parsed.get("messages").cloned().unwrap_or(Value::Null);
-        let content = if let Some(reply) = &self.options.reply {
-            reply.clone()
+        let (content, tool_call) = if let Some(script) = &knobs.script {
+            script.answer(&messages)
+        } else if let Some(reply) = &self.options.reply {
+            (reply.clone(), None)
         } else if self.options.echo {
-            messages.to_string()
+            (messages.to_string(), None)
         } else {
-            filler(knobs.chunks * self.options.chunk_size)
+            (filler(knobs.chunks * self.options.chunk_size), None)
         };
         let prompt_tokens = (messages.to_string().len() / 4) as u64;
         let reply = Reply {
@@ -235,6 +244,7 @@ impl Mock {
             content,
             prompt_tokens,
             chunks: knobs.chunks.max(1),
+            tool_call,
         };
         let stream = parsed.get("stream").and_then(Value::as_bool) == Some(true);
         if !stream {
@@ -306,6 +316,12 @@ struct Knobs {
     chunk_delay: Duration,
     status: Option<StatusCode>,
     fault: Option<Fault>,
+    script: Option<Script>,
+}
+
+enum Script {
+    Parrot,
+    Tool(String),
 }
 
 impl Knobs {
@@ -330,6 +346,13 @@ impl Knobs {
                 Some(b"hang") => Some(Fault::Hang),
                 _ => None,
             },
+            script: match headers.get("x-mock-script").and_then(|v| v.to_str().ok()) {
+                Some("parrot") => Some(Script::Parrot),
+                Some(script) => script
+                    .strip_prefix("tool:")
+                    .map(|name| Script::Tool(name.to_owned())),
+                None => None,
+            },
         }
     }
 }
@@ -339,6 +362,47 @@ struct Reply {
     content: String,
     prompt_tokens: u64,
     chunks: usize,
+    /// A tool call instead of content: `(id, name, arguments)`.
+    tool_call: Option<(String, String, String)>,
+}
+
+/// The text of a message's `content` (a string, or the texts of its parts).
+fn content_text(message: &Value) -> String {
+    match message.get("content") {
+        Some(Value::String(text)) => text.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|part| part.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => String::new(),
+    }
+}
+
+impl Script {
+    /// The scripted answer to `messages`: content, or a tool call.
+    fn answer(&self, messages: &Value) -> (String, Option<(String, String, String)>) {
+        let messages = messages.as_array().map(Vec::as_slice).unwrap_or_default();
+        let last_user = messages
+            .iter()
+            .rev()
+            .find(|message| message.get("role").and_then(Value::as_str) == Some("user"))
+            .map(content_text)
+            .unwrap_or_default();
+        match self {
+            Script::Parrot => (format!("You said: {last_user}"), None),
+            Script::Tool(name) => match messages.last() {
+                Some(last) if last.get("role").and_then(Value::as_str) == Some("tool") => {
+                    (format!("{name} says: {}", content_text(last)), None)
+                }
+                _ => {
+                    let id = format!("call_{}", messages.len());
+                    let arguments = json!({ "query": last_user }).to_string();
+                    (String::new(), Some((id, name.clone(), arguments)))
+                }
+            },
+        }
+    }
 }
 
 impl Reply {
@@ -351,6 +415,25 @@ impl Reply {
         })
     }
 
+    fn message(&self) -> Value {
+        match &self.tool_call {
+            Some((id, name, arguments)) => json!({
+                "role": "assistant", "content": null, "refusal": null,
+                "tool_calls": [{"id": id, "type": "function",
+                                "function": {"name": name, "arguments": arguments}}],
+            }),
+            None => json!({"role": "assistant", "content": self.content, "refusal": null}),
+        }
+    }
+
+    fn finish_reason(&self) -> &'static str {
+        if self.tool_call.is_some() {
+            "tool_calls"
+        } else {
+            "stop"
+        }
+    }
+
     fn completion(&self) -> Value {
         json!({
             "id": "chatcmpl-mock",
@@ -359,9 +442,9 @@ impl Reply {
             "model": self.model,
             "choices": [{
                 "index": 0,
-                "message": {"role": "assistant", "content": self.content, "refusal": null},
+                "message": self.message(),
                 "logprobs": null,
-                "finish_reason": "stop",
+                "finish_reason": self.finish_reason(),
             }],
             "usage": self.usage(),
             "system_fingerprint": null,
@@ -384,14 +467,33 @@ impl Reply {
             }
             event(&value)
         };
-        let mut events = vec![chunk(
-            json!({"role": "assistant", "content": ""}),
-            Value::Null,
-        )];
-        for piece in split_chars(&self.content, self.chunks) {
-            events.push(chunk(json!({"content": piece}), Value::Null));
+        let mut events = Vec::new();
+        match &self.tool_call {
+            Some((id, name, arguments)) => {
+                events.push(chunk(
+                    json!({"role": "assistant", "content": null, "tool_calls": [{
+                        "index": 0, "id": id, "type": "function",
+                        "function": {"name": name, "arguments": ""}}]}),
+                    Value::Null,
+                ));
+                for piece in split_chars(arguments, self.chunks) {
+                    events.push(chunk(
+                        json!({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}),
+                        Value::Null,
+                    ));
+                }
+            }
+            None => {
+                events.push(chunk(
+                    json!({"role": "assistant", "content": ""}),
+                    Value::Null,
+                ));
+                for piece in split_chars(&self.content, self.chunks) {
+                    events.push(chunk(json!({"content": piece}), Value::Null));
+                }
+            }
         }
-        events.push(chunk(json!({}), json!("stop")));
+        events.push(chunk(json!({}), json!(self.finish_reason())));
         if include_usage {
             events.push(event(&json!({
                 "id": "chatcmpl-mock",
@@ -462,6 +564,7 @@ mod tests {
             content: content.into(),
             prompt_tokens: 3,
             chunks,
+            tool_call: None,
         }
     }
 
@@ -476,6 +579,37 @@ mod tests {
         assert!(summary.saw_done);
         assert_eq!(summary.message.content, "héllo wörld, this is a reply");
         assert_eq!(summary.message.usage.unwrap().completion_tokens, 5);
+    }
+
+    #[test]
+    fn the_tool_script_calls_then_answers_from_the_result() {
+        let script = Script::Tool("lookup".into());
+        let asked = json!([{"role": "user", "content": "capital of Peru?"}]);
+        let (_, call) = script.answer(&asked);
+        let (id, name, arguments) = call.clone().unwrap();
+        assert_eq!((id.as_str(), name.as_str()), ("call_1", "lookup"));
+        assert_eq!(arguments, r#"{"query":"capital of Peru?"}"#);
+        // Streamed, the call rebuilds as the proxy's accumulator reads it.
+        let mut calling = reply("", 3);
+        calling.tool_call = call;
+        let mut accumulator = StreamAccumulator::default();
+        for event in calling.events(false) {
+            accumulator.push(&event);
+        }
+        let message = accumulator.finish().message;
+        assert_eq!(message.finish_reason.as_deref(), Some("tool_calls"));
+        assert_eq!(message.tool_calls[0].name, "lookup");
+        assert_eq!(message.tool_calls[0].arguments, arguments);
+
+        let answered = json!([
+            {"role": "user", "content": "capital of Peru?"},
+            {"role": "assistant", "content": null, "tool_calls": []},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Lima"}
+        ]);
+        assert_eq!(
+            script.answer(&answered),
+            ("lookup says: Lima".to_owned(), None)
+        );
     }
 
     #[test]
