@@ -202,6 +202,13 @@ impl Recorder {
             // queues after this one.
             let ticket = plan.ticket.take();
             let arrival = plan.arrival.take();
+            let answered = &exchange.capture.message;
+            if !answered.tool_calls.is_empty() {
+                // A round of an agent's tool loop: the turn is recorded once, whole, with the
+                // round that answers it.
+                answer.send(&key, Receipt::Deferred);
+                return;
+            }
             if let Some(ticket) = &ticket {
                 if !ticket.is_turn() {
                     // An earlier request of the session is still going (a concurrent request,
@@ -213,13 +220,6 @@ impl Recorder {
                         "an earlier recording of this session is stuck; queueing anyway"
                     );
                 }
-            }
-            let answered = &exchange.capture.message;
-            if !answered.tool_calls.is_empty() {
-                // A round of an agent's tool loop: the turn is recorded once, whole, with the
-                // round that answers it.
-                answer.send(&key, Receipt::Deferred);
-                return;
             }
             let (user_text, assistant_text) = turn_texts(&exchange.request, answered);
             if user_text.trim().is_empty() && assistant_text.trim().is_empty() {

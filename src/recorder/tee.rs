@@ -90,7 +90,16 @@ struct Holding {
     wait: ReceiptWait,
     /// The last bytes for the client, sent with the receipt comment.
     tail: Bytes,
+    /// The tail is the stream's `data: [DONE]`: the comment goes before it.
+    tail_is_done: bool,
     deadline: Pin<Box<Sleep>>,
+}
+
+/// Where the SSE terminator `data: [DONE]` starts in `data`, if an event starts with it (not
+/// the same words inside an event's JSON, which holds no raw newline).
+fn done_event(data: &[u8]) -> Option<usize> {
+    memchr::memmem::find_iter(data, b"data: [DONE]")
+        .find(|at| *at == 0 || data.get(at - 1) == Some(&b'\n'))
 }
 
 pub struct TeeOptions {
@@ -172,6 +181,10 @@ impl TeeBody {
 
     /// Holds `tail` back for the receipt, if the body waits for one; else gives it back.
     fn hold(&mut self, tail: Bytes) -> Option<Bytes> {
+        self.hold_tail(tail, false)
+    }
+
+    fn hold_tail(&mut self, tail: Bytes, tail_is_done: bool) -> Option<Bytes> {
         let Some(wait) = self.receipt.take() else {
             return Some(tail);
         };
@@ -179,9 +192,29 @@ impl TeeBody {
         self.holding = Some(Holding {
             wait,
             tail,
+            tail_is_done,
             deadline,
         });
         None
+    }
+
+    /// Holds a stream's `data: [DONE]` (and what follows it in `out`) for the receipt, and
+    /// gives back what comes before it. An SDK stops reading at `[DONE]` and may send the
+    /// follow-up at once, before the body's end: holding only the end would let that
+    /// follow-up overtake the recording. The capture is whole at `[DONE]`, so the tap closes.
+    fn hold_from_done(&mut self, out: Bytes) -> Bytes {
+        if !self.event_stream || self.receipt.is_none() {
+            return out;
+        }
+        let Some(at) = done_event(&out) else {
+            return out;
+        };
+        self.tap = None;
+        let before = out.slice(..at);
+        match self.hold_tail(out.slice(at..), true) {
+            Some(unheld) => [before, unheld].concat().into(),
+            None => before,
+        }
     }
 
     /// The held end once the receipt came (or the wait ran out): the tail and the comment.
@@ -197,7 +230,11 @@ impl TeeBody {
             Poll::Pending => return Poll::Pending,
         };
         let comment = format!("{} state={}\n\n", holding.wait.comment, receipt.as_str());
-        let out = [holding.tail.as_ref(), comment.as_bytes()].concat();
+        let out = if holding.tail_is_done {
+            [comment.as_bytes(), holding.tail.as_ref()].concat()
+        } else {
+            [holding.tail.as_ref(), comment.as_bytes()].concat()
+        };
         self.holding = None;
         Poll::Ready(Bytes::from(out))
     }
@@ -252,10 +289,11 @@ impl Body for TeeBody {
                         Err(trailers) => return Poll::Ready(Some(Ok(trailers))),
                     };
                     this.copy_aside(&data);
-                    let mut out = match &mut this.stripper {
+                    let out = match &mut this.stripper {
                         Some(stripper) => stripper.push(&data),
                         None => data,
                     };
+                    let mut out = this.hold_from_done(out);
                     // A body with a known length ends with its last data frame: hyper will not
                     // poll again, so the end is recorded here rather than on `None`.
                     if this.upstream.is_end_stream() {
