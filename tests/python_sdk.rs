@@ -9,29 +9,9 @@ use std::process::Command;
 
 use common::*;
 
-fn python_with_openai() -> Option<String> {
-    let candidates = [
-        std::env::var("ENGRAM_TEST_PYTHON").ok(),
-        Some("python3".to_owned()),
-    ];
-    candidates.into_iter().flatten().find(|python| {
-        Command::new(python)
-            .args(["-c", "import openai"])
-            .output()
-            .is_ok_and(|output| output.status.success())
-    })
-}
-
 #[tokio::test]
 async fn the_openai_python_sdk_works_through_the_proxy() {
-    let Some(python) = python_with_openai() else {
-        assert!(
-            std::env::var("ENGRAM_TEST_PYTHON").is_err(),
-            "ENGRAM_TEST_PYTHON is set but cannot import openai"
-        );
-        eprintln!(
-            "SKIPPED: no Python with the `openai` package; run ./scripts/test.sh to set one up"
-        );
+    let Some(python) = python::python_with_openai() else {
         return;
     };
     let upstream = mock(&[]);

@@ -123,9 +123,9 @@ impl AnswerText {
         self.text
     }
 
+    /// The assistant's words as they were said (a plain answer is recorded byte for byte).
     fn words(&mut self, text: &str) {
-        let text = text.trim();
-        if !text.is_empty() {
+        if !text.trim().is_empty() {
             self.line(text);
         }
     }
