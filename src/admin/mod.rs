@@ -275,7 +275,7 @@ impl AdminApi {
 
     /// The user a per-user route names, in the tenant the request may reach.
     fn user_key(&self, headers: &HeaderMap, access: &Access, user: &str) -> Result<UserKey, Error> {
-        let user = identity::checked_id("user", user)?;
+        let user = identity::admin_user_id(user)?;
         let named = match headers.get(identity::TENANT_HEADER) {
             Some(value) => Some(identity::checked_id(
                 identity::TENANT_HEADER,
@@ -403,6 +403,8 @@ impl AdminApi {
         let body = json!({
             "tenant": user.tenant,
             "user": user.user,
+            // The body `user` an app sent, when the id was made from it and can be read back.
+            "user_as_sent": identity::body_user_of(&user.user),
             "version": state.as_ref().map_or(0, |state| state.version),
             "memory": state,
             "raw_log": raw,

@@ -168,6 +168,29 @@ pub fn body_user_id(value: &str) -> Option<String> {
     Some(format!("{ENCODED_USER_PREFIX}{encoded}"))
 }
 
+/// The body `user` value a [`body_user_id`] id was made from, when it is the value's bytes in
+/// hex (not a hash of a long one) and they are text.
+pub fn body_user_of(id: &str) -> Option<String> {
+    let hex = id.strip_prefix(ENCODED_USER_PREFIX)?;
+    if hex.len() % 2 != 0 || hex.starts_with('h') {
+        return None;
+    }
+    let bytes = (0..hex.len())
+        .step_by(2)
+        .map(|at| u8::from_str_radix(hex.get(at..at + 2)?, 16).ok())
+        .collect::<Option<Vec<u8>>>()?;
+    String::from_utf8(bytes).ok()
+}
+
+/// The user a management route names: an id as it is (an `enc+` id included), or else a body
+/// `user` value as an app sent it, found under the id [`body_user_id`] gave it.
+pub fn admin_user_id(segment: &str) -> Result<String, Error> {
+    match checked_id("user", segment) {
+        Ok(id) => Ok(id),
+        Err(error) => body_user_id(segment).ok_or(error),
+    }
+}
+
 /// The tenant of any request: `x-engram-tenant`, else `identity.default_tenant`.
 pub fn tenant(headers: &HeaderMap, config: &IdentityConfig) -> Result<String, Error> {
     match header(headers, TENANT_HEADER)? {
@@ -339,6 +362,27 @@ mod tests {
         assert_eq!(body_user_id(""), None);
         // The prefix cannot be forged: "enc+612062" sent as such is encoded again.
         assert_ne!(body_user_id("enc+612062").as_deref(), Some("enc+612062"));
+    }
+
+    #[test]
+    fn the_management_api_finds_a_body_user_by_its_value_and_reads_it_back() {
+        for value in ["user:123", "a b", "josé@example.com", "enc+626f62"] {
+            let id = body_user_id(value).unwrap();
+            assert_eq!(body_user_of(&id).as_deref(), Some(value));
+            if checked_id("user", value).is_err() {
+                // The value as the app sent it names the same memory as its id.
+                assert_eq!(admin_user_id(value).unwrap(), id);
+            }
+            assert_eq!(admin_user_id(&id).unwrap(), id);
+        }
+        assert_eq!(admin_user_id("bob").unwrap(), "bob");
+        assert!(admin_user_id("").is_err());
+        // A long value is a hash: found by its value, not read back.
+        let long = "x".repeat(500);
+        let id = body_user_id(&long).unwrap();
+        assert_eq!(admin_user_id(&long).unwrap(), id);
+        assert_eq!(body_user_of(&id), None);
+        assert_eq!(body_user_of("bob"), None);
     }
 
     #[test]
