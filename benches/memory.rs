@@ -245,8 +245,8 @@ fn build_fixture() -> Fixture {
         &mut state,
         "I am Sam, a product designer in Lisbon.\nI like short, direct answers.",
     );
-    pin(&mut state, "Always give metric units.", None);
-    pin(&mut state, "Answer in British English.", None);
+    pin(&mut state, "Always give metric units.");
+    pin(&mut state, "Answer in British English.");
 
     let started = Instant::now();
     let mut topic = 0;

@@ -239,6 +239,55 @@ fn fact_id(list: &Value, needle: &str) -> String {
 }
 
 #[tokio::test]
+async fn a_pinned_fact_follows_the_conversation() {
+    let record = temp_path("admin-pin-follows.jsonl");
+    let upstream = mock(&["--record", record.to_str().unwrap()]);
+    let proxy = proxy(&upstream.address, &[]);
+    let items = "/engram/v1/users/kai/items";
+    let first = say(&proxy, "acme", "kai", "s", "Please call me Ana.").await;
+    wait_applied(&proxy, "acme", "kai", &first).await;
+    let name = fact_id(&admin(&proxy, items, "acme").await.json(), "name: Ana");
+    let pinned = admin_send(
+        &proxy,
+        "POST",
+        "/engram/v1/users/kai/pins",
+        "acme",
+        json!({"item": name}),
+    )
+    .await;
+    assert_eq!(pinned.status.as_u16(), 201);
+    let pin = pinned.json()["item"].as_str().unwrap().to_owned();
+
+    let second = say(&proxy, "acme", "kai", "s", "Actually, call me Jay.").await;
+    wait_applied(&proxy, "acme", "kai", &second).await;
+    say(&proxy, "acme", "kai", "s", "What should we talk about?").await;
+    let prompt = recorded(&record).last().unwrap().clone();
+    let core = prompt["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|message| message["content"].as_str())
+        .find(|text| text.contains("<engram-memory kind=\"core\">"))
+        .unwrap_or_else(|| panic!("no core block in {prompt}"))
+        .to_owned();
+    assert!(core.contains("## Pinned\n- name: Jay"), "{core}");
+    assert!(!core.contains("Ana"), "{core}");
+    let memory = memory_part(&prompt);
+    assert_eq!(memory.matches("name: Jay").count(), 1, "{memory}");
+    assert!(!memory.contains("name: Ana"), "{memory}");
+
+    // The admin API lists the pin as the fact's current revision, and so does the export.
+    let pins = admin(&proxy, &format!("{items}?kind=pinned"), "acme")
+        .await
+        .json();
+    assert_eq!(item(&pins, &pin)["text"], "name: Jay", "{pins}");
+    assert_eq!(item(&pins, &pin)["source"], name.as_str(), "{pins}");
+    let exported = export(&proxy, "acme", "kai").await;
+    assert_eq!(item(&exported, &pin)["text"], "name: Jay");
+    assert!(!exported.to_string().contains("name: Ana"), "{exported}");
+}
+
+#[tokio::test]
 async fn items_are_listed_searched_read_edited_and_deleted() {
     let record = temp_path("admin-items.jsonl");
     let upstream = mock(&["--record", record.to_str().unwrap()]);

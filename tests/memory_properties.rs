@@ -118,7 +118,7 @@ fn build(scenario: &Scenario) -> (MemoryState, MemoryConfig, Vec<ChatMessage>) {
         set_identity(&mut state, SENTENCES[identity]);
     }
     for text in &scenario.pins {
-        pin(&mut state, SENTENCES[*text], None);
+        pin(&mut state, SENTENCES[*text]);
     }
     let question = ChatMessage::new("user", SENTENCES[scenario.question]);
     let messages = if scenario.full_history {

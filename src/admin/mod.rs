@@ -65,7 +65,8 @@ struct TextBody {
     text: String,
 }
 
-/// A pin: a text of its own, or a fact (`{"item": "fact:3"}`), which the pin then projects.
+/// A pin: a text of its own, or a fact (`{"item": "fact:3"}`), whose current revision the pin
+/// then shows.
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct PinBody {
@@ -224,7 +225,7 @@ impl AdminApi {
                             ));
                         }
                         edit_memory(&*self.store, &self.cache, &user, |state| {
-                            memory::pin(state, &text, None)
+                            memory::pin(state, &text)
                         })
                         .await?
                     }
@@ -549,7 +550,9 @@ fn no_item(item: ItemRef) -> Error {
 fn manage_error(item: ItemRef, error: ManageError) -> Error {
     match error {
         ManageError::NotFound => no_item(item),
-        ManageError::KeyTaken(_) => Error::Conflict(format!("{error}.")),
+        ManageError::KeyTaken(_) | ManageError::PinnedFactRemoved(_) => {
+            Error::Conflict(format!("{error}."))
+        }
         ManageError::EmptyText => Error::invalid_request(format!("{error}."), Some("text")),
         ManageError::NotEditable(_) | ManageError::Immutable => {
             Error::invalid_request(format!("{error}."), None)

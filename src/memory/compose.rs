@@ -27,11 +27,11 @@ use super::fence::{has_fence_marker, neutralise_fences, strip_fences};
 use super::history::request_shape;
 use super::index::MemoryIndex;
 use super::lookups::Lookups;
-use super::model::{CandidateId, Depth, FactId, ItemRef, MemoryState, Tier, TurnSeq};
+use super::model::{CandidateId, Depth, FactId, ItemRef, MemoryState, PinContent, Tier, TurnSeq};
 use super::record::ExchangeInput;
 use super::render::{
     FENCE_CLOSE, Fixed, artifact_full, artifact_reference, episode_line, fact_line, identity_lines,
-    pinned_line, raw_turn_line, summary_line,
+    pin_line, raw_turn_line, summary_line,
 };
 use super::retrieve::retrieve;
 use super::score::{fact_score, summary_score};
@@ -359,11 +359,24 @@ pub fn compose(
             Reason::HardConstraint,
         ));
     }
+    // A pin of a fact shows the fact's current revision, once: not again for a second pin of
+    // it, nor beside its hard-constraint line, nor among the other facts.
+    let mut pinned_sources: HashSet<ItemRef> = HashSet::new();
     for pin in state.pinned.iter().filter(|pin| pin.active) {
+        let content = state.pin_content(pin);
+        match content {
+            PinContent::Text(_) => {}
+            PinContent::Fact(fact) => {
+                if !pinned_sources.insert(ItemRef::Fact(fact.id)) || fact.is_hard_constraint() {
+                    continue;
+                }
+            }
+            PinContent::Nothing => continue,
+        }
         reserved.push((
             Section::Pinned,
             ItemRef::Pinned(pin.id),
-            pin.tokens.get(encoding),
+            content.tokens().get(encoding),
             Reason::Pinned,
         ));
     }
@@ -406,12 +419,6 @@ pub fn compose(
     );
 
     // ---- core facts: the working set, query-independent ----
-    let pinned_sources: HashSet<ItemRef> = state
-        .pinned
-        .iter()
-        .filter(|pin| pin.active)
-        .filter_map(|pin| pin.source)
-        .collect();
     let core_fact_limit = (budgets.current as f32 * config.core_fact_share.clamp(0.0, 1.0)) as u32;
     packer.stage(core_fact_limit);
     let core_fact_room = packer.stage_left;
@@ -944,12 +951,14 @@ fn provenance(state: &MemoryState, item: ItemRef) -> (Vec<TurnSeq>, Option<Strin
             .get(id as usize)
             .map(|artifact| (vec![artifact.turn], state.turn_date(artifact.turn)))
             .unwrap_or_default(),
-        ItemRef::Pinned(id) => state
+        ItemRef::Pinned(id) => match state
             .pinned
             .get(id as usize)
-            .and_then(|pin| pin.source)
-            .map(|source| provenance(state, source))
-            .unwrap_or_default(),
+            .map(|pin| state.pin_content(pin))
+        {
+            Some(PinContent::Fact(fact)) => provenance(state, ItemRef::Fact(fact.id)),
+            _ => (Vec::new(), None),
+        },
         ItemRef::Identity => (Vec::new(), None),
     }
 }
@@ -1000,7 +1009,7 @@ fn line_text(state: &MemoryState, line: &Line) -> String {
         ItemRef::Pinned(id) => state
             .pinned
             .get(id as usize)
-            .map(pinned_line)
+            .map(|pin| pin_line(state.pin_content(pin)))
             .unwrap_or_default(),
         ItemRef::Fact(id) => state.fact(id).map(fact_line).unwrap_or_default(),
         ItemRef::Summary(seq) => state
@@ -1230,16 +1239,36 @@ fn assemble(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::record::test_support::recorded_with;
-    use crate::memory::record::{pin, set_identity};
+    use crate::memory::diff::{FactDiff, FactEdit, apply_diff};
+    use crate::memory::record::test_support::{record_turn, recorded_with};
+    use crate::memory::record::{consolidate, pin, pin_fact, set_identity};
     use crate::memory::tokens::count_in;
 
+    /// Turn `n` happens on 2024-02-(n+1).
+    fn date_of(n: usize) -> Option<String> {
+        Some(format!("2024-02-{:02}T12:00:00Z", n % 28 + 1))
+    }
+
     fn recorded(turns: &[(&str, &str)]) -> MemoryState {
-        recorded_with(
-            turns,
-            |_| "s".into(),
-            |n| Some(format!("2024-02-{:02}T12:00:00Z", n % 28 + 1)),
-        )
+        recorded_with(turns, |_| "s".into(), date_of)
+    }
+
+    /// Records one more turn, dated as [`recorded`] dates it.
+    fn say(state: &mut MemoryState, user: &str, assistant: &str) {
+        let at = date_of(state.raw_turns.len());
+        record_turn(state, (user, assistant), "s".into(), at);
+    }
+
+    /// The text of the message holding the composition's `kind` block ("core" or "recall"),
+    /// empty when there is none.
+    fn block(composition: &Composition, messages: &[ChatMessage], kind: &str) -> String {
+        let tag = format!("<engram-memory kind=\"{kind}\">");
+        composition
+            .prompt(messages)
+            .into_iter()
+            .map(ChatMessage::text)
+            .find(|text| text.contains(&tag))
+            .unwrap_or_default()
     }
 
     fn compose_for(
@@ -1652,7 +1681,6 @@ mod tests {
             pin(
                 &mut state,
                 &format!("Pinned rule number {n}: always double-check the {n}th thing"),
-                None,
             );
         }
         let config = MemoryConfig {
@@ -1786,5 +1814,116 @@ mod tests {
             injected_tokens(&state, &composition, &config, Encoding::Cl100k),
             composition.tokens.total
         );
+    }
+
+    /// The core block for a question none of the memory answers, checked for its token count.
+    fn core_for(state: &MemoryState) -> String {
+        let config = MemoryConfig::default();
+        let messages = [ChatMessage::new("user", "hi")];
+        let composition = compose_for(state, &messages, &config);
+        assert_eq!(
+            injected_tokens(state, &composition, &config, Encoding::O200k),
+            composition.tokens.total
+        );
+        block(&composition, &messages, "core")
+    }
+
+    #[test]
+    fn a_pinned_fact_shows_its_current_revision_once() {
+        let mut state = recorded(&[("Please call me Ana.", "Hello Ana!")]);
+        let name = state
+            .active_facts()
+            .find(|fact| fact.key == "name")
+            .unwrap()
+            .id;
+        pin_fact(&mut state, name).unwrap();
+        say(&mut state, "Actually, call me Jay.", "Sure, Jay.");
+        assert_eq!(state.fact(name).unwrap().value, "Jay", "updated in place");
+
+        let config = MemoryConfig::default();
+        let messages = [ChatMessage::new("user", "What is my name?")];
+        let composition = compose_for(&state, &messages, &config);
+        let core = block(&composition, &messages, "core");
+        assert!(
+            core.contains("## Pinned\n- name: Jay [2024-02-02]\n"),
+            "{core}"
+        );
+        assert!(!core.contains("Ana"), "{core}");
+        let memory = core + &block(&composition, &messages, "recall");
+        assert_eq!(memory.matches("name: Jay").count(), 1, "{memory}");
+        let pinned = composition
+            .explain
+            .items
+            .iter()
+            .find(|item| item.reason == Reason::Pinned)
+            .unwrap();
+        assert_eq!(pinned.provenance, ["t1"]);
+        assert_eq!(
+            injected_tokens(&state, &composition, &config, Encoding::O200k),
+            composition.tokens.total
+        );
+    }
+
+    #[test]
+    fn a_pin_follows_its_fact_through_a_merge_and_shows_nothing_once_it_is_removed() {
+        let mut state = MemoryState::new();
+        let change = |state: &mut MemoryState, add: &[&str], remove: &[&str]| {
+            let diff = FactDiff {
+                add: add.iter().map(|text| FactEdit::new(*text)).collect(),
+                remove: remove.iter().map(|text| FactEdit::new(*text)).collect(),
+                ..FactDiff::default()
+            };
+            apply_diff(state, &diff, None);
+        };
+        // Another key with the same terms: consolidation merges the pinned one into the first.
+        change(
+            &mut state,
+            &["favourite tea: oolong", "favourite-tea: oolong"],
+            &[],
+        );
+        pin_fact(&mut state, 1).unwrap();
+        assert_eq!(consolidate(&mut state).merged_facts, [(1, 0)]);
+        let core = core_for(&state);
+        assert!(
+            core.contains("## Pinned\n- favourite tea: oolong\n"),
+            "{core}"
+        );
+        assert_eq!(core.matches("oolong").count(), 1, "{core}");
+
+        // Removed: the pin shows nothing rather than the old text.
+        change(&mut state, &[], &["favourite tea"]);
+        let core = core_for(&state);
+        assert!(
+            !core.contains("oolong") && !core.contains("## Pinned"),
+            "{core}"
+        );
+
+        // Said again, the fact is revived, and the pin shows it.
+        change(&mut state, &["favourite tea: sencha"], &[]);
+        let core = core_for(&state);
+        assert!(
+            core.contains("## Pinned\n- favourite tea: sencha\n"),
+            "{core}"
+        );
+        assert_eq!(core.matches("sencha").count(), 1, "{core}");
+    }
+
+    #[test]
+    fn a_pinned_hard_constraint_and_a_fact_pinned_twice_are_shown_once() {
+        let mut state = recorded(&[
+            ("I'm allergic to peanuts.", "Noted."),
+            ("I live in Lisbon.", "Lovely."),
+        ]);
+        for fact in [0, 0, 1, 1] {
+            pin_fact(&mut state, fact).unwrap();
+        }
+        let core = core_for(&state);
+        assert_eq!(core.matches("allergic to peanuts").count(), 1, "{core}");
+        assert!(
+            core.contains("## Hard constraints (always respect)\n- allergic to peanuts"),
+            "{core}"
+        );
+        assert_eq!(core.matches("lives in: Lisbon").count(), 1, "{core}");
+        assert!(core.contains("## Pinned\n- lives in: Lisbon"), "{core}");
     }
 }

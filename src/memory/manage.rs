@@ -5,11 +5,14 @@
 //! Items are identity, pinned items, facts, turn summaries, episode manifests, artifacts and
 //! raw turns, named `kind:id` (`fact:3`, `raw_turn:12`; the identity is `identity`).
 //!
+//! - Pins: a pin of a fact shows the fact's current revision (the fact it was merged into,
+//!   after a merge), in listings, search and the prompt alike; nothing while the fact is
+//!   removed. It keeps no text of its own.
 //! - Edits: the identity, a pinned item and a fact. A fact edit is a new revision: the old value
 //!   moves to the fact's history, ended by `edited` (with the old key if the key changed), and
-//!   the new value has no provenance turns (no turn said it). Pins projecting the fact follow
-//!   it. Summaries, episodes and artifacts are derived from the raw log and are deleted, not
-//!   edited.
+//!   the new value has no provenance turns (no turn said it). Editing a pin of a fact edits the
+//!   fact it shows. Summaries, episodes and artifacts are derived from the raw log and are
+//!   deleted, not edited.
 //! - Deletions erase the text and keep the slot (ids are positions and must keep resolving),
 //!   then cascade to what was derived only from the deleted item: a fact takes the facts merged
 //!   into it and the pins projecting it; a summary leaves its episode (an episode left without
@@ -25,7 +28,7 @@ use super::fence::{neutralise_fences, strip_fences};
 use super::index::{Bm25, MemoryIndex, SegmentKind};
 use super::model::{
     ArtifactId, ArtifactKind, EpisodeId, FactCategory, FactId, FactRevision, ItemRef, MemoryState,
-    PinId, RevisionEnd, SummaryText, Tier, TurnSeq,
+    PinContent, PinId, RevisionEnd, SummaryText, Tier, TurnSeq,
 };
 use super::record::set_identity;
 use super::render::{recount_fact, recount_pinned};
@@ -255,7 +258,10 @@ pub fn search(
         hits.push((ItemRef::Identity, share(&identity.text)));
     }
     for pin in state.pinned.iter().filter(|pin| pin.active) {
-        hits.push((ItemRef::Pinned(pin.id), share(&pin.text)));
+        hits.push((
+            ItemRef::Pinned(pin.id),
+            share(&state.pin_content(pin).text()),
+        ));
     }
     hits.retain(|(_, score)| *score > 0.0);
     hits.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
@@ -278,10 +284,10 @@ pub fn view(state: &MemoryState, item: ItemRef) -> Option<ItemView> {
             })
             .collect()
     };
-    let pinned = state
-        .pinned
-        .iter()
-        .any(|pin| pin.active && pin.source == Some(item));
+    let pinned = state.pinned.iter().any(|pin| {
+        pin.active
+            && matches!(state.pin_content(pin), PinContent::Fact(fact) if item == ItemRef::Fact(fact.id))
+    });
     let mut view = ItemView {
         id: item_id(item),
         kind: ItemKind::of(item),
@@ -309,11 +315,17 @@ pub fn view(state: &MemoryState, item: ItemRef) -> Option<ItemView> {
         }
         ItemRef::Pinned(id) => {
             let pin = state.pinned.get(id as usize)?;
-            view.text.clone_from(&pin.text);
-            view.tokens = o200k(pin.tokens);
+            let content = state.pin_content(pin);
+            view.text = content.text().into_owned();
+            view.tokens = o200k(content.tokens());
             view.pinned = true;
-            view.source = pin.source.map(item_id);
-            if let Some(source) = pin.source.and_then(|source| self::view(state, source)) {
+            // The fact the pin shows now (after a merge, the one it was merged into).
+            let source = match content {
+                PinContent::Fact(fact) => Some(ItemRef::Fact(fact.id)),
+                _ => pin.source,
+            };
+            view.source = source.map(item_id);
+            if let Some(source) = source.and_then(|source| self::view(state, source)) {
                 view.provenance = source.provenance;
                 view.date = source.date;
             }
@@ -413,6 +425,8 @@ pub enum ManageError {
     EmptyText,
     /// Another active fact already holds the edited key.
     KeyTaken(FactId),
+    /// The pin shows a fact the conversation removed, so there is nothing to edit.
+    PinnedFactRemoved(FactId),
 }
 
 impl std::fmt::Display for ManageError {
@@ -433,6 +447,11 @@ impl std::fmt::Display for ManageError {
             ManageError::KeyTaken(other) => write!(
                 formatter,
                 "fact {other} already holds that key; edit or delete that fact instead"
+            ),
+            ManageError::PinnedFactRemoved(fact) => write!(
+                formatter,
+                "the pin shows fact {fact}, which the conversation removed, so it shows nothing \
+                 until the fact is stated again; unpin it, or pin a text instead"
             ),
         }
     }
@@ -463,6 +482,18 @@ pub fn edit(state: &mut MemoryState, item: ItemRef, text: &str) -> Result<(), Ma
             Ok(())
         }
         ItemRef::Pinned(id) => {
+            let pin = state.pinned.get(id as usize).ok_or(ManageError::NotFound)?;
+            match state.pin_content(pin) {
+                PinContent::Fact(fact) => return edit_fact(state, fact.id, &text),
+                PinContent::Nothing => {
+                    let fact = match pin.source {
+                        Some(ItemRef::Fact(fact)) => fact,
+                        _ => return Err(ManageError::NotFound),
+                    };
+                    return Err(ManageError::PinnedFactRemoved(fact));
+                }
+                PinContent::Text(_) => {}
+            }
             let pin = state
                 .pinned
                 .get_mut(id as usize)
@@ -509,16 +540,6 @@ fn edit_fact(state: &mut MemoryState, id: FactId, text: &str) -> Result<(), Mana
     fact.value = value;
     fact.version += 1;
     recount_fact(fact);
-    let text = fact.text();
-    // Pins of the fact are projections of it: they follow.
-    for pin in state
-        .pinned
-        .iter_mut()
-        .filter(|pin| pin.active && pin.source == Some(ItemRef::Fact(id)))
-    {
-        pin.text.clone_from(&text);
-        recount_pinned(pin);
-    }
     state.facts_version += 1;
     state.version += 1;
     Ok(())
@@ -578,6 +599,8 @@ pub fn delete(state: &mut MemoryState, item: ItemRef) -> Result<Vec<ItemRef>, Ma
     Ok(deleted)
 }
 
+/// Whether a pin is still pinned or holds text of its own (an unpinned pin of a fact holds
+/// none).
 fn pin_holds_text(state: &MemoryState, id: PinId) -> bool {
     state
         .pinned
@@ -643,7 +666,7 @@ fn erase_facts(state: &mut MemoryState, first: FactId, deleted: &mut Vec<ItemRef
         let pins: Vec<PinId> = state
             .pinned
             .iter()
-            .filter(|pin| pin.source == Some(ItemRef::Fact(id)) && !pin.text.is_empty())
+            .filter(|pin| pin.source == Some(ItemRef::Fact(id)) && pin_holds_text(state, pin.id))
             .map(|pin| pin.id)
             .collect();
         for pin in pins {
@@ -757,6 +780,7 @@ mod tests {
     use crate::memory::diff::{FactDiff, FactEdit, apply_diff};
     use crate::memory::extract::HeuristicExtractor;
     use crate::memory::index::MemoryIndex;
+    use crate::memory::record::test_support::record_turn;
     use crate::memory::record::{ExchangeInput, consolidate, pin, pin_fact, record_exchange};
 
     const BM25: Bm25 = Bm25::STANDARD;
@@ -875,7 +899,7 @@ mod tests {
             "My sourdough starter smells of acetone.",
             "We went hiking in the Alps last summer.",
         ]);
-        pin(&mut state, "Always mention the sourdough schedule.", None);
+        pin(&mut state, "Always mention the sourdough schedule.");
         let index = MemoryIndex::build(&state);
         let hits = search(&state, &index, "sourdough", BM25);
         let ids: Vec<String> = hits.iter().map(|(item, _)| item_id(*item)).collect();
@@ -908,7 +932,8 @@ mod tests {
             ("Lisbon", None)
         );
         assert_eq!(revision.provenance, [0]);
-        assert_eq!(state.pinned[pin_id as usize].text, "lives in: Porto");
+        let pinned = view(&state, ItemRef::Pinned(pin_id)).unwrap();
+        assert_eq!(pinned.text, "lives in: Porto");
         assert!(state.version > before);
         assert!(
             view(&state, ItemRef::Fact(fact))
@@ -1085,7 +1110,7 @@ mod tests {
         delete(&mut state, ItemRef::Artifact(0)).unwrap();
         assert_eq!(state.artifact_content(&state.artifacts[0]), "");
         assert_eq!(state.raw_turns[0].user, pasted);
-        let pin_id = pin(&mut state, "Call me Ana.", None);
+        let pin_id = pin(&mut state, "Call me Ana.");
         crate::memory::record::unpin(&mut state, pin_id);
         // Unpinned, it still holds its text: deleting erases it.
         delete(&mut state, ItemRef::Pinned(pin_id)).unwrap();
@@ -1096,6 +1121,80 @@ mod tests {
         );
         assert_eq!(
             delete(&mut state, ItemRef::Identity),
+            Err(ManageError::NotFound)
+        );
+    }
+
+    #[test]
+    fn a_pin_of_a_fact_shows_and_edits_the_facts_current_revision() {
+        let mut state = MemoryState::new();
+        let say = |state: &mut MemoryState, text: &str| {
+            record_turn(state, (text, "Noted."), "s".into(), None);
+        };
+        say(&mut state, "Please call me Ana.");
+        let name = state
+            .active_facts()
+            .find(|fact| fact.key == "name")
+            .unwrap()
+            .id;
+        let pin_id = pin_fact(&mut state, name).unwrap();
+        say(&mut state, "Actually, call me Jay.");
+
+        let pinned = view(&state, ItemRef::Pinned(pin_id)).unwrap();
+        let fact = view(&state, ItemRef::Fact(name)).unwrap();
+        assert_eq!(pinned.text, "name: Jay");
+        assert_eq!(pinned.tokens, fact.tokens);
+        assert_eq!(pinned.source.as_deref(), Some(fact.id.as_str()));
+        assert_eq!(pinned.provenance[0].turn_id, "t1");
+        assert!(fact.pinned);
+        let pins = list(
+            &state,
+            ItemFilter {
+                kind: Some(ItemKind::Pinned),
+                tier: None,
+            },
+        );
+        assert_eq!(pins, [pinned]);
+        let index = MemoryIndex::build(&state);
+        let found = |query: &str| search(&state, &index, query, BM25);
+        let finds_pin = |query: &str| {
+            found(query)
+                .iter()
+                .any(|(item, _)| *item == ItemRef::Pinned(pin_id))
+        };
+        assert!(finds_pin("Jay") && !finds_pin("Ana"));
+        // The pin keeps no copy of the text to go stale.
+        let stored = serde_json::to_string(&state.pinned).unwrap();
+        assert!(
+            !stored.contains("Ana") && !stored.contains("Jay"),
+            "{stored}"
+        );
+
+        // Editing the pin edits the fact it shows: a new revision of the fact.
+        edit(&mut state, ItemRef::Pinned(pin_id), "name: Jo").unwrap();
+        let edited = state.fact(name).unwrap();
+        assert_eq!(edited.value, "Jo");
+        assert_eq!(edited.history.last().unwrap().ended_by, RevisionEnd::Edited);
+
+        // Removed by the conversation, the fact leaves the pin in place showing nothing.
+        let removal = FactDiff {
+            remove: vec![FactEdit::new("name")],
+            ..FactDiff::default()
+        };
+        apply_diff(&mut state, &removal, Some(1));
+        let pinned = view(&state, ItemRef::Pinned(pin_id)).unwrap();
+        assert_eq!((pinned.text.as_str(), pinned.tokens), ("", 0));
+        assert_eq!(
+            edit(&mut state, ItemRef::Pinned(pin_id), "name: Jo"),
+            Err(ManageError::PinnedFactRemoved(name))
+        );
+        // Deleting the pin unpins it; unpinned, a pin of a fact holds nothing to delete.
+        assert_eq!(
+            delete(&mut state, ItemRef::Pinned(pin_id)),
+            Ok(vec![ItemRef::Pinned(pin_id)])
+        );
+        assert_eq!(
+            delete(&mut state, ItemRef::Pinned(pin_id)),
             Err(ManageError::NotFound)
         );
     }

@@ -202,6 +202,34 @@ impl MemoryState {
         self.facts.get(id as usize)
     }
 
+    /// What fact `id` became: itself while active, else the fact it was merged into (through
+    /// any merges after that); `None` once removed or deleted. A value the conversation changed
+    /// keeps its fact (see [`super::diff`]), so this is a lookup by id, plus one per merge.
+    pub fn current_fact(&self, mut id: FactId) -> Option<&Fact> {
+        // Merges go into an older fact, so a chain is never longer than the facts.
+        for _ in 0..=self.facts.len() {
+            let fact = self.fact(id)?;
+            if fact.active {
+                return Some(fact);
+            }
+            match fact.history.last().map(|revision| revision.ended_by) {
+                Some(RevisionEnd::MergedInto(into)) => id = into,
+                _ => return None,
+            }
+        }
+        None
+    }
+
+    /// What a pin shows now (see [`PinnedItem`]).
+    pub fn pin_content<'a>(&'a self, pin: &'a PinnedItem) -> PinContent<'a> {
+        match pin.source {
+            Some(ItemRef::Fact(id)) => self
+                .current_fact(id)
+                .map_or(PinContent::Nothing, PinContent::Fact),
+            _ => PinContent::Text(pin),
+        }
+    }
+
     /// A turn's user and assistant summaries (see `TurnLogEntry::texts`).
     pub fn summary_texts(&self, seq: TurnSeq) -> (Cow<'_, str>, Cow<'_, str>) {
         self.turn_log
@@ -327,15 +355,51 @@ pub enum RevisionEnd {
     Deleted,
 }
 
-/// An item the user or app pinned: always injected (a projection; the source stays in place).
+/// An item the user or app pinned: always injected. A pin is a text of its own, or a pin of a
+/// fact: a projection that shows the fact's current revision ([`MemoryState::pin_content`]),
+/// while the fact stays where it is and keeps changing with the conversation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PinnedItem {
     pub id: PinId,
+    /// The pinned text; empty for a pin of a fact. (Pins of facts made by earlier releases
+    /// hold the fact's text as it was then; nothing reads it.)
     pub text: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<ItemRef>,
     pub active: bool,
+    /// Tokens of the rendered text line; a pin of a fact is charged its fact's line.
     pub tokens: TokenCount,
+}
+
+/// What a pin shows.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PinContent<'a> {
+    /// Its own text.
+    Text(&'a PinnedItem),
+    /// The current revision of its fact.
+    Fact(&'a Fact),
+    /// Nothing: its fact was removed (until the conversation states it again) or deleted.
+    Nothing,
+}
+
+impl PinContent<'_> {
+    /// The text the management API shows: the pin's, or its fact's `key: value`.
+    pub fn text(&self) -> Cow<'_, str> {
+        match self {
+            PinContent::Text(pin) => Cow::Borrowed(&pin.text),
+            PinContent::Fact(fact) => Cow::Owned(fact.text()),
+            PinContent::Nothing => Cow::Borrowed(""),
+        }
+    }
+
+    /// Tokens of the line it is injected as.
+    pub fn tokens(&self) -> TokenCount {
+        match self {
+            PinContent::Text(pin) => pin.tokens,
+            PinContent::Fact(fact) => fact.tokens,
+            PinContent::Nothing => TokenCount::default(),
+        }
+    }
 }
 
 /// How deeply an exchange is kept (seed 001's size-adaptive depth).

@@ -346,26 +346,35 @@ pub fn set_identity(state: &mut MemoryState, text: &str) {
     state.version += 1;
 }
 
-/// Pins a text (optionally a projection of an existing item, which stays where it is).
-pub fn pin(state: &mut MemoryState, text: &str, source: Option<ItemRef>) -> PinId {
+/// Pins a text of its own.
+pub fn pin(state: &mut MemoryState, text: &str) -> PinId {
+    let text = neutralise_fences(&strip_fences(text)).trim().to_string();
+    push_pin(state, text, None)
+}
+
+/// Pins an active fact: the pin shows the fact's current revision, whatever the conversation
+/// or an edit later makes of it, and keeps no copy of the text.
+pub fn pin_fact(state: &mut MemoryState, fact: FactId) -> Option<PinId> {
+    state.fact(fact).filter(|fact| fact.active)?;
+    Some(push_pin(state, String::new(), Some(ItemRef::Fact(fact))))
+}
+
+/// Adds an active pin. A text's line is counted here; a pin of a fact is charged its fact's.
+fn push_pin(state: &mut MemoryState, text: String, source: Option<ItemRef>) -> PinId {
     let id = PinId::try_from(state.pinned.len()).unwrap_or(PinId::MAX);
     let mut item = PinnedItem {
         id,
-        text: neutralise_fences(&strip_fences(text)).trim().to_string(),
+        text,
         source,
         active: true,
         tokens: Default::default(),
     };
-    recount_pinned(&mut item);
+    if source.is_none() {
+        recount_pinned(&mut item);
+    }
     state.pinned.push(item);
     state.version += 1;
     id
-}
-
-/// Pins an existing fact by copying its current text.
-pub fn pin_fact(state: &mut MemoryState, fact: FactId) -> Option<PinId> {
-    let text = state.fact(fact).filter(|fact| fact.active)?.text();
-    Some(pin(state, &text, Some(ItemRef::Fact(fact))))
 }
 
 pub fn unpin(state: &mut MemoryState, id: PinId) -> bool {
@@ -399,21 +408,35 @@ pub(crate) mod test_support {
         event_time: impl Fn(usize) -> Option<String>,
     ) -> MemoryState {
         let mut state = MemoryState::new();
-        let config = MemoryConfig::default();
         for (n, (user, assistant)) in turns.iter().enumerate() {
-            let exchange = ExchangeInput {
-                session_id: session(n),
-                turn_id: format!("t{n}"),
-                user_text: user.to_string(),
-                assistant_text: assistant.to_string(),
-                event_time: event_time(n),
-                prior_chain: None,
-                incomplete: false,
-                arrival: None,
-            };
-            record_exchange(&mut state, &exchange, &HeuristicExtractor, &config);
+            record_turn(&mut state, (user, assistant), session(n), event_time(n));
         }
         state
+    }
+
+    /// Records one more turn as [`recorded_with`] does: the `n`-th turn of the log is `t{n}`.
+    pub fn record_turn(
+        state: &mut MemoryState,
+        (user, assistant): (&str, &str),
+        session: String,
+        event_time: Option<String>,
+    ) {
+        let exchange = ExchangeInput {
+            session_id: session,
+            turn_id: format!("t{}", state.raw_turns.len()),
+            user_text: user.to_string(),
+            assistant_text: assistant.to_string(),
+            event_time,
+            prior_chain: None,
+            incomplete: false,
+            arrival: None,
+        };
+        record_exchange(
+            state,
+            &exchange,
+            &HeuristicExtractor,
+            &MemoryConfig::default(),
+        );
     }
 }
 
@@ -667,7 +690,7 @@ mod tests {
         let mut state = MemoryState::new();
         set_identity(&mut state, "I am Ana, a nurse in Porto.");
         assert!(state.identity.as_ref().unwrap().tokens.0 > 0);
-        let id = pin(&mut state, "Always answer in Portuguese", None);
+        let id = pin(&mut state, "Always answer in Portuguese");
         assert!(state.pinned[id as usize].active);
         assert!(unpin(&mut state, id));
         assert!(!unpin(&mut state, id));

@@ -10,7 +10,8 @@ use std::sync::OnceLock;
 
 use super::memo::{TextMemo, memoised};
 use super::model::{
-    Artifact, ArtifactKind, EpisodeManifest, Fact, Identity, PinnedItem, RawTurn, TurnLogEntry,
+    Artifact, ArtifactKind, EpisodeManifest, Fact, Identity, PinContent, PinnedItem, RawTurn,
+    TurnLogEntry,
 };
 use super::text::{clip_words, display_date, one_line};
 use super::tokens::{Encoding, TokenCount};
@@ -129,8 +130,19 @@ pub fn fact_line(fact: &Fact) -> String {
     }
 }
 
+/// A pin of its own text.
 pub fn pinned_line(item: &PinnedItem) -> String {
     format!("- {}\n", one_line(&item.text))
+}
+
+/// The line a pin shows: its text's, or its fact's line (the fact's own token count is its
+/// count); none when its fact is gone.
+pub fn pin_line(content: PinContent<'_>) -> String {
+    match content {
+        PinContent::Text(item) => pinned_line(item),
+        PinContent::Fact(fact) => fact_line(fact),
+        PinContent::Nothing => String::new(),
+    }
 }
 
 fn date_prefix(event_time: Option<&str>) -> String {
