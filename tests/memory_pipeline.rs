@@ -611,9 +611,25 @@ async fn any_body_user_an_app_already_sends_gets_a_memory_of_its_own() {
         wait_applied(&proxy, "default", id, &reply).await;
         let memory = export(&proxy, "default", id).await;
         assert!(memory.to_string().contains("teal"), "{user}: {memory}");
+        assert_eq!(memory["user_as_sent"], user, "{memory}");
+        // The management API finds the same memory by the value the app sent.
+        let by_value = export(&proxy, "default", &percent_encoded(user)).await;
+        assert_eq!(by_value["user"], id, "{by_value}");
     }
     // An empty `user` names nobody: no memory, no error.
     let reply = ask("", "Hello.").await;
     assert_eq!(reply.status, 200);
     assert_eq!(header(&reply, "x-engram-memory-reason"), "no_user");
+}
+
+/// `text` percent-encoded as a path segment (every byte outside the unreserved set).
+fn percent_encoded(text: &str) -> String {
+    text.bytes()
+        .map(|byte| match byte {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                char::from(byte).to_string()
+            }
+            _ => format!("%{byte:02X}"),
+        })
+        .collect()
 }
