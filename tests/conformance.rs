@@ -245,6 +245,23 @@ async fn a_streaming_client_that_resends_its_history_gets_each_turn_once() {
 }
 
 #[tokio::test]
+async fn a_client_that_resends_a_sliding_window_gets_each_turn_once() {
+    let Some(played) = play("resend-window").await else {
+        return;
+    };
+    // The exchanges it still carries are never injected again (every prompt, above); those it
+    // dropped are what memory gives back.
+    assert_eq!(turns_recorded(&memory_of(&played, "window").await), 10);
+    let last = played.prompts.last().unwrap();
+    let memory: String = messages(last)
+        .iter()
+        .filter(|message| is_memory_block(message))
+        .map(text)
+        .collect();
+    assert!(memory.contains("mk0x"), "{memory}");
+}
+
+#[tokio::test]
 async fn a_stateless_client_gets_its_previous_turn_at_once() {
     let Some(played) = play("stateless").await else {
         return;

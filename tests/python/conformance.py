@@ -9,6 +9,7 @@ This script prints one JSON line per request with the `x-engram-*` response head
 Patterns:
   resend         a chat loop that resends its whole history (non-streaming)
   resend-stream  the same, streamed
+  resend-window  a chat loop that resends only its last four exchanges (a sliding window)
   stateless      a loop that sends only its latest message, each follow-up the instant the
                  answer ends (streamed and not, alternately)
   agent          a tool-calling agent that resends its history, tool calls and results included
@@ -131,16 +132,18 @@ def wait_applied(base):
         time.sleep(0.05)
 
 
-def chat_loop(client, pattern, user, session, turns, resend, stream_of, settle_from=None):
+def chat_loop(client, pattern, user, session, turns, resend, stream_of, settle_from=None, window=None):
     """A chat loop; from turn `settle_from` on, each turn waits for the worker first (a user
-    who reads the answer), the turns before it follow at once."""
+    who reads the answer), the turns before it follow at once. A resending client with a
+    `window` resends only its last `window` exchanges."""
     headers = {"x-engram-user": user, "x-engram-session": session, "x-mock-script": "parrot"}
     history = [SYSTEM]
     for turn in range(turns):
         if settle_from is not None and turn >= settle_from:
             wait_applied(str(client.base_url))
         asked = {"role": "user", "content": question(turn)}
-        messages = history + [asked] if resend else [SYSTEM, asked]
+        kept = history[1:] if window is None else history[1:][-2 * window:]
+        messages = [SYSTEM] + kept + [asked] if resend else [SYSTEM, asked]
         raw, answer = create(client, headers, stream_of(turn), messages=messages)
         assert answer["content"] == "You said: " + asked["content"], answer
         report(pattern, turn, raw, session=session)
@@ -189,6 +192,8 @@ def main():
         chat_loop(client, pattern, "resender", "r1", 10, True, lambda turn: False, 5)
     elif pattern == "resend-stream":
         chat_loop(client, pattern, "streamer", "r1", 10, True, lambda turn: True, 5)
+    elif pattern == "resend-window":
+        chat_loop(client, pattern, "window", "w1", 10, True, lambda turn: turn % 2 == 0, 3, 4)
     elif pattern == "stateless":
         chat_loop(client, pattern, "stateless", "s1", 10, False, lambda turn: turn % 2 == 1)
     elif pattern == "agent":
