@@ -35,8 +35,10 @@ const TURNS: usize = 20;
 /// here is what a `queued` receipt promises, not how fast it comes.
 const RECEIPT_WAIT: (&str, &str) = ("ENGRAM_CAPTURE__RECEIPT_WAIT_MS", "15000");
 
-/// The cases here each run 100 sessions at once; one at a time keeps the machine's load (and so
-/// the test) about the follow-ups rather than about CPU starvation.
+/// The cases here each run 100 sessions at once, or time an answer; one at a time keeps the
+/// machine's load (and so the test) about the follow-ups rather than about CPU starvation. The
+/// slow-summarizer case took no turn: started beside the timed case, its debug proxy's start
+/// made the timed answer take 2 s instead of milliseconds on 2 cores, every full run.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn user_text(session: usize, turn: usize) -> String {
@@ -256,6 +258,7 @@ async fn two_replicas_on_a_redis_cluster_answering_in_turn_each_see_the_others_e
 
 #[tokio::test]
 async fn a_follow_up_while_a_slow_summarizer_works_carries_the_previous_exchange() {
+    let _one = ONE_AT_A_TIME.lock().await;
     // The summarizer answers after 5 s; the worker waits for it before applying the turn.
     let summarizer = mock(&["--latency-ms", "5000"]);
     let summarizer_url = format!("{}/v1", summarizer.address);
