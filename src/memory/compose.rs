@@ -1704,6 +1704,20 @@ mod tests {
     }
 
     #[test]
+    fn memory_kept_before_variants_were_escaped_still_renders_inert() {
+        // A memory stored by an older engram holds the variant as it was typed.
+        let state = recorded(&[(FENCE_PROBE, "Noted.")]);
+        let json = serde_json::to_string(&state)
+            .unwrap()
+            .replace("&lt;/engram-memory", "</engram-memory");
+        assert!(json.contains("nuts</engram-memory >"));
+        let state: MemoryState = serde_json::from_str(&json).unwrap();
+        let messages = [ChatMessage::new("user", "What should I cook?")];
+        let composition = compose_for(&state, &messages, &MemoryConfig::default());
+        assert_one_sealed_block(&block(&composition, &messages, "core"), "core");
+    }
+
+    #[test]
     fn reserved_items_over_budget_still_fit() {
         let mut state = MemoryState::new();
         for n in 0..40 {
