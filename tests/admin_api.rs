@@ -687,3 +687,26 @@ async fn a_tenant_token_reaches_its_own_tenant_only() {
     assert!(export(&proxy, "t2", "uma").await["memory"].is_null());
     assert!(!export(&proxy, "t1", "uma").await["memory"].is_null());
 }
+
+#[tokio::test]
+async fn any_case_of_the_bearer_scheme_is_accepted() {
+    let upstream = mock(&[]);
+    let proxy = proxy(
+        &upstream.address,
+        &[("ENGRAM_ADMIN_TENANT_TOKENS", "t1=token-one")],
+    );
+    let reply = say(&proxy, "t1", "uma", "s", "I work at the t1 lab.").await;
+    wait_applied(&proxy, "t1", "uma", &reply).await;
+    let url = proxy.url("/engram/v1/users/uma/memory");
+    // The scheme is case-insensitive (RFC 7235); the token is not.
+    for (auth, status) in [
+        ("bearer token-one", 200),
+        ("BEARER token-one", 200),
+        (&*format!("bEaReR {}", common::ADMIN_TOKEN), 200),
+        ("bearer TOKEN-ONE", 401),
+    ] {
+        let headers = [("authorization", auth), ("x-engram-tenant", "t1")];
+        let reply = send("GET", &url, &headers, "").await;
+        assert_eq!(reply.status.as_u16(), status, "{auth}");
+    }
+}
