@@ -193,10 +193,15 @@ pub fn admin_user_id(segment: &str) -> Result<String, Error> {
 
 /// The tenant of any request: `x-engram-tenant`, else `identity.default_tenant`.
 pub fn tenant(headers: &HeaderMap, config: &IdentityConfig) -> Result<String, Error> {
-    match header(headers, TENANT_HEADER)? {
-        Some(tenant) => checked_id(TENANT_HEADER, tenant),
-        None => Ok(config.default_tenant.clone()),
-    }
+    Ok(named_tenant(headers)?.unwrap_or_else(|| config.default_tenant.clone()))
+}
+
+/// The tenant `x-engram-tenant` names, if it is sent (and not empty); sent twice, or not an
+/// id, it is a 400. The chat path and the management API read it by this one rule.
+pub fn named_tenant(headers: &HeaderMap) -> Result<Option<String>, Error> {
+    header(headers, TENANT_HEADER)?
+        .map(|tenant| checked_id(TENANT_HEADER, tenant))
+        .transpose()
 }
 
 fn header<'a>(headers: &'a HeaderMap, name: &'static str) -> Result<Option<&'a str>, Error> {
@@ -452,9 +457,14 @@ mod tests {
         let mut map = HeaderMap::new();
         map.insert(USER_HEADER, HeaderValue::from_bytes(b"al\xffice").unwrap());
         assert!(resolve(&map, &plain(), &config).is_err());
-        // Two values for one identity header are ambiguous.
+        // Two values for one identity header are ambiguous, for the management API too.
         let twice = headers(&[(USER_HEADER, "a"), (USER_HEADER, "b")]);
         assert!(resolve(&twice, &plain(), &config).is_err());
+        let twice = headers(&[(TENANT_HEADER, "a"), (TENANT_HEADER, "a")]);
+        assert_eq!(named_tenant(&twice).unwrap_err().status_code(), 400);
+        let once = headers(&[(TENANT_HEADER, "a")]);
+        assert_eq!(named_tenant(&once).unwrap().as_deref(), Some("a"));
+        assert_eq!(named_tenant(&HeaderMap::new()).unwrap(), None);
         // A body user with a separator reaches no other key: it is encoded into an id.
         let body = request(serde_json::json!({
             "model": "m", "messages": [{"role": "user", "content": "x"}], "user": "eve:alice"
