@@ -411,3 +411,44 @@ async fn a_fence_variant_cannot_close_the_memory_block_from_inside() {
         "{question}"
     );
 }
+
+#[tokio::test]
+async fn an_event_time_more_than_a_day_ahead_is_a_400() {
+    let upstream = mock(&[]);
+    let proxy = proxy(&upstream.address, &[]);
+    for late in ["9999-12-31T00:00:00Z", "2999-01-01T00:00:00+14:00"] {
+        let reply = post_json(
+            &proxy.url(CHAT),
+            &chat_body(false),
+            &[("x-engram-user", "ivy"), ("x-engram-event-time", late)],
+        )
+        .await;
+        let error = assert_openai_error(&reply, 400);
+        assert_eq!(error["error"]["param"], "x-engram-event-time", "{error}");
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("ahead"),
+            "{error}"
+        );
+    }
+    // Past times are what imports send.
+    let reply = post_json(
+        &proxy.url(CHAT),
+        &chat_body(false),
+        &[
+            ("x-engram-user", "ivy"),
+            ("x-engram-event-time", "2023-05-08T13:56:00Z"),
+        ],
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    wait_applied(&proxy, "default", "ivy", &reply).await;
+    let export = admin(&proxy, "/engram/v1/users/ivy/memory", "default")
+        .await
+        .json();
+    let turns = export["memory"]["raw_turns"].as_array().unwrap();
+    assert_eq!(turns.len(), 1, "only the dated-in-the-past turn is stored");
+    assert_eq!(turns[0]["event_time"], "2023-05-08T13:56:00Z");
+}
