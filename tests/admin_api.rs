@@ -688,8 +688,9 @@ async fn a_tenant_token_reaches_its_own_tenant_only() {
     assert!(!export(&proxy, "t1", "uma").await["memory"].is_null());
 }
 
-#[tokio::test]
-async fn any_case_of_the_bearer_scheme_is_accepted() {
+/// A proxy (and its mock upstream) with an admin token for tenant t1 only, and one applied turn
+/// of t1's user uma.
+async fn t1_with_memory() -> (Process, Process) {
     let upstream = mock(&[]);
     let proxy = proxy(
         &upstream.address,
@@ -697,6 +698,12 @@ async fn any_case_of_the_bearer_scheme_is_accepted() {
     );
     let reply = say(&proxy, "t1", "uma", "s", "I work at the t1 lab.").await;
     wait_applied(&proxy, "t1", "uma", &reply).await;
+    (upstream, proxy)
+}
+
+#[tokio::test]
+async fn any_case_of_the_bearer_scheme_is_accepted() {
+    let (_upstream, proxy) = t1_with_memory().await;
     let url = proxy.url("/engram/v1/users/uma/memory");
     // The scheme is case-insensitive (RFC 7235); the token is not.
     for (auth, status) in [
@@ -713,13 +720,7 @@ async fn any_case_of_the_bearer_scheme_is_accepted() {
 
 #[tokio::test]
 async fn a_repeated_tenant_header_is_a_400_as_on_the_chat_path() {
-    let upstream = mock(&[]);
-    let proxy = proxy(
-        &upstream.address,
-        &[("ENGRAM_ADMIN_TENANT_TOKENS", "t1=token-one")],
-    );
-    let reply = say(&proxy, "t1", "uma", "s", "I work at the t1 lab.").await;
-    wait_applied(&proxy, "t1", "uma", &reply).await;
+    let (_upstream, proxy) = t1_with_memory().await;
     let chat = common::post_json(
         &proxy.url("/v1/chat/completions"),
         &common::chat_body(false),
