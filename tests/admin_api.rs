@@ -687,3 +687,66 @@ async fn a_tenant_token_reaches_its_own_tenant_only() {
     assert!(export(&proxy, "t2", "uma").await["memory"].is_null());
     assert!(!export(&proxy, "t1", "uma").await["memory"].is_null());
 }
+
+/// A proxy (and its mock upstream) with an admin token for tenant t1 only, and one applied turn
+/// of t1's user uma.
+async fn t1_with_memory() -> (Process, Process) {
+    let upstream = mock(&[]);
+    let proxy = proxy(
+        &upstream.address,
+        &[("ENGRAM_ADMIN_TENANT_TOKENS", "t1=token-one")],
+    );
+    let reply = say(&proxy, "t1", "uma", "s", "I work at the t1 lab.").await;
+    wait_applied(&proxy, "t1", "uma", &reply).await;
+    (upstream, proxy)
+}
+
+#[tokio::test]
+async fn any_case_of_the_bearer_scheme_is_accepted() {
+    let (_upstream, proxy) = t1_with_memory().await;
+    let url = proxy.url("/engram/v1/users/uma/memory");
+    // The scheme is case-insensitive (RFC 7235); the token is not.
+    for (auth, status) in [
+        ("bearer token-one", 200),
+        ("BEARER token-one", 200),
+        (&*format!("bEaReR {}", common::ADMIN_TOKEN), 200),
+        ("bearer TOKEN-ONE", 401),
+    ] {
+        let headers = [("authorization", auth), ("x-engram-tenant", "t1")];
+        let reply = send("GET", &url, &headers, "").await;
+        assert_eq!(reply.status.as_u16(), status, "{auth}");
+    }
+}
+
+#[tokio::test]
+async fn a_repeated_tenant_header_is_a_400_as_on_the_chat_path() {
+    let (_upstream, proxy) = t1_with_memory().await;
+    let chat = common::post_json(
+        &proxy.url("/v1/chat/completions"),
+        &common::chat_body(false),
+        &[
+            ("x-engram-user", "uma"),
+            ("x-engram-tenant", "t1"),
+            ("x-engram-tenant", "t2"),
+        ],
+    )
+    .await;
+    let chat = common::assert_openai_error(&chat, 400);
+    // Ambiguous whichever value comes first, even when both agree.
+    let url = proxy.url("/engram/v1/users/uma/memory");
+    let global = format!("Bearer {}", common::ADMIN_TOKEN);
+    for token in [global.as_str(), "Bearer token-one"] {
+        for tenants in [["t1", "t2"], ["t2", "t1"], ["t1", "t1"]] {
+            let headers = [
+                ("authorization", token),
+                ("x-engram-tenant", tenants[0]),
+                ("x-engram-tenant", tenants[1]),
+            ];
+            let reply = send("GET", &url, &headers, "").await;
+            let error = common::assert_openai_error(&reply, 400);
+            assert_eq!(error["error"]["param"], "x-engram-tenant", "{error}");
+            assert_eq!(error["error"]["message"], chat["error"]["message"]);
+            assert!(!error.to_string().contains("t1 lab"));
+        }
+    }
+}

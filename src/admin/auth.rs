@@ -131,8 +131,7 @@ impl AdminAuth {
         let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|value| value.to_str().ok())
-            .and_then(|value| value.strip_prefix("Bearer "))?
-            .trim()
+            .and_then(bearer_token)?
             .as_bytes();
         // Every token is compared, whichever matches, so timing tells nothing about which.
         let mut access = None;
@@ -148,6 +147,13 @@ impl AdminAuth {
         }
         access
     }
+}
+
+/// The token of `Bearer <token>`. The scheme is case-insensitive (RFC 7235 §2.1), so `bearer`
+/// and `BEARER` are accepted too; spaces around the token are not part of it.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim_start().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
 /// Constant time for equal lengths.
@@ -197,6 +203,33 @@ mod tests {
         basic.insert(header::AUTHORIZATION, "Basic secret".parse().unwrap());
         assert_eq!(auth.access(&basic), None);
         assert!(!AdminAuth::global("").is_enabled());
+    }
+
+    #[test]
+    fn the_scheme_is_case_insensitive_and_the_token_is_not() {
+        let auth = AdminAuth::global("secret");
+        let with = |value: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::AUTHORIZATION, value.parse().unwrap());
+            auth.access(&headers)
+        };
+        for value in [
+            "bearer secret",
+            "BEARER secret",
+            "BeArEr secret",
+            "Bearer   secret ",
+        ] {
+            assert_eq!(with(value), Some(Access::All), "{value:?}");
+        }
+        for value in [
+            "bearer SECRET",
+            "Bearersecret",
+            "Bearer",
+            "Bearer ",
+            "Bear secret",
+        ] {
+            assert_eq!(with(value), None, "{value:?}");
+        }
     }
 
     #[test]

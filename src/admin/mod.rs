@@ -18,8 +18,9 @@
 //!   deletion report.
 //!
 //! Edits go through [`edit_memory`]: version-checked like the worker's commits, so an edit and
-//! a job never overwrite each other. The tenant is the `x-engram-tenant` header, or the
-//! configured default tenant (the token's own tenant for a tenant token; naming another is 403).
+//! a job never overwrite each other. The tenant is the `x-engram-tenant` header, read by the
+//! chat path's rule (`identity::named_tenant`: sent twice is a 400), or the configured default
+//! tenant (the token's own tenant for a tenant token; naming another is 403).
 
 pub mod auth;
 pub mod client;
@@ -277,16 +278,7 @@ impl AdminApi {
     /// The user a per-user route names, in the tenant the request may reach.
     fn user_key(&self, headers: &HeaderMap, access: &Access, user: &str) -> Result<UserKey, Error> {
         let user = identity::admin_user_id(user)?;
-        let named = match headers.get(identity::TENANT_HEADER) {
-            Some(value) => Some(identity::checked_id(
-                identity::TENANT_HEADER,
-                value
-                    .to_str()
-                    .map_err(|_| Error::invalid_request("x-engram-tenant must be ASCII", None))?,
-            )?),
-            None => None,
-        };
-        let tenant = match (access, named) {
+        let tenant = match (access, identity::named_tenant(headers)?) {
             (Access::All, Some(tenant)) => tenant,
             (Access::All, None) => self.identity.default_tenant.clone(),
             (Access::Tenant(own), None) => own.clone(),

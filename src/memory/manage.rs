@@ -24,7 +24,7 @@ use std::collections::{BTreeSet, HashSet};
 use serde::Serialize;
 
 use super::diff::{normalise, split_key_value};
-use super::fence::{neutralise_fences, strip_fences};
+use super::fence::memory_text;
 use super::index::{Bm25, MemoryIndex, SegmentKind};
 use super::model::{
     ArtifactId, ArtifactKind, EpisodeId, FactCategory, FactId, FactRevision, ItemRef, MemoryState,
@@ -467,7 +467,7 @@ pub fn edit(state: &mut MemoryState, item: ItemRef, text: &str) -> Result<(), Ma
         return Err(ManageError::NotEditable(ItemKind::of(item)));
     }
     // Memory text is never taken from its own echo, and forged fences stay inert.
-    let text = neutralise_fences(&strip_fences(text)).trim().to_string();
+    let text = memory_text(text).trim().to_string();
     if text.is_empty() {
         return Err(ManageError::EmptyText);
     }

@@ -11,7 +11,7 @@ use super::config::MemoryConfig;
 use super::depth::{FoundArtifact, classify, find_artifacts};
 use super::diff::{DiffReport, apply_diff, normalise, retain_grounded};
 use super::extract::{ASSISTANT_SUMMARY_WORDS, ExchangeView, Extractor, USER_SUMMARY_WORDS};
-use super::fence::{neutralise_fences, strip_fences};
+use super::fence::memory_text;
 use super::history::link;
 use super::model::{
     Artifact, ArtifactId, ArtifactKind, Depth, FactCategory, FactId, Identity, ItemRef,
@@ -81,7 +81,7 @@ pub fn record_exchange(
     // Memory is never re-extracted from its own echo, and forged fences stay inert. A very long
     // message enters memory as an excerpt (the raw log keeps it whole).
     let kept = |text: &str| {
-        let text = neutralise_fences(&strip_fences(text)).into_owned();
+        let text = memory_text(text).into_owned();
         match excerpt(&text, config.depth.max_message_bytes) {
             Cow::Owned(cut) => cut,
             Cow::Borrowed(_) => text,
@@ -332,7 +332,7 @@ pub fn consolidate(state: &mut MemoryState) -> ConsolidationReport {
 
 /// Sets (or clears, with an empty text) the user's identity (L0).
 pub fn set_identity(state: &mut MemoryState, text: &str) {
-    let text = neutralise_fences(&strip_fences(text)).trim().to_string();
+    let text = memory_text(text).trim().to_string();
     state.identity = if text.is_empty() {
         None
     } else {
@@ -348,7 +348,7 @@ pub fn set_identity(state: &mut MemoryState, text: &str) {
 
 /// Pins a text of its own.
 pub fn pin(state: &mut MemoryState, text: &str) -> PinId {
-    let text = neutralise_fences(&strip_fences(text)).trim().to_string();
+    let text = memory_text(text).trim().to_string();
     push_pin(state, text, None)
 }
 

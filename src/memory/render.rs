@@ -3,11 +3,15 @@
 //! adds the stored counts, so the two must come from the same functions here.
 //!
 //! Every item renders as whole lines that start with `- ` and end with `\n` (see `tokens` for
-//! why that makes counts add up).
+//! why that makes counts add up), and no line holds anything fence-like (`inert`): whatever a
+//! stored text holds (a model's summary, a memory kept before fences were escaped as they are
+//! now), it cannot open or close a block.
 
+use std::borrow::Cow;
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
+use super::fence::neutralise_fences;
 use super::memo::{TextMemo, memoised};
 use super::model::{
     Artifact, ArtifactKind, EpisodeManifest, Fact, Identity, PinContent, PinnedItem, RawTurn,
@@ -109,6 +113,14 @@ pub(crate) fn warm_up_fixed() {
     let _ = Fixed::Close.tokens(Encoding::O200k);
 }
 
+/// `line` with anything fence-like escaped; not copied again when there is none.
+fn inert(line: String) -> String {
+    match neutralise_fences(&line) {
+        Cow::Borrowed(_) => line,
+        Cow::Owned(escaped) => escaped,
+    }
+}
+
 pub fn identity_lines(text: &str) -> String {
     let mut out = String::new();
     for line in text.lines() {
@@ -119,20 +131,20 @@ pub fn identity_lines(text: &str) -> String {
             out.push('\n');
         }
     }
-    out
+    inert(out)
 }
 
 pub fn fact_line(fact: &Fact) -> String {
     let text = one_line(&fact.text());
-    match &fact.date {
+    inert(match &fact.date {
         Some(date) => format!("- {text} [{date}]\n"),
         None => format!("- {text}\n"),
-    }
+    })
 }
 
 /// A pin of its own text.
 pub fn pinned_line(item: &PinnedItem) -> String {
-    format!("- {}\n", one_line(&item.text))
+    inert(format!("- {}\n", one_line(&item.text)))
 }
 
 /// The line a pin shows: its text's, or its fact's line (the fact's own token count is its
@@ -162,21 +174,21 @@ pub fn raw_turn_line(turn: &RawTurn, clipped: bool) -> String {
         (one_line(&turn.user), one_line(&turn.assistant))
     };
     let date = date_prefix(turn.event_time.as_deref());
-    if assistant.is_empty() {
+    inert(if assistant.is_empty() {
         format!("- {date}user: {user}\n")
     } else {
         format!("- {date}user: {user} | assistant: {assistant}\n")
-    }
+    })
 }
 
 pub fn summary_line(entry: &TurnLogEntry, raw: Option<&RawTurn>) -> String {
     let date = date_prefix(raw.and_then(|turn| turn.event_time.as_deref()));
     let (user, assistant) = entry.texts(raw);
-    format!(
+    inert(format!(
         "- {date}(summary) user: {} | assistant: {}\n",
         one_line(&user),
         one_line(&assistant)
-    )
+    ))
 }
 
 pub fn episode_line(episode: &EpisodeManifest) -> String {
@@ -190,12 +202,12 @@ pub fn episode_line(episode: &EpisodeManifest) -> String {
     } else {
         format!(" [hints: {}]", episode.rehydration_hints.join(", "))
     };
-    format!(
+    inert(format!(
         "- episode {}{dates}: {}: {}{hints}\n",
         episode.id,
         one_line(&episode.topic),
         one_line(&episode.summary)
-    )
+    ))
 }
 
 fn artifact_label(artifact: &Artifact) -> String {
@@ -213,23 +225,23 @@ fn artifact_label(artifact: &Artifact) -> String {
 pub fn artifact_full(artifact: &Artifact, content: &str, event_time: Option<&str>) -> String {
     let date = date_prefix(event_time);
     let body = content.trim_end();
-    match artifact.kind {
+    inert(match artifact.kind {
         ArtifactKind::Code => format!(
             "- {date}{}:\n```{}\n{body}\n```\n",
             artifact_label(artifact),
             artifact.language.as_deref().unwrap_or("")
         ),
         ArtifactKind::Draft => format!("- {date}{}:\n{body}\n", artifact_label(artifact)),
-    }
+    })
 }
 
 pub fn artifact_reference(artifact: &Artifact, content: &str, event_time: Option<&str>) -> String {
     let date = date_prefix(event_time);
     let lines = content.lines().count();
-    format!(
+    inert(format!(
         "- {date}{}, {lines} lines, kept in full but too long to include here\n",
         artifact_label(artifact)
-    )
+    ))
 }
 
 pub fn recount_identity(identity: &mut Identity) {

@@ -19,6 +19,10 @@ pub const MODE_HEADER: &str = "x-engram-mode";
 pub const EVENT_TIME_HEADER: &str = "x-engram-event-time";
 
 const MAX_ID_LEN: usize = 128;
+/// How far past this process's clock an `x-engram-event-time` may lie: room for clocks that
+/// disagree and for time zones written wrongly, no more. A later one is a 400: stored, it
+/// would date a turn in the future, after everything the user says until then.
+pub const EVENT_TIME_MAX_AHEAD_SECONDS: i64 = 24 * 60 * 60;
 /// The session of a user who sends no `x-engram-session`.
 pub const DEFAULT_SESSION: &str = "default";
 
@@ -106,12 +110,10 @@ pub fn resolve(
         None => DEFAULT_SESSION.to_owned(),
     };
     let event_time = match header(headers, EVENT_TIME_HEADER)? {
-        Some(time) if is_rfc3339(time) => Some(time.to_owned()),
-        Some(_) => {
-            return Err(bad_header(
-                EVENT_TIME_HEADER,
-                "must be an RFC 3339 timestamp such as 2023-05-08T13:56:00Z",
-            ));
+        Some(time) => {
+            let now =
+                i64::try_from(crate::recorder::ids::now_micros() / 1_000_000).unwrap_or(i64::MAX);
+            Some(checked_event_time(time, now)?)
         }
         None => None,
     };
@@ -193,10 +195,15 @@ pub fn admin_user_id(segment: &str) -> Result<String, Error> {
 
 /// The tenant of any request: `x-engram-tenant`, else `identity.default_tenant`.
 pub fn tenant(headers: &HeaderMap, config: &IdentityConfig) -> Result<String, Error> {
-    match header(headers, TENANT_HEADER)? {
-        Some(tenant) => checked_id(TENANT_HEADER, tenant),
-        None => Ok(config.default_tenant.clone()),
-    }
+    Ok(named_tenant(headers)?.unwrap_or_else(|| config.default_tenant.clone()))
+}
+
+/// The tenant `x-engram-tenant` names, if it is sent (and not empty); sent twice, or not an
+/// id, it is a 400. The chat path and the management API read it by this one rule.
+pub fn named_tenant(headers: &HeaderMap) -> Result<Option<String>, Error> {
+    header(headers, TENANT_HEADER)?
+        .map(|tenant| checked_id(TENANT_HEADER, tenant))
+        .transpose()
 }
 
 fn header<'a>(headers: &'a HeaderMap, name: &'static str) -> Result<Option<&'a str>, Error> {
@@ -238,11 +245,37 @@ fn bad_header(name: &str, rule: &str) -> Error {
     Error::invalid_request(format!("Invalid `{name}`: it {rule}."), Some(name))
 }
 
+/// An `x-engram-event-time` value: an RFC 3339 timestamp at most
+/// [`EVENT_TIME_MAX_AHEAD_SECONDS`] past `now` (seconds since the Unix epoch). Past times,
+/// an import's, are all accepted.
+fn checked_event_time(text: &str, now: i64) -> Result<String, Error> {
+    let Some(seconds) = rfc3339_seconds(text) else {
+        return Err(bad_header(
+            EVENT_TIME_HEADER,
+            "must be an RFC 3339 timestamp such as 2023-05-08T13:56:00Z",
+        ));
+    };
+    if seconds > now.saturating_add(EVENT_TIME_MAX_AHEAD_SECONDS) {
+        return Err(bad_header(
+            EVENT_TIME_HEADER,
+            "must not be more than a day ahead of the server's clock (it dates a turn that \
+             has happened, such as an imported one)",
+        ));
+    }
+    Ok(text.to_owned())
+}
+
 /// `YYYY-MM-DDTHH:MM:SS[.frac](Z|±HH:MM)`, with calendar-plausible fields.
 pub fn is_rfc3339(text: &str) -> bool {
+    rfc3339_seconds(text).is_some()
+}
+
+/// The seconds since the Unix epoch (negative before 1970) of an RFC 3339 timestamp
+/// ([`is_rfc3339`]'s form), its offset applied and its fraction dropped.
+fn rfc3339_seconds(text: &str) -> Option<i64> {
     let bytes = text.as_bytes();
     if bytes.len() < 20 {
-        return false;
+        return None;
     }
     let digits = |range: std::ops::Range<usize>| -> Option<u32> {
         let part = text.get(range)?;
@@ -256,7 +289,7 @@ pub fn is_rfc3339(text: &str) -> bool {
         && matches!(bytes[10], b'T' | b't' | b' ')
         && bytes[13] == b':'
         && bytes[16] == b':';
-    let (Some(_year), Some(month), Some(day), Some(hour), Some(minute), Some(second)) = (
+    let (Some(year), Some(month), Some(day), Some(hour), Some(minute), Some(second)) = (
         digits(0..4),
         digits(5..7),
         digits(8..10),
@@ -264,7 +297,7 @@ pub fn is_rfc3339(text: &str) -> bool {
         digits(14..16),
         digits(17..19),
     ) else {
-        return false;
+        return None;
     };
     if !separators_ok
         || !(1..=12).contains(&month)
@@ -273,25 +306,47 @@ pub fn is_rfc3339(text: &str) -> bool {
         || minute > 59
         || second > 60
     {
-        return false;
+        return None;
     }
     let mut rest = &text[19..];
     if let Some(fraction) = rest.strip_prefix('.') {
         let digits_len = fraction.bytes().take_while(u8::is_ascii_digit).count();
         if digits_len == 0 {
-            return false;
+            return None;
         }
         rest = &fraction[digits_len..];
     }
-    match rest.as_bytes() {
-        [b'Z' | b'z'] => true,
-        [b'+' | b'-', h1, h2, b':', m1, m2] => {
-            [h1, h2, m1, m2].iter().all(|b| b.is_ascii_digit())
-                && (*h1 - b'0') * 10 + (*h2 - b'0') <= 23
-                && (*m1 - b'0') * 10 + (*m2 - b'0') <= 59
+    let offset_minutes = match rest.as_bytes() {
+        [b'Z' | b'z'] => 0,
+        [sign @ (b'+' | b'-'), h1, h2, b':', m1, m2]
+            if [h1, h2, m1, m2].iter().all(|b| b.is_ascii_digit()) =>
+        {
+            let hours = i64::from((*h1 - b'0') * 10 + (*h2 - b'0'));
+            let minutes = i64::from((*m1 - b'0') * 10 + (*m2 - b'0'));
+            if hours > 23 || minutes > 59 {
+                return None;
+            }
+            let offset = hours * 60 + minutes;
+            if *sign == b'-' { -offset } else { offset }
         }
-        _ => false,
-    }
+        _ => return None,
+    };
+    let local = days_from_civil(i64::from(year), month, day) * 86_400
+        + i64::from(hour * 3_600 + minute * 60 + second);
+    Some(local - offset_minutes * 60)
+}
+
+/// Days from 1970-01-01 to a proleptic Gregorian date (H. Hinnant's `days_from_civil`). A
+/// day past its month's end counts on into the next month.
+fn days_from_civil(year: i64, month: u32, day: u32) -> i64 {
+    let year = if month <= 2 { year - 1 } else { year };
+    let era = year.div_euclid(400);
+    let year_of_era = year - era * 400;
+    let month = i64::from(month);
+    let day_of_year =
+        (153 * (if month > 2 { month - 3 } else { month + 9 }) + 2) / 5 + i64::from(day) - 1;
+    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
+    era * 146_097 + day_of_era - 719_468
 }
 
 #[cfg(test)]
@@ -452,9 +507,14 @@ mod tests {
         let mut map = HeaderMap::new();
         map.insert(USER_HEADER, HeaderValue::from_bytes(b"al\xffice").unwrap());
         assert!(resolve(&map, &plain(), &config).is_err());
-        // Two values for one identity header are ambiguous.
+        // Two values for one identity header are ambiguous, for the management API too.
         let twice = headers(&[(USER_HEADER, "a"), (USER_HEADER, "b")]);
         assert!(resolve(&twice, &plain(), &config).is_err());
+        let twice = headers(&[(TENANT_HEADER, "a"), (TENANT_HEADER, "a")]);
+        assert_eq!(named_tenant(&twice).unwrap_err().status_code(), 400);
+        let once = headers(&[(TENANT_HEADER, "a")]);
+        assert_eq!(named_tenant(&once).unwrap().as_deref(), Some("a"));
+        assert_eq!(named_tenant(&HeaderMap::new()).unwrap(), None);
         // A body user with a separator reaches no other key: it is encoded into an id.
         let body = request(serde_json::json!({
             "model": "m", "messages": [{"role": "user", "content": "x"}], "user": "eve:alice"
@@ -492,5 +552,60 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(error.status_code(), 400);
+    }
+
+    #[test]
+    fn event_times_are_read_as_seconds_since_the_epoch() {
+        for (text, seconds) in [
+            ("1970-01-01T00:00:00Z", 0),
+            ("2023-05-08T13:56:00Z", 1_683_554_160),
+            ("2023-05-08T15:56:00.999+02:00", 1_683_554_160),
+            ("2023-05-08T08:26:00-05:30", 1_683_554_160),
+            ("2000-02-29T00:00:00Z", 951_782_400),
+            ("2024-03-01T00:00:00z", 1_709_251_200),
+            ("1969-12-31T23:59:59Z", -1),
+            ("0001-01-01T00:00:00Z", -62_135_596_800),
+            ("9999-12-31T00:00:00Z", 253_402_214_400),
+        ] {
+            assert_eq!(rfc3339_seconds(text), Some(seconds), "{text}");
+        }
+    }
+
+    #[test]
+    fn event_times_may_be_long_past_but_at_most_a_day_ahead() {
+        // 2023-05-08T13:56:00Z.
+        let now = 1_683_554_160;
+        assert_eq!(EVENT_TIME_MAX_AHEAD_SECONDS, 86_400);
+        for ok in [
+            "2023-05-08T13:56:00Z",
+            "2023-05-09T13:56:00Z",
+            "2023-05-09T15:56:00+02:00",
+            "1983-05-08T13:56:00Z",
+            "1066-10-14T09:00:00Z",
+        ] {
+            assert_eq!(checked_event_time(ok, now).unwrap(), ok);
+        }
+        for late in [
+            "2023-05-09T13:56:01Z",
+            "2023-05-09T15:56:01+02:00",
+            "2023-05-09T09:00:00-05:00",
+            "2024-05-08T13:56:00Z",
+        ] {
+            let error = checked_event_time(late, now).unwrap_err();
+            assert_eq!(error.status_code(), 400, "{late}");
+        }
+        // Against this process's clock.
+        let error = resolve(
+            &headers(&[
+                (USER_HEADER, "u"),
+                (EVENT_TIME_HEADER, "9999-12-31T00:00:00Z"),
+            ]),
+            &plain(),
+            &IdentityConfig::default(),
+        )
+        .unwrap_err();
+        assert_eq!(error.status_code(), 400);
+        assert!(error.to_string().contains(EVENT_TIME_HEADER), "{error}");
+        assert!(error.to_string().contains("ahead"), "{error}");
     }
 }

@@ -22,7 +22,7 @@ use crate::memory::config::DepthConfig;
 use crate::memory::depth::classify;
 use crate::memory::diff::retain_grounded;
 use crate::memory::extract::{ExchangeView, Extraction, Extractor, HeuristicExtractor};
-use crate::memory::fence::{neutralise_fences, strip_fences};
+use crate::memory::fence::memory_text;
 use crate::memory::model::Depth;
 use crate::metrics::SummarizerMetrics;
 
@@ -283,8 +283,8 @@ impl Summarizer {
     }
 
     fn prepare(&self, user_text: &str, assistant_text: &str) -> Exchange {
-        let user = neutralise_fences(&strip_fences(user_text)).into_owned();
-        let assistant = neutralise_fences(&strip_fences(assistant_text)).into_owned();
+        let user = memory_text(user_text).into_owned();
+        let assistant = memory_text(assistant_text).into_owned();
         let depth = classify(&user, &assistant, &self.depth);
         Exchange {
             user,

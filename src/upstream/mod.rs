@@ -14,6 +14,53 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use crate::config::UpstreamConfig;
 use crate::error::{Error, ProxyBody};
 
+/// What in `path` could take it out of the upstream's base path, on an upstream (or a proxy in
+/// front of it) that normalises or decodes paths: a `.` or `..` segment (also percent-encoded,
+/// or with `;` parameters, which some servers drop before resolving), an encoded slash or
+/// backslash, a backslash, or an empty segment (`//`). `None` for a plain path; a trailing
+/// slash is fine.
+pub fn escape_in_path(path: &str) -> Option<&'static str> {
+    if path.contains('\\') {
+        return Some("a backslash");
+    }
+    if path.contains("//") {
+        return Some("an empty segment");
+    }
+    let lower = path.to_ascii_lowercase();
+    if lower.contains("%2f") || lower.contains("%5c") {
+        return Some("an encoded slash");
+    }
+    let dot_segment = path.split('/').any(|segment| {
+        let name = segment.split_once(';').map_or(segment, |(name, _)| name);
+        matches!(percent_decoded(name).as_slice(), b"." | b"..")
+    });
+    dot_segment.then_some("a dot segment")
+}
+
+/// `text` with every `%XX` escape decoded (a malformed one kept as it is).
+fn percent_decoded(text: &str) -> Vec<u8> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut at = 0;
+    while at < bytes.len() {
+        let escaped = (bytes[at] == b'%')
+            .then(|| text.get(at + 1..at + 3))
+            .flatten()
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+        match escaped {
+            Some(byte) => {
+                out.push(byte);
+                at += 3;
+            }
+            None => {
+                out.push(bytes[at]);
+                at += 1;
+            }
+        }
+    }
+    out
+}
+
 /// Headers that describe one hop, never the request itself (RFC 9110 §7.6.1).
 const HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
@@ -96,7 +143,18 @@ impl Upstream {
     }
 
     /// Maps the part of a client path after `/v1` (e.g. `/chat/completions?x=1`) onto the base.
+    /// A path that could leave the base (see [`escape_in_path`]) is a 400.
     pub fn uri_for(&self, rest: &str) -> Result<Uri, Error> {
+        let path = rest.split_once('?').map_or(rest, |(path, _)| path);
+        if let Some(what) = escape_in_path(path) {
+            return Err(Error::invalid_request(
+                format!(
+                    "Invalid path: it holds {what}; engram forwards only plain paths, so a \
+                     request cannot leave the upstream's base path."
+                ),
+                None,
+            ));
+        }
         Uri::builder()
             .scheme(self.scheme.clone())
             .authority(self.authority.clone())
@@ -216,6 +274,52 @@ mod tests {
         assert_eq!(
             up.uri_for("/models").unwrap().to_string(),
             "https://example.com/models"
+        );
+    }
+
+    #[tokio::test]
+    async fn paths_that_could_leave_the_base_are_refused() {
+        let up = upstream("http://127.0.0.1:9/tenant-a/v1", None);
+        for rest in [
+            "/../../tenant-b/v1/models",
+            "/./models",
+            "/models/..",
+            "/models/.",
+            "/%2e%2e/tenant-b",
+            "/%2E%2E/tenant-b",
+            "/.%2e/x",
+            "/%2e/x",
+            "/..;/x",
+            "/.;x=1/y",
+            "/models%2f..%2fx",
+            "/models%2F..",
+            "/a%5cb",
+            "/a%5C..%5Cb",
+            "/a\\..\\b",
+            "//models",
+            "/models//x",
+            "/../x?y=1",
+        ] {
+            let error = up.uri_for(rest).unwrap_err();
+            assert_eq!(error.status_code(), 400, "{rest}");
+            assert!(error.to_string().contains("Invalid path"), "{error}");
+        }
+        for rest in [
+            "/models",
+            "/models/",
+            "/",
+            "/files/file-abc.jsonl/content",
+            "/models/gpt-4o...",
+            "/.well-known",
+            "/a%2eb",
+            "/models?next=../..",
+            "/models?x=a//b",
+        ] {
+            assert!(up.uri_for(rest).is_ok(), "{rest}");
+        }
+        assert_eq!(
+            up.uri_for("/models?after=a%2Fb").unwrap().to_string(),
+            "http://127.0.0.1:9/tenant-a/v1/models?after=a%2Fb"
         );
     }
 
