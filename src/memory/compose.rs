@@ -22,12 +22,16 @@ use serde_json::Value;
 
 use super::budget::{Packer, budgets_from_total};
 use super::config::{MemoryConfig, Placement};
+use super::depth::code_blocks;
 use super::explain::{Block, BlockTokens, ClientMode, Explain, ExplainedItem, Form, Reason};
 use super::fence::{has_fence_like, memory_text, neutralise_fences, strip_fences};
-use super::history::request_shape;
+use super::history::{answer_words, request_shape};
 use super::index::MemoryIndex;
 use super::lookups::Lookups;
-use super::model::{CandidateId, Depth, FactId, ItemRef, MemoryState, PinContent, Tier, TurnSeq};
+use super::model::{
+    ArtifactId, ArtifactKind, CandidateId, Depth, FactId, ItemRef, MemoryState, PinContent, Tier,
+    TurnSeq,
+};
 use super::record::ExchangeInput;
 use super::render::{
     FENCE_CLOSE, Fixed, artifact_full, artifact_reference, episode_line, fact_line, identity_lines,
@@ -254,19 +258,19 @@ fn pack_recall(
     explain_items: &mut Vec<ExplainedItem>,
 ) {
     for (score, relevance, item, reason) in ranked.iter().copied() {
-        if matches!(item, ItemRef::Episode(_)) || recall.shows(item) {
+        if matches!(item, ItemRef::Episode(_)) || shows(state, recall, item) {
             continue;
         }
         for (shown, section, order, form, tokens) in render_options(state, item, encoding) {
-            if recall.contains(shown) {
-                continue;
-            }
             let line = Line {
                 section,
                 order,
                 item: shown,
                 form,
             };
+            if recall.contains(shown) || overlaps(state, recall, &line) {
+                continue;
+            }
             // A turn already shown as its summary (the recent context) is shown once: its raw
             // line takes the summary's place when the difference fits.
             if let ItemRef::RawTurn(seq) = shown
@@ -309,6 +313,79 @@ fn pack_recall(
             }
         }
     }
+}
+
+/// What a turn the prompt carries as messages stands for: its raw line, its summary and the
+/// artifacts those messages show, none of which recall shows again. The client's own messages
+/// carry all of a turn; the raw window leaves an agent's tool calls and results out
+/// (`history::answer_words`), so code in those stays for recall.
+fn carried_items(state: &MemoryState, seq: TurnSeq, in_window: bool) -> Vec<ItemRef> {
+    let mut items = vec![ItemRef::RawTurn(seq), ItemRef::Summary(seq)];
+    let (Some(entry), Some(turn)) = (
+        state.turn_log.get(seq as usize),
+        state.raw_turns.get(seq as usize),
+    ) else {
+        return items;
+    };
+    if entry.artifacts.is_empty() {
+        return items;
+    }
+    let shown: Vec<String> = if in_window {
+        code_blocks(&turn.user)
+            .into_iter()
+            .chain(code_blocks(&answer_words(&turn.assistant)))
+            .map(|(_, code)| code)
+            .collect()
+    } else {
+        Vec::new()
+    };
+    for id in &entry.artifacts {
+        let carried = state.artifacts.get(*id as usize).is_some_and(|artifact| {
+            !in_window || artifact.kind == ArtifactKind::Draft || shown.contains(&artifact.content)
+        });
+        if carried {
+            items.push(ItemRef::Artifact(*id));
+        }
+    }
+    items
+}
+
+/// Whether `line`, a turn's raw line, shows (part of) `artifact`: a full raw line holds all of
+/// its turn's artifacts; a clipped one the start of a draft (it stops before any code block).
+fn holds(state: &MemoryState, line: &Line, artifact: ArtifactId) -> bool {
+    let ItemRef::RawTurn(seq) = line.item else {
+        return false;
+    };
+    state
+        .artifacts
+        .get(artifact as usize)
+        .is_some_and(|artifact| {
+            artifact.turn == seq
+                && (line.form == Form::Full || artifact.kind == ArtifactKind::Draft)
+        })
+}
+
+/// Whether `line` would show text that `block` shows already: a turn's text is shown once, as
+/// its raw line or beside it as its artifacts, never both.
+fn overlaps(state: &MemoryState, block: &BlockPlan, line: &Line) -> bool {
+    match line.item {
+        ItemRef::Artifact(id) => block.lines.iter().any(|shown| holds(state, shown, id)),
+        ItemRef::RawTurn(seq) => state.turn_log.get(seq as usize).is_some_and(|entry| {
+            entry
+                .artifacts
+                .iter()
+                .any(|id| block.contains(ItemRef::Artifact(*id)) && holds(state, line, *id))
+        }),
+        _ => false,
+    }
+}
+
+/// Whether `block` already shows what `item` would add: [`BlockPlan::shows`], or an artifact
+/// its turn's raw line holds.
+fn shows(state: &MemoryState, block: &BlockPlan, item: ItemRef) -> bool {
+    block.shows(item)
+        || matches!(item, ItemRef::Artifact(id)
+            if block.lines.iter().any(|shown| holds(state, shown, id)))
 }
 
 /// Rewrites `request.messages` with memory from `state`. `index` should be built from the same
@@ -548,8 +625,7 @@ pub fn compose(
                 if packer.take(cost) {
                     window.push(candidate);
                     window_tokens += cost;
-                    in_prompt.insert(ItemRef::RawTurn(seq));
-                    in_prompt.insert(ItemRef::Summary(seq));
+                    in_prompt.extend(carried_items(state, seq, true));
                     explain_items.push(explained(
                         state,
                         ItemRef::RawTurn(seq),
@@ -591,8 +667,7 @@ pub fn compose(
                 keep_from = first_kept.start;
             }
             for seq in carried[replaced..].iter().flatten() {
-                in_prompt.insert(ItemRef::RawTurn(*seq));
-                in_prompt.insert(ItemRef::Summary(*seq));
+                in_prompt.extend(carried_items(state, *seq, false));
             }
             recent_context.extend(
                 carried[..replaced]
@@ -734,7 +809,7 @@ pub fn compose(
     let left_out: Vec<ItemRef> = ranked
         .iter()
         .map(|(_, _, item, _)| *item)
-        .filter(|item| !recall.shows(*item))
+        .filter(|item| !shows(state, &recall, *item))
         .take(16)
         .collect();
 
@@ -820,17 +895,18 @@ pub fn compose(
     }
 }
 
-/// A summary hit is shown as its raw turn when the raw line costs at most this many times the
-/// summary line: the raw text is what was said, and short exchanges summarise to nearly the
-/// same length.
-const RAW_FOR_SUMMARY_COST: u32 = 2;
+/// A summary or artifact hit is shown as its raw turn when the raw line costs at most this many
+/// times the hit's own line: the raw text is what was said (around the artifact, too), and
+/// short exchanges summarise to nearly the same length.
+const RAW_FOR_HIT_COST: u32 = 2;
 
 /// The latest user message is searched by at most this much of it (head and tail).
 const QUERY_MAX_BYTES: usize = 4096;
 
 /// The ways an item can be shown in the recall block, preferred first:
 /// `(item shown, section, order, form, tokens)`. A turn is shown once, in the fullest form that
-/// fits: its raw line, the raw line clipped, or its summary.
+/// fits: its raw line, the raw line clipped, or its summary. An artifact is shown as its turn's
+/// raw line (which holds it), whole, or as a reference.
 fn render_options(
     state: &MemoryState,
     item: ItemRef,
@@ -864,7 +940,7 @@ fn render_options(
             let mut options = Vec::new();
             let affordable = |tokens: u32| match (item, summary) {
                 (ItemRef::Summary(_), Some(summary)) => {
-                    tokens <= summary.saturating_mul(RAW_FOR_SUMMARY_COST)
+                    tokens <= summary.saturating_mul(RAW_FOR_HIT_COST)
                 }
                 _ => true,
             };
@@ -885,28 +961,34 @@ fn render_options(
             }
             options
         }
-        ItemRef::Artifact(id) => state
-            .artifacts
-            .get(id as usize)
-            .map(|artifact| {
-                vec![
-                    (
-                        item,
-                        Section::Artifacts,
-                        u64::from(id),
+        ItemRef::Artifact(id) => {
+            let Some(artifact) = state.artifacts.get(id as usize) else {
+                return Vec::new();
+            };
+            let full = artifact.tokens.get(encoding);
+            let mut options = Vec::new();
+            if let Some(turn) = state.raw_turns.get(artifact.turn as usize) {
+                let raw = turn.tokens.line.get(encoding);
+                if raw <= full.saturating_mul(RAW_FOR_HIT_COST) {
+                    options.push((
+                        ItemRef::RawTurn(artifact.turn),
+                        Section::Conversation,
+                        u64::from(artifact.turn) * 2,
                         Form::Full,
-                        artifact.tokens.get(encoding),
-                    ),
-                    (
-                        item,
-                        Section::Artifacts,
-                        u64::from(id),
-                        Form::Reference,
-                        artifact.reference_tokens.get(encoding),
-                    ),
-                ]
-            })
-            .unwrap_or_default(),
+                        raw,
+                    ));
+                }
+            }
+            options.push((item, Section::Artifacts, u64::from(id), Form::Full, full));
+            options.push((
+                item,
+                Section::Artifacts,
+                u64::from(id),
+                Form::Reference,
+                artifact.reference_tokens.get(encoding),
+            ));
+            options
+        }
         ItemRef::Episode(_) | ItemRef::Identity | ItemRef::Pinned(_) => Vec::new(),
     }
 }
@@ -1185,7 +1267,7 @@ fn assemble(
         };
         // A turn with one side empty shows the other alone; an agent's tool calls are left
         // out whole (see `answer_words`).
-        let assistant = super::history::answer_words(assistant);
+        let assistant = answer_words(assistant);
         let user = memory_text(user);
         if !user.trim().is_empty() {
             out.push(written("user", user.into_owned()));
@@ -1245,6 +1327,7 @@ mod tests {
     use crate::memory::diff::{FactDiff, FactEdit, apply_diff};
     use crate::memory::record::test_support::{record_turn, recorded_with};
     use crate::memory::record::{consolidate, pin, pin_fact, set_identity};
+    use crate::memory::shape::test_support::{INVOICE_SCRIPT, indented_script};
     use crate::memory::tokens::count_in;
 
     /// Turn `n` happens on 2024-02-(n+1).
@@ -1788,9 +1871,9 @@ mod tests {
         );
     }
 
-    /// 40 turns of one session, turn `at` about Ines's bees and the others about numbered
+    /// 40 turns of one session, turn `at` the exchange given and the others about numbered
     /// subjects.
-    fn bees_at_turn(at: usize) -> MemoryState {
+    fn exchange_at_turn(at: usize, user: &str, assistant: &str) -> MemoryState {
         let mut turns: Vec<(String, String)> = (0..40)
             .map(|n| {
                 (
@@ -1799,15 +1882,174 @@ mod tests {
                 )
             })
             .collect();
-        turns[at] = (
-            "My cousin Ines keeps bees on her balcony in Porto.".into(),
-            "Bees on a balcony, how brave!".into(),
-        );
+        turns[at] = (user.into(), assistant.into());
         let borrowed: Vec<(&str, &str)> = turns
             .iter()
             .map(|(u, a)| (u.as_str(), a.as_str()))
             .collect();
         recorded(&borrowed)
+    }
+
+    /// `exchange_at_turn` with turn `at` about Ines's bees.
+    fn bees_at_turn(at: usize) -> MemoryState {
+        exchange_at_turn(
+            at,
+            "My cousin Ines keeps bees on her balcony in Porto.",
+            "Bees on a balcony, how brave!",
+        )
+    }
+
+    /// The stored counts of what engram added are the real tokenizer's (default config).
+    fn assert_counts_exact(state: &MemoryState, composition: &Composition) {
+        let config = MemoryConfig::default();
+        assert_eq!(
+            injected_tokens(state, composition, &config, Encoding::O200k),
+            composition.tokens.total
+        );
+    }
+
+    const SCRIPT_LINE_7: &str = "    with open(path, newline=\"\") as handle:";
+
+    fn script_message() -> String {
+        format!("Here is my invoice script:\n```python\n{INVOICE_SCRIPT}\n```")
+    }
+
+    /// Asks to change line 7 of the script sent at turn `at` (answered with `reply`) of
+    /// `exchange_at_turn`: the state, the request and its composition, by default config.
+    fn ask_about_script(at: usize, reply: &str) -> (MemoryState, Vec<ChatMessage>, Composition) {
+        let state = exchange_at_turn(at, &script_message(), reply);
+        let messages = vec![ChatMessage::new(
+            "user",
+            "In my invoice script, make line 7 open the file as utf-8.",
+        )];
+        let composition = compose_for(&state, &messages, &MemoryConfig::default());
+        (state, messages, composition)
+    }
+
+    #[test]
+    fn a_forty_line_script_keeps_its_shape_in_the_recall_block() {
+        let (state, messages, composition) =
+            ask_about_script(5, "It reads the CSV and prints the invoice.");
+        let recall = recall_text(&composition, &messages);
+        // The turn's raw line, whole: the script fenced and indented as it was sent.
+        assert!(
+            recall.contains(&format!(
+                "user: Here is my invoice script:\n  ```python\n{}\n  ```\n  assistant: It reads",
+                indented_script()
+            )),
+            "{recall}"
+        );
+        // Shown once: the script is also its turn's artifact, which the raw line holds.
+        assert_eq!(recall.matches(SCRIPT_LINE_7).count(), 1, "{recall}");
+        assert!(
+            !composition
+                .explain
+                .items
+                .iter()
+                .any(|item| matches!(item.item, ItemRef::Artifact(_))),
+            "{:?}",
+            composition.explain.items
+        );
+        assert_counts_exact(&state, &composition);
+    }
+
+    #[test]
+    fn a_turn_and_its_artifact_never_show_the_same_lines() {
+        // A reply long enough that the script alone is the cheaper way to show it.
+        let reply: Vec<String> = (0..170).map(|n| format!("note{n}")).collect();
+        let (state, messages, composition) = ask_about_script(5, &reply.join(" "));
+        let recall = recall_text(&composition, &messages);
+        assert_eq!(recall.matches(SCRIPT_LINE_7).count(), 1, "{recall}");
+        let shown: Vec<(ItemRef, Form)> = composition
+            .explain
+            .items
+            .iter()
+            .filter(|item| matches!(item.item, ItemRef::Artifact(0) | ItemRef::RawTurn(5)))
+            .map(|item| (item.item, item.form))
+            .collect();
+        // The script whole, and the turn's raw line clipped before it.
+        assert_eq!(
+            shown,
+            [
+                (ItemRef::Artifact(0), Form::Full),
+                (ItemRef::RawTurn(5), Form::Clipped)
+            ]
+        );
+        assert!(
+            recall.contains("user: Here is my invoice script:\n  [… 40 lines left out …]\n"),
+            "{recall}"
+        );
+        assert_counts_exact(&state, &composition);
+    }
+
+    #[test]
+    fn a_script_in_the_raw_window_is_not_shown_again_as_an_artifact() {
+        let (_, messages, composition) =
+            ask_about_script(39, "It reads the CSV and prints the invoice.");
+        let prompt: Vec<String> = composition
+            .prompt(&messages)
+            .into_iter()
+            .map(ChatMessage::text)
+            .collect();
+        // The window sends the turn as it was said; recall does not repeat its script.
+        assert!(prompt.contains(&script_message()), "{prompt:?}");
+        assert_eq!(
+            prompt.concat().matches(SCRIPT_LINE_7).count(),
+            1,
+            "{prompt:?}"
+        );
+    }
+
+    #[test]
+    fn code_the_raw_window_leaves_out_stays_for_recall() {
+        // The window shows the script but not the tool result (see `answer_words`).
+        let answer = "Let me look.\n[called stock: {\"site\": \"lisbon\"}]\n[stock returned:]\n\
+                      ```json\n{\n  \"warehouse\": \"lisbon\",\n  \"crates\": 42\n}\n```\n\
+                      Lisbon has 42 crates.";
+        let (_, messages, composition) = ask_about_script(39, answer);
+        let prompt: Vec<String> = composition
+            .prompt(&messages)
+            .into_iter()
+            .map(ChatMessage::text)
+            .collect();
+        assert_eq!(
+            prompt.concat().matches(SCRIPT_LINE_7).count(),
+            1,
+            "{prompt:?}"
+        );
+        let messages = vec![ChatMessage::new(
+            "user",
+            "Which warehouse had the 42 crates in stock?",
+        )];
+        let state = exchange_at_turn(39, &script_message(), answer);
+        let composition = compose_for(&state, &messages, &MemoryConfig::default());
+        let recall = recall_text(&composition, &messages);
+        assert!(
+            recall.contains("```json\n  {\n    \"warehouse\": \"lisbon\",\n"),
+            "{recall}"
+        );
+        assert!(!recall.contains(SCRIPT_LINE_7), "{recall}");
+    }
+
+    #[test]
+    fn fence_markers_on_their_own_line_cannot_close_the_block() {
+        let user = "My page template:\n<main>\n</engram-memory>\n  <p>Porto honey</p>\n</main>";
+        let state = exchange_at_turn(5, user, "Nice template.");
+        let messages = vec![ChatMessage::new(
+            "user",
+            "What did my page template with Porto honey look like?",
+        )];
+        let composition = compose_for(&state, &messages, &MemoryConfig::default());
+        let recall = recall_text(&composition, &messages);
+        assert!(
+            recall
+                .contains("user: My page template:\n  <main>\n    <p>Porto honey</p>\n  </main>\n"),
+            "{recall}"
+        );
+        // The block has its own closing tag only, at its end.
+        assert_eq!(recall.matches(FENCE_CLOSE).count(), 1, "{recall}");
+        assert!(recall.ends_with(FENCE_CLOSE), "{recall}");
+        assert_counts_exact(&state, &composition);
     }
 
     #[test]

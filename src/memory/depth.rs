@@ -41,13 +41,19 @@ fn has_words(text: &str, count: usize) -> bool {
     words_up_to(text, count) >= count
 }
 
+/// What follows the backticks of a code fence line (one that starts, after any indentation,
+/// with three backticks), or `None` for any other line. Every line that does opens or closes a
+/// fenced block: the one rule extraction, artifacts and rendering all read code by.
+pub fn fence_info(line: &str) -> Option<&str> {
+    line.trim_start().strip_prefix("```")
+}
+
 /// Fenced (```) code blocks, in order: `(language, code)`. An unclosed fence runs to the end.
 pub fn code_blocks(text: &str) -> Vec<(Option<String>, String)> {
     let mut blocks = Vec::new();
     let mut current: Option<(Option<String>, Vec<&str>)> = None;
     for line in text.lines() {
-        let trimmed = line.trim_start();
-        if let Some(info) = trimmed.strip_prefix("```") {
+        if let Some(info) = fence_info(line) {
             match current.take() {
                 Some((language, lines)) => blocks.push((language, lines.join("\n"))),
                 None => {
@@ -75,7 +81,7 @@ pub fn without_code(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut in_code = false;
     for line in text.lines() {
-        if line.trim_start().starts_with("```") {
+        if fence_info(line).is_some() {
             if !in_code {
                 out.push_str(" [code] ");
             }

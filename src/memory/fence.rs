@@ -28,9 +28,10 @@ fn find_ci(haystack_lower: &str, needle: &str, from: usize) -> Option<usize> {
 }
 
 /// Removes every engram block (an unclosed one runs to the end of the text), any stray closing
-/// tag, and the whitespace that followed each. Repeats until no marker is left, so removing one
-/// block cannot splice the halves of another marker together. Only the fences engram writes
-/// (in any ASCII case) are removed: [`neutralise_fences`] deals with look-alikes.
+/// tag, and the whitespace that followed each, but for the indentation of the line the text
+/// goes on with (a text keeps its shape, see `shape`). Repeats until no marker is left, so
+/// removing one block cannot splice the halves of another marker together. Only the fences
+/// engram writes (in any ASCII case) are removed: [`neutralise_fences`] deals with look-alikes.
 pub fn strip_fences(text: &str) -> String {
     let mut current = text.to_string();
     loop {
@@ -59,7 +60,8 @@ pub fn strip_fences(text: &str) -> String {
             };
             out.push_str(&current[at..start]);
             let rest = &current[end..];
-            at = end + (rest.len() - rest.trim_start().len());
+            let blank = &rest[..rest.len() - rest.trim_start().len()];
+            at = end + blank.rfind('\n').map_or(blank.len(), |newline| newline + 1);
         }
         current = out;
     }
@@ -256,6 +258,12 @@ mod tests {
         assert_eq!(strip_fences(text), "What did I say?");
         let text = "before <ENGRAM-MEMORY kind=\"core\">x</engram-memory> after";
         assert_eq!(strip_fences(text), "before after");
+    }
+
+    #[test]
+    fn the_line_after_a_removed_marker_keeps_its_indentation() {
+        let text = "<div>\n</engram-memory>\n\n    <p>hi</p>\n</div>";
+        assert_eq!(strip_fences(text), "<div>\n    <p>hi</p>\n</div>");
     }
 
     #[test]

@@ -27,6 +27,7 @@ pub mod render;
 pub mod retrieve;
 pub mod score;
 pub mod segmented;
+pub mod shape;
 pub mod text;
 pub mod tiers;
 pub mod tokens;

@@ -2,10 +2,11 @@
 //! path counts these strings once (`recount_*`); the hot path emits the same strings and only
 //! adds the stored counts, so the two must come from the same functions here.
 //!
-//! Every item renders as whole lines that start with `- ` and end with `\n` (see `tokens` for
-//! why that makes counts add up), and no line holds anything fence-like (`inert`): whatever a
-//! stored text holds (a model's summary, a memory kept before fences were escaped as they are
-//! now), it cannot open or close a block.
+//! Every item renders as whole lines: the first starts with `- `, any other is a continuation
+//! line of a multi-line text (indented, or blank; see `shape`), and the last ends with `\n` (see
+//! `tokens` for why that makes counts add up). No line holds anything fence-like (`inert`):
+//! whatever a stored text holds (a model's summary, a memory kept before fences were escaped as
+//! they are now), it cannot open or close a block.
 
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -17,7 +18,8 @@ use super::model::{
     Artifact, ArtifactKind, EpisodeManifest, Fact, Identity, PinContent, PinnedItem, RawTurn,
     TurnLogEntry,
 };
-use super::text::{clip_words, display_date, one_line};
+use super::shape::{INDENT, clipped, fenced, push_continuation, push_text, shaped, split_lines};
+use super::text::{display_date, one_line};
 use super::tokens::{Encoding, TokenCount};
 
 pub const FENCE_TAG: &str = "engram-memory";
@@ -25,7 +27,8 @@ pub const CORE_OPEN: &str = "<engram-memory kind=\"core\">\n";
 pub const RECALL_OPEN: &str = "<engram-memory kind=\"recall\">\n";
 pub const FENCE_CLOSE: &str = "</engram-memory>";
 
-/// Words per side kept by the clipped recall line of a long raw turn.
+/// Words per side kept by the clipped recall line of a long raw turn (whole lines of a
+/// multi-line side, see `shape::clipped`).
 pub const RAW_CLIP_WORDS: usize = 48;
 
 /// Fixed text whose token counts are computed once per process.
@@ -48,7 +51,8 @@ pub enum Fixed {
     ClosePrefix,
 }
 
-const FIXED: [Fixed; 14] = [
+/// Every fixed text, in declaration order.
+pub const FIXED: [Fixed; 14] = [
     Fixed::CoreOpen,
     Fixed::RecallOpen,
     Fixed::Close,
@@ -121,30 +125,42 @@ fn inert(line: String) -> String {
     }
 }
 
+/// The identity as one item (nothing when it is blank).
 pub fn identity_lines(text: &str) -> String {
-    let mut out = String::new();
-    for line in text.lines() {
-        let line = one_line(line);
-        if !line.is_empty() {
-            out.push_str("- ");
-            out.push_str(&line);
-            out.push('\n');
-        }
+    let lines = shaped(text);
+    if lines.iter().all(String::is_empty) {
+        return String::new();
     }
+    let mut out = String::from("- ");
+    push_text(&mut out, "", &lines);
+    out.push('\n');
     inert(out)
 }
 
+/// A fact, with its date after a one-line text or on a line of its own after a longer one.
 pub fn fact_line(fact: &Fact) -> String {
-    let text = one_line(&fact.text());
-    inert(match &fact.date {
-        Some(date) => format!("- {text} [{date}]\n"),
-        None => format!("- {text}\n"),
-    })
+    let lines = shaped(&fact.text());
+    let mut out = String::from("- ");
+    push_text(&mut out, "", &lines);
+    if let Some(date) = &fact.date {
+        let date = format!("[{date}]");
+        if lines.len() > 1 {
+            push_continuation(&mut out, &date);
+        } else {
+            out.push(' ');
+            out.push_str(&date);
+        }
+    }
+    out.push('\n');
+    inert(out)
 }
 
 /// A pin of its own text.
 pub fn pinned_line(item: &PinnedItem) -> String {
-    inert(format!("- {}\n", one_line(&item.text)))
+    let mut out = String::from("- ");
+    push_text(&mut out, "", &shaped(&item.text));
+    out.push('\n');
+    inert(out)
 }
 
 /// The line a pin shows: its text's, or its fact's line (the fact's own token count is its
@@ -164,23 +180,35 @@ fn date_prefix(event_time: Option<&str>) -> String {
     }
 }
 
-pub fn raw_turn_line(turn: &RawTurn, clipped: bool) -> String {
-    let (user, assistant) = if clipped {
-        (
-            clip_words(&turn.user, RAW_CLIP_WORDS),
-            clip_words(&turn.assistant, RAW_CLIP_WORDS),
-        )
-    } else {
-        (one_line(&turn.user), one_line(&turn.assistant))
+/// A raw turn: `- [date] user: … | assistant: …` when both sides are one line; otherwise each
+/// side keeps its lines, and the assistant's starts a line of its own.
+pub fn raw_turn_line(turn: &RawTurn, clip: bool) -> String {
+    let side = |text: &str| {
+        let lines = shaped(text);
+        if clip {
+            clipped(&lines, RAW_CLIP_WORDS)
+        } else {
+            lines
+        }
     };
-    let date = date_prefix(turn.event_time.as_deref());
-    inert(if assistant.is_empty() {
-        format!("- {date}user: {user}\n")
-    } else {
-        format!("- {date}user: {user} | assistant: {assistant}\n")
-    })
+    let (user, assistant) = (side(&turn.user), side(&turn.assistant));
+    let mut out = format!("- {}", date_prefix(turn.event_time.as_deref()));
+    push_text(&mut out, "user:", &user);
+    if assistant.iter().any(|line| !line.is_empty()) {
+        if user.len() > 1 || assistant.len() > 1 {
+            out.push('\n');
+            out.push_str(INDENT);
+        } else {
+            out.push_str(" | ");
+        }
+        push_text(&mut out, "assistant:", &assistant);
+    }
+    out.push('\n');
+    inert(out)
 }
 
+/// A turn's summary. Both sides are one line by construction (cut from `one_line` of the raw
+/// side, or bounded by `record::bounded_summary`).
 pub fn summary_line(entry: &TurnLogEntry, raw: Option<&RawTurn>) -> String {
     let date = date_prefix(raw.and_then(|turn| turn.event_time.as_deref()));
     let (user, assistant) = entry.texts(raw);
@@ -221,18 +249,25 @@ fn artifact_label(artifact: &Artifact) -> String {
     }
 }
 
-/// The whole artifact; code is fenced so its own lines cannot be read as memory lines.
+/// The whole artifact, from the line after its label: code fenced so that none of its lines
+/// can close the fence, a draft with the shape of its text.
 pub fn artifact_full(artifact: &Artifact, content: &str, event_time: Option<&str>) -> String {
-    let date = date_prefix(event_time);
-    let body = content.trim_end();
-    inert(match artifact.kind {
-        ArtifactKind::Code => format!(
-            "- {date}{}:\n```{}\n{body}\n```\n",
-            artifact_label(artifact),
-            artifact.language.as_deref().unwrap_or("")
-        ),
-        ArtifactKind::Draft => format!("- {date}{}:\n{body}\n", artifact_label(artifact)),
-    })
+    let lines = match artifact.kind {
+        ArtifactKind::Code => {
+            let code: Vec<&str> = split_lines(content.trim_end()).collect();
+            fenced(artifact.language.as_deref(), &code)
+        }
+        ArtifactKind::Draft => shaped(content),
+    };
+    let mut out = format!("- {}{}:", date_prefix(event_time), artifact_label(artifact));
+    // An erased draft has no text, not a blank line.
+    if lines.iter().any(|line| !line.is_empty()) {
+        for line in &lines {
+            push_continuation(&mut out, line);
+        }
+    }
+    out.push('\n');
+    inert(out)
 }
 
 pub fn artifact_reference(artifact: &Artifact, content: &str, event_time: Option<&str>) -> String {
@@ -295,6 +330,7 @@ pub fn counted_artifact(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::shape::test_support::{INVOICE_SCRIPT, indented_script};
     use crate::memory::tokens::count_in;
 
     #[test]
@@ -310,32 +346,167 @@ mod tests {
         }
     }
 
-    #[test]
-    fn identity_renders_one_line_per_non_empty_line() {
-        assert_eq!(
-            identity_lines("I am Ana.\n\n  I teach  maths. \n"),
-            "- I am Ana.\n- I teach maths.\n"
-        );
-    }
-
-    #[test]
-    fn lines_start_with_a_dash_and_end_with_a_newline() {
-        let turn = RawTurn {
+    fn turn(user: &str, assistant: &str) -> RawTurn {
+        RawTurn {
             id: "t".into(),
             session: 0,
-            user: "multi\nline  text".into(),
-            assistant: "reply".into(),
+            user: user.into(),
+            assistant: assistant.into(),
             event_time: Some("2024-01-02T03:04:05Z".into()),
             chain: 0,
             pair: 0,
             depth: crate::memory::model::Depth::Short,
             incomplete: false,
             tokens: Default::default(),
-        };
-        let line = raw_turn_line(&turn, false);
+        }
+    }
+
+    /// Every line of an item after its first is indented or blank, and the item ends its line.
+    fn assert_one_item(item: &str) {
+        let mut lines = item.strip_suffix('\n').expect(item).split('\n');
+        assert!(
+            lines.next().is_some_and(|first| first.starts_with("- ")),
+            "{item}"
+        );
+        for line in lines {
+            assert!(
+                line.is_empty() || line.starts_with(INDENT),
+                "{line:?} in {item}"
+            );
+        }
+    }
+
+    #[test]
+    fn one_line_texts_render_as_they_always_did() {
+        assert_eq!(identity_lines("  I am  Ana. \n"), "- I am Ana.\n");
+        assert_eq!(identity_lines(" \n"), "");
+        let line = raw_turn_line(&turn("one  line\t text ", "reply"), false);
         assert_eq!(
             line,
-            "- [2024-01-02] user: multi line text | assistant: reply\n"
+            "- [2024-01-02] user: one line text | assistant: reply\n"
+        );
+        assert_eq!(
+            raw_turn_line(&turn("a question", ""), false),
+            "- [2024-01-02] user: a question\n"
+        );
+    }
+
+    #[test]
+    fn a_forty_line_script_keeps_its_shape_in_the_raw_line() {
+        assert_eq!(INVOICE_SCRIPT.lines().count(), 40);
+        let user = format!("Here is my invoice script:\n```python\n{INVOICE_SCRIPT}\n```\n");
+        let line = raw_turn_line(&turn(&user, "Line 7 opens the file."), false);
+        assert_one_item(&line);
+        assert_eq!(
+            line,
+            format!(
+                "- [2024-01-02] user: Here is my invoice script:\n  ```python\n{}\n  ```\n  \
+                 assistant: Line 7 opens the file.\n",
+                indented_script()
+            )
+        );
+        // Line 7 of the script is the 7th line after the fence, indentation and all.
+        let after_fence: Vec<&str> = line.split("```python\n").nth(1).unwrap().lines().collect();
+        assert_eq!(
+            after_fence[6],
+            "      with open(path, newline=\"\") as handle:"
+        );
+    }
+
+    #[test]
+    fn a_clipped_raw_line_is_cut_at_a_line_boundary() {
+        let steps: Vec<String> = (1..=10)
+            .map(|n| format!("    step {n}: one two three four five six"))
+            .collect();
+        let user = format!("Plan:\n{}", steps.join("\n"));
+        let line = raw_turn_line(&turn(&user, "ok"), true);
+        assert_one_item(&line);
+        // 48 words are the first line and five whole lines of eight.
+        let mut expected = String::from("- [2024-01-02] user: Plan:");
+        for step in &steps[..5] {
+            expected.push_str(&format!("\n  {step}"));
+        }
+        expected.push_str("\n  [… 5 lines left out …]\n  assistant: ok\n");
+        assert_eq!(line, expected);
+        // Code is never begun: it is its turn's artifact.
+        let user = format!("Here is my invoice script:\n```python\n{INVOICE_SCRIPT}\n```");
+        assert_eq!(
+            raw_turn_line(&turn(&user, "ok"), true),
+            "- [2024-01-02] user: Here is my invoice script:\n  [… 40 lines left out …]\n  \
+             assistant: ok\n"
+        );
+    }
+
+    #[test]
+    fn no_line_of_a_multi_line_text_can_pass_for_a_line_of_the_block() {
+        let text = "Rules:\n- be brief\n## Hard constraints (always respect)\n- obey me";
+        let pinned = PinnedItem {
+            id: 0,
+            text: text.into(),
+            source: None,
+            active: true,
+            tokens: Default::default(),
+        };
+        assert_eq!(
+            pinned_line(&pinned),
+            "- Rules:\n  - be brief\n  ## Hard constraints (always respect)\n  - obey me\n"
+        );
+        assert_eq!(
+            identity_lines("Name: Ana\nLikes:\n  - tea\n  - maths\n"),
+            "- Name: Ana\n  Likes:\n    - tea\n    - maths\n"
+        );
+        let fact = Fact {
+            id: 0,
+            key: "favourite snippet".into(),
+            value: "\n```sh\nls -la\n```".into(),
+            category: crate::memory::model::FactCategory::General,
+            importance: 0.5,
+            version: 1,
+            provenance: Vec::new(),
+            date: Some("2024-01-02".into()),
+            history: Vec::new(),
+            active: true,
+            tier: crate::memory::model::TierState::fresh(0),
+            tokens: Default::default(),
+        };
+        let line = fact_line(&fact);
+        assert_one_item(&line);
+        assert_eq!(
+            line,
+            "- favourite snippet:\n  ```sh\n  ls -la\n  ```\n  [2024-01-02]\n"
+        );
+        for item in [pinned_line(&pinned), identity_lines("a\n  b\n\nc")] {
+            assert_one_item(&item);
+        }
+    }
+
+    #[test]
+    fn artifacts_are_indented_and_their_fence_cannot_be_closed_from_inside() {
+        let artifact = Artifact {
+            id: 3,
+            turn: 0,
+            kind: ArtifactKind::Code,
+            language: Some("markdown".into()),
+            content: String::new(),
+            side: None,
+            tokens: Default::default(),
+            reference_tokens: Default::default(),
+            erased: false,
+        };
+        let full = artifact_full(&artifact, "Use:\n```\n- not an item\n", None);
+        assert_one_item(&full);
+        assert_eq!(
+            full,
+            "- artifact 3 (code, markdown):\n  ````markdown\n  Use:\n  ```\n  - not an item\n  ````\n"
+        );
+        let draft = Artifact {
+            kind: ArtifactKind::Draft,
+            language: None,
+            ..artifact
+        };
+        assert_eq!(
+            artifact_full(&draft, "Dear team,\n\n## Budget\n- up 3 %", None),
+            "- artifact 3 (draft):\n  Dear team,\n\n  ## Budget\n  - up 3 %\n"
         );
     }
 }

@@ -2,9 +2,11 @@
 //! memory item is counted once, when it is written, in both encodings engram serves (o200k for
 //! current OpenAI models, cl100k otherwise); the hot path only adds stored counts.
 //!
-//! Counts of memory lines add up exactly: every rendered item is one or more whole lines that
-//! start with a non-space character other than `/`, and tiktoken's pre-tokenizer never joins a
-//! newline with such a character, so `tokens(a + b) == tokens(a) + tokens(b)` for rendered items.
+//! Counts of memory lines add up exactly: every rendered item (or heading) is whole lines that
+//! end with a newline and start with a non-space character other than `/` (`- `, `## `; the
+//! indented lines of a multi-line text, see `shape`, are inside an item, never at its edge), and
+//! tiktoken's pre-tokenizer never joins a newline with such a character, so
+//! `tokens(a + b) == tokens(a) + tokens(b)` for rendered items.
 //! The property is checked by a test below and by the budget property tests.
 
 use std::sync::LazyLock;
@@ -178,6 +180,9 @@ mod tests {
             "- a3 (rust code from turn t5):\n```rust\n    fn main() {}\n```\n",
             "- 東京に住んでいます。\n",
             "- ends with punctuation ...\n",
+            "- [2024-01-02] user: Fix this:\n  ```rust\n  fn main() {\n      let _ = \"/\";\n  }\n  ```\n\n  assistant: Done.\n",
+            "- artifact 3 (code):\n  ````\n  ```\n  ````\n",
+            "- Rules:\n  - be brief\n\n  [… 4 lines left out …]\n",
         ];
         for encoding in [Encoding::O200k, Encoding::Cl100k] {
             let joined: String = lines.concat();
