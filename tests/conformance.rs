@@ -8,7 +8,7 @@
 //! - each turn shown once, in one form (the client's own messages, a window turn, or one memory
 //!   line), never twice;
 //! - code intact: line 7 of the user's script, wherever it appears, is a whole line with its
-//!   indentation;
+//!   indentation (plus the two spaces of a memory item's continuation lines);
 //! - the budget respected (`x-engram-memory-tokens` ≤ `memory.budget_tokens`).
 //!
 //! Skips, saying why, without a Python that has the `openai` package (the README's test command
@@ -165,7 +165,10 @@ fn check_prompt(prompt: &Value) {
     }
     let all: String = messages.iter().map(text).collect::<Vec<_>>().join("\n");
     if all.contains("# line 7") {
-        let whole_line = all.lines().any(|line| line == LINE_7);
+        // As sent, or inside a memory item, whose lines are indented two spaces past its `- `.
+        let whole_line = all
+            .lines()
+            .any(|line| line == LINE_7 || line.strip_prefix("  ") == Some(LINE_7));
         assert!(whole_line, "line 7 lost its shape:\n{shown}");
     }
     for (marker, forms) in forms_of_markers(messages) {
