@@ -16,6 +16,7 @@ use serde_json::Value;
 
 use crate::openai::{ChatMessage, ToolCall};
 
+use super::depth::fence_info;
 use super::fence::{has_fence_marker, strip_fences};
 use super::text::{fnv1a, fnv1a_one_line};
 
@@ -150,7 +151,14 @@ impl AnswerText {
             } else {
                 ""
             };
-            self.line(&format!("[{label}:]\n```{language}\n{body}\n```"));
+            // A body with code fences of its own keeps them (the memory keeps its code
+            // blocks): `~~~`, which no line of it can close, wraps it instead.
+            let fence = if body.lines().any(|line| fence_info(line).is_some()) {
+                "~~~"
+            } else {
+                "```"
+            };
+            self.line(&format!("[{label}:]\n{fence}{language}\n{body}\n{fence}"));
         }
     }
 
@@ -171,7 +179,7 @@ pub fn answer_words(answer: &str) -> std::borrow::Cow<'_, str> {
         return std::borrow::Cow::Borrowed(answer);
     }
     let mut kept: Vec<&str> = Vec::new();
-    let mut lines = answer.lines();
+    let mut lines = answer.lines().peekable();
     while let Some(line) = lines.next() {
         let part = line
             .strip_prefix('[')
@@ -187,9 +195,19 @@ pub fn answer_words(answer: &str) -> std::borrow::Cow<'_, str> {
             continue;
         }
         // `[label:]` introduces a fenced body: skip it to its closing fence.
-        if part.ends_with(':') && lines.next().is_some_and(|open| open.starts_with("```")) {
+        let fence = part
+            .ends_with(':')
+            .then(|| lines.peek())
+            .flatten()
+            .and_then(|open| {
+                ["```", "~~~"]
+                    .into_iter()
+                    .find(|fence| open.starts_with(fence))
+            });
+        if let Some(fence) = fence {
+            lines.next();
             for body in lines.by_ref() {
-                if body == "```" {
+                if body == fence {
                     break;
                 }
             }
@@ -340,6 +358,24 @@ mod tests {
             );
             assert_eq!(link(CHAIN_ORIGIN, user, assistant), expected);
         }
+    }
+
+    #[test]
+    fn a_tool_result_with_code_fences_of_its_own_stays_whole() {
+        let readme = "# Usage\n```sh\ncargo run\n```\nThat is all.";
+        let mut answer = AnswerText::default();
+        answer.message(&ChatMessage::new("tool", readme));
+        answer.reply("The README says to run it with cargo.", &[]);
+        let text = answer.finish();
+        // Its own code block is still one block, and the wrapper is not read as code.
+        let blocks = crate::memory::depth::code_blocks(&text);
+        assert_eq!(
+            blocks,
+            vec![(Some("sh".to_owned()), "cargo run".to_owned())]
+        );
+        assert_eq!(answer_words(&text), "The README says to run it with cargo.");
+        // A line after a label that opens no fence is kept.
+        assert_eq!(answer_words("[x returned:]\nplain"), "plain");
     }
 
     #[test]
