@@ -7,8 +7,8 @@
 //! be behind), `settled` waits for the worker to apply every recorded turn first. For each, it
 //! reports at turns 10, 25 and 50 and in total: the tokens engram injected
 //! (`x-engram-memory-tokens`), the tokens of the prompt the mock received and of the client's
-//! own messages (cl100k), and the turns shown more than once in a prompt (a turn's marker word
-//! in the client's messages and in a memory line, or in two memory lines).
+//! own messages (cl100k), the turns shown more than once in a prompt, and the turns shown and
+//! also named by a fact (`tests/common/prompt_forms.rs` says what counts as a form).
 //!
 //! Run: `cargo bench --bench client_shapes`. Not a test: it prints numbers and asserts nothing.
 
@@ -21,7 +21,6 @@
     reason = "a benchmark binary: it reports on stdout and stops loudly on a broken setup"
 )]
 
-use std::collections::{BTreeMap, HashSet};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -36,6 +35,11 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
+
+#[path = "../tests/common/prompt_forms.rs"]
+mod prompt_forms;
+
+use prompt_forms::{forms_of, text};
 
 const BIN: &str = env!("CARGO_BIN_EXE_engram");
 const TURNS: usize = 50;
@@ -112,49 +116,6 @@ fn user_text(turn: usize) -> String {
     }
 }
 
-fn text(message: &Value) -> String {
-    message["content"].as_str().unwrap_or_default().to_owned()
-}
-
-fn markers(text: &str) -> HashSet<String> {
-    text.match_indices("mk")
-        .filter_map(|(at, _)| {
-            let rest = &text[at + 2..];
-            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-            let marked = !digits.is_empty() && rest[digits.len()..].starts_with('x');
-            marked.then(|| format!("mk{digits}x"))
-        })
-        .collect()
-}
-
-/// Turns a prompt shows in more than one form (see the module doc).
-fn turns_shown_twice(messages: &[Value]) -> usize {
-    let mut forms: BTreeMap<String, usize> = BTreeMap::new();
-    let mut in_messages = HashSet::new();
-    for message in messages {
-        let text = text(message);
-        if !text.contains("<engram-memory kind=") {
-            in_messages.extend(markers(&text));
-            continue;
-        }
-        let mut item = String::new();
-        for line in text.lines().chain(std::iter::once("- ")) {
-            if line.starts_with("- ") || line.starts_with("## ") || line.starts_with("</engram") {
-                for marker in markers(&item) {
-                    *forms.entry(marker).or_default() += 1;
-                }
-                item.clear();
-            }
-            item.push_str(line);
-            item.push('\n');
-        }
-    }
-    for marker in in_messages {
-        *forms.entry(marker).or_default() += 1;
-    }
-    forms.values().filter(|forms| **forms > 1).count()
-}
-
 fn tokens_of(messages: &[Value]) -> u64 {
     messages
         .iter()
@@ -168,6 +129,8 @@ struct Turn {
     prompt: u64,
     client: u64,
     shown_twice: usize,
+    /// Turns shown (in one form) and also in a fact or other distilled item.
+    also_distilled: usize,
 }
 
 struct Run {
@@ -289,7 +252,13 @@ async fn run(shape: &'static str, timing: &'static str, work: &Path) -> Run {
     for (turn, prompt) in turns.iter_mut().zip(&prompts) {
         let messages = prompt["messages"].as_array().unwrap();
         turn.prompt = tokens_of(messages);
-        turn.shown_twice = turns_shown_twice(messages);
+        let forms = forms_of(messages);
+        turn.shown_twice = forms.shown_twice().len();
+        turn.also_distilled = forms
+            .distilled
+            .iter()
+            .filter(|marker| forms.turns.contains_key(*marker))
+            .count();
     }
     Run {
         shape,
@@ -320,19 +289,26 @@ fn main() {
         for at in [10, 25, 50] {
             let turn = run.turns[at - 1];
             println!(
-                "| {} | {} | {at} | {} | {} | {} | {} |",
-                run.shape, run.timing, turn.injected, turn.prompt, turn.client, turn.shown_twice
+                "| {} | {} | {at} | {} | {} | {} | {} | {} |",
+                run.shape,
+                run.timing,
+                turn.injected,
+                turn.prompt,
+                turn.client,
+                turn.shown_twice,
+                turn.also_distilled
             );
         }
         let sum = |field: fn(&Turn) -> u64| run.turns.iter().map(field).sum::<u64>();
         println!(
-            "| {} | {} | all {TURNS} | {} | {} | {} | {} |",
+            "| {} | {} | all {TURNS} | {} | {} | {} | {} | {} |",
             run.shape,
             run.timing,
             sum(|turn| turn.injected),
             sum(|turn| turn.prompt),
             sum(|turn| turn.client),
-            sum(|turn| turn.shown_twice as u64)
+            sum(|turn| turn.shown_twice as u64),
+            sum(|turn| turn.also_distilled as u64)
         );
     }
 }

@@ -6,7 +6,7 @@
 //!   `tool` messages, and no `tool` message without its call; no empty message; no two user
 //!   messages in a row);
 //! - each turn shown once, in one form (the client's own messages, a window turn, or one memory
-//!   line), never twice;
+//!   item of the conversation or artifacts), never twice (`common::prompt_forms`);
 //! - code intact: line 7 of the user's script, wherever it appears, is a whole line with its
 //!   indentation (plus the two spaces of a memory item's continuation lines);
 //! - the budget respected (`x-engram-memory-tokens` ≤ `memory.budget_tokens`).
@@ -23,11 +23,12 @@
 
 mod common;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 use std::process::Command;
 use std::time::Duration;
 
 use common::memory::{applied_turn_ids, export, recorded, wait_drained};
+use common::prompt_forms::{forms_of, is_memory_block, text};
 use common::*;
 use serde_json::Value;
 
@@ -93,22 +94,6 @@ fn messages(prompt: &Value) -> &[Value] {
     prompt["messages"].as_array().expect("messages")
 }
 
-fn text(message: &Value) -> String {
-    match &message["content"] {
-        Value::String(text) => text.clone(),
-        Value::Array(parts) => parts
-            .iter()
-            .filter_map(|part| part["text"].as_str())
-            .collect::<Vec<_>>()
-            .join("\n"),
-        _ => String::new(),
-    }
-}
-
-fn is_memory_block(message: &Value) -> bool {
-    text(message).contains("<engram-memory kind=")
-}
-
 fn check_prompt(prompt: &Value) {
     let messages = messages(prompt);
     let shown = serde_json::to_string_pretty(prompt).unwrap();
@@ -171,50 +156,12 @@ fn check_prompt(prompt: &Value) {
             .any(|line| line == LINE_7 || line.strip_prefix("  ") == Some(LINE_7));
         assert!(whole_line, "line 7 lost its shape:\n{shown}");
     }
-    for (marker, forms) in forms_of_markers(messages) {
-        assert!(forms <= 1, "{marker} shown {forms} times:\n{shown}");
-    }
-}
-
-/// For each turn marker (`mk<N>x`), in how many forms the prompt shows it: the messages outside
-/// memory blocks count as one form (a turn's user message and its answer are one exchange),
-/// each memory item (a line starting `- `, with the lines under it) as another.
-fn forms_of_markers(messages: &[Value]) -> BTreeMap<String, usize> {
-    let mut forms: BTreeMap<String, usize> = BTreeMap::new();
-    let mut in_messages: HashSet<String> = HashSet::new();
-    for message in messages {
-        let text = text(message);
-        if !is_memory_block(message) {
-            in_messages.extend(markers(&text));
-            continue;
-        }
-        let mut item = String::new();
-        for line in text.lines().chain(std::iter::once("- ")) {
-            if line.starts_with("- ") || line.starts_with("## ") || line.starts_with("</engram") {
-                for marker in markers(&item) {
-                    *forms.entry(marker).or_default() += 1;
-                }
-                item.clear();
-            }
-            item.push_str(line);
-            item.push('\n');
-        }
-    }
-    for marker in in_messages {
-        *forms.entry(marker).or_default() += 1;
-    }
-    forms
-}
-
-fn markers(text: &str) -> HashSet<String> {
-    text.match_indices("mk")
-        .filter_map(|(at, _)| {
-            let rest = &text[at + 2..];
-            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-            let marked = !digits.is_empty() && rest[digits.len()..].starts_with('x');
-            marked.then(|| format!("mk{digits}x"))
-        })
-        .collect()
+    let forms = forms_of(messages);
+    let twice = forms.shown_twice();
+    assert!(
+        twice.is_empty(),
+        "turns shown more than once {twice:?}:\n{shown}"
+    );
 }
 
 /// The user's memory once every recording is applied.

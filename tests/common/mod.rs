@@ -14,6 +14,7 @@
 )]
 
 pub mod memory;
+pub mod prompt_forms;
 pub mod python;
 pub mod redis;
 pub mod redis_cluster;
