@@ -282,9 +282,9 @@ fn main() {
         }
     }
     println!(
-        "| client | timing | turn | injected tokens | prompt tokens | client's own tokens | turns shown twice |"
+        "| client | timing | turn | injected tokens | prompt tokens | client's own tokens | turns shown twice | turns shown and in a fact |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     for run in &runs {
         for at in [10, 25, 50] {
             let turn = run.turns[at - 1];
