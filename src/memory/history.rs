@@ -179,6 +179,7 @@ pub fn answer_words(answer: &str) -> std::borrow::Cow<'_, str> {
         return std::borrow::Cow::Borrowed(answer);
     }
     let mut kept: Vec<&str> = Vec::new();
+    let mut dropped = false;
     let mut lines = answer.lines().peekable();
     while let Some(line) = lines.next() {
         let part = line
@@ -194,6 +195,7 @@ pub fn answer_words(answer: &str) -> std::borrow::Cow<'_, str> {
             kept.push(line);
             continue;
         }
+        dropped = true;
         // `[label:]` introduces a fenced body: skip it to its closing fence.
         let fence = part
             .ends_with(':')
@@ -212,6 +214,10 @@ pub fn answer_words(answer: &str) -> std::borrow::Cow<'_, str> {
                 }
             }
         }
+    }
+    if !dropped {
+        // Words that merely look like a part ("he returned home") keep the answer as said.
+        return std::borrow::Cow::Borrowed(answer);
     }
     std::borrow::Cow::Owned(kept.join("\n"))
 }
@@ -376,6 +382,9 @@ mod tests {
         assert_eq!(answer_words(&text), "The README says to run it with cargo.");
         // A line after a label that opens no fence is kept.
         assert_eq!(answer_words("[x returned:]\nplain"), "plain");
+        // An answer with no part is kept byte for byte, however it reads.
+        let said = "He returned home.\r\nThe end.\n";
+        assert!(matches!(answer_words(said), std::borrow::Cow::Borrowed(text) if text == said));
     }
 
     #[test]
