@@ -76,8 +76,9 @@ pub struct TeeBody {
 }
 
 /// A recorded stream's end waits for the recording to be durable, so that the client's next
-/// request (to this replica or another) finds the exchange, and the receipt comment after the
-/// upstream's last frame says how far it got.
+/// request (to this replica or another) finds the exchange, and the receipt comment before the
+/// stream's `data: [DONE]` (or after the last frame of a stream without one) says how far it
+/// got.
 pub struct ReceiptWait {
     pub recorded: oneshot::Receiver<Receipt>,
     /// Longest the end waits (`capture.receipt_wait_ms`); then the receipt says `pending`.

@@ -92,8 +92,8 @@ async fn proxy(
     let event_stream = is_event_stream(&response_parts.headers);
     // A recorded answer ends only once its recording is durable (or the wait ran out), so the
     // session's next request finds it; the receipt says which. A stream's receipt is an SSE
-    // comment after the last frame, which SSE clients ignore and a client that wants to read
-    // its own writes can parse; a whole answer's is the `x-engram-job-state` header.
+    // comment just before its `data: [DONE]`, which SSE clients ignore and a client that wants
+    // to read its own writes can parse; a whole answer's is the `x-engram-job-state` header.
     let (receipt_sender, receipt) = match &rewrite.record {
         Some(_) => {
             let (sender, receiver) = oneshot::channel();
