@@ -146,6 +146,19 @@ pub struct ServerConfig {
     pub drain_timeout_ms: u64,
     /// Tokio worker threads; 0 means one per core.
     pub worker_threads: usize,
+    /// Longest a client may take to send a request's headers, and (HTTP/1.1) the longest a
+    /// connection may sit idle between requests; past it the connection is closed.
+    pub header_read_timeout_ms: u64,
+    /// HTTP/2: the interval of keep-alive pings on a connection; one unanswered within
+    /// `header_read_timeout_ms` closes it.
+    pub http2_keep_alive_interval_ms: u64,
+    /// Client connections served in full; past it (or past what the process's open-file limit
+    /// leaves) a connection gets only `/healthz`, `/readyz` and `/metrics` (anything else: 503)
+    /// and is closed after one answer.
+    pub max_connections: usize,
+    /// Connections past `max_connections` kept for those routes; past them a connection is
+    /// closed at once.
+    pub ops_reserve_connections: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -199,6 +212,10 @@ impl Default for ServerConfig {
             max_body_bytes: 10 * 1024 * 1024,
             drain_timeout_ms: 30_000,
             worker_threads: 0,
+            header_read_timeout_ms: 10_000,
+            http2_keep_alive_interval_ms: 20_000,
+            max_connections: 10_000,
+            ops_reserve_connections: 32,
         }
     }
 }
@@ -320,6 +337,23 @@ impl Config {
         }
         if self.server.max_body_bytes == 0 {
             return invalid("server.max_body_bytes", "must be greater than 0");
+        }
+        if self.server.max_connections == 0 {
+            return invalid("server.max_connections", "must be greater than 0");
+        }
+        for (path, value) in [
+            (
+                "server.header_read_timeout_ms",
+                self.server.header_read_timeout_ms,
+            ),
+            (
+                "server.http2_keep_alive_interval_ms",
+                self.server.http2_keep_alive_interval_ms,
+            ),
+        ] {
+            if !(100..=3_600_000).contains(&value) {
+                return invalid(path, "must be between 100 and 3600000 (one hour)");
+            }
         }
         for (path, value) in [
             (

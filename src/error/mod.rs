@@ -60,6 +60,9 @@ pub enum Error {
     UpstreamFailed(String),
     #[error("The proxy is shutting down.")]
     ShuttingDown,
+    /// At `server.max_connections`: a connection from the reserve gets only the ops routes.
+    #[error("The proxy is at its limit of {max_connections} connections; retry shortly.")]
+    TooManyConnections { max_connections: usize },
     #[error("invalid configuration at `{path}`: {message}")]
     Config { path: String, message: String },
     #[error("I/O error: {0}")]
@@ -113,7 +116,9 @@ impl Error {
             Error::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             Error::UpstreamUnreachable(_) | Error::UpstreamFailed(_) => StatusCode::BAD_GATEWAY,
             Error::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
-            Error::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            Error::ShuttingDown | Error::TooManyConnections { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Error::Config { .. }
             | Error::Io(_)
             | Error::Internal(_)
@@ -146,7 +151,7 @@ impl Error {
             Error::UpstreamUnreachable(_)
             | Error::UpstreamTimeout(_)
             | Error::UpstreamFailed(_) => "upstream_error",
-            Error::ShuttingDown => "service_unavailable",
+            Error::ShuttingDown | Error::TooManyConnections { .. } => "service_unavailable",
             Error::Config { .. }
             | Error::Io(_)
             | Error::Internal(_)
@@ -173,6 +178,7 @@ impl Error {
             Error::UpstreamFailed(_) => "upstream_stream_failed",
             Error::UpstreamTimeout(_) => "upstream_timeout",
             Error::ShuttingDown => "shutting_down",
+            Error::TooManyConnections { .. } => "too_many_connections",
             Error::Store(_) => "store_error",
             Error::StoreConflict { .. } => "store_conflict",
             Error::JobGone(_) => "job_gone",

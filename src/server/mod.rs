@@ -9,12 +9,12 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use http::HeaderMap;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
@@ -146,11 +146,26 @@ impl Server {
             ops_listener,
             state,
         } = self;
+        let server = &state.config.server;
+        let header_read_timeout = Duration::from_millis(server.header_read_timeout_ms);
         let mut connections = auto::Builder::new(TokioExecutor::new());
+        // hyper starts the header timer also while a kept-alive connection waits for its next
+        // request, so one timeout bounds slow headers and idle HTTP/1.1 connections.
         connections
             .http1()
             .keep_alive(true)
-            .max_buf_size(256 * 1024);
+            .max_buf_size(256 * 1024)
+            .timer(TokioTimer::new())
+            .header_read_timeout(header_read_timeout);
+        connections
+            .http2()
+            .timer(TokioTimer::new())
+            .keep_alive_interval(Duration::from_millis(server.http2_keep_alive_interval_ms))
+            .keep_alive_timeout(header_read_timeout);
+        let gate = Arc::new(ConnectionGate::new(
+            server.max_connections,
+            server.ops_reserve_connections,
+        ));
         let graceful = GracefulShutdown::new();
         tokio::pin!(shutdown);
 
@@ -169,15 +184,22 @@ impl Server {
                     continue;
                 }
             };
+            let Some(admitted) = gate.admit() else {
+                // Past the reserve too: closed at once, so the descriptor is free again.
+                continue;
+            };
+            let reserved = admitted.reserved.then_some(gate.max);
             let _ = stream.set_nodelay(true);
             let handler_state = state.clone();
             let service = service_fn(move |request| {
                 let state = handler_state.clone();
                 async move {
-                    let response = if ops {
-                        router::route_ops(state, request).await
-                    } else {
-                        router::route(state, request).await
+                    let response = match reserved {
+                        Some(max_connections) => {
+                            router::route_reserved(state, request, max_connections).await
+                        }
+                        None if ops => router::route_ops(state, request).await,
+                        None => router::route(state, request).await,
                     };
                     Ok::<_, Infallible>(response)
                 }
@@ -187,6 +209,7 @@ impl Server {
                 .into_owned();
             let connection = graceful.watch(connection);
             state.tasks.spawn(async move {
+                let _admitted = admitted;
                 if let Err(error) = connection.await {
                     tracing::debug!(%peer, error = %error, "connection ended with an error");
                 }
@@ -225,6 +248,79 @@ impl Server {
         tracing::info!("shutdown complete");
         Ok(())
     }
+}
+
+/// Counts open client connections against `server.max_connections`, lowered to what the
+/// process's open-file limit leaves, so the reserve still has descriptors to answer health
+/// checks when a client holds many connections open.
+struct ConnectionGate {
+    open: AtomicUsize,
+    /// Connections served in full.
+    max: usize,
+    /// Connections past `max` served only the ops routes.
+    reserve: usize,
+}
+
+/// Descriptors kept for everything but client connections: the store, the upstream pool, logs.
+const DESCRIPTORS_FOR_THE_REST: usize = 128;
+
+impl ConnectionGate {
+    fn new(max: usize, reserve: usize) -> ConnectionGate {
+        let max = match open_file_limit() {
+            Some(limit) => {
+                let room = limit
+                    .saturating_sub(DESCRIPTORS_FOR_THE_REST + reserve)
+                    .max(1);
+                if room < max {
+                    tracing::warn!(
+                        max_connections = max,
+                        open_file_limit = limit,
+                        effective = room,
+                        "server.max_connections lowered to what the open-file limit leaves"
+                    );
+                }
+                max.min(room)
+            }
+            None => max,
+        };
+        ConnectionGate {
+            open: AtomicUsize::new(0),
+            max,
+            reserve,
+        }
+    }
+
+    /// A place for one more connection; `None` past the reserve.
+    fn admit(self: &Arc<Self>) -> Option<Admitted> {
+        let before = self.open.fetch_add(1, Ordering::AcqRel);
+        let admitted = Admitted {
+            gate: Arc::clone(self),
+            reserved: before >= self.max,
+        };
+        (before < self.max.saturating_add(self.reserve)).then_some(admitted)
+    }
+}
+
+/// One open connection; dropping it frees its place.
+struct Admitted {
+    gate: Arc<ConnectionGate>,
+    /// Past `max_connections`: only the ops routes, then closed.
+    reserved: bool,
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.gate.open.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The soft limit on open files (`/proc/self/limits`), where there is one to read.
+fn open_file_limit() -> Option<usize> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits
+        .lines()
+        .find(|line| line.starts_with("Max open files"))?;
+    line.split_whitespace().nth(3)?.parse().ok()
 }
 
 async fn bind(address: SocketAddr, key: &str) -> Result<TcpListener, Error> {

@@ -84,6 +84,41 @@ pub async fn route_ops(state: Arc<AppState>, request: Request<Incoming>) -> Resp
     response
 }
 
+/// A connection from the reserve past `server.max_connections`: the ops routes answer, so
+/// probes and scraping still work; anything else is a 503. Either way the connection closes
+/// after the answer, giving its place back.
+pub async fn route_reserved(
+    state: Arc<AppState>,
+    request: Request<Incoming>,
+    max_connections: usize,
+) -> Response<ProxyBody> {
+    let path = request.uri().path();
+    let mut response = if matches!(path, "/healthz" | "/readyz" | "/metrics") {
+        route(state, request).await
+    } else {
+        // Counted under the route asked for, as a 503.
+        let asked = if path == "/v1/chat/completions" {
+            Route::ChatCompletions
+        } else if path.starts_with("/v1/") {
+            Route::Passthrough
+        } else if path.starts_with(crate::admin::PREFIX) {
+            Route::Admin
+        } else {
+            Route::NotFound
+        };
+        let response = Error::TooManyConnections { max_connections }.into_response();
+        state
+            .metrics
+            .http
+            .count(asked, response.status(), response.headers());
+        response
+    };
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, http::HeaderValue::from_static("close"));
+    response
+}
+
 /// Prometheus text format; unauthenticated, like `/healthz` (a sidecar's port is not public).
 async fn metrics_page(state: &AppState) -> Result<Response<ProxyBody>, Error> {
     let page = state.metrics.render().await?;

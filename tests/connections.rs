@@ -1,0 +1,135 @@
+//! Connection hygiene through the binary, over raw TCP: a client that sends its headers slowly
+//! or keeps a connection idle cannot hold it forever, and a client holding many connections
+//! open cannot keep `/healthz` from answering.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "tests: a failure should fail the test loudly"
+)]
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use common::{Process, mock, proxy};
+
+fn connect(proxy: &Process) -> TcpStream {
+    let stream = TcpStream::connect(proxy.address.trim_start_matches("http://")).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    stream
+}
+
+/// How long until the server closes `stream` (reads until end of stream), sending nothing.
+fn closed_after(stream: &mut TcpStream) -> Duration {
+    let started = Instant::now();
+    let mut buffer = [0u8; 4096];
+    loop {
+        match stream.read(&mut buffer) {
+            Ok(0) | Err(_) => return started.elapsed(),
+            Ok(_) => {}
+        }
+    }
+}
+
+/// One whole request and its answer's head.
+fn ask(stream: &mut TcpStream, path: &str) -> String {
+    let request = format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n");
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut seen = Vec::new();
+    let mut buffer = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("\r\n\r\n") {
+        let n = stream.read(&mut buffer).unwrap();
+        assert!(n > 0, "closed before an answer to {path}");
+        seen.extend_from_slice(&buffer[..n]);
+    }
+    String::from_utf8_lossy(&seen).into_owned()
+}
+
+#[tokio::test]
+async fn slow_headers_and_idle_connections_are_closed_after_the_header_timeout() {
+    let upstream = mock(&[]);
+    let proxy = proxy(
+        &upstream.address,
+        &[("ENGRAM_SERVER__HEADER_READ_TIMEOUT_MS", "500")],
+    );
+    // A request line sent a byte at a time, one byte every 200 ms, never finished.
+    let mut slow = connect(&proxy);
+    let started = Instant::now();
+    for byte in b"GET /healthz HTTP/1.1\r\nhost: x\r\n" {
+        if slow.write_all(&[*byte]).is_err() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        if started.elapsed() > Duration::from_secs(5) {
+            break;
+        }
+    }
+    let held = started.elapsed() + closed_after(&mut slow);
+    assert!(held < Duration::from_secs(3), "held {held:?}");
+
+    // A kept-alive connection, idle after its answer.
+    let mut idle = connect(&proxy);
+    assert!(ask(&mut idle, "/healthz").starts_with("HTTP/1.1 200"));
+    let idle_for = closed_after(&mut idle);
+    assert!(idle_for < Duration::from_secs(3), "idle for {idle_for:?}");
+}
+
+#[tokio::test]
+async fn past_the_connection_limit_health_checks_still_answer() {
+    let upstream = mock(&[]);
+    let proxy = proxy(
+        &upstream.address,
+        &[
+            ("ENGRAM_SERVER__MAX_CONNECTIONS", "4"),
+            ("ENGRAM_SERVER__OPS_RESERVE_CONNECTIONS", "2"),
+        ],
+    );
+    // A client holds every place open.
+    let mut held: Vec<TcpStream> = (0..4).map(|_| connect(&proxy)).collect();
+    // Give the proxy time to accept them all.
+    std::thread::sleep(Duration::from_millis(300));
+
+    // From the reserve: health, readiness and metrics answer, then the connection closes.
+    for path in ["/healthz", "/readyz", "/metrics"] {
+        let mut probe = connect(&proxy);
+        let head = ask(&mut probe, path);
+        assert!(head.starts_with("HTTP/1.1 200"), "{path}: {head}");
+        assert!(head.to_lowercase().contains("connection: close"), "{head}");
+        closed_after(&mut probe);
+    }
+    let mut refused = connect(&proxy);
+    let head = ask(&mut refused, "/v1/models");
+    assert!(head.starts_with("HTTP/1.1 503"), "{head}");
+    // Its place is free once the proxy has closed it (and dropped its count, just after).
+    closed_after(&mut refused);
+    std::thread::sleep(Duration::from_millis(100));
+
+    // Past the reserve too: closed at once, without an answer.
+    let reserve: Vec<TcpStream> = (0..2).map(|_| connect(&proxy)).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut past = connect(&proxy);
+    let _ = past.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n");
+    let mut buffer = [0u8; 64];
+    let read = past.read(&mut buffer).unwrap_or(0);
+    assert_eq!(read, 0, "{}", String::from_utf8_lossy(&buffer[..read]));
+
+    // Once the client lets go, every route answers again.
+    drop(reserve);
+    held.clear();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut again = connect(&proxy);
+        let head = ask(&mut again, "/v1/models");
+        if head.starts_with("HTTP/1.1 200") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "still refused: {head}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
