@@ -212,7 +212,7 @@ impl Default for ServerConfig {
             max_body_bytes: 10 * 1024 * 1024,
             drain_timeout_ms: 30_000,
             worker_threads: 0,
-            header_read_timeout_ms: 10_000,
+            header_read_timeout_ms: 30_000,
             http2_keep_alive_interval_ms: 20_000,
             max_connections: 10_000,
             ops_reserve_connections: 32,
