@@ -2067,12 +2067,7 @@ mod tests {
         assert_eq!(shown.len(), 1, "{shown:?}");
         assert_eq!(shown[0].item, ItemRef::RawTurn(5));
         assert_eq!(shown[0].form, Form::Full);
-        let recall = composition
-            .prompt(&messages)
-            .into_iter()
-            .map(ChatMessage::text)
-            .find(|text| text.contains("kind=\"recall\""))
-            .unwrap();
+        let recall = recall_text(&composition, &messages);
         // Not again as a summary (the episode manifest indexing it is another item).
         assert_eq!(
             recall.matches("user: My cousin Ines keeps bees").count(),
@@ -2106,12 +2101,7 @@ mod tests {
             .collect();
         assert_eq!(shown.len(), 1, "{shown:?}");
         assert_eq!(shown[0].item, ItemRef::RawTurn(30));
-        let recall = composition
-            .prompt(&messages)
-            .into_iter()
-            .map(ChatMessage::text)
-            .find(|text| text.contains("kind=\"recall\""))
-            .unwrap();
+        let recall = recall_text(&composition, &messages);
         assert_eq!(
             recall.matches("My cousin Ines keeps bees").count(),
             1,

@@ -10,6 +10,7 @@
 //! assistant's texts, and in an agent's tool loop its tool calls and their results, rendered by
 //! [`AnswerText`] the same way here and when the recorder records the turn.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use serde_json::Value;
@@ -174,9 +175,9 @@ impl AnswerText {
 /// shows a stateless client, which could not be given a valid tool-call sequence from text
 /// (an assistant message with `tool_calls` needs its `tool` messages after it). The calls and
 /// results stay in memory for recall.
-pub fn answer_words(answer: &str) -> std::borrow::Cow<'_, str> {
+pub fn answer_words(answer: &str) -> Cow<'_, str> {
     if !answer.contains(" returned") && !answer.contains("[called ") {
-        return std::borrow::Cow::Borrowed(answer);
+        return Cow::Borrowed(answer);
     }
     let mut kept: Vec<&str> = Vec::new();
     let mut dropped = false;
@@ -217,9 +218,9 @@ pub fn answer_words(answer: &str) -> std::borrow::Cow<'_, str> {
     }
     if !dropped {
         // Words that merely look like a part ("he returned home") keep the answer as said.
-        return std::borrow::Cow::Borrowed(answer);
+        return Cow::Borrowed(answer);
     }
-    std::borrow::Cow::Owned(kept.join("\n"))
+    Cow::Owned(kept.join("\n"))
 }
 
 /// One client exchange: a user message and the messages that answered it.
@@ -384,7 +385,7 @@ mod tests {
         assert_eq!(answer_words("[x returned:]\nplain"), "plain");
         // An answer with no part is kept byte for byte, however it reads.
         let said = "He returned home.\r\nThe end.\n";
-        assert!(matches!(answer_words(said), std::borrow::Cow::Borrowed(text) if text == said));
+        assert!(matches!(answer_words(said), Cow::Borrowed(text) if text == said));
     }
 
     #[test]
