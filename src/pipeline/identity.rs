@@ -245,9 +245,10 @@ fn bad_header(name: &str, rule: &str) -> Error {
     Error::invalid_request(format!("Invalid `{name}`: it {rule}."), Some(name))
 }
 
-/// An `x-engram-event-time` value: an RFC 3339 timestamp at most
-/// [`EVENT_TIME_MAX_AHEAD_SECONDS`] past `now` (seconds since the Unix epoch). Past times,
-/// an import's, are all accepted.
+/// An `x-engram-event-time` value: an RFC 3339 timestamp from the Unix epoch (1970, UTC) to
+/// at most [`EVENT_TIME_MAX_AHEAD_SECONDS`] past `now` (seconds since the epoch). Older
+/// times, an import's, are accepted; one before 1970 cannot be a chat turn and has no
+/// place in the microsecond clock turns are ordered by.
 fn checked_event_time(text: &str, now: i64) -> Result<String, Error> {
     let Some(seconds) = rfc3339_seconds(text) else {
         return Err(bad_header(
@@ -255,6 +256,12 @@ fn checked_event_time(text: &str, now: i64) -> Result<String, Error> {
             "must be an RFC 3339 timestamp such as 2023-05-08T13:56:00Z",
         ));
     };
+    if seconds < 0 {
+        return Err(bad_header(
+            EVENT_TIME_HEADER,
+            "must not be before 1970-01-01T00:00:00Z",
+        ));
+    }
     if seconds > now.saturating_add(EVENT_TIME_MAX_AHEAD_SECONDS) {
         return Err(bad_header(
             EVENT_TIME_HEADER,
@@ -572,7 +579,7 @@ mod tests {
     }
 
     #[test]
-    fn event_times_may_be_long_past_but_at_most_a_day_ahead() {
+    fn event_times_run_from_1970_to_a_day_ahead() {
         // 2023-05-08T13:56:00Z.
         let now = 1_683_554_160;
         assert_eq!(EVENT_TIME_MAX_AHEAD_SECONDS, 86_400);
@@ -581,9 +588,20 @@ mod tests {
             "2023-05-09T13:56:00Z",
             "2023-05-09T15:56:00+02:00",
             "1983-05-08T13:56:00Z",
-            "1066-10-14T09:00:00Z",
+            "1970-01-01T00:00:00Z",
+            "1970-01-01T01:00:00+01:00",
         ] {
             assert_eq!(checked_event_time(ok, now).unwrap(), ok);
+        }
+        for early in [
+            "1969-12-31T23:59:59Z",
+            "1970-01-01T00:59:59+01:00",
+            "1066-10-14T09:00:00Z",
+            "0000-01-01T00:00:00Z",
+        ] {
+            let error = checked_event_time(early, now).unwrap_err();
+            assert_eq!(error.status_code(), 400, "{early}");
+            assert!(error.to_string().contains("1970"), "{error}");
         }
         for late in [
             "2023-05-09T13:56:01Z",
