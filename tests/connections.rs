@@ -1,12 +1,14 @@
 //! Connection hygiene through the binary, over raw TCP: a client that sends its headers slowly
-//! or keeps a connection idle cannot hold it forever, and a client holding many connections
+//! or keeps a connection idle (an HTTP/2 one answering pings included) cannot hold it forever,
+//! while a long stream is never cut for idleness, and a client holding many connections
 //! open cannot keep `/healthz` from answering.
 
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
     clippy::panic,
-    reason = "tests: a failure should fail the test loudly"
+    clippy::disallowed_methods,
+    reason = "tests: a failure should fail the test loudly; a client's driver task is spawned"
 )]
 
 mod common;
@@ -15,7 +17,11 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use common::{Process, mock, proxy};
+use bytes::Bytes;
+use common::{Process, chat_body, mock, proxy};
+use http::Request;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::{TokioExecutor, TokioIo};
 
 fn connect(proxy: &Process) -> TcpStream {
     let stream = TcpStream::connect(proxy.address.trim_start_matches("http://")).unwrap();
@@ -132,4 +138,70 @@ async fn past_the_connection_limit_health_checks_still_answer() {
         assert!(Instant::now() < deadline, "still refused: {head}");
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// One HTTP/2 connection (prior knowledge), its driver task ending when the server closes it.
+async fn h2_connect(
+    proxy: &Process,
+) -> (
+    hyper::client::conn::http2::SendRequest<Full<Bytes>>,
+    tokio::task::JoinHandle<()>,
+) {
+    let stream = tokio::net::TcpStream::connect(proxy.address.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    let (sender, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    // The client side answers the server's pings while it is driven.
+    let driver = tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    (sender, driver)
+}
+
+#[tokio::test]
+async fn an_idle_http2_connection_answering_pings_is_closed_but_a_long_stream_is_not() {
+    let upstream = mock(&[]);
+    let proxy = proxy(
+        &upstream.address,
+        &[
+            ("ENGRAM_SERVER__IDLE_TIMEOUT_MS", "500"),
+            ("ENGRAM_SERVER__HTTP2_KEEP_ALIVE_INTERVAL_MS", "100"),
+        ],
+    );
+    let (mut sender, driver) = h2_connect(&proxy).await;
+    let request = Request::get(proxy.url("/healthz"))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let response = sender.send_request(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    response.into_body().collect().await.unwrap();
+    let answered = Instant::now();
+    tokio::time::timeout(Duration::from_secs(10), driver)
+        .await
+        .expect("an idle HTTP/2 connection stayed open")
+        .unwrap();
+    let idle_for = answered.elapsed();
+    assert!(
+        idle_for >= Duration::from_millis(400) && idle_for < Duration::from_secs(3),
+        "closed after {idle_for:?} idle"
+    );
+
+    // A stream silent for longer than the idle timeout between its chunks ends whole.
+    let (mut sender, _driver) = h2_connect(&proxy).await;
+    let request = Request::post(proxy.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("x-mock-chunks", "4")
+        .header("x-mock-chunk-delay-ms", "600")
+        .body(Full::new(Bytes::from(chat_body(true).to_string())))
+        .unwrap();
+    let started = Instant::now();
+    let response = sender.send_request(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    let body = String::from_utf8_lossy(&body);
+    assert!(started.elapsed() >= Duration::from_millis(1800));
+    assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
 }

@@ -152,6 +152,9 @@ pub struct ServerConfig {
     /// HTTP/2: the interval of keep-alive pings on a connection; one unanswered within
     /// `header_read_timeout_ms` closes it.
     pub http2_keep_alive_interval_ms: u64,
+    /// A connection (HTTP/1.1 or HTTP/2) with no request open for this long is closed
+    /// gracefully. A client answering HTTP/2 pings would otherwise hold it forever.
+    pub idle_timeout_ms: u64,
     /// Client connections served in full; past it (or past what the process's open-file limit
     /// leaves) a connection gets only `/healthz`, `/readyz` and `/metrics` (anything else: 503)
     /// and is closed after one answer.
@@ -214,6 +217,7 @@ impl Default for ServerConfig {
             worker_threads: 0,
             header_read_timeout_ms: 30_000,
             http2_keep_alive_interval_ms: 20_000,
+            idle_timeout_ms: 60_000,
             max_connections: 10_000,
             ops_reserve_connections: 32,
         }
@@ -350,6 +354,7 @@ impl Config {
                 "server.http2_keep_alive_interval_ms",
                 self.server.http2_keep_alive_interval_ms,
             ),
+            ("server.idle_timeout_ms", self.server.idle_timeout_ms),
         ] {
             if !(100..=3_600_000).contains(&value) {
                 return invalid(path, "must be between 100 and 3600000 (one hour)");

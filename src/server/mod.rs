@@ -2,6 +2,7 @@
 //! work lives in `upstream`, `openai`, and the memory layer behind `pipeline`.
 
 mod chat;
+mod idle;
 mod passthrough;
 mod router;
 
@@ -16,7 +17,6 @@ use http::HeaderMap;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
@@ -166,7 +166,10 @@ impl Server {
             server.max_connections,
             server.ops_reserve_connections,
         ));
-        let graceful = GracefulShutdown::new();
+        let idle_timeout = Duration::from_millis(server.idle_timeout_ms);
+        // Connections, apart from the other tasks, so the drain can wait for them first.
+        let open_connections = TaskTracker::new();
+        let (close_all, _) = tokio::sync::watch::channel(false);
         tokio::pin!(shutdown);
 
         loop {
@@ -190,9 +193,12 @@ impl Server {
             };
             let reserved = admitted.reserved.then_some(gate.max);
             let _ = stream.set_nodelay(true);
+            let activity = idle::Activity::new();
             let handler_state = state.clone();
+            let requests = Arc::clone(&activity);
             let service = service_fn(move |request| {
                 let state = handler_state.clone();
+                let open = requests.begin();
                 async move {
                     let response = match reserved {
                         Some(max_connections) => {
@@ -201,16 +207,35 @@ impl Server {
                         None if ops => router::route_ops(state, request).await,
                         None => router::route(state, request).await,
                     };
-                    Ok::<_, Infallible>(response)
+                    Ok::<_, Infallible>(idle::held_open(response, open))
                 }
             });
             let connection = connections
                 .serve_connection_with_upgrades(TokioIo::new(stream), service)
                 .into_owned();
-            let connection = graceful.watch(connection);
+            let counted = open_connections.token();
+            let mut close_signal = close_all.subscribe();
             state.tasks.spawn(async move {
                 let _admitted = admitted;
-                if let Err(error) = connection.await {
+                let _counted = counted;
+                tokio::pin!(connection);
+                // Asked to close by shutdown or by idleness: the connection finishes its open
+                // requests and streams, then ends (HTTP/2 with a GOAWAY).
+                let mut asked_to_close = false;
+                let ended = loop {
+                    tokio::select! {
+                        ended = connection.as_mut() => break ended,
+                        _ = close_signal.changed(), if !asked_to_close => {
+                            asked_to_close = true;
+                            connection.as_mut().graceful_shutdown();
+                        }
+                        () = activity.idle_for(idle_timeout), if !asked_to_close => {
+                            asked_to_close = true;
+                            connection.as_mut().graceful_shutdown();
+                        }
+                    }
+                };
+                if let Err(error) = ended {
                     tracing::debug!(%peer, error = %error, "connection ended with an error");
                 }
             });
@@ -222,11 +247,13 @@ impl Server {
         let drain = state.config.drain_timeout();
         let started = tokio::time::Instant::now();
         tracing::info!(
-            connections = graceful.count(),
+            connections = open_connections.len(),
             ?drain,
             "shutting down: draining"
         );
-        if tokio::time::timeout(drain, graceful.shutdown())
+        close_all.send_replace(true);
+        open_connections.close();
+        if tokio::time::timeout(drain, open_connections.wait())
             .await
             .is_err()
         {
