@@ -231,6 +231,8 @@ impl Worker {
         let lease = Duration::from_millis(self.config.lease_ms);
         let poll = Duration::from_millis(self.config.poll_interval_ms);
         let room = Arc::new(Semaphore::new(self.config.concurrency));
+        // Told when a run of jobs ends, freeing its session and its permits.
+        let run_ended = Arc::new(Notify::new());
         let mut backoff = poll;
         loop {
             tokio::select! {
@@ -243,9 +245,11 @@ impl Worker {
             };
             let Ok(first) = first else { return };
             let free = room.available_permits() + 1;
+            let mut filled = false;
             match self.store.claim_batch(&self.consumer, lease, free).await {
                 Ok(claimed) if !claimed.is_empty() => {
                     backoff = poll;
+                    filled = claimed.len() == free;
                     // Only this loop takes permits, so there is one for every claimed job.
                     let mut permits = vec![first];
                     permits.extend(
@@ -256,12 +260,13 @@ impl Worker {
                         let held = run.len().min(permits.len());
                         let permits: Vec<_> = permits.drain(..held).collect();
                         let worker = Arc::clone(&self);
+                        let run_ended = Arc::clone(&run_ended);
                         self.tasks.spawn(async move {
                             worker.process(run, me).await;
                             drop(permits);
+                            run_ended.notify_one();
                         });
                     }
-                    continue;
                 }
                 Ok(_) => {
                     drop(first);
@@ -273,8 +278,20 @@ impl Worker {
                     backoff = (backoff * 2).min(ERROR_BACKOFF_MAX);
                 }
             }
+            if filled {
+                // There may be more to claim at once.
+                continue;
+            }
+            // The claim took all there was. While runs are in flight, what is left waits
+            // behind them (a session's jobs apply in order, so a busy session's are not
+            // claimable): claiming again at every enqueue would walk the whole backlog for
+            // nothing, and with one user sending fast that was once per request. The next run's
+            // end is when a claim can find more; the poll interval bounds the wait of another
+            // session's new job.
+            let in_flight = room.available_permits() < self.config.concurrency;
             tokio::select! {
-                () = self.wake.notified() => {}
+                () = self.wake.notified(), if !in_flight => {}
+                () = run_ended.notified(), if in_flight => {}
                 () = tokio::time::sleep(backoff) => {}
                 // Our turn ended: stop waiting on the wake-ups, they are the other loop's now.
                 _ = turn_is(&mut turn, |claimer| claimer != me) => {}
