@@ -342,6 +342,16 @@ mod tests {
     }
 
     #[test]
+    fn the_signature_is_the_documented_hmac() {
+        // From `printf %s "v1:acme:jane:1767225600" | openssl dgst -sha256 -hmac "$SECRET"`.
+        assert_eq!(
+            sign(&key(), "acme", "jane", NOW),
+            "v1:acme:jane:1767225600:\
+             085f3c852584c2c8a6f013855caf20d4be6e122d3fcc09d03149918d019e5550"
+        );
+    }
+
+    #[test]
     fn a_tampered_or_malformed_identity_is_refused() {
         let token = sign(&key(), "acme", "jane", NOW);
         let other_key = hmac::Key::new(hmac::HMAC_SHA256, b"another secret of thirty-two bytes");
