@@ -179,18 +179,30 @@ async fn a_client_key_confines_memory_to_its_tenant() {
     );
 }
 
+/// An echo mock, a signed proxy in front of it, and jane's identity (tenant acme), under which
+/// she has stated her code word `zq-jane`.
+async fn janes_signed_proxy(holds_upstream_key: bool) -> (Process, Process, String) {
+    let upstream = mock(&["--echo"]);
+    let proxy = signed_proxy(&upstream, holds_upstream_key);
+    let jane = identity("acme", "jane", 300);
+    let said = "My code word is zq-jane.";
+    let reply = chat(&proxy, said, &[(IDENTITY_HEADER, &jane)]).await;
+    assert_eq!(reply.status, 200, "{}", text(&reply));
+    (upstream, proxy, jane)
+}
+
+/// The question, with jane as the body's `user` and no identity header.
+fn asked_as_body_user() -> serde_json::Value {
+    json!({
+        "model": "gpt-test", "user": "jane",
+        "messages": [{"role": "user", "content": "What is my code word?"}],
+    })
+}
+
 #[tokio::test]
 async fn a_signed_identity_names_tenant_and_user_until_it_expires() {
-    let upstream = mock(&["--echo"]);
-    let proxy = signed_proxy(&upstream, true);
-    let jane = identity("acme", "jane", 300);
-    let reply = chat(
-        &proxy,
-        "My code word is zq-jane.",
-        &[(IDENTITY_HEADER, &jane)],
-    )
-    .await;
-    assert_eq!(reply.status, 200, "{}", text(&reply));
+    let (_upstream, proxy, jane) = janes_signed_proxy(true).await;
+    let reply = chat(&proxy, "hello", &[(IDENTITY_HEADER, &jane)]).await;
     assert_eq!(
         header(&reply, "x-mock-received-authorization"),
         bearer(UPSTREAM_KEY)
@@ -222,10 +234,7 @@ async fn a_signed_identity_names_tenant_and_user_until_it_expires() {
     }
     // Holding engram's upstream key, the proxy serves nothing unsigned: no chat, even with a
     // body user, and no other route.
-    let body = json!({
-        "model": "gpt-test", "user": "jane",
-        "messages": [{"role": "user", "content": "What is my code word?"}],
-    });
+    let body = asked_as_body_user();
     let reply = post_json(&proxy.url("/v1/chat/completions"), &body, &[]).await;
     assert_refused(&reply, 401, "invalid_identity");
     let reply = send("GET", &proxy.url("/v1/models"), &[], "").await;
@@ -240,24 +249,12 @@ async fn a_signed_identity_names_tenant_and_user_until_it_expires() {
 
 #[tokio::test]
 async fn without_an_upstream_key_an_unsigned_request_passes_with_no_memory() {
-    let upstream = mock(&["--echo"]);
-    let proxy = signed_proxy(&upstream, false);
-    let jane = identity("acme", "jane", 300);
-    let reply = chat(
-        &proxy,
-        "My code word is zq-jane.",
-        &[(IDENTITY_HEADER, &jane)],
-    )
-    .await;
-    assert_eq!(reply.status, 200, "{}", text(&reply));
+    let (_upstream, proxy, _jane) = janes_signed_proxy(false).await;
     wait_drained(&proxy, Duration::from_secs(60)).await;
 
     // The body's user is no identity here: no memory read, none recorded; the client's own
     // key goes upstream, as it would without engram.
-    let body = json!({
-        "model": "gpt-test", "user": "jane",
-        "messages": [{"role": "user", "content": "What is my code word?"}],
-    });
+    let body = asked_as_body_user();
     let own = bearer("sk-client-own");
     let reply = post_json(
         &proxy.url("/v1/chat/completions"),
