@@ -241,7 +241,9 @@ pub fn named_tenant(headers: &HeaderMap) -> Result<Option<String>, Error> {
         .transpose()
 }
 
-fn header<'a>(headers: &'a HeaderMap, name: &'static str) -> Result<Option<&'a str>, Error> {
+/// The one value of an identity header, trimmed; `None` when absent or empty. Sent twice, or
+/// not visible ASCII, it is a 400.
+pub fn header<'a>(headers: &'a HeaderMap, name: &'static str) -> Result<Option<&'a str>, Error> {
     let mut values = headers.get_all(name).iter();
     let Some(value) = values.next() else {
         return Ok(None);

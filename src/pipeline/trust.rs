@@ -19,7 +19,7 @@ use http::HeaderMap;
 use ring::hmac;
 
 use super::identity::{
-    TENANT_HEADER, USER_HEADER, checked_id, hex_bytes, named_tenant, user_header,
+    TENANT_HEADER, USER_HEADER, checked_id, header, hex_bytes, named_tenant, user_header,
 };
 use crate::credentials::{TenantTokens, bearer_token, secret_from_env};
 use crate::error::Error;
@@ -196,7 +196,7 @@ impl Gate {
         let Some(secret) = &self.secret else {
             return Err(Error::Internal("signed mode without a secret".into()));
         };
-        let Some(token) = single_header(headers, IDENTITY_HEADER)? else {
+        let Some(token) = header(headers, IDENTITY_HEADER)? else {
             if self.holds_upstream_key {
                 return Err(Error::InvalidIdentity(format!(
                     "This proxy requires a signed `{IDENTITY_HEADER}` header on every request."
@@ -230,24 +230,6 @@ fn other_identity(header: &str, what: &str, credential: &str) -> Error {
     Error::Forbidden(format!(
         "`{header}` names another {what} than your {credential} is for."
     ))
-}
-
-/// The one value of a header, trimmed; sent twice is a 400, as for every identity header.
-fn single_header<'a>(headers: &'a HeaderMap, name: &str) -> Result<Option<&'a str>, Error> {
-    let mut values = headers.get_all(name).iter();
-    let Some(value) = values.next() else {
-        return Ok(None);
-    };
-    if values.next().is_some() {
-        return Err(Error::invalid_request(
-            format!("Invalid `{name}`: it must be sent once."),
-            Some(name),
-        ));
-    }
-    let text = value.to_str().map_err(|_| {
-        Error::InvalidIdentity(format!("Invalid `{name}`: it must be visible ASCII."))
-    })?;
-    Ok(Some(text.trim()))
 }
 
 /// A signed identity for `tenant` and `user`, good until `expiry` (Unix seconds, inclusive).
