@@ -155,10 +155,6 @@ impl Gate {
         })
     }
 
-    pub fn trust(&self) -> Trust {
-        self.trust
-    }
-
     /// Checks a proxied request's credentials against the identity headers it sends; `now` is
     /// Unix seconds. A missing or bad credential is a 401, a header that names another tenant
     /// or user than the credential's is a 403.
