@@ -172,9 +172,19 @@ def check_engram_pod(name: str, spec: dict, config: dict, objects: list[dict]) -
     expect("ALL" in context.get("capabilities", {}).get("drop", []), f"{where}: capabilities not dropped")
     expect(container.get("resources", {}).get("requests"), f"{where}: no resource requests")
 
-    port = int(str(config["server"]["listen"]).rsplit(":", 1)[1])
+    # Probes and scraping go to the ops listener when there is one (a sidecar's proxy stays on
+    # loopback), else to the proxy's own port.
+    server = config["server"]
+    port = int(str(server.get("ops_listen") or server["listen"]).rsplit(":", 1)[1])
     ports = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
-    expect(port in ports.values(), f"{where}: listens on {port} but declares ports {ports}")
+    expect(port in ports.values(), f"{where}: serves probes on {port} but declares ports {ports}")
+    if native or len(spec.get("containers", [])) > 1:
+        listen_host = str(server["listen"]).rsplit(":", 1)[0]
+        trust = config.get("identity", {}).get("trust", "headers")
+        expect(
+            listen_host in ("127.0.0.1", "[::1]", "localhost") or trust != "headers",
+            f"{where}: a sidecar trusting headers must keep server.listen on loopback, not {listen_host}",
+        )
 
     def probe_target(probe_name: str) -> tuple[str, int]:
         probe = container.get(probe_name)
@@ -284,7 +294,11 @@ def check_objects(engram: Path, objects: list[dict], source: str, external=froze
 
 # --- the chart --------------------------------------------------------------------------------
 
-EXISTING = frozenset({"llm-keys", "engram-admin", "redis-credentials"})
+EXISTING = frozenset({"llm-keys", "engram-admin", "redis-credentials", "engram-client-keys", "engram-identity"})
+
+# A standalone engram's default trust, client_keys, needs client keys and an upstream key.
+CLIENT_KEYS = {"clientKeys": {"existingSecret": "engram-client-keys"}}
+UPSTREAM_KEY = {"apiKey": {"existingSecret": "llm-keys", "existingSecretKey": "openai"}}
 
 SCENARIOS = {
     "sidecar_default": {},
@@ -302,13 +316,16 @@ SCENARIOS = {
     "standalone_bundled_redis_persistent": {
         "mode": "standalone",
         "replicaCount": 2,
+        "identity": CLIENT_KEYS,
+        "upstream": UPSTREAM_KEY,
         "redis": {"bundled": {"persistence": {"enabled": True, "storageClass": "fast"}}},
     },
     "standalone_external_redis": {
         "mode": "standalone",
         "replicaCount": 3,
         "redis": {"url": "redis://redis.shared.svc:6379"},
-        "upstream": {"apiKey": {"existingSecret": "llm-keys", "existingSecretKey": "openai"}},
+        "upstream": UPSTREAM_KEY,
+        "identity": CLIENT_KEYS,
         "adminToken": {"existingSecret": "engram-admin"},
         "serviceMonitor": {"enabled": True},
         "dashboard": {"enabled": True},
@@ -316,14 +333,23 @@ SCENARIOS = {
     "standalone_redis_url_from_secret": {
         "mode": "standalone",
         "redis": {"existingSecret": "redis-credentials"},
+        "identity": CLIENT_KEYS,
+        "upstream": UPSTREAM_KEY,
         "extraEnv": [{"name": "ENGRAM_LOGGING__LEVEL", "value": "debug"}],
     },
     "standalone_embedded_persistent_with_config": {
         "mode": "standalone",
         "store": {"backend": "embedded", "persistence": {"enabled": True}},
+        "identity": {"trust": "signed", "signingSecret": {"existingSecret": "engram-identity"}},
         "memory": {"budget_tokens": 4096, "weights": {"recency": 0.5}, "retrieval": {"top_facts": 8}},
         "config": {"server": {"drain_timeout_ms": 60000}, "worker": {"concurrency": 4}},
         "service": {"type": "LoadBalancer", "annotations": {"a": "b"}},
+    },
+    "standalone_headers_forced": {
+        "mode": "standalone",
+        "store": {"backend": "embedded"},
+        "identity": {"trust": "headers"},
+        "config": {"identity": {"allow_headers_off_loopback": True}},
     },
 }
 
@@ -337,6 +363,7 @@ EXPECTED_KINDS = {
     "standalone_external_redis": {"ConfigMap": 2, "Deployment": 1, "Service": 1, "ServiceMonitor": 1},
     "standalone_redis_url_from_secret": {"ConfigMap": 1, "Deployment": 1, "Service": 1},
     "standalone_embedded_persistent_with_config": {"ConfigMap": 1, "Deployment": 1, "Service": 1, "PersistentVolumeClaim": 1},
+    "standalone_headers_forced": {"ConfigMap": 1, "Deployment": 1, "Service": 1},
 }
 
 # Values the chart must refuse, with a word of the reason.
@@ -344,6 +371,11 @@ REJECTED = {
     "embedded_store_with_replicas": ({"mode": "standalone", "store": {"backend": "embedded"}, "replicaCount": 2}, "replicaCount"),
     "unknown_memory_key": ({"memory": {"budget_token": 1}}, "budget_token"),
     "unknown_mode": ({"mode": "daemonset"}, "mode"),
+    "standalone_without_client_keys": ({"mode": "standalone", "upstream": UPSTREAM_KEY}, "clientKeys"),
+    "client_keys_without_upstream_key": ({"mode": "standalone", "identity": CLIENT_KEYS}, "upstream.apiKey"),
+    "standalone_trusting_headers": ({"mode": "standalone", "identity": {"trust": "headers"}}, "allow_headers_off_loopback"),
+    "signed_without_secret": ({"identity": {"trust": "signed"}}, "signingSecret"),
+    "unknown_trust": ({"identity": {"trust": "anyone"}}, "trust"),
 }
 
 
@@ -496,8 +528,10 @@ def dockerfile(engram: Path) -> None:
     copies = [args.split() for args in ops.get("COPY", [])]
     local = [c for c in copies if not any(a.startswith("--from") for a in c)]
     expect(any(c[-1] == config_path for c in local), f"nothing is copied to {config_path}")
-    listen = yaml.safe_load((ROOT / "deploy" / "config.yaml").read_text())["server"]["listen"]
-    expect(ops.get("EXPOSE") == [listen.rsplit(":", 1)[1]], f"EXPOSE {ops.get('EXPOSE')} is not the listen port of {listen}")
+    server = yaml.safe_load((ROOT / "deploy" / "config.yaml").read_text())["server"]
+    listening = {str(server[key]).rsplit(":", 1)[1] for key in ("listen", "ops_listen") if server.get(key)}
+    exposed = {port for args in ops.get("EXPOSE", []) for port in args.split()}
+    expect(exposed == listening, f"EXPOSE {sorted(exposed)} is not the ports of {server}")
     expect(any(DATA_DIR in v for v in ops.get("VOLUME", [])), f"{DATA_DIR} is no VOLUME")
     check_config(engram, (ROOT / "deploy" / "config.yaml").read_text(), {}, "deploy/config.yaml")
 

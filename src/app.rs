@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::pipeline::explain_log::ExplainLog;
 use crate::pipeline::store_memory::StoreMemory;
+use crate::pipeline::trust::Gate;
 use crate::ratelimit::{PRUNE_INTERVAL, TokenBudget};
 use crate::recorder::Recorder;
 use crate::recorder::journal::{self, Journal};
@@ -38,6 +39,53 @@ pub const EXPLAINED_TURNS: usize = 1024;
 /// The directory, inside `store.data_dir`, of the Redis backend's local spool.
 pub const SPOOL_DIR: &str = "spool";
 
+/// The secrets engram reads from the environment at start, never from the config file.
+#[derive(Debug)]
+pub struct Credentials {
+    /// The value of the variable `upstream.api_key_env` names.
+    pub upstream_key: Option<String>,
+    /// The management API's tokens.
+    pub admin: AdminAuth,
+    /// The client keys or signing secret of `identity.trust`.
+    pub gate: Gate,
+}
+
+impl Credentials {
+    /// Reads every secret the config asks for (`var` looks a variable up); one that is
+    /// missing, malformed, or set for a mode not configured is a start-up error.
+    pub fn from_env(config: &Config, var: impl Fn(&str) -> Option<String>) -> Result<Credentials> {
+        let upstream_key = match &config.upstream.api_key_env {
+            Some(name) => Some(var(name).ok_or_else(|| Error::Config {
+                path: "upstream.api_key_env".into(),
+                message: format!("the environment variable {name} is not set"),
+            })?),
+            None => None,
+        };
+        let admin = AdminAuth::from_env(&var)?;
+        let gate = Gate::from_env(
+            config.identity.trust,
+            upstream_key.is_some(),
+            &admin.tokens(),
+            &var,
+        )?;
+        Ok(Credentials {
+            upstream_key,
+            admin,
+            gate,
+        })
+    }
+
+    /// No upstream key, `identity.trust: headers`, and these management tokens (tests, the
+    /// evaluation harness).
+    pub fn admin_only(admin: AdminAuth) -> Credentials {
+        Credentials {
+            upstream_key: None,
+            admin,
+            gate: Gate::headers(),
+        }
+    }
+}
+
 pub struct Engram {
     server: Server,
     worker: Option<Arc<Worker>>,
@@ -56,22 +104,22 @@ pub struct Engram {
 impl Engram {
     /// Opens the store and binds the listener; nothing runs until [`Engram::run`]. Traces go
     /// where `config.telemetry` says.
-    pub async fn build(
-        config: Config,
-        upstream_key: Option<String>,
-        admin: AdminAuth,
-    ) -> Result<Engram> {
+    pub async fn build(config: Config, credentials: Credentials) -> Result<Engram> {
         let telemetry = Telemetry::from_config(&config)?;
-        Engram::build_with_telemetry(config, upstream_key, admin, telemetry).await
+        Engram::build_with_telemetry(config, credentials, telemetry).await
     }
 
     /// [`Engram::build`] with the caller's tracing (tests pass an in-memory exporter's).
     pub async fn build_with_telemetry(
         config: Config,
-        upstream_key: Option<String>,
-        admin: AdminAuth,
+        credentials: Credentials,
         telemetry: Telemetry,
     ) -> Result<Engram> {
+        let Credentials {
+            upstream_key,
+            admin,
+            gate,
+        } = credentials;
         let upstream = Upstream::new(&config.upstream, upstream_key)?;
         // The tokenizers (~70 MB) load on the first request that names a user, not here: a
         // proxy whose requests never use memory stays small (the RSS budget).
@@ -153,7 +201,7 @@ impl Engram {
             worker.clone(),
             &config,
         );
-        let state = AppState::new(config, upstream, Arc::new(memory), metrics)
+        let state = AppState::new(config, upstream, Arc::new(memory), metrics, gate)
             .with_admin(Arc::new(admin))
             .with_telemetry(telemetry.clone());
         let server = Server::bind(state).await?;

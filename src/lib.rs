@@ -5,6 +5,7 @@ pub mod app;
 pub mod cache;
 pub mod cli;
 pub mod config;
+pub mod credentials;
 pub mod error;
 pub mod eval;
 pub mod future;

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use engram::app::Engram;
+use engram::app::{Credentials, Engram};
 use engram::cli::{
     AdminArgs, Cli, Command, EvalBenchmark, LocomoArgs, MockArgs, ServeArgs, StoreFlag,
 };
@@ -88,21 +88,15 @@ fn serve(args: ServeArgs) -> Result<(), Error> {
         return Ok(());
     }
     init_logging(&config.logging.level, config.logging.format);
-    let api_key = match &config.upstream.api_key_env {
-        Some(name) => Some(std::env::var(name).map_err(|_| Error::Config {
-            path: "upstream.api_key_env".into(),
-            message: format!("the environment variable {name} is not set"),
-        })?),
-        None => None,
-    };
-    let admin = engram::admin::AdminAuth::from_env(|name| std::env::var(name).ok())?;
+    let credentials = Credentials::from_env(&config, |name| std::env::var(name).ok())?;
     runtime(config.server.worker_threads)?.block_on(async move {
         let base_url = config.upstream.base_url.clone();
         let backend = config.store.backend;
-        let admin_api = admin.is_enabled();
-        let engram = Engram::build(config, api_key, admin).await?;
+        let admin_api = credentials.admin.is_enabled();
+        let trust = config.identity.trust;
+        let engram = Engram::build(config, credentials).await?;
         let address = engram.local_addr()?;
-        tracing::info!(%address, upstream = %base_url, store = ?backend, admin_api, "engram listening");
+        tracing::info!(%address, upstream = %base_url, store = ?backend, admin_api, ?trust, "engram listening");
         // Tests and scripts read this (first) line to find the port.
         let _ = writeln!(std::io::stdout(), "engram listening on http://{address}");
         if let Some(ops) = engram.ops_addr()? {

@@ -3,6 +3,9 @@
 //! normal and read-only), while the worker applies memory behind them. No response may ever
 //! carry another identity's secret, and each identity's memory holds only its own.
 //!
+//! The property holds with identities carried by headers (a sidecar's trust) and by client keys
+//! (`identity.trust: client_keys`, a key per tenant, the user still from its header).
+//!
 //! The schedules come from fixed seeds (reproducible in CI); `ENGRAM_ISOLATION_SEEDS=1,2,3`
 //! runs others.
 
@@ -18,7 +21,7 @@ mod common;
 use std::time::Duration;
 
 use common::memory::{export, wait_drained};
-use common::{mock, post_json, proxy};
+use common::{Process, mock, post_json, proxy};
 use serde_json::json;
 
 /// The same user ids in several tenants: a key mix-up between tenants would show.
@@ -73,9 +76,25 @@ fn schedule(seed: u64, steps: usize) -> Vec<Step> {
         .collect()
 }
 
+/// How a request says whose it is.
+#[derive(Debug, Clone, Copy)]
+enum Carrier {
+    /// `x-engram-tenant` and `x-engram-user` (`identity.trust: headers`).
+    Headers,
+    /// The tenant's client key and `x-engram-user` (`identity.trust: client_keys`); every
+    /// other request also repeats its tenant in `x-engram-tenant`, which is allowed.
+    ClientKeys,
+}
+
+const TENANTS: [&str; 3] = ["t1", "t2", "t3"];
+
+fn client_key(tenant: &str) -> String {
+    format!("ck-{tenant}-4be1")
+}
+
 /// Sends one step; returns the response body as text (the echo mock puts the prompt it got
 /// into the reply, so any injected memory is in there).
-async fn send(chat_url: &str, step: &Step) -> String {
+async fn send(chat_url: &str, step: &Step, carrier: Carrier) -> String {
     let (tenant, user) = IDENTITIES[step.identity];
     let text = if step.states {
         format!("Remember my code word, it is {}.", secret(step.identity))
@@ -88,11 +107,20 @@ async fn send(chat_url: &str, step: &Step) -> String {
         "stream": step.stream,
     });
     let session = format!("s{}", step.session);
+    let auth = format!("Bearer {}", client_key(tenant));
     let mut headers = vec![
-        ("x-engram-tenant", tenant),
         ("x-engram-user", user),
         ("x-engram-session", session.as_str()),
     ];
+    match carrier {
+        Carrier::Headers => headers.push(("x-engram-tenant", tenant)),
+        Carrier::ClientKeys => {
+            headers.push(("authorization", auth.as_str()));
+            if step.session == 0 {
+                headers.push(("x-engram-tenant", tenant));
+            }
+        }
+    }
     if step.read_only {
         headers.push(("x-engram-mode", "read-only"));
     }
@@ -115,6 +143,30 @@ fn assert_only_own(seed: u64, step: &Step, text: &str) {
 
 #[tokio::test]
 async fn random_interleavings_never_show_one_identity_another_ones_memory() {
+    let upstream = mock(&["--echo"]);
+    let proxy = proxy(&upstream.address, &[]);
+    never_shows_another_ones_memory(&proxy, Carrier::Headers).await;
+}
+
+#[tokio::test]
+async fn with_client_keys_random_interleavings_never_show_another_ones_memory() {
+    let upstream = mock(&["--echo"]);
+    let keys = TENANTS
+        .map(|tenant| format!("{tenant}={}", client_key(tenant)))
+        .join(",");
+    let proxy = proxy(
+        &upstream.address,
+        &[
+            ("ENGRAM_IDENTITY__TRUST", "client_keys"),
+            ("ENGRAM_CLIENT_KEYS", &keys),
+            ("ENGRAM_UPSTREAM__API_KEY_ENV", "TEST_UPSTREAM_KEY"),
+            ("TEST_UPSTREAM_KEY", "sk-engram-upstream"),
+        ],
+    );
+    never_shows_another_ones_memory(&proxy, Carrier::ClientKeys).await;
+}
+
+async fn never_shows_another_ones_memory(proxy: &Process, carrier: Carrier) {
     let seeds: Vec<u64> = match std::env::var("ENGRAM_ISOLATION_SEEDS") {
         Ok(list) => list
             .split(',')
@@ -122,8 +174,6 @@ async fn random_interleavings_never_show_one_identity_another_ones_memory() {
             .collect(),
         Err(_) => vec![0x15_0A7E, 0xC0FFEE, 20_261_123],
     };
-    let upstream = mock(&["--echo"]);
-    let proxy = proxy(&upstream.address, &[]);
     let mut injected_own = 0;
     for seed in seeds {
         let steps = schedule(seed, 48);
@@ -133,7 +183,7 @@ async fn random_interleavings_never_show_one_identity_another_ones_memory() {
             for step in wave.iter().cloned() {
                 let chat_url = proxy.url("/v1/chat/completions");
                 tasks.spawn(async move {
-                    let text = send(&chat_url, &step).await;
+                    let text = send(&chat_url, &step, carrier).await;
                     (step, text)
                 });
             }
@@ -144,7 +194,7 @@ async fn random_interleavings_never_show_one_identity_another_ones_memory() {
                 }
             }
         }
-        wait_drained(&proxy, Duration::from_secs(60)).await;
+        wait_drained(proxy, Duration::from_secs(60)).await;
     }
     // The property is not vacuous: memory was injected, each identity got its own back.
     assert!(
@@ -152,7 +202,7 @@ async fn random_interleavings_never_show_one_identity_another_ones_memory() {
         "no question was ever answered from memory"
     );
     for (identity, (tenant, user)) in IDENTITIES.iter().enumerate() {
-        let memory = export(&proxy, tenant, user).await.to_string();
+        let memory = export(proxy, tenant, user).await.to_string();
         for (other, other_identity) in IDENTITIES.iter().enumerate() {
             if other != identity {
                 assert!(

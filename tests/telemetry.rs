@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::{Reply, post_json, send};
 use engram::admin::AdminAuth;
-use engram::app::Engram;
+use engram::app::{Credentials, Engram};
 use engram::config::Config;
 use engram::mock::{MockOptions, MockServer};
 use engram::telemetry::{Telemetry, TelemetryConfig, TraceParent};
@@ -65,9 +65,14 @@ impl Running {
         edit(&mut config);
         let engram = match telemetry {
             Some(telemetry) => {
-                Engram::build_with_telemetry(config, None, AdminAuth::default(), telemetry).await
+                Engram::build_with_telemetry(
+                    config,
+                    Credentials::admin_only(AdminAuth::default()),
+                    telemetry,
+                )
+                .await
             }
-            None => Engram::build(config, None, AdminAuth::default()).await,
+            None => Engram::build(config, Credentials::admin_only(AdminAuth::default())).await,
         }
         .unwrap();
         let url = format!("http://{}", engram.local_addr().unwrap());

@@ -7,13 +7,12 @@
 //! - `ENGRAM_ADMIN_TENANT_TOKENS_FILE`: a file of the same pairs, one per line (`#` starts a
 //!   comment), e.g. a Secret mounted as a volume.
 //!
-//! Tokens are compared in constant time (for equal lengths), every token on every request, and
-//! never logged: errors about them name the variable and the line, not the value.
+//! Tokens are compared in constant time and never logged ([`crate::credentials`]).
 
-use http::{HeaderMap, header};
+use http::HeaderMap;
 
+use crate::credentials::{TenantTokens, bearer_token, same};
 use crate::error::Error;
-use crate::pipeline::identity::checked_id;
 
 pub const TOKEN_ENV: &str = "ENGRAM_ADMIN_TOKEN";
 pub const TENANT_TOKENS_ENV: &str = "ENGRAM_ADMIN_TENANT_TOKENS";
@@ -31,21 +30,15 @@ pub enum Access {
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct AdminAuth {
     global: Option<String>,
-    /// `(tenant, token)`, each tenant and each token once.
-    tenants: Vec<(String, String)>,
+    tenants: TenantTokens,
 }
 
 impl std::fmt::Debug for AdminAuth {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let tenants: Vec<&str> = self
-            .tenants
-            .iter()
-            .map(|(tenant, _)| tenant.as_str())
-            .collect();
         formatter
             .debug_struct("AdminAuth")
             .field("global", &self.global.as_ref().map(|_| "*****"))
-            .field("tenants", &tenants)
+            .field("tenants", &self.tenants)
             .finish()
     }
 }
@@ -56,69 +49,20 @@ impl AdminAuth {
         let token = token.into();
         AdminAuth {
             global: (!token.is_empty()).then_some(token),
-            tenants: Vec::new(),
+            tenants: TenantTokens::default(),
         }
     }
 
     /// Reads the tokens from the environment (`var` looks a variable up); a malformed pair, a
     /// tenant named twice or a token shared by two scopes is a start-up error.
     pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<AdminAuth, Error> {
-        let global = var(TOKEN_ENV).filter(|token| !token.trim().is_empty());
-        let mut auth = AdminAuth {
-            global: global.map(|token| token.trim().to_owned()),
-            tenants: Vec::new(),
-        };
-        if let Some(pairs) = var(TENANT_TOKENS_ENV) {
-            auth.add_pairs(TENANT_TOKENS_ENV, &pairs.replace(',', "\n"))?;
-        }
-        if let Some(path) = var(TENANT_TOKENS_FILE_ENV).filter(|path| !path.is_empty()) {
-            let text = std::fs::read_to_string(&path).map_err(|error| Error::Config {
-                path: TENANT_TOKENS_FILE_ENV.into(),
-                message: format!("cannot read {path}: {error}"),
-            })?;
-            auth.add_pairs(TENANT_TOKENS_FILE_ENV, &text)?;
-        }
-        Ok(auth)
-    }
-
-    fn add_pairs(&mut self, source: &str, text: &str) -> Result<(), Error> {
-        let bad = |line: usize, message: &str| Error::Config {
-            path: source.to_owned(),
-            message: format!("entry {line}: {message}"),
-        };
-        for (number, line) in text.lines().enumerate() {
-            let line = line.trim();
-            if line.is_empty() || line.starts_with('#') {
-                continue;
-            }
-            let number = number + 1;
-            let Some((tenant, token)) = line.split_once('=') else {
-                return Err(bad(number, "expected tenant=token"));
-            };
-            let (tenant, token) = (tenant.trim(), token.trim());
-            let tenant = checked_id("tenant", tenant).map_err(|_| {
-                bad(
-                    number,
-                    "the tenant must be 1-128 of letters, digits and . _ - @ +",
-                )
-            })?;
-            if token.is_empty() {
-                return Err(bad(number, "the token is empty"));
-            }
-            if self.tenants.iter().any(|(known, _)| *known == tenant) {
-                return Err(bad(number, &format!("tenant {tenant} has a token already")));
-            }
-            if self.global.as_deref() == Some(token)
-                || self.tenants.iter().any(|(_, known)| known == token)
-            {
-                return Err(bad(
-                    number,
-                    "this token is already in use (every token must name one scope)",
-                ));
-            }
-            self.tenants.push((tenant, token.to_owned()));
-        }
-        Ok(())
+        let global = var(TOKEN_ENV)
+            .filter(|token| !token.trim().is_empty())
+            .map(|token| token.trim().to_owned());
+        let taken: Vec<&str> = global.as_deref().into_iter().collect();
+        let tenants =
+            TenantTokens::from_env(&var, TENANT_TOKENS_ENV, TENANT_TOKENS_FILE_ENV, &taken)?;
+        Ok(AdminAuth { global, tenants })
     }
 
     /// Whether any token is configured (without one the API is off).
@@ -126,62 +70,34 @@ impl AdminAuth {
         self.global.is_some() || !self.tenants.is_empty()
     }
 
+    /// Every token, so the chat path's client keys can be kept apart from them.
+    pub fn tokens(&self) -> Vec<&str> {
+        let mut tokens: Vec<&str> = self.global.as_deref().into_iter().collect();
+        tokens.extend(self.tenants.tokens());
+        tokens
+    }
+
     /// What the request's bearer token may reach; `None` for a missing or unknown token.
     pub fn access(&self, headers: &HeaderMap) -> Option<Access> {
-        let given = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|value| value.to_str().ok())
-            .and_then(bearer_token)?
-            .as_bytes();
-        // Every token is compared, whichever matches, so timing tells nothing about which.
-        let mut access = None;
-        if let Some(global) = &self.global
-            && same(given, global.as_bytes())
-        {
-            access = Some(Access::All);
+        let given = bearer_token(headers)?;
+        // Both tables are searched whichever matches, so timing tells nothing about which.
+        let global = self
+            .global
+            .as_ref()
+            .is_some_and(|global| same(given.as_bytes(), global.as_bytes()));
+        let tenant = self.tenants.tenant_of(given);
+        if global {
+            return Some(Access::All);
         }
-        for (tenant, token) in &self.tenants {
-            if same(given, token.as_bytes()) && access.is_none() {
-                access = Some(Access::Tenant(tenant.clone()));
-            }
-        }
-        access
+        tenant.map(|tenant| Access::Tenant(tenant.to_owned()))
     }
-}
-
-/// The token of `Bearer <token>`. The scheme is case-insensitive (RFC 7235 §2.1), so `bearer`
-/// and `BEARER` are accepted too; spaces around the token are not part of it.
-fn bearer_token(value: &str) -> Option<&str> {
-    let (scheme, token) = value.trim_start().split_once(' ')?;
-    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
-}
-
-/// Constant time for equal lengths.
-fn same(given: &[u8], token: &[u8]) -> bool {
-    given.len() == token.len()
-        && given
-            .iter()
-            .zip(token)
-            .fold(0u8, |diff, (a, b)| diff | (a ^ b))
-            == 0
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let pairs: Vec<(String, String)> = pairs
-            .iter()
-            .map(|(key, value)| ((*key).to_owned(), (*value).to_owned()))
-            .collect();
-        move |name| {
-            pairs
-                .iter()
-                .find(|(key, _)| key == name)
-                .map(|(_, value)| value.clone())
-        }
-    }
+    use crate::credentials::env_of as env;
+    use http::header;
 
     fn bearer(token: &str) -> HeaderMap {
         let mut headers = HeaderMap::new();

@@ -14,6 +14,7 @@ use serde_json::{Map, Value};
 use crate::error::Error;
 use crate::memory::MemoryConfig;
 use crate::pipeline::identity::IdentityConfig;
+use crate::pipeline::trust::Trust;
 use crate::ratelimit::RateLimitConfig;
 use crate::summarizer::SummarizerConfig;
 use crate::telemetry::TelemetryConfig;
@@ -454,6 +455,7 @@ impl Config {
         ) {
             return invalid("identity.default_tenant", &error.to_string());
         }
+        self.validate_trust()?;
         if let Err((path, message)) = self.memory.validate() {
             return invalid(&format!("memory.{path}"), &message);
         }
@@ -482,6 +484,36 @@ impl Config {
         }
         if let Err(error) = tracing_subscriber::EnvFilter::try_new(&self.logging.level) {
             return invalid("logging.level", &error.to_string());
+        }
+        Ok(())
+    }
+
+    /// `identity.trust` against where the proxy listens and what it sends upstream.
+    fn validate_trust(&self) -> Result<(), Error> {
+        let identity = &self.identity;
+        let listen = self.server.listen;
+        if identity.trust == Trust::Headers
+            && !listen.ip().is_loopback()
+            && !identity.allow_headers_off_loopback
+        {
+            return Err(Error::Config {
+                path: "identity.trust".into(),
+                message: format!(
+                    "`headers` believes the x-engram-* identity headers of every client, so any \
+                     client that reaches server.listen ({listen}) could read any user's memory; \
+                     it needs a loopback server.listen (a sidecar). Use identity.trust: \
+                     client_keys or signed, or set identity.allow_headers_off_loopback: true if \
+                     only trusted clients can reach {listen}"
+                ),
+            });
+        }
+        if identity.trust == Trust::ClientKeys && self.upstream.api_key_env.is_none() {
+            return Err(Error::Config {
+                path: "upstream.api_key_env".into(),
+                message: "identity.trust: client_keys needs engram's own upstream key: a client \
+                          key is a credential for engram and is never forwarded upstream"
+                    .into(),
+            });
         }
         Ok(())
     }
@@ -682,7 +714,7 @@ mod tests {
         let env = vec![
             (
                 "ENGRAM_SERVER__LISTEN".to_owned(),
-                "0.0.0.0:9999".to_owned(),
+                "127.0.0.2:9999".to_owned(),
             ),
             (
                 "ENGRAM_UPSTREAM__READ_TIMEOUT_MS".to_owned(),
@@ -698,6 +730,46 @@ mod tests {
         let config = Config::load(Some(&file), env).unwrap();
         assert_eq!(config.server.listen.port(), 9999);
         assert_eq!(config.upstream.read_timeout_ms, 1234);
+    }
+
+    #[test]
+    fn headers_trust_needs_a_loopback_listen_unless_forced() {
+        let env = |pairs: &[(&str, &str)]| {
+            pairs
+                .iter()
+                .map(|(key, value)| ((*key).to_owned(), (*value).to_owned()))
+                .collect::<Vec<_>>()
+        };
+        let open = ("ENGRAM_SERVER__LISTEN", "0.0.0.0:8080");
+        let error = Config::load(None, env(&[open])).unwrap_err().to_string();
+        for needle in [
+            "identity.trust",
+            "0.0.0.0:8080",
+            "client_keys",
+            "allow_headers_off_loopback",
+        ] {
+            assert!(error.contains(needle), "{error}");
+        }
+        let forced = ("ENGRAM_IDENTITY__ALLOW_HEADERS_OFF_LOOPBACK", "true");
+        assert!(Config::load(None, env(&[open, forced])).is_ok());
+        for loopback in ["127.0.0.1:8080", "[::1]:8080"] {
+            let listen = ("ENGRAM_SERVER__LISTEN", loopback);
+            assert!(Config::load(None, env(&[listen])).is_ok(), "{loopback}");
+        }
+        // Other modes may listen anywhere; client keys need engram's own upstream key.
+        let keys = ("ENGRAM_IDENTITY__TRUST", "client_keys");
+        let error = Config::load(None, env(&[open, keys])).unwrap_err();
+        assert!(
+            error.to_string().contains("upstream.api_key_env"),
+            "{error}"
+        );
+        let upstream_key = ("ENGRAM_UPSTREAM__API_KEY_ENV", "UPSTREAM_API_KEY");
+        let config = Config::load(None, env(&[open, keys, upstream_key])).unwrap();
+        assert_eq!(config.identity.trust, Trust::ClientKeys);
+        let signed = ("ENGRAM_IDENTITY__TRUST", "signed");
+        assert!(Config::load(None, env(&[open, signed])).is_ok());
+        let error = Config::from_yaml("identity:\n  trust: anyone\n").unwrap_err();
+        assert!(error.to_string().contains("identity.trust"), "{error}");
     }
 
     #[test]

@@ -43,6 +43,14 @@ pub enum Error {
     MethodNotAllowed { method: String, path: String },
     #[error("Missing or invalid bearer token.")]
     Unauthorized,
+    /// A proxied request without a known client key (`identity.trust: client_keys`); shaped
+    /// like OpenAI's answer to a bad key, so SDKs raise their authentication error.
+    #[error("{0}")]
+    InvalidApiKey(String),
+    /// A proxied request whose `x-engram-identity` is missing where required, malformed,
+    /// expired or badly signed (`identity.trust: signed`).
+    #[error("{0}")]
+    InvalidIdentity(String),
     /// A valid credential that does not reach this resource (a tenant's admin token used for
     /// another tenant).
     #[error("{0}")]
@@ -110,7 +118,9 @@ impl Error {
             Error::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Error::NotFound { .. } | Error::ResourceNotFound(_) => StatusCode::NOT_FOUND,
             Error::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
-            Error::Unauthorized => StatusCode::UNAUTHORIZED,
+            Error::Unauthorized | Error::InvalidApiKey(_) | Error::InvalidIdentity(_) => {
+                StatusCode::UNAUTHORIZED
+            }
             Error::Forbidden(_) => StatusCode::FORBIDDEN,
             Error::Conflict(_) => StatusCode::CONFLICT,
             Error::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
@@ -144,7 +154,9 @@ impl Error {
             | Error::NotFound { .. }
             | Error::ResourceNotFound(_)
             | Error::MethodNotAllowed { .. }
-            | Error::Conflict(_) => "invalid_request_error",
+            | Error::Conflict(_)
+            | Error::InvalidApiKey(_)
+            | Error::InvalidIdentity(_) => "invalid_request_error",
             Error::Unauthorized => "authentication_error",
             Error::Forbidden(_) => "permission_error",
             Error::RateLimited { .. } => "rate_limit_error",
@@ -170,7 +182,8 @@ impl Error {
             Error::PayloadTooLarge { .. } => "request_too_large",
             Error::NotFound { .. } | Error::ResourceNotFound(_) => "not_found",
             Error::MethodNotAllowed { .. } => "method_not_allowed",
-            Error::Unauthorized => "invalid_api_key",
+            Error::Unauthorized | Error::InvalidApiKey(_) => "invalid_api_key",
+            Error::InvalidIdentity(_) => "invalid_identity",
             Error::Forbidden(_) => "forbidden",
             Error::Conflict(_) => "conflict",
             Error::RateLimited { .. } => "rate_limit_exceeded",
@@ -327,6 +340,8 @@ mod tests {
             (Error::UpstreamFailed("reset".into()), 502),
             (Error::UpstreamTimeout(Duration::from_secs(1)), 504),
             (Error::Unauthorized, 401),
+            (Error::InvalidApiKey("bad key".into()), 401),
+            (Error::InvalidIdentity("expired".into()), 401),
         ];
         for (error, status) in cases {
             assert_eq!(error.status_code().as_u16(), status, "{error}");

@@ -34,7 +34,7 @@ use super::metrics::{Breakdown, QuestionScore, normalise, score};
 use super::progress::Progress;
 use super::report::{self, Report};
 use super::upstream::{EXCHANGE_HEADER, ScriptedUpstream};
-use crate::app::Engram;
+use crate::app::{Credentials, Engram};
 use crate::config::{Config, StoreBackend};
 use crate::error::{Error, Result};
 use crate::memory::tokens::{Encoding, count_in};
@@ -198,7 +198,11 @@ impl LocalProxy {
         // The previous proxy on the same store may still be letting go of the file.
         let mut attempts = 0;
         let engram = loop {
-            match Engram::build(config.clone(), None, crate::admin::AdminAuth::global(token)).await
+            match Engram::build(
+                config.clone(),
+                Credentials::admin_only(crate::admin::AdminAuth::global(token)),
+            )
+            .await
             {
                 Ok(engram) => break engram,
                 Err(Error::Config { path, .. }) if path == "store.data_dir" && attempts < 100 => {

@@ -21,9 +21,9 @@
 //! `MockOptions::reply` (`--reply TEXT`) makes every chat completion, streamed or not, answer
 //! with exactly that content (summarizer tests script a model's JSON this way).
 //!
-//! Chat responses reflect the `Authorization` they received in `x-mock-received-authorization`,
-//! so tests can see which key reached the upstream; every response reflects a received W3C
-//! `traceparent` in `x-mock-received-traceparent`.
+//! Every response reflects the `Authorization` its request carried in
+//! `x-mock-received-authorization`, so tests can see which key reached the upstream, and a
+//! received W3C `traceparent` in `x-mock-received-traceparent`.
 
 use std::convert::Infallible;
 use std::io::Write;
@@ -149,12 +149,16 @@ impl MockServer {
 
 impl Mock {
     async fn route(&self, request: Request<Incoming>) -> Response<ProxyBody> {
-        let traceparent = request.headers().get("traceparent").cloned();
+        let reflected = [
+            ("traceparent", "x-mock-received-traceparent"),
+            ("authorization", "x-mock-received-authorization"),
+        ]
+        .map(|(name, reflection)| (reflection, request.headers().get(name).cloned()));
         let mut response = self.respond(request).await;
-        if let Some(traceparent) = traceparent {
-            response
-                .headers_mut()
-                .insert("x-mock-received-traceparent", traceparent);
+        for (reflection, value) in reflected {
+            if let Some(value) = value {
+                response.headers_mut().insert(reflection, value);
+            }
         }
         response
     }
@@ -169,7 +173,7 @@ impl Mock {
         }
         let path = request.uri().path().to_owned();
         match (request.method().clone(), path.as_str()) {
-            (Method::POST, "/v1/chat/completions") => self.chat(request, knobs).await,
+            (Method::POST, "/v1/chat/completions") => self.chat_response(request, knobs).await,
             (Method::GET, "/v1/models") => json_response(
                 StatusCode::OK,
                 json!({"object": "list", "data": [
@@ -190,17 +194,6 @@ impl Mock {
             }
             _ => error_response(StatusCode::NOT_FOUND, &format!("no mock route for {path}")),
         }
-    }
-
-    async fn chat(&self, request: Request<Incoming>, knobs: Knobs) -> Response<ProxyBody> {
-        let authorization = request.headers().get(header::AUTHORIZATION).cloned();
-        let mut response = self.chat_response(request, knobs).await;
-        if let Some(authorization) = authorization {
-            response
-                .headers_mut()
-                .insert("x-mock-received-authorization", authorization);
-        }
-        response
     }
 
     async fn chat_response(&self, request: Request<Incoming>, knobs: Knobs) -> Response<ProxyBody> {

@@ -1,6 +1,7 @@
 //! Who a request's memory belongs to (DESIGN.md §4): tenant, user and session from the
 //! `x-engram-*` headers (with the body's `user`/`safety_identifier` as a configurable fallback),
-//! the memory mode, and an optional event time for imported turns.
+//! within what the request's credential vouches for ([`super::trust`]), the memory mode, and an
+//! optional event time for imported turns.
 //!
 //! Identifiers become parts of storage keys (`engram:{tenant:user}:…`), so they are checked
 //! strictly: a value that could break out of its key segment, or carry a header injection, is a
@@ -9,6 +10,7 @@
 use http::HeaderMap;
 use serde::Deserialize;
 
+use super::trust::{Trust, Vouched};
 use crate::error::Error;
 use crate::openai::ChatRequest;
 
@@ -33,6 +35,11 @@ pub struct IdentityConfig {
     pub default_tenant: String,
     /// Use the body's `user` (or `safety_identifier`) when `x-engram-user` is absent.
     pub user_from_body: bool,
+    /// Who vouches for the identity a request names (see [`super::trust`]).
+    pub trust: Trust,
+    /// Let `trust: headers` serve on an address other than loopback, for a network where only
+    /// trusted clients reach it.
+    pub allow_headers_off_loopback: bool,
 }
 
 impl Default for IdentityConfig {
@@ -40,6 +47,8 @@ impl Default for IdentityConfig {
         IdentityConfig {
             default_tenant: "default".to_owned(),
             user_from_body: true,
+            trust: Trust::Headers,
+            allow_headers_off_loopback: false,
         }
     }
 }
@@ -83,9 +92,11 @@ impl RequestIdentity {
     }
 }
 
-/// Resolves the identity of a chat request; a malformed identity header is a 400.
+/// Resolves the identity of a chat request within what its credential vouches for; a malformed
+/// identity header is a 400.
 pub fn resolve(
     headers: &HeaderMap,
+    vouched: &Vouched,
     request: &ChatRequest,
     config: &IdentityConfig,
 ) -> Result<RequestIdentity, Error> {
@@ -103,8 +114,7 @@ pub fn resolve(
             }
         },
     };
-    let user = user(headers, request, config)?;
-    let tenant = tenant(headers, config)?;
+    let (tenant, user) = tenant_and_user(headers, vouched, Some(request), config)?;
     let session = match header(headers, SESSION_HEADER)? {
         Some(session) => checked_id(SESSION_HEADER, session)?,
         None => DEFAULT_SESSION.to_owned(),
@@ -128,17 +138,40 @@ pub fn resolve(
     })
 }
 
-/// The user a chat request names: `x-engram-user`, else (if allowed) the body's `user`.
-pub fn user(
+/// The tenant of a request and the user it names, if any: what the credential vouches for,
+/// else `x-engram-tenant` (or `identity.default_tenant`) and `x-engram-user`, else (if allowed,
+/// for a chat request) the body's `user`. A signed identity is the only source of its user.
+pub fn tenant_and_user(
     headers: &HeaderMap,
-    request: &ChatRequest,
+    vouched: &Vouched,
+    request: Option<&ChatRequest>,
     config: &IdentityConfig,
-) -> Result<Option<String>, Error> {
-    match header(headers, USER_HEADER)? {
-        Some(user) => Ok(Some(checked_id(USER_HEADER, user)?)),
-        None if config.user_from_body => Ok(request.end_user().and_then(body_user_id)),
-        None => Ok(None),
-    }
+) -> Result<(String, Option<String>), Error> {
+    let named_user = || -> Result<Option<String>, Error> {
+        match (user_header(headers)?, request) {
+            (Some(user), _) => Ok(Some(user)),
+            (None, Some(request)) if config.user_from_body => {
+                Ok(request.end_user().and_then(body_user_id))
+            }
+            (None, _) => Ok(None),
+        }
+    };
+    Ok(match vouched {
+        Vouched::Headers => (
+            named_tenant(headers)?.unwrap_or_else(|| config.default_tenant.clone()),
+            named_user()?,
+        ),
+        Vouched::Tenant(tenant) => (tenant.clone(), named_user()?),
+        Vouched::User { tenant, user } => (tenant.clone(), Some(user.clone())),
+        Vouched::Nobody => (config.default_tenant.clone(), None),
+    })
+}
+
+/// The user `x-engram-user` names, if it is sent; sent twice, or not an id, it is a 400.
+pub fn user_header(headers: &HeaderMap) -> Result<Option<String>, Error> {
+    header(headers, USER_HEADER)?
+        .map(|user| checked_id(USER_HEADER, user))
+        .transpose()
 }
 
 /// Prefix of the user ids made from body `user` values that are not ids already.
@@ -174,14 +207,21 @@ pub fn body_user_id(value: &str) -> Option<String> {
 /// hex (not a hash of a long one) and they are text.
 pub fn body_user_of(id: &str) -> Option<String> {
     let hex = id.strip_prefix(ENCODED_USER_PREFIX)?;
-    if hex.len() % 2 != 0 || hex.starts_with('h') {
+    if hex.starts_with('h') {
         return None;
     }
-    let bytes = (0..hex.len())
+    String::from_utf8(hex_bytes(hex)?).ok()
+}
+
+/// The bytes of a string of hex digit pairs; `None` for anything else.
+pub fn hex_bytes(hex: &str) -> Option<Vec<u8>> {
+    if !hex.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..hex.len())
         .step_by(2)
         .map(|at| u8::from_str_radix(hex.get(at..at + 2)?, 16).ok())
-        .collect::<Option<Vec<u8>>>()?;
-    String::from_utf8(bytes).ok()
+        .collect()
 }
 
 /// The user a management route names: an id as it is (an `enc+` id included), or else a body
@@ -193,11 +233,6 @@ pub fn admin_user_id(segment: &str) -> Result<String, Error> {
     }
 }
 
-/// The tenant of any request: `x-engram-tenant`, else `identity.default_tenant`.
-pub fn tenant(headers: &HeaderMap, config: &IdentityConfig) -> Result<String, Error> {
-    Ok(named_tenant(headers)?.unwrap_or_else(|| config.default_tenant.clone()))
-}
-
 /// The tenant `x-engram-tenant` names, if it is sent (and not empty); sent twice, or not an
 /// id, it is a 400. The chat path and the management API read it by this one rule.
 pub fn named_tenant(headers: &HeaderMap) -> Result<Option<String>, Error> {
@@ -206,7 +241,9 @@ pub fn named_tenant(headers: &HeaderMap) -> Result<Option<String>, Error> {
         .transpose()
 }
 
-fn header<'a>(headers: &'a HeaderMap, name: &'static str) -> Result<Option<&'a str>, Error> {
+/// The one value of an identity header, trimmed; `None` when absent or empty. Sent twice, or
+/// not visible ASCII, it is a 400.
+pub fn header<'a>(headers: &'a HeaderMap, name: &'static str) -> Result<Option<&'a str>, Error> {
     let mut values = headers.get_all(name).iter();
     let Some(value) = values.next() else {
         return Ok(None);
@@ -361,6 +398,15 @@ mod tests {
     use super::*;
     use http::HeaderValue;
 
+    /// `headers` mode: the identity as sent.
+    fn resolve(
+        headers: &HeaderMap,
+        request: &ChatRequest,
+        config: &IdentityConfig,
+    ) -> Result<RequestIdentity, Error> {
+        super::resolve(headers, &Vouched::Headers, request, config)
+    }
+
     fn request(body: serde_json::Value) -> ChatRequest {
         ChatRequest::from_slice(body.to_string().as_bytes()).unwrap()
     }
@@ -398,6 +444,36 @@ mod tests {
             })
         );
         assert!(resolved.reads_memory() && resolved.records());
+    }
+
+    #[test]
+    fn a_vouched_identity_bounds_what_the_request_may_name() {
+        let body = request(serde_json::json!({
+            "model": "m", "messages": [{"role": "user", "content": "hi"}], "user": "bob"
+        }));
+        let config = IdentityConfig::default();
+        let who = |vouched: Vouched, pairs: &[(&'static str, &str)]| {
+            super::resolve(&headers(pairs), &vouched, &body, &config)
+                .unwrap()
+                .identity
+                .map(|identity| (identity.tenant, identity.user))
+        };
+        let pair = |tenant: &str, user: &str| Some((tenant.to_owned(), user.to_owned()));
+        // A client key's tenant, not the default; the user from the header or the body.
+        let acme = || Vouched::Tenant("acme".into());
+        assert_eq!(who(acme(), &[]), pair("acme", "bob"));
+        assert_eq!(who(acme(), &[(USER_HEADER, "jane")]), pair("acme", "jane"));
+        // A signed identity's user, never the body's.
+        let signed = Vouched::User {
+            tenant: "acme".into(),
+            user: "jane".into(),
+        };
+        assert_eq!(who(signed, &[]), pair("acme", "jane"));
+        // Nothing signed: no user, whatever the body says.
+        assert_eq!(who(Vouched::Nobody, &[]), None);
+        let (tenant, user) =
+            tenant_and_user(&HeaderMap::new(), &Vouched::Nobody, Some(&body), &config).unwrap();
+        assert_eq!((tenant.as_str(), user), ("default", None));
     }
 
     #[test]

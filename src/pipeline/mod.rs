@@ -10,6 +10,7 @@
 pub mod explain_log;
 pub mod identity;
 pub mod store_memory;
+pub mod trust;
 
 use http::HeaderMap;
 use serde::Serialize;
@@ -19,6 +20,7 @@ pub use crate::future::BoxFuture;
 use crate::memory::BlockTokens;
 use crate::openai::{ChatRequest, OutgoingMessage};
 pub use crate::recorder::{Capture, Exchange, Incomplete, Receipt, RecordPlan, log_capture};
+use trust::Vouched;
 
 /// What the memory phase did to a request; rendered as `x-engram-*` response headers.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -79,11 +81,13 @@ impl MemoryOutcome {
 /// The memory behaviour of the proxy: [`store_memory::StoreMemory`] in `engram serve`;
 /// [`NoMemory`] passes every request through (a server embedded without a store).
 pub trait MemoryLayer: Send + Sync + 'static {
-    /// Rewrites the request on the hot path. Fails only for bad client input (a malformed
-    /// identity header); store trouble gives a `Degraded` outcome without a rewritten request.
+    /// Rewrites the request on the hot path, for the identity its headers name within what
+    /// `vouched` allows. Fails only for bad client input (a malformed identity header); store
+    /// trouble gives a `Degraded` outcome without a rewritten request.
     fn rewrite<'a>(
         &'a self,
         client_headers: &'a HeaderMap,
+        vouched: &'a Vouched,
         request: &'a ChatRequest,
     ) -> BoxFuture<'a, Result<Rewrite, Error>>;
 
@@ -99,6 +103,7 @@ impl MemoryLayer for NoMemory {
     fn rewrite<'a>(
         &'a self,
         _client_headers: &'a HeaderMap,
+        _vouched: &'a Vouched,
         _request: &'a ChatRequest,
     ) -> BoxFuture<'a, Result<Rewrite, Error>> {
         Box::pin(std::future::ready(Ok(Rewrite {

@@ -17,6 +17,7 @@ use tokio_util::task::TaskTracker;
 
 use super::explain_log::ExplainLog;
 use super::identity::{self, IdentityConfig, RequestIdentity};
+use super::trust::Vouched;
 use super::{BoxFuture, Exchange, MemoryLayer, MemoryMeasures, MemoryOutcome, RecordPlan, Rewrite};
 use crate::cache::{CachedMemory, MemoryCache};
 use crate::error::Error;
@@ -313,10 +314,11 @@ impl MemoryLayer for StoreMemory {
     fn rewrite<'a>(
         &'a self,
         client_headers: &'a HeaderMap,
+        vouched: &'a Vouched,
         request: &'a ChatRequest,
     ) -> BoxFuture<'a, Result<Rewrite, Error>> {
         Box::pin(async move {
-            let resolved = identity::resolve(client_headers, request, &self.identity)?;
+            let resolved = identity::resolve(client_headers, vouched, request, &self.identity)?;
             if let Some(identity) = &resolved.identity {
                 self.telemetry.set_conversation_id(&identity.session);
             }

@@ -42,16 +42,20 @@ async fn proxy(
     if state.is_draining() {
         return Err(Error::ShuttingDown);
     }
-    // Phase 1: request filter — content type, size, one parse.
+    // Phase 1: request filter — credential, content type, size, one parse.
     let (parts, body) = request.into_parts();
+    let vouched = state.authenticate(&parts.headers)?;
     check_content_type(&parts.headers)?;
     let body = read_body(body, &parts.headers, state.config.server.max_body_bytes).await?;
     let original = ChatRequest::from_slice(&body)?;
     trace.chat(&original);
-    state.admit(&parts.headers, Some(&original))?;
+    state.admit(&parts.headers, &vouched, Some(&original))?;
 
     // Phase 2: memory rewrite.
-    let mut rewrite = state.memory.rewrite(&parts.headers, &original).await?;
+    let mut rewrite = state
+        .memory
+        .rewrite(&parts.headers, &vouched, &original)
+        .await?;
     state.metrics.memory.observe(&rewrite);
     trace.memory(&rewrite);
 

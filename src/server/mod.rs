@@ -25,6 +25,7 @@ use crate::config::Config;
 use crate::error::Error;
 use crate::metrics::{Metrics, RateLimitKind};
 use crate::openai::ChatRequest;
+use crate::pipeline::trust::{Gate, Vouched};
 use crate::pipeline::{MemoryLayer, identity};
 use crate::ratelimit::RequestLimits;
 use crate::telemetry::Telemetry;
@@ -36,6 +37,8 @@ pub struct AppState {
     pub upstream: Upstream,
     pub memory: Arc<dyn MemoryLayer>,
     pub metrics: Arc<Metrics>,
+    /// Who vouches for a proxied request's identity (`identity.trust`).
+    pub gate: Gate,
     /// The management API; `None` serves 404 under `/engram/`.
     pub admin: Option<Arc<AdminApi>>,
     /// Per-tenant and per-user request rates; `None` when no limit is configured.
@@ -53,6 +56,7 @@ impl AppState {
         upstream: Upstream,
         memory: Arc<dyn MemoryLayer>,
         metrics: Arc<Metrics>,
+        gate: Gate,
     ) -> Self {
         AppState {
             limits: RequestLimits::from_config(&config.rate_limits),
@@ -60,6 +64,7 @@ impl AppState {
             upstream,
             memory,
             metrics,
+            gate,
             admin: None,
             telemetry: Telemetry::default(),
             tasks: TaskTracker::new(),
@@ -81,17 +86,25 @@ impl AppState {
         self.draining.load(Ordering::Acquire)
     }
 
+    /// The request's credential checked against the identity it names (`identity.trust`):
+    /// the first thing a proxied request goes through, before its body is read.
+    fn authenticate(&self, headers: &HeaderMap) -> Result<Vouched, Error> {
+        self.gate.check(headers, crate::pipeline::trust::unix_now())
+    }
+
     /// Admits a request under the tenant's (and, for a chat request naming one, the user's)
     /// rate limit, or turns it away with a 429 and `retry-after`.
-    fn admit(&self, headers: &HeaderMap, chat: Option<&ChatRequest>) -> Result<(), Error> {
+    fn admit(
+        &self,
+        headers: &HeaderMap,
+        vouched: &Vouched,
+        chat: Option<&ChatRequest>,
+    ) -> Result<(), Error> {
         let Some(limits) = &self.limits else {
             return Ok(());
         };
-        let tenant = identity::tenant(headers, &self.config.identity)?;
-        let user = match chat {
-            Some(request) => identity::user(headers, request, &self.config.identity)?,
-            None => None,
-        };
+        let (tenant, user) =
+            identity::tenant_and_user(headers, vouched, chat, &self.config.identity)?;
         limits
             .check(&tenant, user.as_deref())
             .map_err(|(_scope, error)| {

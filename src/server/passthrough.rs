@@ -36,7 +36,10 @@ async fn forward(
 ) -> Result<Response<ProxyBody>, Error> {
     let mut timing = Timing::start();
     let (parts, body) = request.into_parts();
-    state.admit(&parts.headers, None)?;
+    // A client key or a signed identity is also what lets a request spend engram's upstream
+    // key, on these routes as on chat.
+    let vouched = state.authenticate(&parts.headers)?;
+    state.admit(&parts.headers, &vouched, None)?;
     let rest = parts
         .uri
         .path_and_query()

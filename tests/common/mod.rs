@@ -169,7 +169,8 @@ pub fn proxy(upstream: &str, env: &[(&str, &str)]) -> Process {
     proxy_args(upstream, &[], env)
 }
 
-/// [`proxy`] with more `engram serve` arguments (they win over the env settings).
+/// [`proxy`] with more `engram serve` arguments (they win over the env settings; a `--listen`
+/// among them replaces the default `127.0.0.1:0`).
 pub fn proxy_args(upstream: &str, args: &[&str], env: &[(&str, &str)]) -> Process {
     let base = format!("{upstream}/v1");
     let data_dir = tempfile::tempdir().unwrap();
@@ -185,7 +186,10 @@ pub fn proxy_args(upstream: &str, args: &[&str], env: &[(&str, &str)]) -> Proces
         ("ENGRAM_STORE__HOT_PATH_DEADLINE_MS", "5000"),
     ];
     all_env.extend_from_slice(env);
-    let mut all_args = vec!["serve", "--listen", "127.0.0.1:0", "--upstream", &base];
+    let mut all_args = vec!["serve", "--upstream", &base];
+    if !args.contains(&"--listen") {
+        all_args.extend(["--listen", "127.0.0.1:0"]);
+    }
     all_args.extend_from_slice(args);
     let mut process = Process::spawn(&all_args, &all_env, "engram listening on ");
     process.data_dir = Some(data_dir);

@@ -58,6 +58,21 @@ Secrets and Redis.
 {{- if or (and .Values.upstream.apiKey.value (not .Values.upstream.apiKey.existingSecret)) (and .Values.adminToken.value (not .Values.adminToken.existingSecret)) }}true{{ end }}
 {{- end }}
 
+{{/* identity.trust: the value, else headers for a sidecar and client_keys standalone. */}}
+{{- define "engram.trust" -}}
+{{- .Values.identity.trust | default (ternary "client_keys" "headers" (eq .Values.mode "standalone")) }}
+{{- end }}
+
+{{/* Where the client keys file is mounted (identity.trust: client_keys). */}}
+{{- define "engram.clientKeysDir" -}}
+/etc/engram-client-keys
+{{- end }}
+
+{{/* The container port of probes and scraping: the ops listener of a sidecar, else the proxy. */}}
+{{- define "engram.probePort" -}}
+{{- ternary .Values.opsPort .Values.port (eq .Values.mode "sidecar") }}
+{{- end }}
+
 {{/* The bundled Redis runs when the Redis backend has no external server. */}}
 {{- define "engram.bundledRedis" -}}
 {{- if and (eq .Values.store.backend "redis") (not .Values.redis.url) (not .Values.redis.existingSecret) }}true{{ end }}
@@ -82,8 +97,14 @@ config.yaml's own (snake_case); env overrides (ENGRAM_SECTION__KEY) win over the
 {{- else if .Values.redis.url }}
 {{- $_ := set $store "redis_url" .Values.redis.url }}
 {{- end }}
+{{- /* A sidecar's proxy is for its app alone: loopback, with probes and metrics on 0.0.0.0. */}}
+{{- $server := dict "listen" (printf "0.0.0.0:%d" (int .Values.port)) }}
+{{- if eq .Values.mode "sidecar" }}
+{{- $server = dict "listen" (printf "127.0.0.1:%d" (int .Values.port)) "ops_listen" (printf "0.0.0.0:%d" (int .Values.opsPort)) }}
+{{- end }}
 {{- $generated := dict
-  "server" (dict "listen" (printf "0.0.0.0:%d" (int .Values.port)))
+  "server" $server
+  "identity" (dict "trust" (include "engram.trust" .))
   "upstream" $upstream
   "store" $store
   "memory" (deepCopy (default (dict) .Values.memory))
@@ -131,6 +152,17 @@ server.drain_timeout_ms; a native sidecar is stopped only after the app has exit
       name: {{ .Values.adminToken.existingSecret | default (include "engram.fullname" .) }}
       key: {{ ternary .Values.adminToken.existingSecretKey "admin-token" (not (empty .Values.adminToken.existingSecret)) }}
 {{- end }}
+{{- if eq (include "engram.trust" .) "client_keys" }}
+- name: ENGRAM_CLIENT_KEYS_FILE
+  value: {{ include "engram.clientKeysDir" . }}/client-keys
+{{- end }}
+{{- if eq (include "engram.trust" .) "signed" }}
+- name: ENGRAM_IDENTITY_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.identity.signingSecret.existingSecret }}
+      key: {{ .Values.identity.signingSecret.existingSecretKey }}
+{{- end }}
 {{- if and (eq .Values.store.backend "redis") .Values.redis.existingSecret }}
 - name: ENGRAM_STORE__REDIS_URL
   valueFrom:
@@ -154,8 +186,10 @@ args:
   - --config
   - /etc/engram/config.yaml
 ports:
+  # Probes and scraping: the proxy's port standalone, the ops listener's in a sidecar (whose
+  # proxy listens on loopback and needs no declared port).
   - name: engram
-    containerPort: {{ .Values.port }}
+    containerPort: {{ include "engram.probePort" . }}
     protocol: TCP
 {{- with include "engram.env" . | trim }}
 env:
@@ -191,6 +225,11 @@ volumeMounts:
     readOnly: true
   - name: engram-data
     mountPath: /var/lib/engram
+{{- if eq (include "engram.trust" .) "client_keys" }}
+  - name: engram-client-keys
+    mountPath: {{ include "engram.clientKeysDir" . }}
+    readOnly: true
+{{- end }}
 {{- end }}
 
 {{/*
@@ -228,6 +267,14 @@ The sidecar, for a pod template's initContainers (sidecar.native, the default) o
   emptyDir:
     sizeLimit: {{ .Values.store.dataSizeLimit }}
 {{- end }}
+{{- if eq (include "engram.trust" .) "client_keys" }}
+- name: engram-client-keys
+  secret:
+    secretName: {{ .Values.identity.clientKeys.existingSecret }}
+    items:
+      - key: {{ .Values.identity.clientKeys.existingSecretKey }}
+        path: client-keys
+{{- end }}
 {{- end }}
 
 {{/* Labels a pod carrying the sidecar gets, so the PodMonitor finds it. */}}
@@ -240,7 +287,7 @@ engram-sidecar: "true"
 checksum/engram-config: {{ include "engram.configYaml" . | sha256sum }}
 {{- if .Values.metrics.podAnnotations }}
 prometheus.io/scrape: "true"
-prometheus.io/port: {{ .Values.port | quote }}
+prometheus.io/port: {{ include "engram.probePort" . | quote }}
 prometheus.io/path: /metrics
 {{- end }}
 {{- end }}
@@ -249,5 +296,18 @@ prometheus.io/path: /metrics
 {{- define "engram.validate" -}}
 {{- if and (eq .Values.mode "standalone") (eq .Values.store.backend "embedded") (gt (int .Values.replicaCount) 1) }}
 {{- fail "store.backend=embedded keeps memory in one pod's volume: use store.backend=redis for replicaCount > 1" }}
+{{- end }}
+{{- $trust := include "engram.trust" . }}
+{{- if and (eq .Values.mode "standalone") (eq $trust "headers") (not (dig "identity" "allow_headers_off_loopback" false (default (dict) .Values.config))) }}
+{{- fail "identity.trust=headers in standalone mode lets any pod that reaches the Service read any user's memory: use client_keys (the default) or signed, or set config.identity.allow_headers_off_loopback=true if only trusted clients reach it" }}
+{{- end }}
+{{- if and (eq $trust "client_keys") (not .Values.identity.clientKeys.existingSecret) }}
+{{- fail "identity.trust=client_keys (the standalone default) needs identity.clientKeys.existingSecret: a Secret of tenant=key lines" }}
+{{- end }}
+{{- if and (eq $trust "client_keys") (not (include "engram.upstreamKeyConfigured" .)) }}
+{{- fail "identity.trust=client_keys needs upstream.apiKey: client keys are engram's own and are never sent upstream" }}
+{{- end }}
+{{- if and (eq $trust "signed") (not .Values.identity.signingSecret.existingSecret) }}
+{{- fail "identity.trust=signed needs identity.signingSecret.existingSecret: the Secret holding the signing secret" }}
 {{- end }}
 {{- end }}
