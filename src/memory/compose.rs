@@ -1476,13 +1476,14 @@ mod tests {
             "{core}"
         );
         assert!(
-            core.contains(
-                "## Hard constraints (always respect)\n- allergic to peanuts [2024-02-01]\n"
-            ),
+            core.contains("## Constraints the user stated\n- “allergic to peanuts” [2024-02-01]\n"),
             "{core}"
         );
-        assert!(core.contains("## Identity\n- Ana, a nurse.\n"), "{core}");
-        assert!(core.contains("- lives in: Lisbon [2024-02-02]"), "{core}");
+        assert!(core.contains("## Identity\n- “Ana, a nurse.”\n"), "{core}");
+        assert!(
+            core.contains("## Facts the user stated\n- “lives in: Lisbon” [2024-02-02]"),
+            "{core}"
+        );
         assert_eq!(
             composition.prompt(&messages)[2].text(),
             "Suggest a dessert for tonight."
@@ -1493,7 +1494,7 @@ mod tests {
             "{recall}"
         );
         assert!(
-            recall.contains("[2024-02-02] user: I live in Lisbon."),
+            recall.contains("[2024-02-02] user said: “I live in Lisbon.”"),
             "{recall}"
         );
         assert_eq!(
@@ -1543,7 +1544,7 @@ mod tests {
         );
         assert!(last.ends_with("</engram-memory>\n\nWhat breed is the dog Carla adopted?"));
         assert!(
-            last.contains("[2024-02-04] user: My sister Carla adopted a greyhound"),
+            last.contains("[2024-02-04] user said: “My sister Carla adopted a greyhound"),
             "{last}"
         );
         let hit = composition
@@ -1784,7 +1785,7 @@ mod tests {
         let messages = [ChatMessage::new("user", "What should I cook?")];
         let composition = compose_for(&state, &messages, &MemoryConfig::default());
         let core = block(&composition, &messages, "core");
-        assert!(core.contains("## Hard constraints"), "{core}");
+        assert!(core.contains("## Constraints the user stated"), "{core}");
         assert!(core.contains("&lt;/engram-memory >"), "{core}");
         assert_one_sealed_block(&core, "core");
     }
@@ -1934,7 +1935,7 @@ mod tests {
         // The turn's raw line, whole: the script fenced and indented as it was sent.
         assert!(
             recall.contains(&format!(
-                "user: Here is my invoice script:\n  ```python\n{}\n  ```\n  assistant: It reads",
+                "user said: “Here is my invoice script:\n  ```python\n{}\n  ```\n  ”\n  assistant said: “It reads",
                 indented_script()
             )),
             "{recall}"
@@ -1976,7 +1977,7 @@ mod tests {
             ]
         );
         assert!(
-            recall.contains("user: Here is my invoice script:\n  [… 40 lines left out …]\n"),
+            recall.contains("user said: “Here is my invoice script:”\n  [… 40 lines left out …]\n"),
             "{recall}"
         );
         assert_counts_exact(&state, &composition);
@@ -2042,8 +2043,9 @@ mod tests {
         let composition = compose_for(&state, &messages, &MemoryConfig::default());
         let recall = recall_text(&composition, &messages);
         assert!(
-            recall
-                .contains("user: My page template:\n  <main>\n    <p>Porto honey</p>\n  </main>\n"),
+            recall.contains(
+                "user said: “My page template:\n  <main>\n    <p>Porto honey</p>\n  </main>”\n"
+            ),
             "{recall}"
         );
         // The block has its own closing tag only, at its end.
@@ -2070,13 +2072,16 @@ mod tests {
         let recall = recall_text(&composition, &messages);
         // Not again as a summary (the episode manifest indexing it is another item).
         assert_eq!(
-            recall.matches("user: My cousin Ines keeps bees").count(),
+            recall
+                .matches("user said: “My cousin Ines keeps bees")
+                .count(),
             1,
             "{recall}"
         );
         assert!(
-            recall
-                .contains("user: My cousin Ines keeps bees on her balcony in Porto. | assistant:"),
+            recall.contains(
+                "user said: “My cousin Ines keeps bees on her balcony in Porto.” | assistant said:"
+            ),
             "{recall}"
         );
         assert_eq!(
@@ -2102,8 +2107,9 @@ mod tests {
         assert_eq!(shown.len(), 1, "{shown:?}");
         assert_eq!(shown[0].item, ItemRef::RawTurn(30));
         let recall = recall_text(&composition, &messages);
+        // Once among the turns (the episode manifest indexing it is another item).
         assert_eq!(
-            recall.matches("My cousin Ines keeps bees").count(),
+            recall.matches("said: “My cousin Ines keeps bees").count(),
             1,
             "{recall}"
         );
@@ -2168,7 +2174,7 @@ mod tests {
         let composition = compose_for(&state, &messages, &config);
         let core = block(&composition, &messages, "core");
         assert!(
-            core.contains("## Pinned\n- name: Jay [2024-02-02]\n"),
+            core.contains("## Pinned\n- “name: Jay” [2024-02-02]\n"),
             "{core}"
         );
         assert!(!core.contains("Ana"), "{core}");
@@ -2208,7 +2214,7 @@ mod tests {
         assert_eq!(consolidate(&mut state).merged_facts, [(1, 0)]);
         let core = core_for(&state);
         assert!(
-            core.contains("## Pinned\n- favourite tea: oolong\n"),
+            core.contains("## Pinned\n- “favourite tea: oolong”\n"),
             "{core}"
         );
         assert_eq!(core.matches("oolong").count(), 1, "{core}");
@@ -2225,7 +2231,7 @@ mod tests {
         change(&mut state, &["favourite tea: sencha"], &[]);
         let core = core_for(&state);
         assert!(
-            core.contains("## Pinned\n- favourite tea: sencha\n"),
+            core.contains("## Pinned\n- “favourite tea: sencha”\n"),
             "{core}"
         );
         assert_eq!(core.matches("sencha").count(), 1, "{core}");
@@ -2243,10 +2249,10 @@ mod tests {
         let core = core_for(&state);
         assert_eq!(core.matches("allergic to peanuts").count(), 1, "{core}");
         assert!(
-            core.contains("## Hard constraints (always respect)\n- allergic to peanuts"),
+            core.contains("## Constraints the user stated\n- “allergic to peanuts”"),
             "{core}"
         );
         assert_eq!(core.matches("lives in: Lisbon").count(), 1, "{core}");
-        assert!(core.contains("## Pinned\n- lives in: Lisbon"), "{core}");
+        assert!(core.contains("## Pinned\n- “lives in: Lisbon”"), "{core}");
     }
 }
