@@ -1494,7 +1494,7 @@ mod tests {
             "{recall}"
         );
         assert!(
-            recall.contains("[2024-02-02] user said: “I live in Lisbon.”"),
+            recall.contains("[2024-02-02] “I live in Lisbon.”"),
             "{recall}"
         );
         assert_eq!(
@@ -1544,7 +1544,7 @@ mod tests {
         );
         assert!(last.ends_with("</engram-memory>\n\nWhat breed is the dog Carla adopted?"));
         assert!(
-            last.contains("[2024-02-04] user said: “My sister Carla adopted a greyhound"),
+            last.contains("[2024-02-04] “My sister Carla adopted a greyhound"),
             "{last}"
         );
         let hit = composition
@@ -1935,7 +1935,7 @@ mod tests {
         // The turn's raw line, whole: the script fenced and indented as it was sent.
         assert!(
             recall.contains(&format!(
-                "user said: “Here is my invoice script:\n  ```python\n{}\n  ```\n  ”\n  assistant said: “It reads",
+                "“Here is my invoice script:\n  ```python\n{}\n  ```\n  ”\n  | “It reads",
                 indented_script()
             )),
             "{recall}"
@@ -1977,7 +1977,7 @@ mod tests {
             ]
         );
         assert!(
-            recall.contains("user said: “Here is my invoice script:”\n  [… 40 lines left out …]\n"),
+            recall.contains("“Here is my invoice script:”\n  [… 40 lines left out …]\n"),
             "{recall}"
         );
         assert_counts_exact(&state, &composition);
@@ -2043,9 +2043,7 @@ mod tests {
         let composition = compose_for(&state, &messages, &MemoryConfig::default());
         let recall = recall_text(&composition, &messages);
         assert!(
-            recall.contains(
-                "user said: “My page template:\n  <main>\n    <p>Porto honey</p>\n  </main>”\n"
-            ),
+            recall.contains("“My page template:\n  <main>\n    <p>Porto honey</p>\n  </main>”\n"),
             "{recall}"
         );
         // The block has its own closing tag only, at its end.
@@ -2072,16 +2070,12 @@ mod tests {
         let recall = recall_text(&composition, &messages);
         // Not again as a summary (the episode manifest indexing it is another item).
         assert_eq!(
-            recall
-                .matches("user said: “My cousin Ines keeps bees")
-                .count(),
+            recall.matches("“My cousin Ines keeps bees").count(),
             1,
             "{recall}"
         );
         assert!(
-            recall.contains(
-                "user said: “My cousin Ines keeps bees on her balcony in Porto.” | assistant said:"
-            ),
+            recall.contains("“My cousin Ines keeps bees on her balcony in Porto.” | “"),
             "{recall}"
         );
         assert_eq!(
@@ -2109,7 +2103,7 @@ mod tests {
         let recall = recall_text(&composition, &messages);
         // Once among the turns (the episode manifest indexing it is another item).
         assert_eq!(
-            recall.matches("said: “My cousin Ines keeps bees").count(),
+            recall.matches("] “My cousin Ines keeps bees").count(),
             1,
             "{recall}"
         );
