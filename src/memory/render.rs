@@ -6,7 +6,9 @@
 //! line of a multi-line text (indented, or blank; see `shape`), and the last ends with `\n` (see
 //! `tokens` for why that makes counts add up). No line holds anything fence-like (`inert`):
 //! whatever a stored text holds (a model's summary, a memory kept before fences were escaped as
-//! they are now), it cannot open or close a block.
+//! they are now), it cannot open or close a block. Every text from a conversation (or set for
+//! the user) is quoted (`shape::push_quoted`), so with its quoted spans emptied an item is one
+//! of its kind's fixed skeletons: memory is data the blocks quote, never their instructions.
 
 use std::borrow::Cow;
 use std::cell::RefCell;
