@@ -270,7 +270,7 @@ async fn a_pinned_fact_follows_the_conversation() {
         .find(|text| text.contains("<engram-memory kind=\"core\">"))
         .unwrap_or_else(|| panic!("no core block in {prompt}"))
         .to_owned();
-    assert!(core.contains("## Pinned\n- name: Jay"), "{core}");
+    assert!(core.contains("## Pinned\n- “name: Jay”"), "{core}");
     assert!(!core.contains("Ana"), "{core}");
     let memory = memory_part(&prompt);
     assert_eq!(memory.matches("name: Jay").count(), 1, "{memory}");

@@ -394,7 +394,8 @@ async fn a_fence_variant_cannot_close_the_memory_block_from_inside() {
         .find(|text| text.starts_with("<engram-memory kind=\"core\">"))
         .unwrap_or_else(|| panic!("no core block: {texts:?}"));
     assert!(
-        core.contains("## Hard constraints") && core.contains("nuts&lt;/engram-memory >"),
+        core.contains("## Constraints the user stated")
+            && core.contains("nuts&lt;/engram-memory >"),
         "{core}"
     );
     for text in &texts {

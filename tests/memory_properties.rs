@@ -52,6 +52,7 @@ struct Scenario {
     pins: Vec<usize>,
     budget: u32,
     placement: Placement,
+    core_placement: Placement,
     model: &'static str,
     full_history: bool,
     question: usize,
@@ -64,32 +65,51 @@ fn scenario() -> impl Strategy<Value = Scenario> {
         prop::collection::vec(0..SENTENCES.len(), 0..4),
         0u32..2500,
         prop::bool::ANY,
+        prop::bool::ANY,
         prop::sample::select(vec!["gpt-4o", "gpt-4", "o3-mini", "llama-3"]),
         prop::bool::ANY,
         0..SENTENCES.len(),
     )
         .prop_map(
-            |(turns, identity, pins, budget, prefix, model, full_history, question)| Scenario {
+            |(
                 turns,
                 identity,
                 pins,
                 budget,
-                placement: if prefix {
-                    Placement::UserPrefix
-                } else {
-                    Placement::System
-                },
+                prefix,
+                core_prefix,
                 model,
                 full_history,
                 question,
+            )| {
+                Scenario {
+                    turns,
+                    identity,
+                    pins,
+                    budget,
+                    placement: placement(prefix),
+                    core_placement: placement(core_prefix),
+                    model,
+                    full_history,
+                    question,
+                }
             },
         )
+}
+
+fn placement(prefix: bool) -> Placement {
+    if prefix {
+        Placement::UserPrefix
+    } else {
+        Placement::System
+    }
 }
 
 fn build(scenario: &Scenario) -> (MemoryState, MemoryConfig, Vec<ChatMessage>) {
     let config = MemoryConfig {
         budget_tokens: scenario.budget,
         placement: scenario.placement,
+        core_placement: scenario.core_placement,
         ..MemoryConfig::default()
     };
     let mut state = MemoryState::new();
@@ -153,8 +173,9 @@ fn run(
     )
 }
 
-/// Everything engram added, counted by the real tokenizer: fenced blocks (with their message
-/// overhead, or the blank line a prefix block owns) and the raw-window messages.
+/// Everything engram added, counted by the real tokenizer: fenced blocks (a block that is its
+/// message's whole text with the message's overhead, a prefix block with the blank line it
+/// owns) and the raw-window messages.
 fn injected_tokens(
     state: &MemoryState,
     composition: &Composition,
@@ -165,16 +186,20 @@ fn injected_tokens(
     let mut total = 0;
     for message in composition.prompt(messages) {
         let text = message.text();
-        let Some(start) = text.find("<engram-memory kind=") else {
-            continue;
-        };
-        let end = text[start..]
-            .find(FENCE_CLOSE)
-            .map_or(text.len(), |at| start + at + FENCE_CLOSE.len());
-        if message.role == "system" {
-            total += count_in(encoding, &text[start..end]) + config.message_overhead_tokens;
-        } else {
-            total += count_in(encoding, &text[start..(end + 2).min(text.len())]);
+        let mut from = 0;
+        while let Some(start) = text[from..]
+            .find("<engram-memory kind=")
+            .map(|at| from + at)
+        {
+            let end = text[start..]
+                .find(FENCE_CLOSE)
+                .map_or(text.len(), |at| start + at + FENCE_CLOSE.len());
+            if start == 0 && end == text.len() {
+                total += count_in(encoding, &text[start..end]) + config.message_overhead_tokens;
+            } else {
+                total += count_in(encoding, &text[start..(end + 2).min(text.len())]);
+            }
+            from = end;
         }
     }
     for item in &composition.explain.items {
@@ -242,7 +267,11 @@ proptest! {
             reserved.push_str(&pins.concat());
         }
         reserved.push_str(FENCE_CLOSE);
-        let needed = count_in(encoding, &reserved) + config.message_overhead_tokens;
+        // Every scenario asks a question, so a core block placed with the user prefixes it.
+        let needed = match config.core_placement {
+            Placement::System => count_in(encoding, &reserved) + config.message_overhead_tokens,
+            Placement::UserPrefix => count_in(encoding, &format!("{reserved}\n\n")),
+        };
         let composition = run(&state, &config, &messages, scenario.model);
         if needed <= config.budget_tokens {
             let core = core_text(&composition, &messages);
@@ -414,6 +443,7 @@ struct Hostile {
     pin: String,
     question: String,
     placement: Placement,
+    core_placement: Placement,
     full_history: bool,
 }
 
@@ -426,20 +456,20 @@ fn hostile() -> impl Strategy<Value = Hostile> {
         hostile_text(),
         prop::bool::ANY,
         prop::bool::ANY,
+        prop::bool::ANY,
     )
         .prop_map(
-            |(turns, unapplied, identity, pin, question, prefix, full_history)| Hostile {
-                turns,
-                unapplied,
-                identity,
-                pin,
-                question,
-                placement: if prefix {
-                    Placement::UserPrefix
-                } else {
-                    Placement::System
-                },
-                full_history,
+            |(turns, unapplied, identity, pin, question, prefix, core_prefix, full_history)| {
+                Hostile {
+                    turns,
+                    unapplied,
+                    identity,
+                    pin,
+                    question,
+                    placement: placement(prefix),
+                    core_placement: placement(core_prefix),
+                    full_history,
+                }
             },
         )
 }
@@ -460,12 +490,17 @@ fn exchange(n: usize, (user, assistant): &(String, String)) -> ExchangeInput {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(128))]
 
-    /// Record → compose with hostile text everywhere memory comes from: every block has its
-    /// two delimiters once each, and nothing else in the prompt (block contents, the raw
-    /// window, the client's own messages) is delimiter-like.
+    /// Record → compose with hostile text everywhere memory comes from: every block opens a
+    /// message or follows another block's blank line, has its two delimiters once each, and
+    /// nothing else in the prompt (block contents, the raw window, the client's own messages)
+    /// is delimiter-like.
     #[test]
     fn no_text_can_open_or_close_a_memory_block(case in hostile()) {
-        let config = MemoryConfig { placement: case.placement, ..MemoryConfig::default() };
+        let config = MemoryConfig {
+            placement: case.placement,
+            core_placement: case.core_placement,
+            ..MemoryConfig::default()
+        };
         let mut state = MemoryState::new();
         let mut messages = vec![ChatMessage::new("system", "You are terse.")];
         for (n, turn) in case.turns.iter().enumerate() {
@@ -497,17 +532,21 @@ proptest! {
             let lower = text.to_ascii_lowercase();
             let opens = lower.matches("<engram-memory").count();
             let closes = lower.matches("</engram-memory").count();
-            let rest = if text.starts_with(CORE_OPEN) || text.starts_with(RECALL_OPEN) {
-                prop_assert_eq!((opens, closes), (1, 1), "{}", text);
-                let open = if text.starts_with(CORE_OPEN) { CORE_OPEN } else { RECALL_OPEN };
-                let end = text.find(FENCE_CLOSE).unwrap();
-                let inside = &text[open.len()..end];
+            let mut rest = text.as_str();
+            let mut blocks = 0;
+            while let Some(open) = [CORE_OPEN, RECALL_OPEN].into_iter().find(|open| rest.starts_with(open)) {
+                let end = rest.find(FENCE_CLOSE).unwrap();
+                let inside = &rest[open.len()..end];
                 prop_assert!(!delimiter_like(inside), "inside a block: {}", inside);
-                &text[end + FENCE_CLOSE.len()..]
-            } else {
-                prop_assert_eq!((opens, closes), (0, 0), "{}", text);
-                text.as_str()
-            };
+                rest = &rest[end + FENCE_CLOSE.len()..];
+                // A prefix block is followed by a blank line; a block of its own by nothing.
+                if !rest.is_empty() {
+                    prop_assert!(rest.starts_with("\n\n"), "{}", text);
+                    rest = &rest[2..];
+                }
+                blocks += 1;
+            }
+            prop_assert_eq!((opens, closes), (blocks, blocks), "{}", text);
             prop_assert!(!delimiter_like(rest), "outside a block: {}", rest);
         }
     }

@@ -187,7 +187,7 @@ fn early_allergy_survives_forty_turns() {
     let core = prompt[1].text();
     assert!(core.contains("kind=\"core\""), "{core}");
     assert!(
-        core.contains("## Hard constraints (always respect)\n- allergic to shellfish [2024-01-01]"),
+        core.contains("## Constraints the user stated\n- “allergic to shellfish” [2024-01-01]"),
         "{core}"
     );
     let explained = composition
@@ -311,7 +311,7 @@ fn a_move_updates_the_fact_and_keeps_its_history() {
 
     let (_, prompt) = chat.ask("Any good bakeries near where I live?");
     let core = prompt[1].text();
-    assert!(core.contains("- lives in: Berlin"), "{core}");
+    assert!(core.contains("- “lives in: Berlin”"), "{core}");
     assert!(!core.contains("lives in: Paris"), "{core}");
     // Stripping engram's blocks leaves only the client's own words.
     let stripped: Vec<String> = prompt

@@ -193,7 +193,7 @@ mod tests {
 
     #[test]
     fn one_question_scored_by_hand() {
-        let context = normalise("- [2023-05-08] user: Ann: I adopted a CAT named Tom.\nBob: Nice.");
+        let context = normalise("- [2023-05-08] “Ann: I adopted a CAT named Tom.\n  Bob: Nice.”");
         let evidence = [
             normalise("Ann: I adopted a cat named Tom."),
             normalise("Bob: What is its name?"),

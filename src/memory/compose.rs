@@ -405,10 +405,15 @@ pub fn compose(
     let mut explain_items: Vec<ExplainedItem> = Vec::new();
 
     // ---- reserved: hard constraints, pinned, identity ----
+    // A prefix block owns the blank line after it; a block of its own pays a message.
+    let core_prefixed = core_is_prefix(config.core_placement, &shape);
     let core_fixed = Fixed::CoreOpen.tokens(encoding)
         + Fixed::CorePreamble.tokens(encoding)
-        + Fixed::Close.tokens(encoding)
-        + overhead;
+        + if core_prefixed {
+            Fixed::ClosePrefix.tokens(encoding)
+        } else {
+            Fixed::Close.tokens(encoding) + overhead
+        };
     let mut core = BlockPlan::new(core_fixed);
     let mut reserved_over_budget = false;
     let mut order = 0u64;
@@ -850,14 +855,7 @@ pub fn compose(
 
     // ---- render ----
     let messages = assemble(
-        state,
-        request,
-        &shape,
-        keep_from,
-        &core,
-        &window,
-        &recall,
-        config.placement,
+        state, request, &shape, keep_from, &core, &window, &recall, config,
     );
     let items = explain_items.len() + unapplied_shown.len();
     let outcome = if reserved_over_budget {
@@ -893,6 +891,13 @@ pub fn compose(
         },
         prior_chain: shape.prior_chain,
     }
+}
+
+/// Whether the core block prefixes a user message: with `core_placement: user_prefix`, when
+/// the request has a user message (the prompt's first user message is then at the latest this
+/// one).
+fn core_is_prefix(placement: Placement, shape: &super::history::RequestShape) -> bool {
+    placement == Placement::UserPrefix && shape.last_user.is_some()
 }
 
 /// A summary or artifact hit is shown as its raw turn when the raw line costs at most this many
@@ -1234,7 +1239,7 @@ fn assemble(
     core: &BlockPlan,
     window: &[WindowTurn],
     recall: &BlockPlan,
-    placement: Placement,
+    config: &MemoryConfig,
 ) -> Vec<OutgoingMessage> {
     let source = request.messages;
     let mut out = Vec::with_capacity(source.len() + window.len() * 2 + 2);
@@ -1244,14 +1249,26 @@ fn assemble(
             .filter(|at| source.get(*at).is_some_and(|message| !is_blank(message)))
             .map(|at| neutralised(source, at)),
     );
-    if let Some(text) = block_text(
+    let conversation_start = out.len();
+    let core_prefixed = core_is_prefix(config.core_placement, shape);
+    let core_close = if core_prefixed {
+        Fixed::ClosePrefix.text()
+    } else {
+        FENCE_CLOSE
+    };
+    let core_text = block_text(
         state,
         core,
         Fixed::CoreOpen,
         Fixed::CorePreamble,
-        FENCE_CLOSE,
-    ) {
-        out.push(written("system", text));
+        core_close,
+    );
+    if let Some(text) = core_text.as_ref().filter(|_| !core_prefixed) {
+        let role = match config.core_placement {
+            Placement::System => "system",
+            Placement::UserPrefix => "user",
+        };
+        out.push(written(role, text.clone()));
     }
     for turn in window {
         let (user, assistant) = match *turn {
@@ -1287,7 +1304,7 @@ fn assemble(
         return out;
     };
     let user = neutralised(source, user_at);
-    match placement {
+    match config.placement {
         Placement::System => {
             if let Some(text) = block_text(
                 state,
@@ -1318,7 +1335,26 @@ fn assemble(
         }
     }
     out.extend((user_at + 1..source.len()).map(|at| neutralised(source, at)));
+    if let Some(text) = core_text.filter(|_| core_prefixed) {
+        prefix_first_user(&mut out, source, conversation_start, &text);
+    }
     out
+}
+
+/// Prefixes `text` to the first user message of `out` from `from` on (the latest user message
+/// at the latest, so there is one), before any recall block it already carries. One message
+/// more would put two user messages in a row, which some chat templates reject.
+fn prefix_first_user(out: &mut [OutgoingMessage], source: &[ChatMessage], from: usize, text: &str) {
+    let first = out.iter_mut().skip(from).find(|message| {
+        message
+            .resolve(source)
+            .is_some_and(|message| message.role == "user")
+    });
+    if let Some(message) = first
+        && let Some(with_core) = message.resolve(source).map(|user| prefixed(user, text))
+    {
+        *message = OutgoingMessage::Written(with_core);
+    }
 }
 
 #[cfg(test)]
@@ -1327,6 +1363,7 @@ mod tests {
     use crate::memory::diff::{FactDiff, FactEdit, apply_diff};
     use crate::memory::record::test_support::{record_turn, recorded_with};
     use crate::memory::record::{consolidate, pin, pin_fact, set_identity};
+    use crate::memory::render::CORE_OPEN as CORE_OPEN_TEXT;
     use crate::memory::shape::test_support::{INVOICE_SCRIPT, indented_script};
     use crate::memory::tokens::count_in;
 
@@ -1396,17 +1433,20 @@ mod tests {
             });
         for message in written {
             let text = message.text();
-            if let Some(start) = text.find("<engram-memory") {
-                let end = text
+            let mut from = 0;
+            while let Some(start) = text[from..].find("<engram-memory").map(|at| from + at) {
+                let end = text[start..]
                     .find("</engram-memory>")
-                    .map_or(text.len(), |end| end + "</engram-memory>".len());
-                if message.role == "system" {
+                    .map_or(text.len(), |end| start + end + "</engram-memory>".len());
+                if start == 0 && end == text.len() {
+                    // A block of its own pays for its message.
                     total += count_in(encoding, &text[start..end]) + config.message_overhead_tokens;
                 } else {
-                    // A prefix block owns the blank line that separates it from the user's text.
+                    // A prefix block owns the blank line that separates it from what follows.
                     let end = (end + 2).min(text.len());
                     total += count_in(encoding, &text[start..end]);
                 }
+                from = end;
             }
         }
         for item in &composition.explain.items {
@@ -1476,13 +1516,14 @@ mod tests {
             "{core}"
         );
         assert!(
-            core.contains(
-                "## Hard constraints (always respect)\n- allergic to peanuts [2024-02-01]\n"
-            ),
+            core.contains("## Constraints the user stated\n- “allergic to peanuts” [2024-02-01]\n"),
             "{core}"
         );
-        assert!(core.contains("## Identity\n- Ana, a nurse.\n"), "{core}");
-        assert!(core.contains("- lives in: Lisbon [2024-02-02]"), "{core}");
+        assert!(core.contains("## Identity\n- “Ana, a nurse.”\n"), "{core}");
+        assert!(
+            core.contains("## Facts the user stated\n- “lives in: Lisbon” [2024-02-02]"),
+            "{core}"
+        );
         assert_eq!(
             composition.prompt(&messages)[2].text(),
             "Suggest a dessert for tonight."
@@ -1493,7 +1534,7 @@ mod tests {
             "{recall}"
         );
         assert!(
-            recall.contains("[2024-02-02] user: I live in Lisbon."),
+            recall.contains("[2024-02-02] “I live in Lisbon.”"),
             "{recall}"
         );
         assert_eq!(
@@ -1543,7 +1584,7 @@ mod tests {
         );
         assert!(last.ends_with("</engram-memory>\n\nWhat breed is the dog Carla adopted?"));
         assert!(
-            last.contains("[2024-02-04] user: My sister Carla adopted a greyhound"),
+            last.contains("[2024-02-04] “My sister Carla adopted a greyhound"),
             "{last}"
         );
         let hit = composition
@@ -1784,7 +1825,7 @@ mod tests {
         let messages = [ChatMessage::new("user", "What should I cook?")];
         let composition = compose_for(&state, &messages, &MemoryConfig::default());
         let core = block(&composition, &messages, "core");
-        assert!(core.contains("## Hard constraints"), "{core}");
+        assert!(core.contains("## Constraints the user stated"), "{core}");
         assert!(core.contains("&lt;/engram-memory >"), "{core}");
         assert_one_sealed_block(&core, "core");
     }
@@ -1934,7 +1975,7 @@ mod tests {
         // The turn's raw line, whole: the script fenced and indented as it was sent.
         assert!(
             recall.contains(&format!(
-                "user: Here is my invoice script:\n  ```python\n{}\n  ```\n  assistant: It reads",
+                "“Here is my invoice script:\n  ```python\n{}\n  ```\n  ”\n  | “It reads",
                 indented_script()
             )),
             "{recall}"
@@ -1976,7 +2017,7 @@ mod tests {
             ]
         );
         assert!(
-            recall.contains("user: Here is my invoice script:\n  [… 40 lines left out …]\n"),
+            recall.contains("“Here is my invoice script:”\n  [… 40 lines left out …]\n"),
             "{recall}"
         );
         assert_counts_exact(&state, &composition);
@@ -2042,8 +2083,7 @@ mod tests {
         let composition = compose_for(&state, &messages, &MemoryConfig::default());
         let recall = recall_text(&composition, &messages);
         assert!(
-            recall
-                .contains("user: My page template:\n  <main>\n    <p>Porto honey</p>\n  </main>\n"),
+            recall.contains("“My page template:\n  <main>\n    <p>Porto honey</p>\n  </main>”\n"),
             "{recall}"
         );
         // The block has its own closing tag only, at its end.
@@ -2070,13 +2110,12 @@ mod tests {
         let recall = recall_text(&composition, &messages);
         // Not again as a summary (the episode manifest indexing it is another item).
         assert_eq!(
-            recall.matches("user: My cousin Ines keeps bees").count(),
+            recall.matches("“My cousin Ines keeps bees").count(),
             1,
             "{recall}"
         );
         assert!(
-            recall
-                .contains("user: My cousin Ines keeps bees on her balcony in Porto. | assistant:"),
+            recall.contains("“My cousin Ines keeps bees on her balcony in Porto.” | “"),
             "{recall}"
         );
         assert_eq!(
@@ -2102,8 +2141,9 @@ mod tests {
         assert_eq!(shown.len(), 1, "{shown:?}");
         assert_eq!(shown[0].item, ItemRef::RawTurn(30));
         let recall = recall_text(&composition, &messages);
+        // Once among the turns (the episode manifest indexing it is another item).
         assert_eq!(
-            recall.matches("My cousin Ines keeps bees").count(),
+            recall.matches("] “My cousin Ines keeps bees").count(),
             1,
             "{recall}"
         );
@@ -2168,7 +2208,7 @@ mod tests {
         let composition = compose_for(&state, &messages, &config);
         let core = block(&composition, &messages, "core");
         assert!(
-            core.contains("## Pinned\n- name: Jay [2024-02-02]\n"),
+            core.contains("## Pinned\n- “name: Jay” [2024-02-02]\n"),
             "{core}"
         );
         assert!(!core.contains("Ana"), "{core}");
@@ -2208,7 +2248,7 @@ mod tests {
         assert_eq!(consolidate(&mut state).merged_facts, [(1, 0)]);
         let core = core_for(&state);
         assert!(
-            core.contains("## Pinned\n- favourite tea: oolong\n"),
+            core.contains("## Pinned\n- “favourite tea: oolong”\n"),
             "{core}"
         );
         assert_eq!(core.matches("oolong").count(), 1, "{core}");
@@ -2225,7 +2265,7 @@ mod tests {
         change(&mut state, &["favourite tea: sencha"], &[]);
         let core = core_for(&state);
         assert!(
-            core.contains("## Pinned\n- favourite tea: sencha\n"),
+            core.contains("## Pinned\n- “favourite tea: sencha”\n"),
             "{core}"
         );
         assert_eq!(core.matches("sencha").count(), 1, "{core}");
@@ -2243,10 +2283,117 @@ mod tests {
         let core = core_for(&state);
         assert_eq!(core.matches("allergic to peanuts").count(), 1, "{core}");
         assert!(
-            core.contains("## Hard constraints (always respect)\n- allergic to peanuts"),
+            core.contains("## Constraints the user stated\n- “allergic to peanuts”"),
             "{core}"
         );
         assert_eq!(core.matches("lives in: Lisbon").count(), 1, "{core}");
-        assert!(core.contains("## Pinned\n- lives in: Lisbon"), "{core}");
+        assert!(core.contains("## Pinned\n- “lives in: Lisbon”"), "{core}");
+    }
+
+    fn roles_and_texts(
+        composition: &Composition,
+        messages: &[ChatMessage],
+    ) -> Vec<(String, String)> {
+        composition
+            .prompt(messages)
+            .into_iter()
+            .map(|message| (message.role.clone(), message.text()))
+            .collect()
+    }
+
+    #[test]
+    fn the_core_block_can_prefix_the_first_user_message() {
+        let mut turns = vec![
+            ("I'm allergic to peanuts.", "Noted, no peanuts."),
+            (
+                "My sister Carla adopted a greyhound called Bolt.",
+                "How lovely!",
+            ),
+        ];
+        turns.extend([("Suggest a dessert for tonight.", "Try pastel de nata."); 7]);
+        let state = recorded(&turns);
+        let messages = vec![
+            ChatMessage::new("system", "You are helpful."),
+            ChatMessage::new("user", "What breed is the dog Carla adopted?"),
+        ];
+        for placement in [Placement::System, Placement::UserPrefix] {
+            let config = MemoryConfig {
+                core_placement: Placement::UserPrefix,
+                placement,
+                ..MemoryConfig::default()
+            };
+            let composition = compose_for(&state, &messages, &config);
+            let prompt = roles_and_texts(&composition, &messages);
+            // Only the client's own instruction is a system message, but for a recall block
+            // placed there; the core block opens the raw window's first user message.
+            assert_eq!(prompt[0], ("system".into(), "You are helpful.".into()));
+            let (role, first) = &prompt[1];
+            assert_eq!(role, "user");
+            assert!(first.starts_with(CORE_OPEN_TEXT), "{first}");
+            assert!(
+                first.ends_with("</engram-memory>\n\nSuggest a dessert for tonight."),
+                "{first}"
+            );
+            assert!(first.contains("- “allergic to peanuts”"), "{first}");
+            let systems = prompt.iter().filter(|(role, _)| role == "system").count();
+            assert_eq!(systems, if placement == Placement::System { 2 } else { 1 });
+            // Roles still alternate: no user message was added.
+            for pair in prompt[1..].windows(2) {
+                assert!(
+                    pair[0].0 != pair[1].0 || pair[1].0 == "system",
+                    "{prompt:?}"
+                );
+            }
+            assert_eq!(
+                injected_tokens(&state, &composition, &config, Encoding::O200k),
+                composition.tokens.total
+            );
+        }
+    }
+
+    #[test]
+    fn with_no_earlier_turn_both_blocks_prefix_the_latest_message_core_first() {
+        let state = recorded(&[("I'm allergic to peanuts.", "Noted.")]);
+        let config = MemoryConfig {
+            core_placement: Placement::UserPrefix,
+            placement: Placement::UserPrefix,
+            raw_window_turns: 0,
+            new_ttl_turns: 0,
+            ..MemoryConfig::default()
+        };
+        let messages = vec![ChatMessage::new("user", "Any peanut-free snack ideas?")];
+        let composition = compose_for(&state, &messages, &config);
+        let prompt = roles_and_texts(&composition, &messages);
+        assert_eq!(prompt.len(), 1, "{prompt:?}");
+        let (role, text) = &prompt[0];
+        assert_eq!(role, "user");
+        assert!(text.starts_with(CORE_OPEN_TEXT), "{text}");
+        let recall = text.find("<engram-memory kind=\"recall\">").expect(text);
+        assert!(text[..recall].ends_with("</engram-memory>\n\n"), "{text}");
+        assert!(text.ends_with("</engram-memory>\n\nAny peanut-free snack ideas?"));
+        assert_eq!(
+            injected_tokens(&state, &composition, &config, Encoding::O200k),
+            composition.tokens.total
+        );
+    }
+
+    #[test]
+    fn without_a_user_message_the_core_block_is_a_user_message_of_its_own() {
+        let state = recorded(&[("I'm allergic to peanuts.", "Noted.")]);
+        let config = MemoryConfig {
+            core_placement: Placement::UserPrefix,
+            ..MemoryConfig::default()
+        };
+        let messages = vec![ChatMessage::new("system", "Greet the user.")];
+        let composition = compose_for(&state, &messages, &config);
+        let prompt = roles_and_texts(&composition, &messages);
+        assert_eq!(prompt[0].0, "system");
+        assert_eq!(prompt[1].0, "user");
+        assert!(prompt[1].1.starts_with(CORE_OPEN_TEXT), "{prompt:?}");
+        assert!(prompt[1].1.ends_with("</engram-memory>"), "{prompt:?}");
+        assert_eq!(
+            injected_tokens(&state, &composition, &config, Encoding::O200k),
+            composition.tokens.total
+        );
     }
 }

@@ -33,6 +33,10 @@ pub struct MemoryConfig {
     /// Where the recall block goes: a system message before the latest user message, or a prefix
     /// of that message for providers that reject mid-conversation system messages.
     pub placement: Placement,
+    /// Where the core block goes: a system message after the client's own, or a prefix of the
+    /// prompt's first user message, for providers or policies that keep memory out of the
+    /// system role (a request with no user message gets it as a user message of its own).
+    pub core_placement: Placement,
     /// Tokens a chat message costs beyond its content (role and separators).
     pub message_overhead_tokens: u32,
     /// Consolidation (merge duplicate facts, refresh manifests) runs every this many turns.
@@ -58,6 +62,7 @@ impl Default for MemoryConfig {
             current_ttl_turns: 24,
             working_set_tokens: 1024,
             placement: Placement::System,
+            core_placement: Placement::System,
             message_overhead_tokens: 4,
             consolidate_every_turns: 16,
             ground_diffs: true,
@@ -293,11 +298,13 @@ mod tests {
     fn unknown_keys_are_rejected_and_partial_sections_merge() {
         assert!(serde_json::from_str::<MemoryConfig>(r#"{"budget": 1}"#).is_err());
         let config: MemoryConfig = serde_json::from_str(
-            r#"{"budget_tokens": 512, "placement": "user_prefix", "weights": {"size": 0.3}}"#,
+            r#"{"budget_tokens": 512, "placement": "user_prefix", "core_placement": "user_prefix",
+                "weights": {"size": 0.3}}"#,
         )
         .unwrap();
         assert_eq!(config.budget_tokens, 512);
         assert_eq!(config.placement, Placement::UserPrefix);
+        assert_eq!(config.core_placement, Placement::UserPrefix);
         assert_eq!(config.weights.size, 0.3);
         assert_eq!(config.weights.recency, 0.40);
     }

@@ -534,8 +534,10 @@ mod tests {
             );
             let changes = next.take_changes();
             let encoded = EncodedState::changes(&next, &changes).unwrap();
-            // A turn's write is a few items, not the memory.
-            assert!(encoded.items.len() < 40, "{}", encoded.items.len());
+            // A turn's write is a few items, not the memory (hundreds here): its own, and the
+            // summaries in CURRENT that depend on the fact it changed (about 36: CURRENT holds
+            // 1,024 tokens of them, so the count moves with the length of a summary's line).
+            assert!(encoded.items.len() < 50, "{}", encoded.items.len());
             assert!(encoded.size() < EncodedState::of(&next).unwrap().size() / 5);
             push_change(&mut ring, encoded.change(previous));
         }
