@@ -255,7 +255,7 @@ impl Default for RetrievalConfig {
     fn default() -> Self {
         RetrievalConfig {
             mode: RetrievalMode::Hybrid,
-            lexical_weight: 0.3,
+            lexical_weight: 0.6,
             semantic_candidates: 512,
             bm25_k1: 1.2,
             bm25_b: 0.75,
@@ -265,7 +265,7 @@ impl Default for RetrievalConfig {
             top_facts: 16,
             top_episodes: 4,
             top_artifacts: 2,
-            neighbour_weight: 0.5,
+            neighbour_weight: 0.7,
             escalate_below_coverage: 0.6,
             raw_weight_when_covered: 1.0,
             tier_score_blend: 0.1,
