@@ -671,8 +671,9 @@ impl Segment {
             + self.vector_count as usize * embed::DIMS
     }
 
-    /// Sets `key`'s vector (`None`: it has none).
-    fn set_vector(&mut self, key: u32, vector: Option<Vector>) {
+    /// Sets `key`'s vector (`None`: it has none). Public for benchmarks; the index sets its
+    /// own when it indexes an item.
+    pub fn set_vector(&mut self, key: u32, vector: Option<Vector>) {
         let key = key as usize;
         while self.vectors.len() <= key {
             self.vectors.push(None);
