@@ -529,7 +529,7 @@ fn report_nearest() {
         let mut samples = Vec::with_capacity(500);
         for round in 0..500 {
             let started = Instant::now();
-            black_box(segment.nearest(&queries[round % queries.len()], pool));
+            black_box(segment.nearest(&queries[round % queries.len()], pool, 24));
             samples.push(started.elapsed());
         }
         let (p50, p99, max) = percentiles(samples);
@@ -541,13 +541,15 @@ fn report_nearest() {
     let mut kept = 0;
     for query in &queries {
         let exact: Vec<u32> = segment
-            .nearest(query, ITEMS as usize)
+            .nearest(query, ITEMS as usize, 24)
+            .best
             .iter()
             .take(24)
             .map(|hit| hit.0)
             .collect();
         let pre: Vec<u32> = segment
-            .nearest(query, pool)
+            .nearest(query, pool, 24)
+            .best
             .iter()
             .take(24)
             .map(|hit| hit.0)

@@ -271,15 +271,7 @@ impl Vector {
 
     /// Cosine similarity with `other` (both unit vectors, up to quantisation).
     pub fn cosine(&self, other: &Vector) -> f32 {
-        // i8·i8 in i32: vectorises to multiply-add instructions; 256 products of at most 127²
-        // cannot overflow.
-        let dot: i32 = self
-            .values
-            .iter()
-            .zip(other.values.iter())
-            .map(|(a, b)| i32::from(*a) * i32::from(*b))
-            .sum();
-        dot as f32 * self.scale * other.scale
+        dot(&self.values, &other.values) as f32 * self.scale * other.scale
     }
 
     /// Dimensions whose signs differ: a cheap stand-in for the angle between the two.
@@ -290,6 +282,21 @@ impl Vector {
             .map(|(a, b)| (a ^ b).count_ones())
             .sum()
     }
+}
+
+/// i8·i8 summed in i32. Products taken in i16 (|127·127| and 128·128 fit) and summed in
+/// blocks: the shape LLVM turns into multiply-add instructions (`pmaddwd`) without target
+/// flags; the plain i32 form measured ~3× slower.
+fn dot(a: &[i8; DIMS], b: &[i8; DIMS]) -> i32 {
+    let mut sum = 0i32;
+    for (x, y) in a.chunks_exact(32).zip(b.chunks_exact(32)) {
+        let mut block = 0i32;
+        for (p, q) in x.iter().zip(y) {
+            block += i32::from(i16::from(*p) * i16::from(*q));
+        }
+        sum += block;
+    }
+    sum
 }
 
 fn in_ranges(table: &[(u32, u32)], c: char) -> bool {

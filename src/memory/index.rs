@@ -696,26 +696,35 @@ impl Segment {
             .map(|vector| vector.cosine(query))
     }
 
-    /// The items nearest to `query`, as `(key, cosine)`, best first, ties by key: every item
+    /// The `top` items nearest to `query`, among every item
     /// with a vector when there are at most `pool`, else the `pool` whose sign codes differ from
     /// the query's in the fewest dimensions (ties: the newest), rescored by their int8 dot
     /// product. So a 50,000-turn history costs one popcount pass over 32-byte codes and `pool`
     /// dot products, not 50,000 of them.
-    pub fn nearest(&self, query: &Vector, pool: usize) -> Vec<(u32, f32)> {
-        let present = || {
-            (0..self.vectors.len()).rev().filter_map(|key| {
-                let vector = self.vectors.get(key)?.as_ref()?;
-                Some((u32::try_from(key).ok()?, vector))
-            })
-        };
+    pub fn nearest(&self, query: &Vector, pool: usize, top: usize) -> Nearest {
         let mut scored: Vec<(u32, f32)> = Vec::new();
+        let keyed = |key: usize| u32::try_from(key).unwrap_or(u32::MAX);
         if self.vector_count as usize <= pool {
-            scored.extend(present().map(|(key, vector)| (key, vector.cosine(query))));
+            scored.reserve(self.vector_count as usize);
+            for (key, vector) in self.vectors.iter().enumerate() {
+                if let Some(vector) = vector {
+                    scored.push((keyed(key), vector.cosine(query)));
+                }
+            }
         } else {
-            // Counting pass: the Hamming distance below which fewer than `pool` items lie.
+            // One popcount pass: every item's distance (`NONE` without a vector), counted by
+            // distance to find the one below which fewer than `pool` items lie.
+            const NONE: u16 = u16::MAX;
             let mut histogram = [0usize; embed::DIMS + 1];
-            for (_, vector) in present() {
-                histogram[query.hamming(&vector.code) as usize] += 1;
+            let mut distances: Vec<u16> = Vec::with_capacity(self.vectors.len());
+            for vector in self.vectors.iter() {
+                let distance = vector.as_ref().map_or(NONE, |vector| {
+                    u16::try_from(query.hamming(&vector.code)).unwrap_or(NONE)
+                });
+                if let Some(count) = histogram.get_mut(usize::from(distance)) {
+                    *count += 1;
+                }
+                distances.push(distance);
             }
             let mut below = 0;
             let mut limit = embed::DIMS;
@@ -727,26 +736,47 @@ impl Segment {
                 below += count;
             }
             // Everything nearer than `limit`, then the newest at `limit` up to `pool`.
+            let limit = u16::try_from(limit).unwrap_or(NONE);
             let mut at_limit = pool - below;
             scored.reserve(pool);
-            for (key, vector) in present() {
-                let distance = query.hamming(&vector.code) as usize;
-                if distance < limit || (distance == limit && at_limit > 0) {
-                    if distance == limit {
+            for (key, distance) in distances.iter().enumerate().rev() {
+                if *distance < limit || (*distance == limit && at_limit > 0) {
+                    if *distance == limit {
                         at_limit -= 1;
                     }
-                    scored.push((key, vector.cosine(query)));
+                    if let Some(Some(vector)) = self.vectors.get(key) {
+                        scored.push((keyed(key), vector.cosine(query)));
+                    }
                 }
             }
         }
-        scored.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        scored
+        let lowest = scored.iter().map(|hit| hit.1).reduce(f32::min);
+        // Only the best `top` are wanted in order: select them, then sort those.
+        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if scored.len() > top && top > 0 {
+            scored.select_nth_unstable_by(top - 1, order);
+        }
+        scored.truncate(top);
+        scored.sort_unstable_by(order);
+        Nearest {
+            best: scored,
+            lowest: lowest.unwrap_or(0.0),
+        }
     }
 
     /// Sealed parts, for tests and sizing.
     pub fn part_count(&self) -> usize {
         self.parts.len()
     }
+}
+
+/// The items of a segment nearest to a query vector.
+#[derive(Debug, Clone, Default)]
+pub struct Nearest {
+    /// `(key, cosine)`, best first, ties by key.
+    pub best: Vec<(u32, f32)>,
+    /// The lowest cosine among the items compared (0 when none was).
+    pub lowest: f32,
 }
 
 /// One query term's postings in a part, with the term's idf.
@@ -1151,9 +1181,9 @@ mod tests {
             segment.set_vector(key, embed_text(&text));
         }
         let query = embed_text("I love shaping clay on the pottery wheel").unwrap();
-        let exact = segment.nearest(&query, 1_000);
+        let exact = segment.nearest(&query, 1_000, usize::MAX).best;
         assert_eq!(exact.len(), 400);
-        let pre = segment.nearest(&query, 64);
+        let pre = segment.nearest(&query, 64, usize::MAX).best;
         assert_eq!(pre.len(), 64);
         // Every one of the prefilter's picks is a pottery turn, as are the exact top 64.
         assert!(pre.iter().all(|(key, _)| key % 4 == 0), "{pre:?}");
@@ -1161,7 +1191,11 @@ mod tests {
         assert_eq!(pre[0], exact[0]);
         segment.set_vector(0, None);
         assert_eq!(segment.cosine(0, &query), None);
-        assert_eq!(segment.nearest(&query, 1_000).len(), 399);
+        let all = segment.nearest(&query, 1_000, usize::MAX).best;
+        assert_eq!(all.len(), 399);
+        let top = segment.nearest(&query, 1_000, 5);
+        assert_eq!(top.best[..], all[..5]);
+        assert_eq!(top.lowest, all[398].1);
     }
 
     #[test]

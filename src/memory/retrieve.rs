@@ -139,6 +139,9 @@ pub fn retrieve(
         (SegmentKind::Episode, config.top_episodes, ItemRef::Episode),
     ] {
         let segment = index.segment(kind);
+        // Summaries and episodes are made of raw turns, which the raw search compares by
+        // meaning already: comparing them too cost a third of compose's time.
+        let semantic = semantic.filter(|_| kind == SegmentKind::Fact);
         let found = hybrid(
             segment,
             semantic,
@@ -259,11 +262,11 @@ fn hybrid(
     let Some(query) = query else {
         return lexical;
     };
-    let nearest = segment.nearest(query, config.semantic_candidates);
-    let (Some(best), Some(worst)) = (nearest.first(), nearest.last()) else {
+    let nearest = segment.nearest(query, config.semantic_candidates, top);
+    let Some(best) = nearest.best.first() else {
         return lexical;
     };
-    let (high, low) = (best.1, worst.1);
+    let (high, low) = (best.1, nearest.lowest);
     let scaled = |cosine: f32| {
         if high > low {
             ((cosine - low) / (high - low)).clamp(0.0, 1.0)
@@ -290,7 +293,7 @@ fn hybrid(
         let cosine = segment.cosine(*key, query).map_or(0.0, scaled);
         mixed.insert(*key, scale * (w * lexical + (1.0 - w) * cosine));
     }
-    for (key, cosine) in nearest.iter().take(top) {
+    for (key, cosine) in &nearest.best {
         mixed
             .entry(*key)
             .or_insert(scale * (1.0 - w) * scaled(*cosine));
