@@ -250,9 +250,9 @@ def write(kept, scale, quant):
 
 STRINGS = [
     "Hello, world!",
-    "Caroline went to the LGBTQ support group yesterday.",
+    "Priya went to the LGBTQ+ book club yesterday.",
     "I'm SO excited — the café's crème brûlée was naïve-ly good!",
-    "Melanie: I painted a sunrise 🌅 last week, 3pm on 8 May, 2023.",
+    "Tom: I painted a sunrise 🌅 last week, 3pm on 8 May, 2023.",
     "Ärger über Übermut; señor Piñata; façade, Ångström, Øresund, Łódź",
     "東京に行きました and 北京 too",
     "unaffable unbelievably antidisestablishmentarianism",

@@ -431,7 +431,7 @@ mod tests {
     fn similar_texts_are_closer_than_unrelated_ones() {
         let model = shipped();
         let embed = |text: &str| model.embed(text).unwrap();
-        let question = embed("What does Melanie do to destress?");
+        let question = embed("What does Tom do to destress?");
         let pottery = embed("Pottery is like therapy for me, it calms me down after work.");
         let tyres = embed("My car needs new tyres before the winter.");
         assert!(
@@ -440,7 +440,7 @@ mod tests {
             question.cosine(&pottery),
             question.cosine(&tyres)
         );
-        let again = embed("What does Melanie do to destress?");
+        let again = embed("What does Tom do to destress?");
         assert_eq!(again, question);
         assert!((question.cosine(&question) - 1.0).abs() < 0.01);
         assert_eq!(question.hamming(&question.code), 0);

@@ -687,7 +687,7 @@ mod tests {
             ),
         ]);
         let index = MemoryIndex::build(&state);
-        let question = "How does Melanie destress?";
+        let question = "How does Tom destress?";
         let mut config = MemoryConfig::default().retrieval;
         config.mode = RetrievalMode::Lexical;
         let lexical = retrieve(&state, &index, question, &[], &config);
