@@ -13,6 +13,9 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::Criterion;
+use engram::memory::config::RetrievalMode;
+use engram::memory::embed;
+use engram::memory::index::Segment;
 use engram::memory::model::SummaryText;
 use engram::memory::{
     CandidateId, ComposeRequest, ExchangeInput, FactDiff, FactEdit, HeuristicExtractor,
@@ -414,37 +417,43 @@ fn report(fixture: &Fixture) {
     );
     println!("record_exchange (heuristic extractor), mean over the 2,000 turns: {record_time:?}");
 
-    // Hot path: re-rank the prefetched candidates + search + pack + compose.
-    let mut samples = Vec::with_capacity(20_000);
-    let mut items = 0;
-    let mut tokens = 0;
-    for round in 0..20_000 {
-        let messages = &queries[round % queries.len()];
-        let started = Instant::now();
-        let composition = compose(
-            state,
-            index,
-            prefetched,
-            &ComposeRequest {
-                session_id: "session-19",
-                messages,
-                model: "gpt-4o",
-                unapplied: &[],
-            },
-            config,
+    // Hot path: re-rank the prefetched candidates + search + pack + compose, in the default
+    // (hybrid) retrieval mode, then lexical-only for comparison.
+    let mut lexical = config.clone();
+    lexical.retrieval.mode = RetrievalMode::Lexical;
+    for (mode, config) in [("hybrid", config), ("lexical", &lexical)] {
+        let mut samples = Vec::with_capacity(20_000);
+        let mut items = 0;
+        let mut tokens = 0;
+        for round in 0..20_000 {
+            let messages = &queries[round % queries.len()];
+            let started = Instant::now();
+            let composition = compose(
+                state,
+                index,
+                prefetched,
+                &ComposeRequest {
+                    session_id: "session-19",
+                    messages,
+                    model: "gpt-4o",
+                    unapplied: &[],
+                },
+                config,
+            );
+            samples.push(started.elapsed());
+            items += composition.items;
+            tokens += composition.tokens.total as usize;
+            black_box(composition);
+        }
+        let (p50, p99, max) = percentiles(samples);
+        println!(
+            "compose ({mode}; re-rank + search + pack + compose), 20,000 calls: p50 {p50:?}, p99 {p99:?}, max {max:?} (target p99 < 200 µs); mean {} items, {} tokens injected of {}",
+            items / 20_000,
+            tokens / 20_000,
+            config.budget_tokens
         );
-        samples.push(started.elapsed());
-        items += composition.items;
-        tokens += composition.tokens.total as usize;
-        black_box(composition);
     }
-    let (p50, p99, max) = percentiles(samples);
-    println!(
-        "compose (re-rank + search + pack + compose), 20,000 calls: p50 {p50:?}, p99 {p99:?}, max {max:?} (target p99 < 200 µs); mean {} items, {} tokens injected of {}",
-        items / 20_000,
-        tokens / 20_000,
-        config.budget_tokens
-    );
+    report_nearest();
 
     let mut samples = Vec::with_capacity(500);
     for _ in 0..500 {
@@ -483,6 +492,74 @@ fn report(fixture: &Fixture) {
         "state size per user: serialized JSON {:.2} MB, heap estimate {:.2} MB (target < 2 MB)",
         json.len() as f64 / 1e6,
         estimated_heap_bytes(state) as f64 / 1e6
+    );
+}
+
+/// Semantic search over a 50,000-turn history's vectors: the sign-code prefilter and
+/// `semantic_candidates` dot products, against scoring every vector.
+fn report_nearest() {
+    const ITEMS: u32 = 50_000;
+    let Some(model) = embed::model() else {
+        println!("nearest: the embedded model did not parse");
+        return;
+    };
+    let mut rng = Lcg(7);
+    let mut segment = Segment::default();
+    let started = Instant::now();
+    for key in 0..ITEMS {
+        let topic = TOPICS[rng.next() % TOPICS.len()];
+        let text = user_text(&mut rng, topic, key as usize);
+        segment.set_vector(key, model.embed(&text));
+    }
+    println!(
+        "embedding {ITEMS} turns' text: {:?} per turn",
+        started.elapsed() / ITEMS
+    );
+    let queries: Vec<_> = (0..64)
+        .filter_map(|n| {
+            let words = TOPICS[n % TOPICS.len()];
+            model.embed(&format!(
+                "What did we say about the {} and the {}?",
+                words[1], words[3]
+            ))
+        })
+        .collect();
+    let pool = MemoryConfig::default().retrieval.semantic_candidates;
+    for (label, pool) in [("prefilter", pool), ("every vector", ITEMS as usize)] {
+        let mut samples = Vec::with_capacity(500);
+        for round in 0..500 {
+            let started = Instant::now();
+            black_box(segment.nearest(&queries[round % queries.len()], pool, 24));
+            samples.push(started.elapsed());
+        }
+        let (p50, p99, max) = percentiles(samples);
+        println!(
+            "nearest over {ITEMS} vectors ({label}, {pool} scored), 500 calls: p50 {p50:?}, p99 {p99:?}, max {max:?}"
+        );
+    }
+    // How much of the exact top 24 the prefilter keeps.
+    let mut kept = 0;
+    for query in &queries {
+        let exact: Vec<u32> = segment
+            .nearest(query, ITEMS as usize, 24)
+            .best
+            .iter()
+            .take(24)
+            .map(|hit| hit.0)
+            .collect();
+        let pre: Vec<u32> = segment
+            .nearest(query, pool, 24)
+            .best
+            .iter()
+            .take(24)
+            .map(|hit| hit.0)
+            .collect();
+        kept += exact.iter().filter(|key| pre.contains(key)).count();
+    }
+    println!(
+        "prefilter keeps {:.1} % of the exact top 24 ({} queries)",
+        kept as f64 * 100.0 / (24 * queries.len()) as f64,
+        queries.len()
     );
 }
 

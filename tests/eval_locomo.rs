@@ -256,16 +256,27 @@ fn the_command_writes_the_report_and_sweeps_budgets_in_process() {
         serde_json::from_str(&std::fs::read_to_string(out.path().join("locomo.json")).unwrap())
             .unwrap();
     assert_eq!(report["protocol_holds"], true);
-    // The default budget first, then the sweep: 3 budgets, 4 questions each.
-    assert_eq!(report["protocol"]["questions_sent"], 12);
-    let engram_budgets: Vec<u64> = report["sweep"]
+    // The default budget first, then the sweep: 3 budgets, 4 questions each, in hybrid
+    // retrieval (the default) and again in lexical.
+    assert_eq!(report["protocol"]["questions_sent"], 24);
+    let budgets_of = |system: &str| -> Vec<u64> {
+        report["sweep"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|point| point["system"] == system)
+            .map(|point| point["budget"].as_u64().unwrap())
+            .collect()
+    };
+    assert_eq!(budgets_of("engram"), [512, 2048, 4096]);
+    assert_eq!(budgets_of("engram, lexical"), [512, 2048, 4096]);
+    let headline: Vec<&str> = report["headline"]
         .as_array()
         .unwrap()
         .iter()
-        .filter(|point| point["system"] == "engram")
-        .map(|point| point["budget"].as_u64().unwrap())
+        .map(|row| row["system"].as_str().unwrap())
         .collect();
-    assert_eq!(engram_budgets, [512, 2048, 4096]);
+    assert_eq!(headline[..2], ["engram", "engram, lexical"]);
     let svg = std::fs::read_to_string(out.path().join("locomo.svg")).unwrap();
     assert!(svg.contains("evidence recall") && svg.trim_end().ends_with("</svg>"));
 }

@@ -4,7 +4,7 @@
 
 use std::fmt::Write as _;
 
-use super::report::{BM25, ENGRAM, FULL_HISTORY, Report, SweepPoint, WINDOW};
+use super::report::{BM25, ENGRAM, ENGRAM_LEXICAL, FULL_HISTORY, Report, SweepPoint, WINDOW};
 
 const WIDTH: f64 = 760.0;
 const HEIGHT: f64 = 480.0;
@@ -23,12 +23,18 @@ struct Style {
     label_left: bool,
 }
 
-const STYLES: [Style; 4] = [
+const STYLES: [Style; 5] = [
     Style {
         system: ENGRAM,
         colour: "#1f6feb",
         marker: "circle",
         label_left: false,
+    },
+    Style {
+        system: ENGRAM_LEXICAL,
+        colour: "#8250df",
+        marker: "circle",
+        label_left: true,
     },
     Style {
         system: BM25,
@@ -194,7 +200,10 @@ pub fn svg(report: &Report) -> String {
         TOP + plot_height / 2.0
     );
     // Series: a line through a system's budgets, a marker and a budget label per point.
-    for (row, style) in STYLES.iter().enumerate() {
+    let present = STYLES
+        .iter()
+        .filter(|style| points.iter().any(|point| point.system == style.system));
+    for (row, style) in present.enumerate() {
         let mut series: Vec<&&SweepPoint> = points
             .iter()
             .filter(|point| point.system == style.system)

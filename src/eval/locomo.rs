@@ -37,6 +37,7 @@ use super::upstream::{EXCHANGE_HEADER, ScriptedUpstream};
 use crate::app::{Credentials, Engram};
 use crate::config::{Config, StoreBackend};
 use crate::error::{Error, Result};
+use crate::memory::config::RetrievalMode;
 use crate::memory::tokens::{Encoding, count_in};
 use crate::openai::ChatMessage;
 use crate::pipeline::identity::{EVENT_TIME_HEADER, MODE_HEADER, SESSION_HEADER, USER_HEADER};
@@ -288,6 +289,18 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
         return Err(Error::Internal("the data holds no conversation".into()));
     }
     let budgets = budgets(&options);
+    let mode = options.config.memory.retrieval.mode;
+    // Hybrid is compared with lexical retrieval in the same run, over the same replay (the
+    // mode only changes how questions are answered). A running proxy (`--proxy`) has one.
+    let modes: Vec<RetrievalMode> = if mode == RetrievalMode::Hybrid && options.proxy.is_none() {
+        vec![mode, RetrievalMode::Lexical]
+    } else {
+        vec![mode]
+    };
+    let rounds: Vec<(RetrievalMode, u32)> = modes
+        .iter()
+        .flat_map(|mode| budgets.iter().map(move |budget| (*mode, *budget)))
+        .collect();
     let tracker = TaskTracker::new();
     let upstream = Arc::new(ScriptedUpstream::start(options.mock_listen).await?);
     let store_dir = TempDir::new()?;
@@ -329,7 +342,7 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
         .map(|c| c.evaluated_questions().count())
         .sum();
     let progress = &options.progress;
-    progress.start((exchanges + questions * budgets.len()) as u64);
+    progress.start((exchanges + questions * rounds.len()) as u64);
     progress.line(&format!(
         "replaying {} conversations ({exchanges} exchanges, {questions} questions) at budgets {}",
         conversations.len(),
@@ -399,9 +412,9 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
 
     // ---- questions, per budget ----
     let probe_started = Instant::now();
-    let mut per_budget: Vec<(u32, Vec<Vec<Probe>>)> = Vec::new();
+    let mut per_budget: Vec<(RetrievalMode, u32, Vec<Vec<Probe>>)> = Vec::new();
     let mut conversation_seconds = vec![0.0f64; conversations.len()];
-    for (round, budget) in budgets.iter().copied().enumerate() {
+    for (round, (round_mode, budget)) in rounds.iter().copied().enumerate() {
         let client = if round == 0 {
             client.clone()
         } else {
@@ -411,6 +424,7 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
             };
             proxy.stop().await?;
             config.memory.budget_tokens = budget;
+            config.memory.retrieval.mode = round_mode;
             let proxy = LocalProxy::start(&config, &token, &tracker).await?;
             let client = ProxyClient::new(&format!("http://{}", proxy.address), &token);
             local = Some((proxy, token));
@@ -473,7 +487,7 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
         }
         protocol.questions_sent += probes.iter().map(Vec::len).sum::<usize>();
         protocol.degraded_questions += probes.iter().flatten().filter(|p| p.degraded).count();
-        per_budget.push((budget, probes));
+        per_budget.push((round_mode, budget, probes));
         // Read-only: this round's questions queued nothing and left nothing in flight.
         let queue = client.queue().await?;
         protocol.jobs_recorded_by_questions += queued(&queue).saturating_sub(queued_before)
@@ -502,13 +516,11 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
         .iter()
         .map(|conversation| ConversationBaselines::new(conversation))
         .collect();
-    let report = report::build(
-        &options,
-        &conversations,
-        &baselines,
-        &per_budget
+    let probes_of = |wanted: RetrievalMode| -> report::EngramProbes {
+        per_budget
             .iter()
-            .map(|(budget, probes)| {
+            .filter(|(mode, _, _)| *mode == wanted)
+            .map(|(_, budget, probes)| {
                 (
                     *budget,
                     probes
@@ -522,7 +534,21 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
                         .collect(),
                 )
             })
-            .collect::<Vec<_>>(),
+            .collect()
+    };
+    let lexical = if mode == RetrievalMode::Lexical {
+        Vec::new()
+    } else {
+        probes_of(RetrievalMode::Lexical)
+    };
+    let report = report::build(
+        &options,
+        &conversations,
+        &baselines,
+        report::EngramRuns {
+            configured: &probes_of(mode),
+            lexical: &lexical,
+        },
         &conversation_seconds,
         protocol,
         report::Timing {
@@ -541,7 +567,7 @@ pub async fn run(options: EvalOptions) -> Result<EvalOutput> {
             for probe in per_budget
                 .iter()
                 .take(1)
-                .flat_map(|(_, probes)| probes.iter().flatten())
+                .flat_map(|(_, _, probes)| probes.iter().flatten())
             {
                 if let Some(trace) = &probe.trace {
                     lines.push_str(&trace.to_string());

@@ -25,6 +25,8 @@ pub const ENGRAM: &str = "engram";
 pub const FULL_HISTORY: &str = "full history";
 pub const WINDOW: &str = "last 6 exchanges";
 pub const BM25: &str = "BM25 top-k";
+/// Engram with `memory.retrieval.mode: lexical`, beside a hybrid run.
+pub const ENGRAM_LEXICAL: &str = "engram, lexical";
 
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct Timing {
@@ -105,16 +107,25 @@ pub struct Report {
 /// Engram's probes: per budget, per conversation, per evaluated question, its score and losses.
 pub type EngramProbes = Vec<(u32, Vec<Vec<(QuestionScore, Vec<Missed>)>>)>;
 
+/// Engram's probes in the configured retrieval mode, and in lexical mode beside a hybrid run
+/// (empty otherwise).
+#[derive(Clone, Copy)]
+pub struct EngramRuns<'a> {
+    pub configured: &'a EngramProbes,
+    pub lexical: &'a EngramProbes,
+}
+
 pub fn build(
     options: &EvalOptions,
     conversations: &[Arc<Conversation>],
     baselines: &[ConversationBaselines],
-    engram: &EngramProbes,
+    runs: EngramRuns<'_>,
     conversation_seconds: &[f64],
     protocol: ProtocolCheck,
     timing: Timing,
 ) -> Report {
     let budget = options.budget;
+    let (engram, lexical) = (runs.configured, runs.lexical);
     let flat = |probes: &Vec<Vec<(QuestionScore, Vec<Missed>)>>| -> Vec<QuestionScore> {
         probes.iter().flatten().map(|(score, _)| *score).collect()
     };
@@ -239,6 +250,24 @@ pub fn build(
                 budget: Some(*round_budget),
                 breakdown: bm25_breakdown,
             });
+        }
+    }
+    for (round, (round_budget, probes)) in lexical.iter().enumerate() {
+        let breakdown = Breakdown::of(&flat(probes));
+        sweep.push(point(
+            ENGRAM_LEXICAL,
+            Some(*round_budget),
+            &breakdown.overall,
+        ));
+        if round == 0 {
+            headline.insert(
+                1.min(headline.len()),
+                SystemRow {
+                    system: ENGRAM_LEXICAL,
+                    budget: Some(*round_budget),
+                    breakdown,
+                },
+            );
         }
     }
     sweep.push(point(FULL_HISTORY, None, &full.overall));

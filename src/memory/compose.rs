@@ -1360,6 +1360,7 @@ fn prefix_first_user(out: &mut [OutgoingMessage], source: &[ChatMessage], from: 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::config::RetrievalMode;
     use crate::memory::diff::{FactDiff, FactEdit, apply_diff};
     use crate::memory::record::test_support::{record_turn, recorded_with};
     use crate::memory::record::{consolidate, pin, pin_fact, set_identity};
@@ -1958,12 +1959,20 @@ mod tests {
     /// Asks to change line 7 of the script sent at turn `at` (answered with `reply`) of
     /// `exchange_at_turn`: the state, the request and its composition, by default config.
     fn ask_about_script(at: usize, reply: &str) -> (MemoryState, Vec<ChatMessage>, Composition) {
+        ask_about_script_with(at, reply, &MemoryConfig::default())
+    }
+
+    fn ask_about_script_with(
+        at: usize,
+        reply: &str,
+        config: &MemoryConfig,
+    ) -> (MemoryState, Vec<ChatMessage>, Composition) {
         let state = exchange_at_turn(at, &script_message(), reply);
         let messages = vec![ChatMessage::new(
             "user",
             "In my invoice script, make line 7 open the file as utf-8.",
         )];
-        let composition = compose_for(&state, &messages, &MemoryConfig::default());
+        let composition = compose_for(&state, &messages, config);
         (state, messages, composition)
     }
 
@@ -1996,9 +2005,13 @@ mod tests {
 
     #[test]
     fn a_turn_and_its_artifact_never_show_the_same_lines() {
-        // A reply long enough that the script alone is the cheaper way to show it.
+        // A reply long enough that the script alone is the cheaper way to show it. Lexical
+        // ranking puts the artifact first (hybrid ranks the turn first and shows it whole,
+        // which holds the script: also once).
         let reply: Vec<String> = (0..170).map(|n| format!("note{n}")).collect();
-        let (state, messages, composition) = ask_about_script(5, &reply.join(" "));
+        let mut config = MemoryConfig::default();
+        config.retrieval.mode = RetrievalMode::Lexical;
+        let (state, messages, composition) = ask_about_script_with(5, &reply.join(" "), &config);
         let recall = recall_text(&composition, &messages);
         assert_eq!(recall.matches(SCRIPT_LINE_7).count(), 1, "{recall}");
         let shown: Vec<(ItemRef, Form)> = composition

@@ -103,6 +103,7 @@ impl MemoryConfig {
                 self.episodes.min_topic_overlap,
             ),
             ("retrieval.feedback_weight", self.retrieval.feedback_weight),
+            ("retrieval.lexical_weight", self.retrieval.lexical_weight),
         ] {
             if !(0.0..=1.0).contains(&value) {
                 return fail(key, "must be between 0 and 1");
@@ -119,6 +120,9 @@ impl MemoryConfig {
         }
         if self.depth.max_message_bytes < 1024 {
             return fail("depth.max_message_bytes", "must be at least 1024");
+        }
+        if self.retrieval.semantic_candidates == 0 {
+            return fail("retrieval.semantic_candidates", "must be greater than 0");
         }
         if self.retrieval.postings_per_term == 0 {
             return fail("retrieval.postings_per_term", "must be greater than 0");
@@ -192,9 +196,29 @@ impl Default for DepthConfig {
     }
 }
 
+/// How recall ranks memory for a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RetrievalMode {
+    /// BM25 mixed with the cosine of static embeddings (`lexical_weight`).
+    #[default]
+    Hybrid,
+    /// BM25 only.
+    Lexical,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RetrievalConfig {
+    /// `hybrid` (default) or `lexical`.
+    pub mode: RetrievalMode,
+    /// Hybrid: an item's score is `lexical_weight`·BM25 + (1 − `lexical_weight`)·cosine, each
+    /// scaled to 0..1 per query and segment (BM25 by its best hit, cosine min–max over the
+    /// items compared), then put back on the segment's BM25 scale.
+    pub lexical_weight: f32,
+    /// Hybrid: a segment with more vectors than this is compared by 256-bit sign codes first,
+    /// and only this many nearest are scored in full.
+    pub semantic_candidates: usize,
     pub bm25_k1: f32,
     pub bm25_b: f32,
     /// A query word finds and scores documents in at most this many of its postings per
@@ -235,6 +259,9 @@ pub struct RetrievalConfig {
 impl Default for RetrievalConfig {
     fn default() -> Self {
         RetrievalConfig {
+            mode: RetrievalMode::Hybrid,
+            lexical_weight: 0.6,
+            semantic_candidates: 512,
             bm25_k1: 1.2,
             bm25_b: 0.75,
             postings_per_term: 1_024,
@@ -243,7 +270,7 @@ impl Default for RetrievalConfig {
             top_facts: 16,
             top_episodes: 4,
             top_artifacts: 2,
-            neighbour_weight: 0.5,
+            neighbour_weight: 0.7,
             escalate_below_coverage: 0.6,
             raw_weight_when_covered: 1.0,
             tier_score_blend: 0.1,

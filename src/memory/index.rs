@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use rustc_hash::{FxBuildHasher, FxHasher};
 
+use super::embed::{self, Vector};
 use super::layered::LayeredMap;
 use super::model::{ItemRef, MemoryState, TurnSeq};
 use super::segmented::Segmented;
@@ -183,6 +184,11 @@ pub struct Segment {
     /// under, so document frequencies count live documents only.
     stale: HashMap<TermId, u32, FxBuildHasher>,
     stale_docs: u32,
+    /// Key -> the unit vector of its text (semantic recall), kept beside the postings rather
+    /// than in the parts: it is replaced in place when the text changes, never goes stale.
+    vectors: Segmented<Option<Vector>>,
+    /// Keys with a vector.
+    vector_count: u32,
 }
 
 impl Segment {
@@ -661,12 +667,116 @@ impl Segment {
         self.all_parts().map(|part| part.bytes).sum::<usize>()
             + self.live.len() * 16
             + self.stale.len() * 8
+            + self.vectors.len() * std::mem::size_of::<Option<Vector>>()
+            + self.vector_count as usize * embed::DIMS
+    }
+
+    /// Sets `key`'s vector (`None`: it has none). Public for benchmarks; the index sets its
+    /// own when it indexes an item.
+    pub fn set_vector(&mut self, key: u32, vector: Option<Vector>) {
+        let key = key as usize;
+        while self.vectors.len() <= key {
+            self.vectors.push(None);
+        }
+        if let Some(slot) = self.vectors.get_mut(key) {
+            self.vector_count = self
+                .vector_count
+                .saturating_add(u32::from(vector.is_some()))
+                .saturating_sub(u32::from(slot.is_some()));
+            *slot = vector;
+        }
+        self.vectors.take_dirty();
+    }
+
+    /// Cosine similarity of `key`'s vector with `query`; `None` when it has none.
+    pub fn cosine(&self, key: u32, query: &Vector) -> Option<f32> {
+        self.vectors
+            .get(key as usize)?
+            .as_ref()
+            .map(|vector| vector.cosine(query))
+    }
+
+    /// The `top` items nearest to `query`, among every item
+    /// with a vector when there are at most `pool`, else the `pool` whose sign codes differ from
+    /// the query's in the fewest dimensions (ties: the newest), rescored by their int8 dot
+    /// product. So a 50,000-turn history costs one popcount pass over 32-byte codes and `pool`
+    /// dot products, not 50,000 of them.
+    pub fn nearest(&self, query: &Vector, pool: usize, top: usize) -> Nearest {
+        let mut scored: Vec<(u32, f32)> = Vec::new();
+        let keyed = |key: usize| u32::try_from(key).unwrap_or(u32::MAX);
+        if self.vector_count as usize <= pool {
+            scored.reserve(self.vector_count as usize);
+            for (key, vector) in self.vectors.iter().enumerate() {
+                if let Some(vector) = vector {
+                    scored.push((keyed(key), vector.cosine(query)));
+                }
+            }
+        } else {
+            // One popcount pass: every item's distance (`NONE` without a vector), counted by
+            // distance to find the one below which fewer than `pool` items lie.
+            const NONE: u16 = u16::MAX;
+            let mut histogram = [0usize; embed::DIMS + 1];
+            let mut distances: Vec<u16> = Vec::with_capacity(self.vectors.len());
+            for vector in self.vectors.iter() {
+                let distance = vector.as_ref().map_or(NONE, |vector| {
+                    u16::try_from(query.hamming(&vector.code)).unwrap_or(NONE)
+                });
+                if let Some(count) = histogram.get_mut(usize::from(distance)) {
+                    *count += 1;
+                }
+                distances.push(distance);
+            }
+            let mut below = 0;
+            let mut limit = embed::DIMS;
+            for (distance, count) in histogram.iter().enumerate() {
+                if below + count >= pool {
+                    limit = distance;
+                    break;
+                }
+                below += count;
+            }
+            // Everything nearer than `limit`, then the newest at `limit` up to `pool`.
+            let limit = u16::try_from(limit).unwrap_or(NONE);
+            let mut at_limit = pool - below;
+            scored.reserve(pool);
+            for (key, distance) in distances.iter().enumerate().rev() {
+                if *distance < limit || (*distance == limit && at_limit > 0) {
+                    if *distance == limit {
+                        at_limit -= 1;
+                    }
+                    if let Some(Some(vector)) = self.vectors.get(key) {
+                        scored.push((keyed(key), vector.cosine(query)));
+                    }
+                }
+            }
+        }
+        let lowest = scored.iter().map(|hit| hit.1).reduce(f32::min);
+        // Only the best `top` are wanted in order: select them, then sort those.
+        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if scored.len() > top && top > 0 {
+            scored.select_nth_unstable_by(top - 1, order);
+        }
+        scored.truncate(top);
+        scored.sort_unstable_by(order);
+        Nearest {
+            best: scored,
+            lowest: lowest.unwrap_or(0.0),
+        }
     }
 
     /// Sealed parts, for tests and sizing.
     pub fn part_count(&self) -> usize {
         self.parts.len()
     }
+}
+
+/// The items of a segment nearest to a query vector.
+#[derive(Debug, Clone, Default)]
+pub struct Nearest {
+    /// `(key, cosine)`, best first, ties by key.
+    pub best: Vec<(u32, f32)>,
+    /// The lowest cosine among the items compared (0 when none was).
+    pub lowest: f32,
 }
 
 /// One query term's postings in a part, with the term's idf.
@@ -843,6 +953,7 @@ impl MemoryIndex {
             }
             let text = (self.term_ids(&said), self.term_ids(&date));
             self.raw.put(seq, Some(text), print);
+            self.raw.set_vector(seq, embed_text(&said));
             self.chains.insert(turn.chain, seq);
             self.pairs.insert(turn.pair(), seq);
         }
@@ -909,7 +1020,10 @@ impl MemoryIndex {
             return;
         }
         let terms = text.map(|text| (self.term_ids(text), Vec::new()));
-        self.segment_mut(kind).put(key, terms, print);
+        let vector = text.and_then(embed_text);
+        let segment = self.segment_mut(kind);
+        segment.put(key, terms, print);
+        segment.set_vector(key, vector);
     }
 
     fn term_ids(&mut self, text: &str) -> Vec<TermId> {
@@ -1017,6 +1131,12 @@ impl MemoryIndex {
     }
 }
 
+/// The vector of an item's text, when the shipped model parses (it always does; see
+/// `embed::model`).
+fn embed_text(text: &str) -> Option<Vector> {
+    embed::model().and_then(|model| model.embed(text))
+}
+
 /// The segment and document key of an item, if it is indexed.
 pub fn segment_of(item: ItemRef) -> Option<(SegmentKind, u32)> {
     match item {
@@ -1044,6 +1164,39 @@ mod tests {
     }
 
     const BM25: Bm25 = Bm25::STANDARD;
+
+    /// Past `pool` vectors, the sign-code prefilter keeps the nearest: the exact answer's best
+    /// items are found, and every item is scored when the pool covers them all.
+    #[test]
+    fn nearest_prefilters_by_sign_codes_and_keeps_the_best() {
+        let topics = [
+            "pottery class with clay and a wheel",
+            "my car needs new winter tyres",
+            "the train to Leeds was late",
+            "baking sourdough bread at home",
+        ];
+        let mut segment = Segment::default();
+        for key in 0..400u32 {
+            let text = format!("{} number {key}", topics[key as usize % topics.len()]);
+            segment.set_vector(key, embed_text(&text));
+        }
+        let query = embed_text("I love shaping clay on the pottery wheel").unwrap();
+        let exact = segment.nearest(&query, 1_000, usize::MAX).best;
+        assert_eq!(exact.len(), 400);
+        let pre = segment.nearest(&query, 64, usize::MAX).best;
+        assert_eq!(pre.len(), 64);
+        // Every one of the prefilter's picks is a pottery turn, as are the exact top 64.
+        assert!(pre.iter().all(|(key, _)| key % 4 == 0), "{pre:?}");
+        assert!(exact.iter().take(64).all(|(key, _)| key % 4 == 0));
+        assert_eq!(pre[0], exact[0]);
+        segment.set_vector(0, None);
+        assert_eq!(segment.cosine(0, &query), None);
+        let all = segment.nearest(&query, 1_000, usize::MAX).best;
+        assert_eq!(all.len(), 399);
+        let top = segment.nearest(&query, 1_000, 5);
+        assert_eq!(top.best[..], all[..5]);
+        assert_eq!(top.lowest, all[398].1);
+    }
 
     #[test]
     fn bm25_ranks_rare_terms_higher() {

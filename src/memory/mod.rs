@@ -11,6 +11,8 @@ pub mod compose;
 pub mod config;
 pub mod depth;
 pub mod diff;
+pub mod embed;
+mod embed_tables;
 pub mod explain;
 pub mod extract;
 pub mod fence;

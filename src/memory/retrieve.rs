@@ -11,8 +11,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::config::RetrievalConfig;
-use super::index::{Bm25, MemoryIndex, SegmentKind, TermId, segment_of};
+use super::config::{RetrievalConfig, RetrievalMode};
+use super::embed::{self, Vector};
+use super::index::{Bm25, MemoryIndex, Segment, SegmentKind, TermId, segment_of};
 use super::model::{CandidateId, ItemRef, MemoryState, Tier, TurnSeq};
 
 /// Why an item was retrieved.
@@ -67,6 +68,10 @@ const COVERAGE_HITS: usize = 8;
 /// any score. Questions have far fewer.
 pub const MAX_QUERY_TERMS: usize = 64;
 
+/// The query is embedded from at most its last this many bytes: a question usually follows
+/// whatever was pasted before it, and a 16 KB message would cost the hot path ~0.1 ms more.
+const QUERY_EMBED_BYTES: usize = 2048;
+
 fn bm25(config: &RetrievalConfig) -> Bm25 {
     Bm25 {
         k1: config.bm25_k1,
@@ -101,6 +106,8 @@ pub fn retrieve(
     let (mut terms, total) = index.query_terms(query);
     index.keep_rarest(&mut terms, MAX_QUERY_TERMS);
     let params = bm25(config);
+    let semantic = query_vector(query, config);
+    let semantic = semantic.as_ref();
     let mut best: BTreeMap<ItemRef, (f32, HitSource)> = BTreeMap::new();
 
     // Re-rank the prefetched candidates against the actual message.
@@ -131,7 +138,18 @@ pub fn retrieve(
         (SegmentKind::Summary, config.top_summaries, ItemRef::Summary),
         (SegmentKind::Episode, config.top_episodes, ItemRef::Episode),
     ] {
-        for (key, relevance) in index.segment(kind).search(&terms, params, top) {
+        let segment = index.segment(kind);
+        // Summaries and episodes are made of raw turns, which the raw search compares by
+        // meaning already: comparing them too cost a third of compose's time.
+        let semantic = semantic.filter(|_| kind == SegmentKind::Fact);
+        let found = hybrid(
+            segment,
+            semantic,
+            segment.search(&terms, params, top),
+            config,
+            top,
+        );
+        for (key, relevance) in found {
             let item = wrap(key);
             if exists(state, item) {
                 summary_hits.push((item, relevance));
@@ -155,6 +173,7 @@ pub fn retrieve(
     if config.feedback_turns > 0 && config.feedback_weight > 0.0 {
         raw_hits = with_feedback(index, &terms, &raw_hits, config);
     }
+    let raw_hits = hybrid(&index.raw, semantic, raw_hits, config, config.top_raw_turns);
     for (key, relevance) in raw_hits {
         offer(
             &mut best,
@@ -175,7 +194,15 @@ pub fn retrieve(
             }
         }
     }
-    for (key, relevance) in index.artifacts.search(&terms, params, config.top_artifacts) {
+    let artifact_hits = index.artifacts.search(&terms, params, config.top_artifacts);
+    let artifact_hits = hybrid(
+        &index.artifacts,
+        semantic,
+        artifact_hits,
+        config,
+        config.top_artifacts,
+    );
+    for (key, relevance) in artifact_hits {
         offer(
             &mut best,
             ItemRef::Artifact(key),
@@ -206,6 +233,75 @@ pub fn retrieve(
         query_terms: total,
         known_terms: terms.len(),
     }
+}
+
+/// The query's vector when retrieval is hybrid.
+fn query_vector(query: &str, config: &RetrievalConfig) -> Option<Vector> {
+    if config.mode != RetrievalMode::Hybrid {
+        return None;
+    }
+    let mut start = query.len().saturating_sub(QUERY_EMBED_BYTES);
+    while !query.is_char_boundary(start) {
+        start += 1;
+    }
+    embed::model()?.embed(query.get(start..)?)
+}
+
+/// A segment's lexical hits mixed with its nearest items by cosine: `w`·BM25 + (1 − `w`)·cosine,
+/// BM25 scaled by its best hit and cosine min–max over the items compared (0..1 each, per
+/// query), the sum put back on the best BM25 hit's scale so segments still compare as before.
+/// The `top` best of both lists, best first, ties by key. Lexical hits as they are when there
+/// is no query vector.
+fn hybrid(
+    segment: &Segment,
+    query: Option<&Vector>,
+    lexical: Vec<(u32, f32)>,
+    config: &RetrievalConfig,
+    top: usize,
+) -> Vec<(u32, f32)> {
+    let Some(query) = query else {
+        return lexical;
+    };
+    let nearest = segment.nearest(query, config.semantic_candidates, top);
+    let Some(best) = nearest.best.first() else {
+        return lexical;
+    };
+    let (high, low) = (best.1, nearest.lowest);
+    let scaled = |cosine: f32| {
+        if high > low {
+            ((cosine - low) / (high - low)).clamp(0.0, 1.0)
+        } else {
+            0.0
+        }
+    };
+    let lexical_best = lexical.iter().fold(0.0f32, |best, hit| best.max(hit.1));
+    // With no lexical hit the best semantic one scores its cosine: weak matches stay weak
+    // against other segments' hits.
+    let scale = if lexical_best > 0.0 {
+        lexical_best
+    } else {
+        high.max(0.0)
+    };
+    let w = config.lexical_weight;
+    let mut mixed: BTreeMap<u32, f32> = BTreeMap::new();
+    for (key, relevance) in &lexical {
+        let lexical = if lexical_best > 0.0 {
+            relevance / lexical_best
+        } else {
+            0.0
+        };
+        let cosine = segment.cosine(*key, query).map_or(0.0, scaled);
+        mixed.insert(*key, scale * (w * lexical + (1.0 - w) * cosine));
+    }
+    for (key, cosine) in &nearest.best {
+        mixed
+            .entry(*key)
+            .or_insert(scale * (1.0 - w) * scaled(*cosine));
+    }
+    let mut out: Vec<(u32, f32)> = mixed.into_iter().filter(|(_, s)| *s > 0.0).collect();
+    out.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    out.truncate(top);
+    out
 }
 
 /// Pseudo-relevance feedback over raw turns (RM3-like): the words that the best raw hits share,
@@ -548,6 +644,8 @@ mod tests {
         let index = MemoryIndex::build(&state);
         let question = "What does she do to destress?";
         let mut config = MemoryConfig::default().retrieval;
+        // Feedback alone: semantic recall would find every turn of so small a memory.
+        config.mode = RetrievalMode::Lexical;
         config.feedback_turns = 0;
         let without = retrieve(&state, &index, question, &[], &config);
         assert_eq!(raw_rank(&without, 0), Some(0));
@@ -568,6 +666,50 @@ mod tests {
             None,
             "unrelated turns stay out: {with:?}"
         );
+    }
+
+    /// Hybrid retrieval finds a turn that shares no word with the question nor with any
+    /// turn that does (feedback cannot), by meaning; lexical retrieval does not.
+    #[test]
+    fn hybrid_finds_a_turn_by_meaning_alone() {
+        let state = recorded(&[
+            (
+                "Pottery is like therapy for me, it calms me down after a long week.",
+                "That sounds lovely.",
+            ),
+            (
+                "My car needs new tyres before winter.",
+                "Winter tyres grip better.",
+            ),
+            (
+                "The train to Leeds was late again.",
+                "Trains are often late.",
+            ),
+        ]);
+        let index = MemoryIndex::build(&state);
+        let question = "How does Tom destress?";
+        let mut config = MemoryConfig::default().retrieval;
+        config.mode = RetrievalMode::Lexical;
+        let lexical = retrieve(&state, &index, question, &[], &config);
+        assert_eq!(raw_rank(&lexical, 0), None, "{lexical:?}");
+        config.mode = RetrievalMode::Hybrid;
+        let hybrid = retrieve(&state, &index, question, &[], &config);
+        assert_eq!(raw_rank(&hybrid, 0), Some(0), "{hybrid:?}");
+    }
+
+    /// Lexical evidence still counts in hybrid: of two turns about the same thing, the one
+    /// naming the question's rare word ranks first at the default weight.
+    #[test]
+    fn hybrid_keeps_the_lexical_match_first() {
+        let state = recorded(&[
+            ("I went hiking in the hills last weekend.", "Nice walk!"),
+            ("We hiked up Helvellyn on Saturday.", "What a climb!"),
+            ("My car needs new tyres.", "Winter tyres grip better."),
+        ]);
+        let index = MemoryIndex::build(&state);
+        let config = MemoryConfig::default().retrieval;
+        let hybrid = retrieve(&state, &index, "When did we climb Helvellyn?", &[], &config);
+        assert_eq!(raw_rank(&hybrid, 1), Some(0), "{hybrid:?}");
     }
 
     /// Feedback lends the hits' other words, never the query's own (they already count in
