@@ -139,6 +139,7 @@ fn assert_each_prompt_carries_the_previous_exchange(
     record: &Path,
     answers: &[Vec<(String, String)>],
     sessions: usize,
+    proxies: &[&Process],
 ) {
     let prompts: HashMap<String, Value> = recorded(record)
         .into_iter()
@@ -181,9 +182,15 @@ fn assert_each_prompt_carries_the_previous_exchange(
             }
         }
     }
+    // A degraded answer says why only in the proxy's log.
+    let warnings: Vec<String> = proxies
+        .iter()
+        .flat_map(|proxy| proxy.stderr_lines())
+        .filter(|line| line.contains("WARN") || line.contains("ERROR"))
+        .collect();
     assert!(
         missing.is_empty(),
-        "{} of {} follow-ups lacked the previous exchange; first: {}",
+        "{} of {} follow-ups lacked the previous exchange; first: {}; the proxies warned: {warnings:#?}",
         missing.len(),
         sessions * (TURNS - 1),
         missing.first().map_or("", String::as_str)
@@ -197,7 +204,7 @@ async fn instant_follow_ups_carry_the_previous_exchange_on_the_embedded_store() 
     let _one = ONE_AT_A_TIME.lock().await;
     let proxy = proxy(&upstream.address, &[RECEIPT_WAIT]);
     let answers = converse(&[proxy.url("")], SESSIONS).await;
-    assert_each_prompt_carries_the_previous_exchange(&record, &answers, SESSIONS);
+    assert_each_prompt_carries_the_previous_exchange(&record, &answers, SESSIONS, &[&proxy]);
 }
 
 #[tokio::test]
@@ -210,7 +217,7 @@ async fn without_a_worker_follow_ups_still_carry_the_previous_exchange() {
         &[("ENGRAM_WORKER__ENABLED", "false"), RECEIPT_WAIT],
     );
     let answers = converse(&[proxy.url("")], 10).await;
-    assert_each_prompt_carries_the_previous_exchange(&record, &answers, 10);
+    assert_each_prompt_carries_the_previous_exchange(&record, &answers, 10, &[&proxy]);
 }
 
 #[tokio::test]
@@ -231,7 +238,7 @@ async fn instant_follow_ups_carry_the_previous_exchange_on_redis() {
         ],
     );
     let answers = converse(&[proxy.url("")], SESSIONS).await;
-    assert_each_prompt_carries_the_previous_exchange(&record, &answers, SESSIONS);
+    assert_each_prompt_carries_the_previous_exchange(&record, &answers, SESSIONS, &[&proxy]);
 }
 
 #[tokio::test]
@@ -253,7 +260,8 @@ async fn two_replicas_on_a_redis_cluster_answering_in_turn_each_see_the_others_e
     let replicas: Vec<Process> = (0..2).map(|_| proxy(&upstream.address, &env)).collect();
     let addresses: Vec<String> = replicas.iter().map(|replica| replica.url("")).collect();
     let answers = converse(&addresses, SESSIONS).await;
-    assert_each_prompt_carries_the_previous_exchange(&record, &answers, SESSIONS);
+    let proxies: Vec<&Process> = replicas.iter().collect();
+    assert_each_prompt_carries_the_previous_exchange(&record, &answers, SESSIONS, &proxies);
 }
 
 #[tokio::test]

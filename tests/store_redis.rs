@@ -877,3 +877,41 @@ async fn a_memory_in_the_earlier_layout_is_converted_on_first_read() {
     assert_eq!(items, 1 + 2 * 2 + state.facts.len());
     assert_eq!(store.load_state(&user).await.unwrap().unwrap(), state);
 }
+
+/// A worker committing one user's turns faster than a whole read takes: the optimistic reads
+/// (version before and after) keep seeing a change, and the store falls back to one script
+/// reading the memory at once instead of failing the request.
+#[tokio::test]
+async fn a_whole_read_of_a_memory_that_keeps_changing_still_succeeds() {
+    let Some((store, mut connection, _server)) = store_and_connection(None).await else {
+        return;
+    };
+    let alice = UserKey::new("acme", "alice");
+    let state = large_state(&alice);
+    store.save_state(&alice, &state, 0).await.unwrap();
+    // Every read of the version sees a new one: nothing else changes, so the state read is
+    // whole, but the plain reads can never prove it.
+    let version_key = user_key(&alice, "version");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut bumping = tokio::task::JoinSet::new();
+    bumping.spawn({
+        let stop = std::sync::Arc::clone(&stop);
+        let mut connection = connection.clone();
+        let version_key = version_key.clone();
+        async move {
+            let mut bumps = 0_u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _: u64 = connection.incr(&version_key, 1).await.unwrap();
+                bumps += 1;
+            }
+            bumps
+        }
+    });
+    for _ in 0..20 {
+        let loaded = store.load_state(&alice).await.unwrap().unwrap();
+        assert_eq!(loaded, state);
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(bumping.join_next().await.unwrap().unwrap() > 0);
+    let _: () = connection.del(&version_key).await.unwrap();
+}

@@ -723,7 +723,8 @@ impl RedisStore {
     /// Also returns the bytes read. Plain commands (a cluster connection takes no `MULTI`),
     /// made consistent by reading the version before and after: every write sets the version
     /// last, in the script that writes the hot state and items, so an unchanged version means
-    /// no write came in between; a changed one reads again.
+    /// no write came in between; a changed one reads again, and after a few tries (a worker
+    /// committing this user's turns faster than the reads take) one script reads it at once.
     async fn read_memory(&self, user: &UserKey) -> Result<Option<(u64, MemoryState, usize)>> {
         const ATTEMPTS: usize = 5;
         let version_key = self.user_key(user, "version");
@@ -745,10 +746,28 @@ impl RedisStore {
                 break;
             }
         }
-        let Some((version, state, items)) = read else {
-            return Err(Error::Store(format!(
-                "memory kept changing during {ATTEMPTS} whole reads"
-            )));
+        let (version, state, items) = match read {
+            Some(read) => read,
+            None => {
+                type Whole = (Option<String>, Option<Vec<u8>>, Vec<Vec<u8>>);
+                let (version, state, flat): Whole = self
+                    .scripts
+                    .read_whole
+                    .key(&version_key)
+                    .key(self.user_key(user, "state"))
+                    .key(self.user_key(user, "items"))
+                    .invoke_async(&mut connection)
+                    .await
+                    .map_err(redis_error)?;
+                let mut items = Vec::with_capacity(flat.len() / 2);
+                let mut pairs = flat.into_iter();
+                while let (Some(field), Some(value)) = (pairs.next(), pairs.next()) {
+                    let field = String::from_utf8(field)
+                        .map_err(|_| Error::Store("a memory item's field is not UTF-8".into()))?;
+                    items.push((field, value));
+                }
+                (version, state, items)
+            }
         };
         let (Some(version), Some(state)) = (version, state) else {
             return Ok(None);

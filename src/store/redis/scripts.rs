@@ -529,8 +529,16 @@ end
 return removed
 ";
 
+/// A whole memory read at once, for a memory that kept changing between plain reads: every
+/// value passes through Lua, so it is the fallback, not the rule.
+/// KEYS: version, state, items. Returns {version or nil, state or nil, flat field/value list}.
+const READ_WHOLE: &str = r"
+return {redis.call('GET', KEYS[1]), redis.call('GET', KEYS[2]), redis.call('HGETALL', KEYS[3])}
+";
+
 pub struct Scripts {
     pub hot_record: Script,
+    pub read_whole: Script,
     pub save_state: Script,
     pub append_raw: Script,
     pub enqueue: Script,
@@ -550,6 +558,7 @@ impl Scripts {
         let with = |parts: &[&str]| Script::new(&parts.concat());
         Scripts {
             hot_record: Script::new(HOT_RECORD),
+            read_whole: Script::new(READ_WHOLE),
             save_state: with(&[WRITE_MEMORY, SAVE_STATE]),
             append_raw: with(&[PLACE, APPEND_RAW]),
             enqueue: with(&[COMMON, PLACE, ENQUEUE]),
