@@ -205,3 +205,48 @@ async fn an_idle_http2_connection_answering_pings_is_closed_but_a_long_stream_is
     assert!(started.elapsed() >= Duration::from_millis(1800));
     assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
 }
+
+/// The probe: with 256 descriptors, a client holding 300 idle connections open once
+/// made accept fail (EMFILE) and `/healthz` time out. The connection limit is lowered to what
+/// the open-file limit leaves, so the reserve still answers health checks.
+#[tokio::test]
+async fn at_the_open_file_limit_health_checks_still_answer() {
+    let upstream = mock(&[]);
+    let proxy = common::proxy_limited(&upstream.address, &[], &[], Some(256));
+    let mut held = Vec::new();
+    for _ in 0..300 {
+        match TcpStream::connect(proxy.address.trim_start_matches("http://")) {
+            Ok(stream) => held.push(stream),
+            Err(_) => break,
+        }
+    }
+    assert!(held.len() >= 256, "only {} connections opened", held.len());
+    // The reserve places the flood took are given back within a second; a probe retries, as
+    // a kubelet's does, while the client still holds every other connection.
+    for path in ["/healthz", "/readyz", "/metrics"] {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let mut probe = connect(&proxy);
+            let request = format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n");
+            let mut answer = [0u8; 64];
+            let read = probe
+                .write_all(request.as_bytes())
+                .and_then(|()| probe.read(&mut answer))
+                .unwrap_or(0);
+            let head = String::from_utf8_lossy(&answer[..read]).into_owned();
+            if head.starts_with("HTTP/1.1 200") {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{path} never answered: {head:?}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    assert!(
+        proxy
+            .stderr_lines()
+            .iter()
+            .any(|line| line.contains("server.max_connections lowered")),
+        "{:#?}",
+        proxy.stderr_lines()
+    );
+}

@@ -205,6 +205,14 @@ impl Server {
                 continue;
             };
             let reserved = admitted.reserved.then_some(gate.max);
+            // A reserve place is for a health check or a scrape, which asks at once: one held
+            // idle is given back soon, so a client holding many connections cannot keep
+            // the reserve too.
+            let idle_limit = if admitted.reserved {
+                idle_timeout.min(RESERVE_IDLE_TIMEOUT)
+            } else {
+                idle_timeout
+            };
             let _ = stream.set_nodelay(true);
             let activity = idle::Activity::new();
             let handler_state = state.clone();
@@ -242,7 +250,7 @@ impl Server {
                             asked_to_close = true;
                             connection.as_mut().graceful_shutdown();
                         }
-                        () = activity.idle_for(idle_timeout), if !asked_to_close => {
+                        () = activity.idle_for(idle_limit), if !asked_to_close => {
                             asked_to_close = true;
                             connection.as_mut().graceful_shutdown();
                         }
@@ -303,6 +311,9 @@ struct ConnectionGate {
 
 /// Descriptors kept for everything but client connections: the store, the upstream pool, logs.
 const DESCRIPTORS_FOR_THE_REST: usize = 128;
+
+/// How long a connection admitted from the ops reserve may stay without a request open.
+const RESERVE_IDLE_TIMEOUT: Duration = Duration::from_secs(1);
 
 impl ConnectionGate {
     fn new(max: usize, reserve: usize) -> ConnectionGate {

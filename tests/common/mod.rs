@@ -49,7 +49,30 @@ pub const ADMIN_TOKEN: &str = "test-admin-token";
 
 impl Process {
     fn spawn(args: &[&str], env: &[(&str, &str)], prefix: &str) -> Process {
-        let mut command = Command::new(BIN);
+        Process::spawn_limited(args, env, prefix, None)
+    }
+
+    /// [`Process::spawn`] with the open-file limit set to `open_files` before the binary
+    /// starts (through `sh`'s `ulimit -n`, which then `exec`s it: the same process).
+    fn spawn_limited(
+        args: &[&str],
+        env: &[(&str, &str)],
+        prefix: &str,
+        open_files: Option<u64>,
+    ) -> Process {
+        let mut command = match open_files {
+            Some(limit) => {
+                let mut command = Command::new("sh");
+                command.args([
+                    "-c",
+                    "ulimit -n \"$0\" && exec \"$@\"",
+                    &limit.to_string(),
+                    BIN,
+                ]);
+                command
+            }
+            None => Command::new(BIN),
+        };
         command
             .args(args)
             .stdin(Stdio::null())
@@ -172,6 +195,16 @@ pub fn proxy(upstream: &str, env: &[(&str, &str)]) -> Process {
 /// [`proxy`] with more `engram serve` arguments (they win over the env settings; a `--listen`
 /// among them replaces the default `127.0.0.1:0`).
 pub fn proxy_args(upstream: &str, args: &[&str], env: &[(&str, &str)]) -> Process {
+    proxy_limited(upstream, args, env, None)
+}
+
+/// [`proxy_args`] started with at most `open_files` descriptors (`ulimit -n`), when given.
+pub fn proxy_limited(
+    upstream: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+    open_files: Option<u64>,
+) -> Process {
     let base = format!("{upstream}/v1");
     let data_dir = tempfile::tempdir().unwrap();
     let data_path = data_dir.path().display().to_string();
@@ -191,7 +224,8 @@ pub fn proxy_args(upstream: &str, args: &[&str], env: &[(&str, &str)]) -> Proces
         all_args.extend(["--listen", "127.0.0.1:0"]);
     }
     all_args.extend_from_slice(args);
-    let mut process = Process::spawn(&all_args, &all_env, "engram listening on ");
+    let mut process =
+        Process::spawn_limited(&all_args, &all_env, "engram listening on ", open_files);
     process.data_dir = Some(data_dir);
     process
 }
