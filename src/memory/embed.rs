@@ -284,19 +284,18 @@ impl Vector {
     }
 }
 
-/// i8·i8 summed in i32. Products taken in i16 (|127·127| and 128·128 fit) and summed in
-/// blocks: the shape LLVM turns into multiply-add instructions (`pmaddwd`) without target
-/// flags; the plain i32 form measured ~3× slower.
+/// i8·i8 summed in i32. Products taken in i16 (|127·127| and 128·128 fit) into 16 lane
+/// sums that stay in vector registers, added together once at the end: the shape LLVM turns
+/// into multiply-add instructions without target flags (the plain i32 form measured ~3×
+/// slower, a horizontal sum per block of 32 about 1.5×).
 fn dot(a: &[i8; DIMS], b: &[i8; DIMS]) -> i32 {
-    let mut sum = 0i32;
-    for (x, y) in a.chunks_exact(32).zip(b.chunks_exact(32)) {
-        let mut block = 0i32;
-        for (p, q) in x.iter().zip(y) {
-            block += i32::from(i16::from(*p) * i16::from(*q));
+    let mut lanes = [0i32; 16];
+    for (x, y) in a.chunks_exact(16).zip(b.chunks_exact(16)) {
+        for ((lane, p), q) in lanes.iter_mut().zip(x).zip(y) {
+            *lane += i32::from(i16::from(*p) * i16::from(*q));
         }
-        sum += block;
     }
-    sum
+    lanes.iter().sum()
 }
 
 fn in_ranges(table: &[(u32, u32)], c: char) -> bool {
