@@ -748,26 +748,16 @@ impl RedisStore {
         }
         let (version, state, items) = match read {
             Some(read) => read,
-            None => {
-                type Whole = (Option<String>, Option<Vec<u8>>, Vec<Vec<u8>>);
-                let (version, state, flat): Whole = self
-                    .scripts
-                    .read_whole
-                    .key(&version_key)
-                    .key(self.user_key(user, "state"))
-                    .key(self.user_key(user, "items"))
-                    .invoke_async(&mut connection)
-                    .await
-                    .map_err(redis_error)?;
-                let mut items = Vec::with_capacity(flat.len() / 2);
-                let mut pairs = flat.into_iter();
-                while let (Some(field), Some(value)) = (pairs.next(), pairs.next()) {
-                    let field = String::from_utf8(field)
-                        .map_err(|_| Error::Store("a memory item's field is not UTF-8".into()))?;
-                    items.push((field, value));
-                }
-                (version, state, items)
-            }
+            // The field/value list decodes into pairs as `hgetall`'s does.
+            None => self
+                .scripts
+                .read_whole
+                .key(&version_key)
+                .key(self.user_key(user, "state"))
+                .key(self.user_key(user, "items"))
+                .invoke_async(&mut connection)
+                .await
+                .map_err(redis_error)?,
         };
         let (Some(version), Some(state)) = (version, state) else {
             return Ok(None);
