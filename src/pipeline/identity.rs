@@ -191,10 +191,7 @@ pub fn body_user_id(value: &str) -> Option<String> {
         return Some(value.to_owned());
     }
     let encoded = if value.len() <= (MAX_ID_LEN - ENCODED_USER_PREFIX.len()) / 2 {
-        value
-            .bytes()
-            .map(|byte| format!("{byte:02x}"))
-            .collect::<String>()
+        hex_of(value.as_bytes())
     } else {
         let hash =
             crate::recorder::ids::job_key(&crate::store::UserKey::new("body-user", value), "", "");
@@ -211,6 +208,11 @@ pub fn body_user_of(id: &str) -> Option<String> {
         return None;
     }
     String::from_utf8(hex_bytes(hex)?).ok()
+}
+
+/// `bytes` as lowercase hex digit pairs, what [`hex_bytes`] reads back.
+pub fn hex_of(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 
 /// The bytes of a string of hex digit pairs; `None` for anything else.

@@ -19,7 +19,7 @@ use http::HeaderMap;
 use ring::hmac;
 
 use super::identity::{
-    TENANT_HEADER, USER_HEADER, checked_id, header, hex_bytes, named_tenant, user_header,
+    TENANT_HEADER, USER_HEADER, checked_id, header, hex_bytes, hex_of, named_tenant, user_header,
 };
 use crate::credentials::{TenantTokens, bearer_token, secret_from_env};
 use crate::error::Error;
@@ -232,8 +232,7 @@ fn other_identity(header: &str, what: &str, credential: &str) -> Error {
 pub fn sign(secret: &hmac::Key, tenant: &str, user: &str, expiry: u64) -> String {
     let signed = format!("{TOKEN_VERSION}:{tenant}:{user}:{expiry}");
     let tag = hmac::sign(secret, signed.as_bytes());
-    let hex: String = tag.as_ref().iter().map(|b| format!("{b:02x}")).collect();
-    format!("{signed}:{hex}")
+    format!("{signed}:{}", hex_of(tag.as_ref()))
 }
 
 /// The tenant and user of a signed identity that is well formed, signed with `secret` and not
