@@ -24,13 +24,13 @@ use crate::ratelimit::{PRUNE_INTERVAL, TokenBudget};
 use crate::recorder::Recorder;
 use crate::recorder::journal::{self, Journal};
 use crate::recorder::outbox::{MEMORY_SPOOL_JOBS, Outbox, Spool};
+use crate::runtime::priority;
 use crate::server::{AppState, Server};
-use crate::store::redis::RedisOptions;
 use crate::store::{EmbeddedStore, RedisStore, Store};
 use crate::summarizer::Summarizer;
 use crate::telemetry::Telemetry;
 use crate::upstream::Upstream;
-use crate::worker::{Worker, priority};
+use crate::worker::Worker;
 
 /// Turns whose explanation this process keeps for the management API. Estimated, not measured:
 /// a full 2,048-token block explains ~57 items at ~200 bytes each, so about 10 MB at most.
@@ -105,7 +105,7 @@ impl Engram {
     /// Opens the store and binds the listener; nothing runs until [`Engram::run`]. Traces go
     /// where `config.telemetry` says.
     pub async fn build(config: Config, credentials: Credentials) -> Result<Engram> {
-        let telemetry = Telemetry::from_config(&config)?;
+        let telemetry = Telemetry::from_config(&config.telemetry)?;
         Engram::build_with_telemetry(config, credentials, telemetry).await
     }
 
@@ -322,7 +322,7 @@ pub async fn open_store(config: &StoreConfig) -> Result<(Arc<dyn Store>, Spool)>
             Ok((Arc::new(store), spool))
         }
         StoreBackend::Redis => {
-            let options = RedisOptions::from_config(config);
+            let options = config.redis_options();
             let store = RedisStore::connect_with(&config.redis_url, options)
                 .await
                 .map_err(|error| Error::Config {

@@ -295,7 +295,7 @@ impl Entries {
 /// then grow by one per change, so a memory created after a `forget` never reuses a version of
 /// the forgotten one (which would let a cache serve forgotten memory).
 pub fn first_version() -> u64 {
-    crate::recorder::ids::now_micros()
+    crate::runtime::now_micros()
 }
 
 #[cfg(test)]

@@ -378,7 +378,7 @@ impl AdminApi {
             return Err(Error::ResourceNotFound(format!(
                 "No explanation for turn {turn}: explanations are kept by the process that \
                  served the turn, for its last {} turns.",
-                crate::app::EXPLAINED_TURNS
+                self.explains.capacity()
             )));
         };
         Ok(json_response(

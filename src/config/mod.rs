@@ -16,8 +16,11 @@ use crate::memory::MemoryConfig;
 use crate::pipeline::identity::IdentityConfig;
 use crate::pipeline::trust::Trust;
 use crate::ratelimit::RateLimitConfig;
+use crate::store::redis::{self, RedisOptions};
 use crate::summarizer::SummarizerConfig;
 use crate::telemetry::TelemetryConfig;
+pub use crate::upstream::UpstreamConfig;
+pub use crate::worker::WorkerConfig;
 
 const ENV_PREFIX: &str = "ENGRAM_";
 const ENV_SEPARATOR: &str = "__";
@@ -36,52 +39,6 @@ pub struct Config {
     pub rate_limits: RateLimitConfig,
     pub logging: LoggingConfig,
     pub telemetry: TelemetryConfig,
-}
-
-/// The update path: the in-process worker that applies recorded exchanges to memory.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct WorkerConfig {
-    /// Run the worker in this process. Off for a proxy that only records (another process, or
-    /// another replica on the same Redis, applies the jobs).
-    pub enabled: bool,
-    /// Jobs applied at once (different sessions; one session's jobs always apply in order).
-    pub concurrency: usize,
-    /// How long a claimed job stays leased; a worker that dies holding it loses it after this.
-    pub lease_ms: u64,
-    /// How often an idle worker looks for jobs recorded by other processes. Jobs recorded by
-    /// this process wake it at once.
-    pub poll_interval_ms: u64,
-    /// Claims of one job before it is marked failed.
-    pub max_attempts: u32,
-    /// Users whose memory and search index stay cached in this process.
-    pub cache_users: usize,
-    /// Bytes (estimated) the cached memories and indexes may take in all; least recently used
-    /// out. A memory larger than this is not cached.
-    pub cache_bytes: usize,
-    /// Run the worker's threads with the idle scheduling policy (Linux), so applying memory
-    /// never takes CPU from serving requests.
-    pub idle_priority: bool,
-    /// With `idle_priority`: the job lag to keep under. When the idle threads fall behind (every
-    /// core busy, so they get no CPU), a catch-up on a normal-priority thread applies the jobs
-    /// once they have waited half of this. 0 turns the catch-up off.
-    pub max_lag_ms: u64,
-}
-
-impl Default for WorkerConfig {
-    fn default() -> Self {
-        WorkerConfig {
-            enabled: true,
-            concurrency: 8,
-            lease_ms: 30_000,
-            poll_interval_ms: 100,
-            max_attempts: 5,
-            cache_users: 4096,
-            cache_bytes: 256 * 1024 * 1024,
-            idle_priority: true,
-            max_lag_ms: 1000,
-        }
-    }
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -167,21 +124,6 @@ pub struct ServerConfig {
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct UpstreamConfig {
-    /// OpenAI-compatible base URL, including its `/v1` (or equivalent) prefix.
-    pub base_url: String,
-    /// Name of an environment variable holding the upstream API key. When set, the key replaces
-    /// the client's `Authorization` header; when unset, the client's header is forwarded as is.
-    pub api_key_env: Option<String>,
-    pub connect_timeout_ms: u64,
-    /// Longest wait for the upstream's response headers, and for each body chunk after them.
-    pub read_timeout_ms: u64,
-    pub pool_idle_timeout_ms: u64,
-    pub pool_max_idle_per_host: usize,
-}
-
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
 pub struct CaptureConfig {
     /// Frames the tee may queue for the recorder before the capture is marked incomplete
     /// (the client is never slowed down to wait for the recorder).
@@ -225,25 +167,31 @@ impl Default for ServerConfig {
     }
 }
 
-impl Default for UpstreamConfig {
-    fn default() -> Self {
-        UpstreamConfig {
-            base_url: "https://api.openai.com/v1".to_owned(),
-            api_key_env: None,
-            connect_timeout_ms: 5_000,
-            read_timeout_ms: 300_000,
-            pool_idle_timeout_ms: 90_000,
-            pool_max_idle_per_host: 256,
-        }
-    }
-}
-
 impl Default for CaptureConfig {
     fn default() -> Self {
         CaptureConfig {
             channel_frames: 1024,
             max_response_bytes: 4 * 1024 * 1024,
             receipt_wait_ms: 1000,
+        }
+    }
+}
+
+impl StoreConfig {
+    /// The Redis store's options these settings give.
+    pub fn redis_options(&self) -> RedisOptions {
+        RedisOptions {
+            prefix: self.redis_prefix.clone(),
+            finished_job_ttl: (self.redis_finished_job_ttl_secs > 0)
+                .then(|| Duration::from_secs(self.redis_finished_job_ttl_secs)),
+            connect_timeout: Duration::from_millis(self.redis_connect_timeout_ms),
+            response_timeout: Duration::from_millis(self.redis_response_timeout_ms),
+            cluster: self.redis_cluster,
+            queue_shards: self.redis_queue_shards,
+            wait_replicas: self.redis_wait_replicas,
+            wait_timeout: Duration::from_millis(self.redis_wait_timeout_ms),
+            order_grace: Duration::from_millis(self.redis_order_grace_ms),
+            ..RedisOptions::default()
         }
     }
 }
@@ -255,8 +203,8 @@ impl Default for StoreConfig {
             data_dir: PathBuf::from("data"),
             redis_url: "redis://127.0.0.1:6379".to_owned(),
             redis_cluster: false,
-            redis_prefix: crate::store::redis::DEFAULT_PREFIX.to_owned(),
-            redis_finished_job_ttl_secs: crate::store::redis::DEFAULT_FINISHED_JOB_TTL.as_secs(),
+            redis_prefix: redis::DEFAULT_PREFIX.to_owned(),
+            redis_finished_job_ttl_secs: redis::DEFAULT_FINISHED_JOB_TTL.as_secs(),
             redis_connect_timeout_ms: 2000,
             redis_response_timeout_ms: 2000,
             redis_queue_shards: 1,

@@ -16,7 +16,7 @@ use fancy_regex::Regex;
 use rustc_hash::FxHasher;
 use tiktoken_rs::CoreBPE;
 
-use crate::worker::priority;
+use crate::runtime::priority;
 
 /// Ranks are below this in every encoding engram serves (o200k's last is 200,018).
 const RANK_LIMIT: u32 = 1 << 18;

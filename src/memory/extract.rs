@@ -8,7 +8,7 @@ use super::depth::without_code;
 use super::diff::{FactDiff, FactEdit};
 use super::model::{Depth, FactCategory};
 use super::text::{clip_words, excerpt, one_line, word_count};
-use crate::worker::priority;
+use crate::runtime::priority;
 
 /// The exchange as the extractor sees it (engram's own fences already stripped).
 #[derive(Debug, Clone, Copy)]

@@ -539,7 +539,7 @@ pub fn fnv1a_one_line(seed: u64, text: &str) -> u64 {
                 words += 1;
                 // A pasted document is a million bytes to hash, byte by byte, on the worker.
                 if words % 256 == 0 {
-                    crate::worker::priority::checkpoint();
+                    crate::runtime::priority::checkpoint();
                 }
             }
             in_word = true;

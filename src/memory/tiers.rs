@@ -16,7 +16,7 @@ use super::model::{
 use super::score::{fact_score, summary_score};
 use super::text::remembered_terms;
 use super::tokens::Encoding;
-use crate::worker::priority;
+use crate::runtime::priority;
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct TierReport {

@@ -8,6 +8,7 @@ use prometheus::{Histogram, IntCounter, Registry};
 
 use super::{MODEL_BUCKETS, OVERHEAD_BUCKETS, child, counter_vec, histogram_vec, try_array};
 use crate::error::Result;
+use crate::recorder::tee::FirstFrame;
 
 /// The route label: what the router dispatched a request to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,18 +95,6 @@ impl Timing {
         let after = now.saturating_duration_since(answered);
         let upstream = answered.saturating_duration_since(sent);
         Some(((before + after).as_secs_f64(), upstream.as_secs_f64()))
-    }
-}
-
-/// Observes the time to the first body frame the client gets; see [`HttpMetrics::first_frame`].
-pub struct FirstFrame {
-    since: Instant,
-    histogram: Histogram,
-}
-
-impl FirstFrame {
-    pub fn observe(self) {
-        self.histogram.observe(self.since.elapsed().as_secs_f64());
     }
 }
 
@@ -211,10 +200,10 @@ impl HttpMetrics {
 
     /// A timer for the first body frame of a chat completion that arrived at `timing`.
     pub fn first_frame(&self, timing: &Timing, stream: bool) -> FirstFrame {
-        FirstFrame {
-            since: timing.arrived,
-            histogram: self.first_frame[usize::from(stream)].clone(),
-        }
+        FirstFrame::new(
+            timing.arrived,
+            self.first_frame[usize::from(stream)].clone(),
+        )
     }
 }
 

@@ -17,7 +17,6 @@ mod http;
 mod memory;
 mod queue;
 mod store;
-mod summarizer;
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -28,15 +27,17 @@ use prometheus::{
 };
 
 use crate::error::{Error, Result};
+pub use crate::ratelimit::{RateLimitKind, RateLimitMetrics};
 use crate::recorder::outbox::Outbox;
 use crate::store::Store;
+use crate::summarizer;
 use crate::worker::Worker;
 
-pub use http::{FirstFrame, HttpMetrics, Route, Timing};
+pub use crate::summarizer::SummarizerMetrics;
+pub use crate::worker::WorkerMetrics;
+pub use http::{HttpMetrics, Route, Timing};
 pub use memory::MemoryMetrics;
-pub use queue::WorkerMetrics;
 pub use store::MeteredStore;
-pub use summarizer::SummarizerMetrics;
 
 /// The content type of the text exposition format.
 pub const CONTENT_TYPE: &str = prometheus::TEXT_FORMAT;
@@ -44,39 +45,6 @@ pub const CONTENT_TYPE: &str = prometheus::TEXT_FORMAT;
 /// How long a scrape waits for the store's queue depth; past it the gauge keeps its last value,
 /// so a dead store never holds up `/metrics`.
 pub const QUEUE_DEPTH_TIMEOUT: Duration = Duration::from_millis(250);
-
-/// Why a request or a summarizer call was turned away by engram's own rate limits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RateLimitKind {
-    /// The per-tenant (or per-user) request rate.
-    Requests,
-    /// The per-tenant summarizer token budget.
-    SummarizerTokens,
-}
-
-impl RateLimitKind {
-    pub const ALL: [RateLimitKind; 2] = [RateLimitKind::Requests, RateLimitKind::SummarizerTokens];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RateLimitKind::Requests => "requests",
-            RateLimitKind::SummarizerTokens => "summarizer_tokens",
-        }
-    }
-}
-
-/// `engram_rate_limited_total{kind}`; cheap to clone into whatever enforces a limit.
-#[derive(Clone)]
-pub struct RateLimitMetrics {
-    rejected: [IntCounter; 2],
-}
-
-impl RateLimitMetrics {
-    /// Counts one rejection (a 429 to a client, or a summarizer call not made).
-    pub fn rejected(&self, kind: RateLimitKind) {
-        self.rejected[kind as usize].inc();
-    }
-}
 
 pub struct Metrics {
     registry: Registry,
@@ -107,11 +75,9 @@ impl Metrics {
             "Requests (kind=requests) and summarizer calls (kind=summarizer_tokens) turned away by engram's own rate limits.",
             &["kind"],
         )?;
-        let rate_limits = RateLimitMetrics {
-            rejected: try_array(|index| {
-                child(&rate_limited, &[RateLimitKind::ALL[index].as_str()])
-            })?,
-        };
+        let rate_limits = RateLimitMetrics::new(try_array(|index| {
+            child(&rate_limited, &[RateLimitKind::ALL[index].as_str()])
+        })?);
         let queue_depth = IntGauge::new(
             "engram_queue_depth",
             "Jobs queued or leased in the store, all users (the last value read; refreshed on each scrape).",
@@ -121,8 +87,21 @@ impl Metrics {
         Ok(Metrics {
             http: HttpMetrics::new(&registry)?,
             memory: MemoryMetrics::new(&registry)?,
-            worker: WorkerMetrics::new(&registry)?,
-            summarizer: SummarizerMetrics::new(&registry)?,
+            worker: WorkerMetrics::new(
+                histogram(
+                    &registry,
+                    "engram_job_lag_seconds",
+                    "From a request's arrival to its exchange being applied to memory by the worker (recording, queue wait, summarizer, commit).",
+                    LAG_BUCKETS,
+                )?,
+                histogram(
+                    &registry,
+                    "engram_worker_apply_seconds",
+                    "The worker's time per applied job: its run's extraction, engine pass, encoding and commit, shared among the run's jobs.",
+                    STORE_BUCKETS,
+                )?,
+            ),
+            summarizer: summarizer_metrics(&registry)?,
             store: store::StoreFamilies::new(&registry)?,
             rate_limits,
             queue_depth,
@@ -182,6 +161,37 @@ impl Metrics {
             .map_err(metrics_error)?;
         String::from_utf8(page).map_err(|error| Error::Internal(format!("metrics page: {error}")))
     }
+}
+
+/// The summarizer's counters, registered.
+fn summarizer_metrics(registry: &Registry) -> Result<SummarizerMetrics> {
+    let failures = counter_vec(
+        registry,
+        "engram_summarizer_failures_total",
+        "Summarizer extractions that could not use the model (the heuristic extraction stood in), by reason.",
+        &["reason"],
+    )?;
+    let tokens = counter_vec(
+        registry,
+        "engram_summarizer_tokens_total",
+        "Tokens the summarizer model reported using, by kind (prompt, completion).",
+        &["kind"],
+    )?;
+    Ok(SummarizerMetrics::new(
+        counter(
+            registry,
+            "engram_summarizer_calls_total",
+            "HTTP calls to the summarizer model (an invalid-JSON reply is retried once: two calls).",
+        )?,
+        try_array(|index| child(&failures, &[summarizer::FAILURES[index].as_str()]))?,
+        try_array(|index| child(&tokens, &[if index == 0 { "prompt" } else { "completion" }]))?,
+        histogram(
+            registry,
+            "engram_summarizer_latency_seconds",
+            "One summarizer call, sent to its whole reply read (or its failure).",
+            MODEL_BUCKETS,
+        )?,
+    ))
 }
 
 fn metrics_error(error: prometheus::Error) -> Error {

@@ -8,60 +8,11 @@ use std::sync::atomic::Ordering;
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::{self, LabelPair, MetricFamily, MetricType};
-use prometheus::{Histogram, Registry};
 
-use super::{LAG_BUCKETS, STORE_BUCKETS, histogram, metrics_error};
+use super::metrics_error;
 use crate::error::Result;
-use crate::recorder::ids::{now_micros, turn_time_micros};
 use crate::recorder::outbox::Outbox;
 use crate::worker::Worker;
-
-/// The worker's own observations.
-#[derive(Clone)]
-pub struct WorkerMetrics {
-    job_lag: Histogram,
-    apply: Histogram,
-}
-
-impl WorkerMetrics {
-    pub(super) fn new(registry: &Registry) -> Result<WorkerMetrics> {
-        Ok(WorkerMetrics {
-            job_lag: histogram(
-                registry,
-                "engram_job_lag_seconds",
-                "From a request's arrival to its exchange being applied to memory by the worker (recording, queue wait, summarizer, commit).",
-                LAG_BUCKETS,
-            )?,
-            apply: histogram(
-                registry,
-                "engram_worker_apply_seconds",
-                "The worker's time per applied job: its run's extraction, engine pass, encoding and commit, shared among the run's jobs.",
-                STORE_BUCKETS,
-            )?,
-        })
-    }
-
-    /// A run of `jobs` jobs took `elapsed` to apply: each job observes its share.
-    pub fn applied_run(&self, jobs: usize, elapsed: std::time::Duration) {
-        let share = elapsed.as_secs_f64() / jobs.max(1) as f64;
-        for _ in 0..jobs {
-            self.apply.observe(share);
-        }
-    }
-
-    /// A job was applied: observes its lag from the turn id's time (see
-    /// [`turn_time_micros`]); ids this proxy did not make are not observed.
-    pub fn applied(&self, turn_id: &str) {
-        if let Some(made) = turn_time_micros(turn_id) {
-            self.job_lag.observe(lag_seconds(made, now_micros()));
-        }
-    }
-}
-
-/// Clock skew between the proxy that made the id and this worker can make it negative: 0.
-fn lag_seconds(made_micros: u64, now_micros: u64) -> f64 {
-    now_micros.saturating_sub(made_micros) as f64 / 1e6
-}
 
 const JOB_RESULTS: [&str; 4] = ["applied", "duplicate", "retried", "failed"];
 const OUTBOX_RESULTS: [&str; 4] = ["queued", "spooled", "forwarded", "lost"];
@@ -257,14 +208,10 @@ mod tests {
     use prometheus::{Encoder, TextEncoder};
     use tokio::sync::Notify;
 
+    use prometheus::Registry;
+
     use super::*;
     use crate::store::{EmbeddedStore, Store};
-
-    #[test]
-    fn lag_never_goes_negative() {
-        assert_eq!(lag_seconds(2_500_000, 4_000_000), 1.5);
-        assert_eq!(lag_seconds(4_000_000, 2_500_000), 0.0);
-    }
 
     #[tokio::test]
     async fn outbox_counts_are_exported_as_they_are_when_scraped() {

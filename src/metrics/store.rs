@@ -9,8 +9,8 @@ use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, Registry};
 
 use super::{STORE_BUCKETS, child, counter_vec, histogram_vec, try_array};
 use crate::error::{Error, Result};
-use crate::future::BoxFuture;
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
+use crate::runtime::BoxFuture;
 use crate::store::{
     Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobQueue,
     JobState, MemoryRecords, Published, RawEntry, Store, UserKey,

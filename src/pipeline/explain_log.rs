@@ -30,6 +30,11 @@ impl ExplainLog {
         }
     }
 
+    /// How many turns' explanations it keeps.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
     pub fn put(&self, user: &UserKey, turn_id: &str, explain: Explain) {
         let key = (user.clone(), turn_id.to_owned());
         let mut dropped = Vec::new();

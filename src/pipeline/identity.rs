@@ -13,6 +13,7 @@ use serde::Deserialize;
 use super::trust::{Trust, Vouched};
 use crate::error::Error;
 use crate::openai::ChatRequest;
+pub use crate::store::{MAX_ID_LEN, checked_id};
 
 pub const USER_HEADER: &str = "x-engram-user";
 pub const SESSION_HEADER: &str = "x-engram-session";
@@ -20,7 +21,6 @@ pub const TENANT_HEADER: &str = "x-engram-tenant";
 pub const MODE_HEADER: &str = "x-engram-mode";
 pub const EVENT_TIME_HEADER: &str = "x-engram-event-time";
 
-const MAX_ID_LEN: usize = 128;
 /// How far past this process's clock an `x-engram-event-time` may lie: room for clocks that
 /// disagree and for time zones written wrongly, no more. A later one is a 400: stored, it
 /// would date a turn in the future, after everything the user says until then.
@@ -121,8 +121,7 @@ pub fn resolve(
     };
     let event_time = match header(headers, EVENT_TIME_HEADER)? {
         Some(time) => {
-            let now =
-                i64::try_from(crate::recorder::ids::now_micros() / 1_000_000).unwrap_or(i64::MAX);
+            let now = i64::try_from(crate::runtime::now_micros() / 1_000_000).unwrap_or(i64::MAX);
             Some(checked_event_time(time, now)?)
         }
         None => None,
@@ -258,26 +257,6 @@ pub fn header<'a>(headers: &'a HeaderMap, name: &'static str) -> Result<Option<&
         .map_err(|_| bad_header(name, "must be visible ASCII"))?
         .trim();
     Ok((!value.is_empty()).then_some(value))
-}
-
-/// Letters, digits and `. _ - @ +`, at most 128 bytes, not dots alone: safe inside a storage
-/// key segment (no `:` separator, no `{}` hash-tag braces, no whitespace or control
-/// characters) and never a `.`/`..` path segment in a management URL or an export's file name.
-pub fn checked_id(name: &str, value: &str) -> Result<String, Error> {
-    let valid = !value.is_empty()
-        && value.len() <= MAX_ID_LEN
-        && value
-            .bytes()
-            .all(|byte| byte.is_ascii_alphanumeric() || b"._-@+".contains(&byte))
-        && !value.bytes().all(|byte| byte == b'.');
-    if valid {
-        Ok(value.to_owned())
-    } else {
-        Err(bad_header(
-            name,
-            "must be 1-128 characters of letters, digits and . _ - @ +, not dots alone",
-        ))
-    }
 }
 
 fn bad_header(name: &str, rule: &str) -> Error {

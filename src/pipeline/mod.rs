@@ -16,10 +16,11 @@ use http::HeaderMap;
 use serde::Serialize;
 
 use crate::error::Error;
-pub use crate::future::BoxFuture;
 use crate::memory::BlockTokens;
 use crate::openai::{ChatRequest, OutgoingMessage};
 pub use crate::recorder::{Capture, Exchange, Incomplete, Receipt, RecordPlan, log_capture};
+pub use crate::runtime::BoxFuture;
+use crate::telemetry::MemorySpan;
 use trust::Vouched;
 
 /// What the memory phase did to a request; rendered as `x-engram-*` response headers.
@@ -41,6 +42,18 @@ pub struct Rewrite {
     pub record: Option<RecordPlan>,
     /// What the memory read and injected, for the metrics.
     pub measures: MemoryMeasures,
+}
+
+impl Rewrite {
+    /// What the request's span records of the memory phase.
+    pub fn span(&self) -> MemorySpan {
+        MemorySpan {
+            outcome: self.outcome.as_str(),
+            injected: (self.outcome == MemoryOutcome::Injected)
+                .then_some((self.injected_tokens, self.injected_items)),
+            reason: self.reason,
+        }
+    }
 }
 
 /// Counts from a request's memory phase, for `/metrics`; all zero unless memory was read.

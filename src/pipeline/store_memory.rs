@@ -24,8 +24,9 @@ use crate::error::Error;
 use crate::memory::{self, ComposeRequest, MemoryConfig, MemoryState};
 use crate::openai::ChatRequest;
 use crate::recorder::Recorder;
-use crate::recorder::ids::{TurnIds, job_key, now_micros};
+use crate::recorder::ids::{TurnIds, job_key};
 use crate::recorder::order::{Arrival, SessionOrder};
+use crate::runtime::now_micros;
 use crate::store::{JobId, MemoryUpdate, Store, UserKey};
 use crate::telemetry::Telemetry;
 

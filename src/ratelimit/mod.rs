@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
+use prometheus::IntCounter;
 use serde::Deserialize;
 
 use crate::error::Error;
-use crate::metrics::{RateLimitKind, RateLimitMetrics};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -160,6 +160,44 @@ fn rejected(wait: Duration) -> Error {
     let retry_after_secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
     Error::RateLimited {
         retry_after_secs: retry_after_secs.max(1),
+    }
+}
+
+/// Why a request or a summarizer call was turned away by engram's own rate limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RateLimitKind {
+    /// The per-tenant (or per-user) request rate.
+    Requests,
+    /// The per-tenant summarizer token budget.
+    SummarizerTokens,
+}
+
+impl RateLimitKind {
+    pub const ALL: [RateLimitKind; 2] = [RateLimitKind::Requests, RateLimitKind::SummarizerTokens];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RateLimitKind::Requests => "requests",
+            RateLimitKind::SummarizerTokens => "summarizer_tokens",
+        }
+    }
+}
+
+/// `engram_rate_limited_total{kind}`; cheap to clone into whatever enforces a limit.
+#[derive(Clone)]
+pub struct RateLimitMetrics {
+    rejected: [IntCounter; 2],
+}
+
+impl RateLimitMetrics {
+    /// Counts into `rejected`, one counter per [`RateLimitKind`] in its order.
+    pub fn new(rejected: [IntCounter; 2]) -> RateLimitMetrics {
+        RateLimitMetrics { rejected }
+    }
+
+    /// Counts one rejection (a 429 to a client, or a summarizer call not made).
+    pub fn rejected(&self, kind: RateLimitKind) {
+        self.rejected[kind as usize].inc();
     }
 }
 

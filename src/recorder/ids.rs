@@ -3,17 +3,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::runtime::now_micros;
 use crate::store::UserKey;
-
-/// The current time in microseconds since the Unix epoch: when a turn's request arrived, the
-/// start of a new memory's versions (`cache::first_version`), the job lag metric's clock.
-pub fn now_micros() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(1, |elapsed| {
-            u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX / 2)
-        })
-}
 
 /// The job key of an exchange: a hash of what identifies it (tenant, user, session, turn id),
 /// so recording the same exchange twice queues one job.

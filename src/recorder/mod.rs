@@ -31,10 +31,10 @@ use serde::Serialize;
 use self::journal::Journal;
 use self::order::{Arrival, Ticket};
 use self::outbox::Outbox;
-use crate::future::BoxFuture;
 use crate::memory::ExchangeInput;
 use crate::memory::history::AnswerText;
 use crate::openai::{AssistantMessage, ChatRequest};
+use crate::runtime::BoxFuture;
 use crate::store::{Job, JobId};
 use crate::telemetry::Telemetry;
 
@@ -74,6 +74,19 @@ pub enum Incomplete {
     TooLarge,
     /// The body could not be read as a completion (bad JSON, or a stream without `[DONE]`).
     Malformed,
+}
+
+impl Incomplete {
+    /// Its name in spans and logs (as it serializes).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Incomplete::ClientDisconnected => "client_disconnected",
+            Incomplete::UpstreamFailed => "upstream_failed",
+            Incomplete::TeeOverflow => "tee_overflow",
+            Incomplete::TooLarge => "too_large",
+            Incomplete::Malformed => "malformed",
+        }
+    }
 }
 
 /// The assistant's answer as the recorder saw it.

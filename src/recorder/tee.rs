@@ -11,12 +11,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
+use prometheus::Histogram;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, Sleep};
 
 use super::{Capture, Incomplete, Receipt};
 use crate::error::BodyError;
-use crate::metrics::FirstFrame;
 use crate::openai::sse::UsageStripper;
 use crate::openai::{AssistantMessage, StreamAccumulator};
 
@@ -427,5 +427,22 @@ impl Body for PrefixedBody {
 
     fn is_end_stream(&self) -> bool {
         self.prefix.is_none() && self.rest.is_end_stream()
+    }
+}
+
+/// Observes the time to the first body frame the client gets; made by `metrics::HttpMetrics::first_frame`.
+pub struct FirstFrame {
+    since: std::time::Instant,
+    histogram: Histogram,
+}
+
+impl FirstFrame {
+    /// Times from `since` into `histogram`.
+    pub fn new(since: std::time::Instant, histogram: Histogram) -> FirstFrame {
+        FirstFrame { since, histogram }
+    }
+
+    pub fn observe(self) {
+        self.histogram.observe(self.since.elapsed().as_secs_f64());
     }
 }

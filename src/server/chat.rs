@@ -15,7 +15,7 @@ use super::AppState;
 use crate::error::{BodyError, Error, ProxyBody, full_body};
 use crate::metrics::{Route, Timing};
 use crate::openai::ChatRequest;
-use crate::pipeline::{Exchange, Receipt, Rewrite};
+use crate::pipeline::{Exchange, Incomplete, Receipt, Rewrite};
 use crate::recorder::tee::{self, PrefixedBody, ReceiptWait, TeeBody, TeeOptions};
 use crate::telemetry::{self, RequestTrace};
 use crate::upstream::without_hop_by_hop;
@@ -57,7 +57,7 @@ async fn proxy(
         .rewrite(&parts.headers, &vouched, &original)
         .await?;
     state.metrics.memory.observe(&rewrite);
-    trace.memory(&rewrite);
+    trace.memory(rewrite.span());
 
     // Phase 3: upstream request. Ask for usage on streams so the recorder sees token counts.
     let strip_usage = original.is_stream() && !original.client_wants_usage();
@@ -146,7 +146,7 @@ async fn proxy(
     let cx = trace.context();
     state.tasks.spawn(telemetry::traced(cx, async move {
         let capture = tee::collect(copies, tee_state, event_stream).await;
-        trace.finish(&capture);
+        trace.finish(&capture.message, capture.incomplete.map(Incomplete::as_str));
         let exchange = Exchange {
             request: original,
             client_headers,

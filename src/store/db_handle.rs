@@ -13,7 +13,7 @@ use redb::backends::FileBackend;
 use redb::{Database, StorageBackend, StorageError, TransactionError};
 
 use crate::error::{Error, Result};
-use crate::worker::priority;
+use crate::runtime::priority;
 
 /// How long a reopen waits for operations still holding the failed handle to let go of it.
 const RELEASE_WAIT: Duration = Duration::from_secs(2);

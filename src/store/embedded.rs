@@ -28,8 +28,8 @@ use super::{
     decode, now_ms,
 };
 use crate::error::{Error, Result};
-use crate::future::BoxFuture;
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
+use crate::runtime::BoxFuture;
 use crate::telemetry::TraceParent;
 
 /// The file name inside the data directory.

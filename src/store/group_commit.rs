@@ -21,7 +21,7 @@ use tokio::sync::oneshot;
 
 use super::db_handle::DbHandle;
 use crate::error::{Error, Result};
-use crate::worker::priority::{self, RecorderPriority, WorkerRuntime};
+use crate::runtime::priority::{self, RecorderPriority, WorkerRuntime};
 
 /// Applies one operation inside a transaction; a clean failure must have written nothing.
 pub type Apply<Op, Out> = fn(&WriteTransaction, &Op) -> Result<Out>;

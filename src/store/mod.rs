@@ -27,8 +27,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::future::BoxFuture;
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
+use crate::runtime::BoxFuture;
 use crate::telemetry::TraceParent;
 
 pub use self::redis::{RedisOptions, RedisStore};
@@ -48,6 +48,33 @@ impl UserKey {
             tenant: tenant.into(),
             user: user.into(),
         }
+    }
+}
+
+/// The longest tenant, user or session id.
+pub const MAX_ID_LEN: usize = 128;
+
+/// Letters, digits and `. _ - @ +`, at most 128 bytes, not dots alone: safe inside a storage
+/// key segment (no `:` separator, no `{}` hash-tag braces, no whitespace or control
+/// characters) and never a `.`/`..` path segment in a management URL or an export's file name.
+/// `name` is the header or field the value came from, for the error.
+pub fn checked_id(name: &str, value: &str) -> Result<String> {
+    let valid = !value.is_empty()
+        && value.len() <= MAX_ID_LEN
+        && value
+            .bytes()
+            .all(|byte| byte.is_ascii_alphanumeric() || b"._-@+".contains(&byte))
+        && !value.bytes().all(|byte| byte == b'.');
+    if valid {
+        Ok(value.to_owned())
+    } else {
+        Err(Error::invalid_request(
+            format!(
+                "Invalid `{name}`: it must be 1-128 characters of letters, digits and . _ - @ +, \
+                 not dots alone."
+            ),
+            Some(name),
+        ))
     }
 }
 

@@ -43,10 +43,10 @@ use super::{
     now_ms,
 };
 use crate::error::{Error, Result};
-use crate::future::BoxFuture;
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
+use crate::runtime::BoxFuture;
+use crate::runtime::priority::{self, RecorderPriority, WorkerRuntime};
 use crate::telemetry::TraceParent;
-use crate::worker::priority::{self, RecorderPriority, WorkerRuntime};
 
 pub use self::connection::{queue_tag, slot};
 
@@ -181,25 +181,6 @@ impl Default for RedisOptions {
             wait_timeout: Duration::from_millis(200),
             order_grace: Duration::from_secs(60),
             consumer_idle: Duration::from_secs(60 * 60),
-        }
-    }
-}
-
-impl RedisOptions {
-    /// The options `store.*` configures.
-    pub fn from_config(config: &crate::config::StoreConfig) -> RedisOptions {
-        RedisOptions {
-            prefix: config.redis_prefix.clone(),
-            finished_job_ttl: (config.redis_finished_job_ttl_secs > 0)
-                .then(|| Duration::from_secs(config.redis_finished_job_ttl_secs)),
-            connect_timeout: Duration::from_millis(config.redis_connect_timeout_ms),
-            response_timeout: Duration::from_millis(config.redis_response_timeout_ms),
-            cluster: config.redis_cluster,
-            queue_shards: config.redis_queue_shards,
-            wait_replicas: config.redis_wait_replicas,
-            wait_timeout: Duration::from_millis(config.redis_wait_timeout_ms),
-            order_grace: Duration::from_millis(config.redis_order_grace_ms),
-            ..RedisOptions::default()
         }
     }
 }

@@ -7,6 +7,7 @@
 pub mod config;
 
 mod client;
+mod metrics;
 mod prompt;
 
 use std::num::NonZeroU32;
@@ -24,10 +25,10 @@ use crate::memory::diff::retain_grounded;
 use crate::memory::extract::{ExchangeView, Extraction, Extractor, HeuristicExtractor};
 use crate::memory::fence::memory_text;
 use crate::memory::model::Depth;
-use crate::metrics::SummarizerMetrics;
 
 use client::ChatClient;
 pub use config::SummarizerConfig;
+pub use metrics::{FAILURES, SummarizerMetrics};
 pub use prompt::SYSTEM_PROMPT;
 
 /// What `Summarizer::extract` produced, and how.

@@ -23,13 +23,11 @@ use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::span_processor_with_async_runtime::BatchSpanProcessor;
 use opentelemetry_sdk::trace::{Sampler, SdkTracer, SdkTracerProvider};
 
-use crate::config::Config;
 use crate::error::Error;
-use crate::store::Job;
 
 pub use config::{ENDPOINT_ENV, TRACES_ENDPOINT_ENV, TelemetryConfig};
 pub use propagation::{TRACEPARENT, TRACESTATE, TraceParent};
-pub use spans::{RequestTrace, SpanGuard, attributes};
+pub use spans::{MemorySpan, RequestTrace, SpanGuard, attributes};
 
 /// How long one export to the collector may take.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -53,15 +51,14 @@ struct Tracing {
 impl Telemetry {
     /// Tracing as `config.telemetry` (and the standard `OTEL_EXPORTER_OTLP_*` variables) say:
     /// off without an endpoint. Must run inside the tokio runtime that will export the spans.
-    pub fn from_config(config: &Config) -> Result<Telemetry, Error> {
-        Telemetry::from_config_and_env(config, |name| std::env::var(name).ok())
+    pub fn from_config(settings: &TelemetryConfig) -> Result<Telemetry, Error> {
+        Telemetry::from_config_and_env(settings, |name| std::env::var(name).ok())
     }
 
     fn from_config_and_env(
-        config: &Config,
+        settings: &TelemetryConfig,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Telemetry, Error> {
-        let settings = &config.telemetry;
         let url = settings.traces_url(env).map_err(|message| {
             let (path, why) = message.split_once(": ").unwrap_or(("telemetry", &message));
             Error::Config {
@@ -184,22 +181,28 @@ impl Telemetry {
         TraceParent::current()
     }
 
-    /// The worker's span for applying a run of one session's jobs: a new trace, linked to the
-    /// request span of every job that carries one.
-    pub fn memory_update(&self, jobs: &[Job]) -> SpanGuard {
+    /// The worker's span for applying a run of `jobs` jobs of one session: a new trace, linked
+    /// to the request span of every job that carries one (`traces`).
+    pub fn memory_update(
+        &self,
+        jobs: usize,
+        session: Option<&str>,
+        traces: impl Iterator<Item = TraceParent>,
+    ) -> SpanGuard {
         let Some(tracing) = &self.inner else {
             return SpanGuard::off();
         };
-        let links = jobs
-            .iter()
-            .filter_map(|job| job.trace)
+        let links = traces
             .map(|trace| Link::with_context(trace.span_context()))
             .collect();
-        let mut attributes = vec![KeyValue::new(attributes::JOBS, jobs.len() as i64)];
-        if let Some(first) = jobs.first() {
+        let mut attributes = vec![KeyValue::new(
+            attributes::JOBS,
+            i64::try_from(jobs).unwrap_or(i64::MAX),
+        )];
+        if let Some(session) = session {
             attributes.push(KeyValue::new(
                 attributes::CONVERSATION_ID,
-                first.exchange.session_id.clone(),
+                session.to_owned(),
             ));
         }
         SpanGuard::on(
@@ -229,7 +232,8 @@ mod tests {
 
     #[test]
     fn without_an_endpoint_nothing_is_traced() {
-        let telemetry = Telemetry::from_config_and_env(&Config::default(), |_| None).unwrap();
+        let telemetry =
+            Telemetry::from_config_and_env(&TelemetryConfig::default(), |_| None).unwrap();
         assert!(!telemetry.is_enabled());
         let mut headers = http::HeaderMap::new();
         let trace = telemetry.chat_request(&headers);
@@ -241,7 +245,11 @@ mod tests {
         headers.insert(TRACEPARENT, http::HeaderValue::from_static("x"));
         assert!(telemetry.chat_request(&headers).context().is_none());
         assert!(telemetry.child("engram.memory.load").is_off());
-        assert!(telemetry.memory_update(&[]).is_off());
+        assert!(
+            telemetry
+                .memory_update(0, None, std::iter::empty())
+                .is_off()
+        );
         assert_eq!(telemetry.current_trace_parent(), None);
     }
 }

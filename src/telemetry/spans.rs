@@ -12,9 +12,7 @@ use serde_json::json;
 
 use super::{Telemetry, Tracing, propagation};
 use crate::error::Error;
-use crate::openai::ChatRequest;
-use crate::pipeline::{MemoryOutcome, Rewrite};
-use crate::recorder::{Capture, Incomplete};
+use crate::openai::{AssistantMessage, ChatRequest};
 
 /// Attribute names: the OpenTelemetry semantic conventions' (GenAI, HTTP, error) and engram's.
 pub mod attributes {
@@ -54,6 +52,15 @@ use attributes as attr;
 pub const MEMORY_UPDATE: &str = "engram.memory.update";
 const CHAT: &str = "chat";
 const CHAT_PATH: &str = "/v1/chat/completions";
+
+/// What the memory phase did, as the request's span records it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemorySpan {
+    pub outcome: &'static str,
+    /// Tokens and items injected, when memory was.
+    pub injected: Option<(u32, u32)>,
+    pub reason: Option<&'static str>,
+}
 
 /// The spans of one proxied request; empty (every call a no-op) when tracing is off.
 #[derive(Default)]
@@ -182,26 +189,20 @@ impl RequestTrace {
     }
 
     /// What the memory phase did.
-    pub fn memory(&self, rewrite: &Rewrite) {
+    pub fn memory(&self, memory: MemorySpan) {
         let Some(traced) = self.recording() else {
             return;
         };
         let span = traced.cx.span();
-        span.set_attribute(KeyValue::new(
-            attr::MEMORY_OUTCOME,
-            rewrite.outcome.as_str(),
-        ));
-        if rewrite.outcome == MemoryOutcome::Injected {
+        span.set_attribute(KeyValue::new(attr::MEMORY_OUTCOME, memory.outcome));
+        if let Some((tokens, items)) = memory.injected {
             span.set_attribute(KeyValue::new(
                 attr::MEMORY_TOKENS_INJECTED,
-                i64::from(rewrite.injected_tokens),
+                i64::from(tokens),
             ));
-            span.set_attribute(KeyValue::new(
-                attr::MEMORY_ITEMS,
-                i64::from(rewrite.injected_items),
-            ));
+            span.set_attribute(KeyValue::new(attr::MEMORY_ITEMS, i64::from(items)));
         }
-        if let Some(reason) = rewrite.reason {
+        if let Some(reason) = memory.reason {
             span.set_attribute(KeyValue::new(attr::MEMORY_REASON, reason));
         }
     }
@@ -307,13 +308,13 @@ impl RequestTrace {
     }
 
     /// Ends the spans of a chat answer once its body is done, with what the recorder read from
-    /// it: response model, usage, finish reason.
-    pub fn finish(mut self, capture: &Capture) {
+    /// it: response model, usage, finish reason, and why it is incomplete (the recorder's
+    /// snake_case name; `upstream_failed` fails the spans).
+    pub fn finish(mut self, message: &AssistantMessage, incomplete: Option<&'static str>) {
         let Some(mut traced) = self.inner.take() else {
             return;
         };
-        let failed = (capture.incomplete == Some(Incomplete::UpstreamFailed))
-            .then_some("upstream_stream_failed");
+        let failed = (incomplete == Some("upstream_failed")).then_some("upstream_stream_failed");
         if let Some(mut upstream) = traced.upstream.take() {
             if let Some(error_type) = failed {
                 fail(&mut upstream, error_type);
@@ -322,7 +323,6 @@ impl RequestTrace {
         }
         let span = traced.cx.span();
         if span.is_recording() {
-            let message = &capture.message;
             if let Some(model) = &message.model {
                 span.set_attribute(KeyValue::new(attr::RESPONSE_MODEL, model.clone()));
             }
@@ -343,11 +343,8 @@ impl RequestTrace {
                     Value::Array(Array::String(reasons)),
                 ));
             }
-            if let Some(incomplete) = capture.incomplete {
-                span.set_attribute(KeyValue::new(
-                    attr::CAPTURE_INCOMPLETE,
-                    incomplete_name(incomplete),
-                ));
+            if let Some(incomplete) = incomplete {
+                span.set_attribute(KeyValue::new(attr::CAPTURE_INCOMPLETE, incomplete));
             }
             if traced.tracing.capture_content {
                 let output = json!([{
@@ -463,16 +460,6 @@ fn method_name(method: &Method) -> &'static str {
         Method::OPTIONS => "OPTIONS",
         // The conventions' name for a method outside the known set.
         _ => "_OTHER",
-    }
-}
-
-fn incomplete_name(incomplete: Incomplete) -> &'static str {
-    match incomplete {
-        Incomplete::ClientDisconnected => "client_disconnected",
-        Incomplete::UpstreamFailed => "upstream_failed",
-        Incomplete::TeeOverflow => "tee_overflow",
-        Incomplete::TooLarge => "too_large",
-        Incomplete::Malformed => "malformed",
     }
 }
 

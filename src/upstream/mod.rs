@@ -11,8 +11,11 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
-use crate::config::UpstreamConfig;
 use crate::error::{Error, ProxyBody};
+
+mod config;
+
+pub use config::UpstreamConfig;
 
 /// What in `path` could take it out of the upstream's base path, on an upstream (or a proxy in
 /// front of it) that normalises or decodes paths: a `.` or `..` segment (also percent-encoded,

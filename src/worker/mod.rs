@@ -18,8 +18,12 @@
 //! after `background_retry_delay_ms`; its grounded diff is then applied to the turn. That retry
 //! lives in memory only: if the process stops first, the heuristic extraction stands.
 
+mod config;
 pub mod lag;
-pub mod priority;
+mod metrics;
+
+pub use config::WorkerConfig;
+pub use metrics::WorkerMetrics;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -30,11 +34,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::cache::{CachedMemory, MemoryCache, first_version};
-use crate::config::WorkerConfig;
 use crate::error::{Error, Result};
 use crate::memory::{self, CandidateId, ExchangeInput, MemoryConfig, MemoryState, Precomputed};
-use crate::metrics::WorkerMetrics;
 use crate::ratelimit::TokenBudget;
+use crate::runtime::priority;
 use crate::store::{
     ClaimedJob, EncodedState, Job, MemoryRecords, MemoryUpdate, Published, Store, UserKey,
 };
@@ -365,7 +368,11 @@ impl Worker {
         if jobs.is_empty() {
             return;
         }
-        let mut span = self.telemetry.memory_update(&jobs);
+        let mut span = self.telemetry.memory_update(
+            jobs.len(),
+            jobs.first().map(|job| job.exchange.session_id.as_str()),
+            jobs.iter().filter_map(|job| job.trace),
+        );
         let started = std::time::Instant::now();
         match self.apply_run(&jobs).await {
             Ok(applied) => {

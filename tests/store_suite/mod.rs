@@ -610,7 +610,7 @@ pub async fn a_forgotten_users_job_commits_nothing(store: &dyn Store) {
 }
 
 /// Polls every future together (a tiny `join_all`, to keep dependencies few).
-async fn futures_join_all<T>(futures: Vec<engram::future::BoxFuture<'_, T>>) -> Vec<T> {
+async fn futures_join_all<T>(futures: Vec<engram::runtime::BoxFuture<'_, T>>) -> Vec<T> {
     let mut futures: Vec<_> = futures.into_iter().map(Some).collect();
     let mut results: Vec<Option<T>> = futures.iter().map(|_| None).collect();
     std::future::poll_fn(|cx| {

@@ -1,16 +1,16 @@
-//! The LLM summarizer's health: calls, failures by reason, tokens, latency.
+//! The LLM summarizer's health: calls, failures by reason, tokens, latency. The counters are
+//! registered (named, described) by `metrics`; this is what the summarizer counts into.
 
 use std::time::Duration;
 
-use prometheus::{Histogram, IntCounter, Registry};
+use prometheus::{Histogram, IntCounter};
 
-use super::{MODEL_BUCKETS, child, counter, counter_vec, histogram, try_array};
-use crate::error::Result;
+use super::SummaryFailure;
 use crate::openai::Usage;
-use crate::summarizer::SummaryFailure;
 
-/// Every reason a summarizer extraction can fail (`SummaryFailure::as_str`).
-const FAILURES: [SummaryFailure; 9] = [
+/// Every reason a summarizer extraction can fail (`SummaryFailure::as_str`), in the order of
+/// [`SummarizerMetrics::new`]'s `failures`.
+pub const FAILURES: [SummaryFailure; 9] = [
     SummaryFailure::NotConfigured,
     SummaryFailure::InvalidJson,
     SummaryFailure::Timeout,
@@ -32,36 +32,20 @@ pub struct SummarizerMetrics {
 }
 
 impl SummarizerMetrics {
-    pub(super) fn new(registry: &Registry) -> Result<SummarizerMetrics> {
-        let failures = counter_vec(
-            registry,
-            "engram_summarizer_failures_total",
-            "Summarizer extractions that could not use the model (the heuristic extraction stood in), by reason.",
-            &["reason"],
-        )?;
-        let tokens = counter_vec(
-            registry,
-            "engram_summarizer_tokens_total",
-            "Tokens the summarizer model reported using, by kind (prompt, completion).",
-            &["kind"],
-        )?;
-        Ok(SummarizerMetrics {
-            calls: counter(
-                registry,
-                "engram_summarizer_calls_total",
-                "HTTP calls to the summarizer model (an invalid-JSON reply is retried once: two calls).",
-            )?,
-            failures: try_array(|index| child(&failures, &[FAILURES[index].as_str()]))?,
-            tokens: try_array(|index| {
-                child(&tokens, &[if index == 0 { "prompt" } else { "completion" }])
-            })?,
-            latency: histogram(
-                registry,
-                "engram_summarizer_latency_seconds",
-                "One summarizer call, sent to its whole reply read (or its failure).",
-                MODEL_BUCKETS,
-            )?,
-        })
+    /// Counts into these: calls, failures by [`FAILURES`], tokens (prompt, completion), and
+    /// the latency of a call.
+    pub fn new(
+        calls: IntCounter,
+        failures: [IntCounter; 9],
+        tokens: [IntCounter; 2],
+        latency: Histogram,
+    ) -> SummarizerMetrics {
+        SummarizerMetrics {
+            calls,
+            failures,
+            tokens,
+            latency,
+        }
     }
 
     /// One call to the model, answered or not, and the tokens its reply reports.
@@ -93,7 +77,13 @@ mod tests {
 
     #[test]
     fn every_failure_reason_has_its_own_series() {
-        let metrics = SummarizerMetrics::new(&Registry::new()).unwrap();
+        let counter = |name: &str| IntCounter::new(name, "test").unwrap();
+        let metrics = SummarizerMetrics::new(
+            counter("calls"),
+            std::array::from_fn(|index| counter(&format!("failures_{index}"))),
+            [counter("prompt"), counter("completion")],
+            Histogram::with_opts(prometheus::HistogramOpts::new("latency", "test")).unwrap(),
+        );
         let labels: std::collections::HashSet<_> =
             FAILURES.iter().map(SummaryFailure::as_str).collect();
         assert_eq!(labels.len(), FAILURES.len());
