@@ -17,7 +17,7 @@ use tracing_subscriber::EnvFilter;
 
 // jemalloc, not glibc's malloc: with memory on, glibc's per-thread arenas kept ~150 MB of RSS
 // beyond the live heap (state-sized allocations freed on other threads); jemalloc took peak RSS
-// with 1,000 streams in flight from 306 to 221 MiB (docs/benchmarks.md). mimalloc made it worse.
+// with 1,000 streams in flight from 306 to 221 MiB (docs/benchmarks-log.md). mimalloc made it worse.
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 

@@ -4,7 +4,7 @@
 //! bounded.
 //!
 //! CI runs a short seeded pass (256 cases per property, fixed seed). A long run, documented in
-//! docs/benchmarks.md: `PROPTEST_CASES=200000 PROPTEST_RNG_SEED=$RANDOM cargo test --release
+//! docs/testing.md: `PROPTEST_CASES=200000 PROPTEST_RNG_SEED=$RANDOM cargo test --release
 //! --test fuzz`.
 
 #![allow(

@@ -9,7 +9,7 @@
 //! recorded answer waits for) run on a blocking pool of their own whose one thread
 //! ([`recorder_pool`], [`RecorderPriority::Answering`]) runs at normal priority without
 //! checkpoints: while no client waited for them they gave way at every step, and once the
-//! answers waited, those yields only made them wait longer (docs/benchmarks.md). Niced to 19,
+//! answers waited, those yields only made them wait longer (docs/benchmarks-log.md). Niced to 19,
 //! a recorder that yields that often was starved at full load. The Redis store's encoding of
 //! large exchanges, one long call without checkpoints, runs on a thread niced to 19.
 //!

@@ -167,7 +167,7 @@ fn open_database(path: &Path, create_tables: fn(&Database) -> Result<()>) -> Res
 /// waiting (waits over 0.5 ms). With the writes' yields and a checkpoint per write of a group
 /// commit, the added p99 there fell from a median of 3.4 to 2.6 ms over four paired runs; with
 /// the reads' (redb's cache misses) and a clock read at each, and the recorder no longer
-/// niced, to 1.3 ms over five (docs/benchmarks.md). On other threads (a request thread's read)
+/// niced, to 1.3 ms over five (docs/benchmarks-log.md). On other threads (a request thread's read)
 /// it is redb's own.
 #[derive(Debug)]
 struct YieldingFile(FileBackend);

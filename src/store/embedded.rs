@@ -38,7 +38,7 @@ pub const FILE_NAME: &str = "engram.redb";
 /// (`store.group_commit_ms`). A durable commit costs an fsync; at 1,000 recorded requests/s one
 /// commit per enqueue took ~15 % of the proxy's CPU samples, 7 % with a 2 ms wait, when no
 /// client waited for it. Now the end of a recorded answer waits for its commit, and enqueues
-/// arriving while a commit runs share the next one anyway: no wait (docs/benchmarks.md).
+/// arriving while a commit runs share the next one anyway: no wait (docs/benchmarks-log.md).
 const ENQUEUE_LINGER: Duration = Duration::ZERO;
 
 /// (tenant, user) → the memory state as JSON.
@@ -681,7 +681,7 @@ impl MemoryRecords for EmbeddedStore {
     ) -> BoxFuture<'a, Result<HotRecord>> {
         // A warm read (the caller's state cached, the file open) is a few tens of µs of cached
         // page reads, while handing it to a blocking thread and back cost about 70 µs more on
-        // the 2-core VM (two thread wake-ups; docs/benchmarks.md): it runs here. A state to
+        // the 2-core VM (two thread wake-ups; docs/benchmarks-log.md): it runs here. A state to
         // decode, an error or a closed file go to a blocking thread, which also recovers.
         if cached_version.is_some()
             && let Some(db) = self.db.current()
