@@ -1,11 +1,10 @@
-//! The seams where memory plugs into the proxy, in the order of a request's phases:
-//!
-//! 1. request filter (server: content type, size, parse once),
-//! 2. **`MemoryLayer::rewrite`** — the prompt rewrite, before the upstream request is built,
-//! 3. upstream request (headers, `stream_options.include_usage`),
-//! 4. response body filter (the tee: bytes pass on untouched, a copy goes aside),
-//! 5. **`MemoryLayer::record`** — after the response has streamed back (or the client left),
-//!    off the hot path, on the tracked task set that shutdown drains.
+//! The seams where memory plugs into the proxy. The chat request's phases (`server/chat.rs`)
+//! are, in order: identify (credential, content type, size, one parse), admit (rate limits),
+//! load memory — **`MemoryLayer::rewrite`**, the prompt rewrite before the upstream request is
+//! built — forward, filter the response, and tee and record: the bytes pass on untouched while
+//! a copy goes aside, and after the response has streamed back (or the client left),
+//! **`MemoryLayer::record`** runs off the hot path, on the tracked task set that shutdown
+//! drains.
 
 pub mod explain_log;
 pub mod identity;

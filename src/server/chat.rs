@@ -1,4 +1,8 @@
-//! `POST /v1/chat/completions`, the interception point, as named phases in request order.
+//! `POST /v1/chat/completions`, the interception point, as named phases in request order, in
+//! the spirit of Pingora's `ProxyHttp`: [`identify`], [`admit`], [`load_memory`], [`forward`],
+//! [`filter_response`], [`tee_and_record`]. [`handle`] runs them; what applies to every phase
+//! (refusing work while draining, the request's span, its metrics) is around them, and what
+//! the span and the metrics see of each phase passes through one [`Observed`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -6,7 +10,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderValue};
 use http::request::Parts;
-use http::{Request, Response};
+use http::response;
+use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use tokio::sync::oneshot;
@@ -15,8 +20,9 @@ use super::AppState;
 use crate::error::{BodyError, Error, ProxyBody, full_body};
 use crate::metrics::{Route, Timing};
 use crate::openai::ChatRequest;
+use crate::pipeline::trust::Vouched;
 use crate::pipeline::{Exchange, Incomplete, Receipt, Rewrite};
-use crate::recorder::tee::{self, PrefixedBody, ReceiptWait, TeeBody, TeeOptions};
+use crate::recorder::tee::{self, FirstFrame, PrefixedBody, ReceiptWait, TeeBody, TeeOptions};
 use crate::telemetry::{self, RequestTrace};
 use crate::upstream::without_hop_by_hop;
 
@@ -24,80 +30,163 @@ pub async fn handle(
     state: Arc<AppState>,
     request: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, Error> {
-    let mut trace = state.telemetry.chat_request(request.headers());
-    let cx = trace.context();
-    let result = telemetry::traced(cx, proxy(&state, request, &mut trace)).await;
+    let mut observed = Observed::start(&state, request.headers());
+    let cx = observed.trace.context();
+    let result = telemetry::traced(cx, proxy(&state, request, &mut observed)).await;
     if let Err(error) = &result {
-        trace.fail(error);
+        observed.trace.fail(error);
     }
     result
 }
 
+/// The phases in order; a phase's error ends the request with that error.
 async fn proxy(
     state: &AppState,
     request: Request<Incoming>,
-    trace: &mut RequestTrace,
+    observed: &mut Observed<'_>,
 ) -> Result<Response<ProxyBody>, Error> {
-    let mut timing = Timing::start();
     if state.is_draining() {
         return Err(Error::ShuttingDown);
     }
-    // Phase 1: request filter — credential, content type, size, one parse.
+    let mut chat = identify(state, request).await?;
+    observed.identified(&chat.request);
+    admit(state, &chat)?;
+    let mut rewrite = load_memory(state, &chat).await?;
+    observed.memory_loaded(&rewrite);
+    let strip_usage = chat.request.is_stream() && !chat.request.client_wants_usage();
+    let response = forward(state, &mut chat, &mut rewrite, strip_usage, observed).await?;
+    let answer = match filter_response(state, response, &rewrite, strip_usage) {
+        Filtered::UpstreamError(response) => {
+            observed.answered_with_error(response.status());
+            return Ok(response);
+        }
+        Filtered::Answer(answer) => answer,
+    };
+    let response = tee_and_record(state, chat, rewrite, answer, observed).await?;
+    observed.answered();
+    Ok(response)
+}
+
+/// A chat request that passed [`identify`].
+struct Chat {
+    parts: Parts,
+    vouched: Vouched,
+    /// The body as the client sent it, until [`forward`] sends it on (or what replaces it).
+    body: Bytes,
+    request: ChatRequest,
+}
+
+/// Phase 1, identify: the credential checked against the identity it names
+/// (`identity.trust`), before the body is read; then the content type, the size, and one
+/// parse.
+async fn identify(state: &AppState, request: Request<Incoming>) -> Result<Chat, Error> {
     let (parts, body) = request.into_parts();
     let vouched = state.authenticate(&parts.headers)?;
     check_content_type(&parts.headers)?;
     let body = read_body(body, &parts.headers, state.config.server.max_body_bytes).await?;
-    let original = ChatRequest::from_slice(&body)?;
-    trace.chat(&original);
-    state.admit(&parts.headers, &vouched, Some(&original))?;
+    let request = ChatRequest::from_slice(&body)?;
+    Ok(Chat {
+        parts,
+        vouched,
+        body,
+        request,
+    })
+}
 
-    // Phase 2: memory rewrite.
-    let mut rewrite = state
+/// Phase 2, admit: the tenant's and the user's rate limits (a 429 with `retry-after`).
+fn admit(state: &AppState, chat: &Chat) -> Result<(), Error> {
+    state.admit(&chat.parts.headers, &chat.vouched, Some(&chat.request))
+}
+
+/// Phase 3, load memory: identity, the bounded store read, the cached memory and the
+/// composed prompt ([`crate::pipeline::MemoryLayer::rewrite`]); a store that fails or is slow
+/// gives a rewrite without memory, not an error.
+async fn load_memory(state: &AppState, chat: &Chat) -> Result<Rewrite, Error> {
+    state
         .memory
-        .rewrite(&parts.headers, &vouched, &original)
-        .await?;
-    state.metrics.memory.observe(&rewrite);
-    trace.memory(rewrite.span());
+        .rewrite(&chat.parts.headers, &chat.vouched, &chat.request)
+        .await
+}
 
-    // Phase 3: upstream request. Ask for usage on streams so the recorder sees token counts.
-    let strip_usage = original.is_stream() && !original.client_wants_usage();
+/// Phase 4, forward: the upstream request (the rewritten messages, usage asked for on streams
+/// so the recorder sees token counts), sent; returns the upstream's response headers. The
+/// client's body is not kept past it.
+async fn forward(
+    state: &AppState,
+    chat: &mut Chat,
+    rewrite: &mut Rewrite,
+    strip_usage: bool,
+    observed: &mut Observed<'_>,
+) -> Result<Response<Incoming>, Error> {
+    let body = std::mem::take(&mut chat.body);
     let upstream_body = match rewrite.messages.take() {
         None if !strip_usage => body,
-        messages => Bytes::from(original.upstream_body(&body, messages.as_deref(), strip_usage)?),
+        messages => Bytes::from(chat.request.upstream_body(
+            &body,
+            messages.as_deref(),
+            strip_usage,
+        )?),
     };
-    let mut upstream_request = upstream_request(state, &parts, upstream_body)?;
-    trace.start_upstream(&mut upstream_request);
-    timing.sent();
+    let mut upstream_request = upstream_request(state, &chat.parts, upstream_body)?;
+    observed.forwarding(&mut upstream_request);
     let response = state.upstream.send(upstream_request).await?;
-    timing.answered();
-    trace.upstream_answered(response.status());
+    observed.upstream_answered(response.status());
+    Ok(response)
+}
 
-    // Phase 4: response filter. Upstream errors go back exactly as the upstream sent them.
-    let (mut response_parts, upstream_body) = response.into_parts();
-    response_parts.headers = without_hop_by_hop(&response_parts.headers);
-    add_memory_headers(&mut response_parts.headers, &rewrite);
-    if !response_parts.status.is_success() {
-        trace.take().answered(response_parts.status);
-        let body = upstream_body.map_err(BodyError::from).boxed();
-        state.metrics.http.observe(Route::ChatCompletions, &timing);
-        return Ok(Response::from_parts(response_parts, body));
+/// What [`filter_response`] made of the upstream's response.
+enum Filtered {
+    /// An upstream error, to go back exactly as the upstream sent it.
+    UpstreamError(Response<ProxyBody>),
+    Answer(Answer),
+}
+
+/// A successful answer's head, and how its body will go back.
+struct Answer {
+    head: response::Parts,
+    body: Incoming,
+    event_stream: bool,
+    strip_usage: bool,
+    /// Told once the recording is durable (or failed); `None` when nothing is recorded.
+    receipt_sender: Option<oneshot::Sender<Receipt>>,
+    /// A stream's receipt: the SSE comment before its `data: [DONE]`.
+    stream_receipt: Option<ReceiptWait>,
+    /// A whole answer's receipt: the `x-engram-job-state` header.
+    whole_receipt: Option<oneshot::Receiver<Receipt>>,
+    max_wait: Duration,
+}
+
+/// Phase 5, response filter: hop-by-hop headers out, the memory headers in; an upstream error
+/// goes back as it came. Only an answered request names its turn (whose explanation the
+/// management API keeps) and, if it is recorded, its job. A recorded answer ends only once its
+/// recording is durable (or the wait ran out), so the session's next request finds it; the
+/// receipt says which. A stream's receipt is an SSE comment just before its `data: [DONE]`,
+/// which SSE clients ignore and a client that wants to read its own writes can parse; a whole
+/// answer's is the `x-engram-job-state` header.
+fn filter_response(
+    state: &AppState,
+    response: Response<Incoming>,
+    rewrite: &Rewrite,
+    strip_usage: bool,
+) -> Filtered {
+    let (mut head, body) = response.into_parts();
+    head.headers = without_hop_by_hop(&head.headers);
+    add_memory_headers(&mut head.headers, rewrite);
+    if !head.status.is_success() {
+        let body = body.map_err(BodyError::from).boxed();
+        return Filtered::UpstreamError(Response::from_parts(head, body));
     }
-    // Only an answered request names its turn (whose explanation the management API keeps)
-    // and, if it is recorded, its job. Both ids are hex and ASCII, always valid header values.
+    // Both ids are hex and ASCII, always valid header values.
     let job = rewrite.record.as_ref().map(|plan| &plan.job.key);
     for (name, value) in [
         ("x-engram-turn-id", rewrite.turn_id.as_ref()),
         ("x-engram-job-id", job),
     ] {
         if let Some(value) = value.and_then(|value| HeaderValue::from_str(value).ok()) {
-            response_parts.headers.insert(name, value);
+            head.headers.insert(name, value);
         }
     }
-    let event_stream = is_event_stream(&response_parts.headers);
-    // A recorded answer ends only once its recording is durable (or the wait ran out), so the
-    // session's next request finds it; the receipt says which. A stream's receipt is an SSE
-    // comment just before its `data: [DONE]`, which SSE clients ignore and a client that wants
-    // to read its own writes can parse; a whole answer's is the `x-engram-job-state` header.
+    let event_stream = is_event_stream(&head.headers);
     let (receipt_sender, receipt) = match &rewrite.record {
         Some(_) => {
             let (sender, receiver) = oneshot::channel();
@@ -121,13 +210,44 @@ async fn proxy(
         (_, receipt) => (None, receipt),
     };
     if (strip_usage || stream_receipt.is_some()) && event_stream {
-        response_parts.headers.remove(header::CONTENT_LENGTH);
+        head.headers.remove(header::CONTENT_LENGTH);
     }
+    Filtered::Answer(Answer {
+        head,
+        body,
+        event_stream,
+        strip_usage,
+        receipt_sender,
+        stream_receipt,
+        whole_receipt,
+        max_wait,
+    })
+}
 
-    // Phase 5: response body filter — the tee — and, after it, the recorder.
+/// Phase 6, tee and record: the body goes back untouched while the tee copies it aside; once
+/// it has ended, the recorder gets the exchange (on the tracked task set that shutdown drains)
+/// and the request's span ends with what the recorder read. A whole answer that is recorded
+/// goes back once its receipt is in.
+async fn tee_and_record(
+    state: &AppState,
+    chat: Chat,
+    rewrite: Rewrite,
+    answer: Answer,
+    observed: &mut Observed<'_>,
+) -> Result<Response<ProxyBody>, Error> {
+    let Answer {
+        mut head,
+        body,
+        event_stream,
+        strip_usage,
+        receipt_sender,
+        stream_receipt,
+        whole_receipt,
+        max_wait,
+    } = answer;
     let capture = &state.config.capture;
     let (body, copies, tee_state) = TeeBody::new(
-        upstream_body,
+        body,
         TeeOptions {
             channel_frames: capture.channel_frames,
             max_tapped_bytes: capture.max_response_bytes,
@@ -135,14 +255,15 @@ async fn proxy(
             event_stream,
             strip_usage: strip_usage && event_stream,
             receipt: stream_receipt,
-            first_frame: Some(state.metrics.http.first_frame(&timing, event_stream)),
+            first_frame: Some(observed.first_frame(event_stream)),
         },
     );
     let memory = state.memory.clone();
-    let client_headers = parts.headers;
+    let original = chat.request;
+    let client_headers = chat.parts.headers;
     let record = rewrite.record;
     // The spans end with the body, when the recorder has read the usage.
-    let trace = trace.take();
+    let trace = observed.trace.take();
     let cx = trace.context();
     state.tasks.spawn(telemetry::traced(cx, async move {
         let capture = tee::collect(copies, tee_state, event_stream).await;
@@ -160,7 +281,7 @@ async fn proxy(
         Some(recorded) => {
             let (receipt, body) = whole_with_receipt(body, recorded, max_wait, capture).await?;
             if let Some(receipt) = receipt {
-                response_parts.headers.insert(
+                head.headers.insert(
                     "x-engram-job-state",
                     HeaderValue::from_static(receipt.as_str()),
                 );
@@ -169,8 +290,65 @@ async fn proxy(
         }
         None => BodyExt::boxed(body),
     };
-    state.metrics.http.observe(Route::ChatCompletions, &timing);
-    Ok(Response::from_parts(response_parts, body))
+    Ok(Response::from_parts(head, body))
+}
+
+/// What the request's span and its metrics see of the phases: each phase reports here, once,
+/// and this passes it on to both.
+struct Observed<'a> {
+    trace: RequestTrace,
+    timing: Timing,
+    state: &'a AppState,
+}
+
+impl<'a> Observed<'a> {
+    fn start(state: &'a AppState, headers: &HeaderMap) -> Observed<'a> {
+        let trace = state.telemetry.chat_request(headers);
+        Observed {
+            trace,
+            timing: Timing::start(),
+            state,
+        }
+    }
+
+    fn identified(&mut self, request: &ChatRequest) {
+        self.trace.chat(request);
+    }
+
+    fn memory_loaded(&mut self, rewrite: &Rewrite) {
+        self.state.metrics.memory.observe(rewrite);
+        self.trace.memory(rewrite.span());
+    }
+
+    /// The upstream request is about to go: its span's context goes with it.
+    fn forwarding(&mut self, request: &mut Request<ProxyBody>) {
+        self.trace.start_upstream(request);
+        self.timing.sent();
+    }
+
+    fn upstream_answered(&mut self, status: StatusCode) {
+        self.timing.answered();
+        self.trace.upstream_answered(status);
+    }
+
+    /// The upstream's error goes back as it came: the spans end here.
+    fn answered_with_error(&mut self, status: StatusCode) {
+        self.trace.take().answered(status);
+        self.answered();
+    }
+
+    /// The time to the answer's first body frame, observed when the tee passes it on.
+    fn first_frame(&self, stream: bool) -> FirstFrame {
+        self.state.metrics.http.first_frame(&self.timing, stream)
+    }
+
+    /// The response head is ready: engram's time and the upstream's.
+    fn answered(&self) {
+        self.state
+            .metrics
+            .http
+            .observe(Route::ChatCompletions, &self.timing);
+    }
 }
 
 /// How much longer than `capture.receipt_wait_ms` an answer's end waits for the recorder.
