@@ -5,34 +5,21 @@
 //! Update path (worker): `record_exchange` → `MemoryIndex::refresh` → `prefetch`.
 //! Hot path (per request): `compose` with the cached index and the prefetched candidates.
 
-pub mod bpe;
-pub mod budget;
-pub mod compose;
 pub mod config;
-pub mod depth;
-pub mod diff;
-pub mod embed;
-mod embed_tables;
-pub mod explain;
-pub mod extract;
-pub mod fence;
-pub mod history;
-pub mod index;
-pub mod layered;
-pub mod lookups;
 pub mod manage;
-pub mod manifest;
-pub mod memo;
-pub mod model;
-pub mod record;
-pub mod render;
-pub mod retrieve;
-pub mod score;
-pub mod segmented;
-pub mod shape;
-pub mod text;
-pub mod tiers;
-pub mod tokens;
+pub mod prompt;
+pub mod retrieval;
+pub mod state;
+pub mod tokenize;
+pub mod update;
+
+// Each module also at its path from before the folders, so `memory::compose` and the like
+// still name it.
+pub use prompt::{budget, compose, explain, fence, history, render, shape};
+pub use retrieval::{embed, index, retrieve, score};
+pub use state::{layered, lookups, memo, model, segmented};
+pub use tokenize::{bpe, text, tokens};
+pub use update::{depth, diff, extract, manifest, record, tiers};
 
 pub use budget::{Budgets, budgets_from_total};
 pub use compose::{ComposeRequest, Composition, MemoryOutcome, compose};

@@ -6,11 +6,11 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, HashSet};
 use std::rc::Rc;
 
-use super::memo::{TextMemo, memoised};
-use super::model::{EpisodeId, EpisodeManifest, FactId, MemoryState, TurnSeq};
-use super::render::recount_episode;
-use super::text::{clip_chars, is_stop_word, stem, terms, words};
-use super::tokens::Encoding;
+use crate::memory::memo::{TextMemo, memoised};
+use crate::memory::model::{EpisodeId, EpisodeManifest, FactId, MemoryState, TurnSeq};
+use crate::memory::render::recount_episode;
+use crate::memory::text::{clip_chars, is_stop_word, stem, terms, words};
+use crate::memory::tokens::Encoding;
 
 pub const SUMMARY_CHARS: usize = 256;
 const TAGS: usize = 8;

@@ -15,16 +15,16 @@ use std::cell::RefCell;
 use std::sync::OnceLock;
 
 use super::fence::neutralise_fences;
-use super::memo::{TextMemo, memoised};
-use super::model::{
-    Artifact, ArtifactKind, EpisodeManifest, Fact, Identity, PinContent, PinnedItem, RawTurn,
-    TurnLogEntry,
-};
 use super::shape::{
     Clipped, INDENT, clipped, fenced, push_continuation, push_quoted, quoted, shaped, split_lines,
 };
-use super::text::{display_date, one_line};
-use super::tokens::{Encoding, TokenCount};
+use crate::memory::memo::{TextMemo, memoised};
+use crate::memory::model::{
+    Artifact, ArtifactKind, EpisodeManifest, Fact, Identity, PinContent, PinnedItem, RawTurn,
+    TurnLogEntry,
+};
+use crate::memory::text::{display_date, one_line};
+use crate::memory::tokens::{Encoding, TokenCount};
 
 pub const FENCE_TAG: &str = "engram-memory";
 pub const CORE_OPEN: &str = "<engram-memory kind=\"core\">\n";
@@ -339,7 +339,7 @@ pub fn recount_episode(episode: &mut EpisodeManifest) {
 }
 
 /// The tokens of an artifact's full rendering and of its one-line reference. `content` is
-/// [`artifact_content`](super::model::MemoryState::artifact_content), which may borrow from
+/// [`artifact_content`](crate::memory::model::MemoryState::artifact_content), which may borrow from
 /// the artifact itself, so the counts are returned rather than stored here.
 pub fn counted_artifact(
     artifact: &Artifact,

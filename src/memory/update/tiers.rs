@@ -8,14 +8,14 @@ use std::collections::{BTreeSet, HashSet};
 
 use serde::{Deserialize, Serialize};
 
-use super::config::MemoryConfig;
 use super::manifest::{build_manifest, episode_facts, remembered_match_terms};
-use super::model::{
+use crate::memory::config::MemoryConfig;
+use crate::memory::model::{
     EpisodeId, EpisodeManifest, FactId, ItemRef, MemoryState, Tier, TierState, TurnSeq,
 };
-use super::score::{fact_score, summary_score};
-use super::text::remembered_terms;
-use super::tokens::Encoding;
+use crate::memory::score::{fact_score, summary_score};
+use crate::memory::text::remembered_terms;
+use crate::memory::tokens::Encoding;
 use crate::runtime::priority;
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

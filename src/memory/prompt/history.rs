@@ -17,9 +17,9 @@ use serde_json::Value;
 
 use crate::openai::{ChatMessage, ToolCall};
 
-use super::depth::fence_info;
 use super::fence::{has_fence_marker, strip_fences};
-use super::text::{fnv1a, fnv1a_one_line};
+use crate::memory::depth::fence_info;
+use crate::memory::text::{fnv1a, fnv1a_one_line};
 
 /// The link before the first exchange of a conversation.
 pub const CHAIN_ORIGIN: u64 = 0x9e37_79b9_7f4a_7c15;

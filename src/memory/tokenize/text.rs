@@ -7,7 +7,7 @@ use std::cell::RefCell;
 use std::collections::HashSet;
 use std::rc::Rc;
 
-use super::memo::{TextMemo, memoised};
+use crate::memory::memo::{TextMemo, memoised};
 
 /// English function words that carry no retrieval signal.
 const STOP_WORDS: &[&str] = &[

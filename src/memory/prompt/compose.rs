@@ -21,26 +21,26 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::budget::{Packer, budgets_from_total};
-use super::config::{MemoryConfig, Placement};
-use super::depth::code_blocks;
 use super::explain::{Block, BlockTokens, ClientMode, Explain, ExplainedItem, Form, Reason};
 use super::fence::{has_fence_like, memory_text, neutralise_fences, strip_fences};
 use super::history::{answer_words, request_shape};
-use super::index::MemoryIndex;
-use super::lookups::Lookups;
-use super::model::{
-    ArtifactId, ArtifactKind, CandidateId, Depth, FactId, ItemRef, MemoryState, PinContent, Tier,
-    TurnSeq,
-};
-use super::record::ExchangeInput;
 use super::render::{
     FENCE_CLOSE, Fixed, artifact_full, artifact_reference, episode_line, fact_line, identity_lines,
     pin_line, raw_turn_line, summary_line,
 };
-use super::retrieve::retrieve;
-use super::score::{fact_score, summary_score};
-use super::text::excerpt;
-use super::tokens::Encoding;
+use crate::memory::config::{MemoryConfig, Placement};
+use crate::memory::depth::code_blocks;
+use crate::memory::index::MemoryIndex;
+use crate::memory::lookups::Lookups;
+use crate::memory::model::{
+    ArtifactId, ArtifactKind, CandidateId, Depth, FactId, ItemRef, MemoryState, PinContent, Tier,
+    TurnSeq,
+};
+use crate::memory::record::ExchangeInput;
+use crate::memory::retrieve::retrieve;
+use crate::memory::score::{fact_score, summary_score};
+use crate::memory::text::excerpt;
+use crate::memory::tokens::Encoding;
 use crate::openai::{ChatMessage, OutgoingMessage};
 
 /// What the proxy knows about the request being rewritten.
@@ -72,7 +72,7 @@ fn unapplied_tokens(encoding: Encoding, text: &str) -> u32 {
     if text.len() > UNAPPLIED_COUNT_BYTES {
         u32::try_from(text.len()).unwrap_or(u32::MAX)
     } else {
-        super::tokens::count_in(encoding, text)
+        crate::memory::tokens::count_in(encoding, text)
     }
 }
 

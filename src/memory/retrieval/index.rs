@@ -20,10 +20,10 @@ use std::sync::Arc;
 use rustc_hash::{FxBuildHasher, FxHasher};
 
 use super::embed::{self, Vector};
-use super::layered::LayeredMap;
-use super::model::{ItemRef, MemoryState, TurnSeq};
-use super::segmented::Segmented;
-use super::text::{date_search_text, distinct_terms, terms};
+use crate::memory::layered::LayeredMap;
+use crate::memory::model::{ItemRef, MemoryState, TurnSeq};
+use crate::memory::segmented::Segmented;
+use crate::memory::text::{date_search_text, distinct_terms, terms};
 
 pub type TermId = u32;
 
@@ -1103,7 +1103,7 @@ impl MemoryIndex {
         self.chains.get(&chain).copied()
     }
 
-    /// The latest raw turn with this exchange [`pair`](super::history::pair) hash.
+    /// The latest raw turn with this exchange [`pair`](crate::memory::history::pair) hash.
     pub fn turn_for_pair(&self, pair: u64) -> Option<TurnSeq> {
         self.pairs.get(&pair).copied()
     }

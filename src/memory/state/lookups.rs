@@ -15,11 +15,11 @@ use std::hash::{Hash, Hasher};
 
 use rustc_hash::{FxBuildHasher, FxHasher};
 
-use super::diff::normalise;
 use super::layered::LayeredMap;
-use super::manifest::match_terms;
 use super::model::{EpisodeId, Fact, FactId, MemoryState, Tier, TurnSeq};
-use super::text::terms;
+use crate::memory::diff::normalise;
+use crate::memory::manifest::match_terms;
+use crate::memory::text::terms;
 
 type Strings<V> = LayeredMap<String, V, foldhash::fast::RandomState>;
 

@@ -11,10 +11,10 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::config::{RetrievalConfig, RetrievalMode};
 use super::embed::{self, Vector};
 use super::index::{Bm25, MemoryIndex, Segment, SegmentKind, TermId, segment_of};
-use super::model::{CandidateId, ItemRef, MemoryState, Tier, TurnSeq};
+use crate::memory::config::{RetrievalConfig, RetrievalMode};
+use crate::memory::model::{CandidateId, ItemRef, MemoryState, Tier, TurnSeq};
 
 /// Why an item was retrieved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]

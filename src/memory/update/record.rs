@@ -7,23 +7,23 @@ use std::collections::HashSet;
 
 use serde::{Deserialize, Serialize};
 
-use super::config::MemoryConfig;
 use super::depth::{FoundArtifact, classify, find_artifacts};
 use super::diff::{DiffReport, apply_diff, normalise, retain_grounded};
 use super::extract::{ASSISTANT_SUMMARY_WORDS, ExchangeView, Extractor, USER_SUMMARY_WORDS};
-use super::fence::memory_text;
-use super::history::link;
-use super::model::{
+use super::tiers::{TierReport, maintain, refresh_episode_facts, rehydrate, touch_related};
+use crate::memory::config::MemoryConfig;
+use crate::memory::fence::memory_text;
+use crate::memory::history::link;
+use crate::memory::model::{
     Artifact, ArtifactId, ArtifactKind, Depth, FactCategory, FactId, Identity, ItemRef,
     MemoryState, PinId, PinnedItem, RawTurn, RevisionEnd, SESSION_TAIL, SessionState, SummaryText,
     TierState, TurnLogEntry, TurnSeq,
 };
-use super::render::{
+use crate::memory::render::{
     counted_artifact, recount_fact, recount_identity, recount_pinned, recount_raw_turn,
     recount_summary,
 };
-use super::text::{clip_words, excerpt, terms, word_count};
-use super::tiers::{TierReport, maintain, refresh_episode_facts, rehydrate, touch_related};
+use crate::memory::text::{clip_words, excerpt, terms, word_count};
 
 /// One exchange to record, as the proxy saw it.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -95,7 +95,7 @@ pub fn record_exchange(
         None => {
             state.sessions.push(SessionState {
                 id: exchange.session_id.clone(),
-                last_chain: super::history::CHAIN_ORIGIN,
+                last_chain: crate::memory::history::CHAIN_ORIGIN,
                 recent: Vec::new(),
             });
             u32::try_from(state.sessions.len() - 1).unwrap_or(u32::MAX)
@@ -105,7 +105,9 @@ pub fn record_exchange(
         state
             .sessions
             .get(session as usize)
-            .map_or(super::history::CHAIN_ORIGIN, |session| session.last_chain)
+            .map_or(crate::memory::history::CHAIN_ORIGIN, |session| {
+                session.last_chain
+            })
     });
     let chain = link(prior, &exchange.user_text, &exchange.assistant_text);
     if let Some(slot) = state.sessions.get_mut(session as usize) {
@@ -121,7 +123,7 @@ pub fn record_exchange(
         assistant: assistant.clone(),
         event_time: exchange.event_time.clone(),
         chain,
-        pair: super::history::pair(&exchange.user_text, &exchange.assistant_text),
+        pair: crate::memory::history::pair(&exchange.user_text, &exchange.assistant_text),
         depth,
         incomplete: exchange.incomplete,
         tokens: Default::default(),
@@ -239,7 +241,7 @@ fn bounded_summary(summary: &str, max_words: usize, note: &str) -> String {
     let mut text = if word_count(summary) > room {
         clip_words(summary, room.saturating_sub(1))
     } else {
-        super::text::one_line(summary)
+        crate::memory::text::one_line(summary)
     };
     if !note.is_empty() {
         if !text.is_empty() {
@@ -300,7 +302,7 @@ pub fn consolidate(state: &mut MemoryState) -> ConsolidationReport {
             recount_fact(keeper);
         }
         if let Some(fact) = state.facts.get_mut(merged as usize) {
-            let revision = super::model::FactRevision {
+            let revision = crate::memory::model::FactRevision {
                 value: fact.value.clone(),
                 version: fact.version,
                 provenance: fact.provenance.clone(),
@@ -513,7 +515,7 @@ mod tests {
         // The history chain is of the message as sent, so a client resending it is recognised.
         assert_eq!(
             state.sessions[0].last_chain,
-            link(super::super::history::CHAIN_ORIGIN, &user, "Done.")
+            link(crate::memory::history::CHAIN_ORIGIN, &user, "Done.")
         );
         // A message within the limit is kept as it is.
         let short = exchange(1, "I live in Oslo.", "Nice.");
@@ -673,7 +675,7 @@ mod tests {
         let mut state = MemoryState::new();
         apply_diff(
             &mut state,
-            &super::super::diff::FactDiff {
+            &crate::memory::diff::FactDiff {
                 add: vec!["allergic to peanuts".into(), "Allergic to peanut".into()],
                 ..Default::default()
             },

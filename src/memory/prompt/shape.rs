@@ -14,8 +14,8 @@
 
 use std::borrow::Cow;
 
-use super::depth::fence_info;
-use super::text::{clip_words, one_line, word_count};
+use crate::memory::depth::fence_info;
+use crate::memory::text::{clip_words, one_line, word_count};
 
 /// What every line of an item after its first starts with (a blank line is left empty).
 pub const INDENT: &str = "  ";

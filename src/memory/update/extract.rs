@@ -6,8 +6,8 @@ use serde::{Deserialize, Serialize};
 
 use super::depth::without_code;
 use super::diff::{FactDiff, FactEdit};
-use super::model::{Depth, FactCategory};
-use super::text::{clip_words, excerpt, one_line, word_count};
+use crate::memory::model::{Depth, FactCategory};
+use crate::memory::text::{clip_words, excerpt, one_line, word_count};
 use crate::runtime::priority;
 
 /// The exchange as the extractor sees it (engram's own fences already stripped).
