@@ -191,191 +191,83 @@ impl Drop for Timer<'_> {
     }
 }
 
+/// Writes each method of a store trait as a call to the wrapped store's own, timed under its
+/// operation (`timed`, or `timed_read` to count the bytes read), after counting the bytes it
+/// writes. Every method is listed, defaulted ones included: the default would bypass the inner
+/// store's own version (Redis notes arrivals in `hot_record_arriving`; without it,
+/// cross-replica order broke).
+macro_rules! forward_metered {
+    ($(fn $name:ident($($arg:ident: $ty:ty),*) -> $out:ty
+        = $timer:ident($operation:ident) $(, wrote $bytes:expr)?;)*) => {$(
+        fn $name<'a>(&'a self, $($arg: $ty),*) -> BoxFuture<'a, Result<$out>> {
+            $(self.wrote(Operation::$operation, $bytes);)?
+            self.$timer(Operation::$operation, self.inner.$name($($arg),*))
+        }
+    )*};
+}
+
 impl MemoryRecords for MeteredStore {
-    fn hot_record<'a>(
-        &'a self,
-        user: &'a UserKey,
-        session_id: &'a str,
-        cached_version: Option<u64>,
-    ) -> BoxFuture<'a, Result<HotRecord>> {
-        self.timed_read(
-            Operation::HotRecord,
-            self.inner.hot_record(user, session_id, cached_version),
-        )
-    }
-
-    // Every method is forwarded, defaulted ones included: the default would bypass the inner
-    // store's own version (Redis notes arrivals here; without it cross-replica order broke).
-    fn hot_record_arriving<'a>(
-        &'a self,
-        user: &'a UserKey,
-        session_id: &'a str,
-        cached_version: Option<u64>,
-        turn_id: &'a str,
-        arrival_us: u64,
-    ) -> BoxFuture<'a, Result<HotRecord>> {
-        self.timed_read(
-            Operation::HotRecord,
-            self.inner
-                .hot_record_arriving(user, session_id, cached_version, turn_id, arrival_us),
-        )
-    }
-
-    fn end_arrival<'a>(
-        &'a self,
-        user: &'a UserKey,
-        session_id: &'a str,
-        turn_id: &'a str,
-    ) -> BoxFuture<'a, Result<()>> {
-        self.timed(
-            Operation::EndArrival,
-            self.inner.end_arrival(user, session_id, turn_id),
-        )
-    }
-
-    fn load_state<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<Option<MemoryState>>> {
-        self.timed(Operation::LoadState, self.inner.load_state(user))
-    }
-
-    fn save_state<'a>(
-        &'a self,
-        user: &'a UserKey,
-        state: &'a MemoryState,
-        expected_version: u64,
-    ) -> BoxFuture<'a, Result<()>> {
-        self.timed(
-            Operation::SaveState,
-            self.inner.save_state(user, state, expected_version),
-        )
-    }
-
-    fn save_encoded_state<'a>(
-        &'a self,
-        user: &'a UserKey,
-        state: &'a EncodedState,
-        expected_version: u64,
-    ) -> BoxFuture<'a, Result<()>> {
-        self.wrote(Operation::SaveEncodedState, state.size());
-        self.timed(
-            Operation::SaveEncodedState,
-            self.inner.save_encoded_state(user, state, expected_version),
-        )
-    }
-
-    fn save_prefetched<'a>(
-        &'a self,
-        user: &'a UserKey,
-        session_id: &'a str,
-        candidates: &'a [CandidateId],
-    ) -> BoxFuture<'a, Result<()>> {
-        self.timed(
-            Operation::SavePrefetched,
-            self.inner.save_prefetched(user, session_id, candidates),
-        )
-    }
-
-    fn append_raw<'a>(
-        &'a self,
-        user: &'a UserKey,
-        exchange_id: &'a str,
-        exchange: &'a ExchangeInput,
-    ) -> BoxFuture<'a, Result<Appended>> {
-        self.wrote(Operation::AppendRaw, exchange_bytes(exchange));
-        self.timed(
-            Operation::AppendRaw,
-            self.inner.append_raw(user, exchange_id, exchange),
-        )
-    }
-
-    fn read_raw<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<Vec<RawEntry>>> {
-        self.timed(Operation::ReadRaw, self.inner.read_raw(user))
+    forward_metered! {
+        fn hot_record(user: &'a UserKey, session_id: &'a str, cached_version: Option<u64>)
+            -> HotRecord = timed_read(HotRecord);
+        fn hot_record_arriving(
+            user: &'a UserKey,
+            session_id: &'a str,
+            cached_version: Option<u64>,
+            turn_id: &'a str,
+            arrival_us: u64
+        ) -> HotRecord = timed_read(HotRecord);
+        fn end_arrival(user: &'a UserKey, session_id: &'a str, turn_id: &'a str)
+            -> () = timed(EndArrival);
+        fn load_state(user: &'a UserKey) -> Option<MemoryState> = timed(LoadState);
+        fn save_state(user: &'a UserKey, state: &'a MemoryState, expected_version: u64)
+            -> () = timed(SaveState);
+        fn save_encoded_state(user: &'a UserKey, state: &'a EncodedState, expected_version: u64)
+            -> () = timed(SaveEncodedState), wrote state.size();
+        fn save_prefetched(user: &'a UserKey, session_id: &'a str, candidates: &'a [CandidateId])
+            -> () = timed(SavePrefetched);
+        fn append_raw(user: &'a UserKey, exchange_id: &'a str, exchange: &'a ExchangeInput)
+            -> Appended = timed(AppendRaw), wrote exchange_bytes(exchange);
+        fn read_raw(user: &'a UserKey) -> Vec<RawEntry> = timed(ReadRaw);
     }
 }
 
 impl JobQueue for MeteredStore {
-    fn enqueue<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Enqueued>> {
-        self.wrote(Operation::Enqueue, exchange_bytes(&job.exchange));
-        self.timed(Operation::Enqueue, self.inner.enqueue(job))
-    }
-
-    fn claim<'a>(
-        &'a self,
-        consumer: &'a str,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<Option<ClaimedJob>>> {
-        self.timed(Operation::Claim, self.inner.claim(consumer, lease))
-    }
-
-    fn claim_batch<'a>(
-        &'a self,
-        consumer: &'a str,
-        lease: Duration,
-        max: usize,
-    ) -> BoxFuture<'a, Result<Vec<ClaimedJob>>> {
-        self.timed(
-            Operation::ClaimBatch,
-            self.inner.claim_batch(consumer, lease, max),
-        )
-    }
-
-    fn finish<'a>(&'a self, job: &'a JobId, state: JobState) -> BoxFuture<'a, Result<bool>> {
-        self.timed(Operation::Finish, self.inner.finish(job, state))
-    }
-
-    fn ack<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<bool>> {
-        self.timed(Operation::Ack, self.inner.ack(job))
-    }
-
-    fn fail<'a>(&'a self, job: &'a JobId, reason: &'a str) -> BoxFuture<'a, Result<bool>> {
-        self.timed(Operation::Fail, self.inner.fail(job, reason))
-    }
-
-    fn job_state<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<Option<JobState>>> {
-        self.timed(Operation::JobState, self.inner.job_state(job))
-    }
-
-    fn queue_depth(&self) -> BoxFuture<'_, Result<u64>> {
-        self.timed(Operation::QueueDepth, self.inner.queue_depth())
+    forward_metered! {
+        fn enqueue(job: &'a Job) -> Enqueued = timed(Enqueue), wrote exchange_bytes(&job.exchange);
+        fn claim(consumer: &'a str, lease: Duration) -> Option<ClaimedJob> = timed(Claim);
+        fn claim_batch(consumer: &'a str, lease: Duration, max: usize)
+            -> Vec<ClaimedJob> = timed(ClaimBatch);
+        fn finish(job: &'a JobId, state: JobState) -> bool = timed(Finish);
+        fn ack(job: &'a JobId) -> bool = timed(Ack);
+        fn fail(job: &'a JobId, reason: &'a str) -> bool = timed(Fail);
+        fn job_state(job: &'a JobId) -> Option<JobState> = timed(JobState);
+        fn queue_depth() -> u64 = timed(QueueDepth);
     }
 }
 
 impl Store for MeteredStore {
-    fn commit_jobs<'a>(
-        &'a self,
-        jobs: &'a [Job],
-        state: &'a EncodedState,
-        expected_version: u64,
-        prefetched: &'a [CandidateId],
-    ) -> BoxFuture<'a, Result<()>> {
-        let raw: usize = jobs.iter().map(|job| exchange_bytes(&job.exchange)).sum();
-        self.wrote(Operation::CommitJobs, state.size() + raw);
-        self.timed(
-            Operation::CommitJobs,
-            self.inner
-                .commit_jobs(jobs, state, expected_version, prefetched),
-        )
+    forward_metered! {
+        fn commit_jobs(
+            jobs: &'a [Job],
+            state: &'a EncodedState,
+            expected_version: u64,
+            prefetched: &'a [CandidateId]
+        ) -> () = timed(CommitJobs), wrote state.size() + jobs_bytes(jobs);
+        fn commit_jobs_then(
+            jobs: &'a [Job],
+            state: &'a EncodedState,
+            expected_version: u64,
+            prefetched: &'a [CandidateId],
+            published: Published
+        ) -> () = timed(CommitJobs), wrote state.size() + jobs_bytes(jobs);
+        fn forget_user(user: &'a UserKey) -> ForgetReport = timed(ForgetUser);
     }
+}
 
-    fn commit_jobs_then<'a>(
-        &'a self,
-        jobs: &'a [Job],
-        state: &'a EncodedState,
-        expected_version: u64,
-        prefetched: &'a [CandidateId],
-        published: Published,
-    ) -> BoxFuture<'a, Result<()>> {
-        let raw: usize = jobs.iter().map(|job| exchange_bytes(&job.exchange)).sum();
-        self.wrote(Operation::CommitJobs, state.size() + raw);
-        self.timed(
-            Operation::CommitJobs,
-            self.inner
-                .commit_jobs_then(jobs, state, expected_version, prefetched, published),
-        )
-    }
-
-    fn forget_user<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<ForgetReport>> {
-        self.timed(Operation::ForgetUser, self.inner.forget_user(user))
-    }
+/// Bytes of the jobs' exchanges.
+fn jobs_bytes(jobs: &[Job]) -> usize {
+    jobs.iter().map(|job| exchange_bytes(&job.exchange)).sum()
 }
 
 #[cfg(test)]

@@ -25,7 +25,7 @@ use super::layout::{self, Change, Delta, ItemKey, ItemKind, MemoryUpdate, Stored
 use super::{
     Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobQueue,
     JobState, MemoryRecords, Published, RawEntry, Store, UNAPPLIED_BYTES, UNAPPLIED_TURNS, UserKey,
-    decode, now_ms,
+    commit_owner, decode, now_ms,
 };
 use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
@@ -1240,10 +1240,9 @@ impl Committed for Job {
 }
 
 fn write_commit(txn: &WriteTransaction, commit: &JobCommit) -> Result<()> {
-    let Some(first) = commit.jobs.first() else {
+    let Some((user, first)) = commit_owner(&commit.jobs)? else {
         return Ok(());
     };
-    let user = &first.id.user;
     // The checks first, so a failed one writes nothing and the rest of a group commits. A job
     // whose record is gone was forgotten with its user while it was being applied: writing
     // its state would bring the forgotten memory back.
@@ -1462,6 +1461,39 @@ mod tests {
         let raw = store.read_raw(&job.id.user).await.unwrap();
         assert_eq!(raw.len(), 1);
         assert_eq!(raw[0].exchange, job.exchange);
+    }
+
+    /// A commit writes one user's memory: jobs of two users are refused, and nothing is
+    /// written for either.
+    #[tokio::test]
+    async fn a_commit_of_two_users_jobs_writes_nothing() {
+        let store = EmbeddedStore::in_memory().unwrap();
+        let alice = job("k1", "I live in Oslo.");
+        let mut bob = job("k2", "I live in Rome.");
+        bob.id.user = UserKey::new("acme", "bob");
+        for job in [&alice, &bob] {
+            store.enqueue(job).await.unwrap();
+        }
+        let state = crate::memory::MemoryState {
+            version: 1,
+            ..Default::default()
+        };
+        let refused = store
+            .commit_jobs(
+                &[alice.clone(), bob.clone()],
+                &EncodedState::of(&state).unwrap(),
+                0,
+                &[],
+            )
+            .await;
+        assert!(matches!(refused, Err(Error::Internal(_))), "{refused:?}");
+        for job in [&alice, &bob] {
+            assert!(store.read_raw(&job.id.user).await.unwrap().is_empty());
+            assert_eq!(
+                store.job_state(&job.id).await.unwrap(),
+                Some(JobState::Queued)
+            );
+        }
     }
 
     #[tokio::test]

@@ -363,10 +363,9 @@ pub trait Store: MemoryRecords + JobQueue {
         prefetched: &'a [CandidateId],
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            let Some(first) = jobs.first() else {
+            let Some((user, first)) = commit_owner(jobs)? else {
                 return Ok(());
             };
-            let user = &first.id.user;
             // A forgotten user's in-flight job must not bring its memory back.
             for job in jobs {
                 if self.job_state(&job.id).await?.is_none() {
@@ -411,6 +410,22 @@ pub trait Store: MemoryRecords + JobQueue {
 
     /// Deletes every record of the user: state, prefetched candidates, raw log, jobs.
     fn forget_user<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<ForgetReport>>;
+}
+
+/// Whose memory a commit of `jobs` writes, and its first job (whose session gets the
+/// prefetched candidates): `None` when there are no jobs, an error when they are more than one
+/// user's. Every backend's commit starts here.
+fn commit_owner(jobs: &[Job]) -> Result<Option<(&UserKey, &Job)>> {
+    let Some(first) = jobs.first() else {
+        return Ok(None);
+    };
+    let user = &first.id.user;
+    if jobs.iter().any(|job| job.id.user != *user) {
+        return Err(Error::Internal(
+            "commit_jobs was given jobs of more than one user".into(),
+        ));
+    }
+    Ok(Some((user, first)))
 }
 
 /// Runs once a write has committed (see [`Store::commit_jobs_then`]).

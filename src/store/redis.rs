@@ -39,8 +39,8 @@ use self::scripts::Scripts;
 use super::layout::{self, Delta, ItemKey, MemoryUpdate, Stored};
 use super::{
     Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobQueue,
-    JobState, MemoryRecords, RawEntry, Store, UNAPPLIED_BYTES, UNAPPLIED_TURNS, UserKey, decode,
-    now_ms,
+    JobState, MemoryRecords, RawEntry, Store, UNAPPLIED_BYTES, UNAPPLIED_TURNS, UserKey,
+    commit_owner, decode, now_ms,
 };
 use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
@@ -1268,15 +1268,9 @@ impl Store for RedisStore {
         prefetched: &'a [CandidateId],
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            let Some(first) = jobs.first() else {
+            let Some((user, first)) = commit_owner(jobs)? else {
                 return Ok(());
             };
-            let user = &first.id.user;
-            if jobs.iter().any(|job| job.id.user != *user) {
-                return Err(Error::Internal(
-                    "commit_jobs was given jobs of more than one user".into(),
-                ));
-            }
             let version_key = self.user_key(user, "version");
             // Large exchanges are referenced, not sent: the script moves each from its job's
             // record to the raw log. If one has gone missing, the entries go whole.
