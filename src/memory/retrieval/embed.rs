@@ -51,7 +51,9 @@ pub struct StaticModel {
     /// Row -> the piece's id in the upstream `tokenizer.json` (for tests against it).
     token_ids: Vec<u16>,
     scales: Vec<f32>,
-    weights: Vec<i8>,
+    /// The int8 rows, read in place from the file's bytes (the shipped model is in the
+    /// binary): a copy would be 7.5 MB more of every process's memory.
+    weights: &'static [u8],
     unknown: Option<u32>,
 }
 
@@ -86,7 +88,7 @@ impl<'a> Reader<'a> {
 
 impl StaticModel {
     /// Parses the layout `scripts/build-embeddings.py` writes (see there).
-    pub fn parse(bytes: &[u8]) -> Result<StaticModel, BadModel> {
+    pub fn parse(bytes: &'static [u8]) -> Result<StaticModel, BadModel> {
         let mut r = Reader { bytes };
         if r.take(4)? != b"EGSM" {
             return Err(BadModel("not an engram static model"));
@@ -112,11 +114,7 @@ impl StaticModel {
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect();
-        let weights = r
-            .take(rows * DIMS)?
-            .iter()
-            .map(|b| i8::from_le_bytes([*b]))
-            .collect();
+        let weights = r.take(rows * DIMS)?;
         if !r.bytes.is_empty() {
             return Err(BadModel("trailing bytes"));
         }
@@ -213,7 +211,7 @@ impl StaticModel {
                 continue;
             };
             for (slot, weight) in sum.iter_mut().zip(weights) {
-                *slot += scale * f32::from(*weight);
+                *slot += scale * f32::from(i8::from_le_bytes([*weight]));
             }
             any = true;
         }
