@@ -1199,14 +1199,21 @@ fn block_text(
         return None;
     }
     // A day's lines stand together, from where its first line would stand; undated ones
-    // first, under no date.
+    // first, under no date. (Only conversation lines are dated.)
+    let mut firsts: Vec<(&str, u64)> = Vec::new();
+    for line in &plan.lines {
+        let Some(date) = line.date else { continue };
+        match firsts.iter_mut().find(|(key, _)| *key == date.key) {
+            Some((_, first)) => *first = (*first).min(line.order),
+            None => firsts.push((date.key, line.order)),
+        }
+    }
     let day_order = |line: &Line<'_>| {
         let key = line.date?.key;
-        plan.lines
+        firsts
             .iter()
-            .filter(|other| other.section == line.section && other.date.map(|d| d.key) == Some(key))
-            .map(|other| other.order)
-            .min()
+            .find(|(day, _)| *day == key)
+            .map(|(_, first)| *first)
     };
     let mut lines: Vec<(Option<u64>, Line<'_>)> = plan
         .lines
