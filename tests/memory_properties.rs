@@ -337,10 +337,12 @@ proptest! {
             lines.next();
             prop_assert!(lines.next().is_some_and(|preamble| preambles.contains(&preamble)));
             for line in lines {
-                // Headings are the block's own; every other line is an item's first (`- `)
-                // or one of its continuation lines (indented, or blank).
+                // Headings are the block's own, and so are the date lines above a day's
+                // turns (`[2024-01-02]`); every other line is an item's first (`- `) or one
+                // of its continuation lines (indented, or blank).
                 prop_assert!(
                     headings.contains(&line)
+                        || (line.starts_with('[') && line.ends_with(']'))
                         || line.starts_with("- ")
                         || line.starts_with("  ")
                         || line.is_empty(),

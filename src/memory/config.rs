@@ -55,7 +55,7 @@ impl Default for MemoryConfig {
             budget_tokens: 2048,
             new_fraction: 0.2,
             current_fraction: 0.6,
-            core_fact_share: 0.25,
+            core_fact_share: 0.1,
             raw_window_turns: 6,
             long_turn_extra_window: 2,
             new_ttl_turns: 8,

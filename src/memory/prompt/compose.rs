@@ -25,8 +25,8 @@ use super::explain::{Block, BlockTokens, ClientMode, Explain, ExplainedItem, For
 use super::fence::{has_fence_like, memory_text, neutralise_fences, strip_fences};
 use super::history::{answer_words, request_shape};
 use super::render::{
-    FENCE_CLOSE, Fixed, artifact_full, artifact_reference, episode_line, fact_line, identity_lines,
-    pin_line, raw_turn_line, summary_line,
+    FENCE_CLOSE, Fixed, artifact_full, artifact_reference, date_heading, episode_line, fact_line,
+    identity_lines, pin_line, raw_turn_line, summary_line,
 };
 use crate::memory::config::{MemoryConfig, Placement};
 use crate::memory::depth::code_blocks;
@@ -39,7 +39,7 @@ use crate::memory::model::{
 use crate::memory::record::ExchangeInput;
 use crate::memory::retrieve::retrieve;
 use crate::memory::score::{fact_score, summary_score};
-use crate::memory::text::excerpt;
+use crate::memory::text::{date_key, excerpt};
 use crate::memory::tokens::Encoding;
 use crate::openai::{ChatMessage, OutgoingMessage};
 
@@ -143,40 +143,71 @@ impl Section {
 }
 
 #[derive(Debug, Clone, Copy)]
-struct Line {
+struct Line<'a> {
     section: Section,
     /// Order within the section.
     order: u64,
     item: ItemRef,
     form: Form,
+    /// The day a conversation line is dated by (none for other lines and undated turns).
+    date: Option<Dated<'a>>,
+}
+
+/// A conversation line's day: the lines of one day are shown together under one
+/// [`date_heading`], which the first of them pays for.
+#[derive(Debug, Clone, Copy)]
+struct Dated<'a> {
+    key: &'a str,
+    /// The heading's tokens.
+    heading: u32,
+}
+
+/// The day of the turn `item` shows (a raw turn or its summary), if it has one.
+fn dated(state: &MemoryState, item: ItemRef, encoding: Encoding) -> Option<Dated<'_>> {
+    let (ItemRef::RawTurn(seq) | ItemRef::Summary(seq)) = item else {
+        return None;
+    };
+    let turn = state.raw_turns.get(seq as usize)?;
+    Some(Dated {
+        key: date_key(turn.event_time.as_deref()?)?,
+        heading: turn.tokens.date.get(encoding),
+    })
 }
 
 /// A fenced block being packed: its lines and what it has cost so far.
-struct BlockPlan {
+struct BlockPlan<'a> {
     /// Open tag, preamble, close tag and message overhead (or prefix separator).
     fixed: u32,
     headings: Vec<Section>,
-    lines: Vec<Line>,
+    /// The days whose heading is paid for.
+    dates: Vec<&'a str>,
+    lines: Vec<Line<'a>>,
     /// Each line's own tokens, by position in `lines`.
     line_tokens: Vec<u32>,
     tokens: u32,
 }
 
-impl BlockPlan {
-    fn new(fixed: u32) -> BlockPlan {
+impl<'a> BlockPlan<'a> {
+    fn new(fixed: u32) -> BlockPlan<'a> {
         BlockPlan {
             fixed,
             headings: Vec::new(),
+            dates: Vec::new(),
             lines: Vec::new(),
             line_tokens: Vec::new(),
             tokens: 0,
         }
     }
 
-    fn cost(&self, section: Section, tokens: u32, encoding: Encoding) -> u32 {
+    fn cost(&self, line: &Line<'a>, tokens: u32, encoding: Encoding) -> u32 {
         let mut cost = tokens;
-        if !self.headings.contains(&section) {
-            cost = cost.saturating_add(section.heading().tokens(encoding));
+        if !self.headings.contains(&line.section) {
+            cost = cost.saturating_add(line.section.heading().tokens(encoding));
+        }
+        if let Some(date) = line.date
+            && !self.dates.contains(&date.key)
+        {
+            cost = cost.saturating_add(date.heading);
         }
         if self.lines.is_empty() {
             cost = cost.saturating_add(self.fixed);
@@ -187,16 +218,21 @@ impl BlockPlan {
     fn try_add(
         &mut self,
         packer: &mut Packer,
-        line: Line,
+        line: Line<'a>,
         tokens: u32,
         encoding: Encoding,
     ) -> bool {
-        let cost = self.cost(line.section, tokens, encoding);
+        let cost = self.cost(&line, tokens, encoding);
         if !packer.take(cost) {
             return false;
         }
         if !self.headings.contains(&line.section) {
             self.headings.push(line.section);
+        }
+        if let Some(date) = line.date
+            && !self.dates.contains(&date.key)
+        {
+            self.dates.push(date.key);
         }
         self.lines.push(line);
         self.line_tokens.push(tokens);
@@ -204,9 +240,10 @@ impl BlockPlan {
         true
     }
 
-    /// Shows `line` in place of the line showing `old` (same section), if what it costs more
-    /// fits: a turn shown as its summary becomes its raw line, and is still shown once.
-    fn replace(&mut self, packer: &mut Packer, old: ItemRef, line: Line, tokens: u32) -> bool {
+    /// Shows `line` in place of the line showing `old` (same section and day), if what it
+    /// costs more fits: a turn shown as its summary becomes its raw line, and is still shown
+    /// once.
+    fn replace(&mut self, packer: &mut Packer, old: ItemRef, line: Line<'a>, tokens: u32) -> bool {
         let Some(at) = self.lines.iter().position(|shown| shown.item == old) else {
             return false;
         };
@@ -249,10 +286,10 @@ fn cutoff_kind(item: ItemRef) -> usize {
 
 /// Packs ranked recall candidates (episodes excepted) that are not shown yet, each in the first
 /// of its forms that fits.
-fn pack_recall(
-    state: &MemoryState,
+fn pack_recall<'a>(
+    state: &'a MemoryState,
     ranked: &[(f32, f32, ItemRef, Reason)],
-    recall: &mut BlockPlan,
+    recall: &mut BlockPlan<'a>,
     packer: &mut Packer,
     encoding: Encoding,
     explain_items: &mut Vec<ExplainedItem>,
@@ -267,6 +304,10 @@ fn pack_recall(
                 order,
                 item: shown,
                 form,
+                date: match section {
+                    Section::Conversation => dated(state, shown, encoding),
+                    _ => None,
+                },
             };
             if recall.contains(shown) || overlaps(state, recall, &line) {
                 continue;
@@ -352,7 +393,7 @@ fn carried_items(state: &MemoryState, seq: TurnSeq, in_window: bool) -> Vec<Item
 
 /// Whether `line`, a turn's raw line, shows (part of) `artifact`: a full raw line holds all of
 /// its turn's artifacts; a clipped one the start of a draft (it stops before any code block).
-fn holds(state: &MemoryState, line: &Line, artifact: ArtifactId) -> bool {
+fn holds(state: &MemoryState, line: &Line<'_>, artifact: ArtifactId) -> bool {
     let ItemRef::RawTurn(seq) = line.item else {
         return false;
     };
@@ -367,7 +408,7 @@ fn holds(state: &MemoryState, line: &Line, artifact: ArtifactId) -> bool {
 
 /// Whether `line` would show text that `block` shows already: a turn's text is shown once, as
 /// its raw line or beside it as its artifacts, never both.
-fn overlaps(state: &MemoryState, block: &BlockPlan, line: &Line) -> bool {
+fn overlaps(state: &MemoryState, block: &BlockPlan<'_>, line: &Line<'_>) -> bool {
     match line.item {
         ItemRef::Artifact(id) => block.lines.iter().any(|shown| holds(state, shown, id)),
         ItemRef::RawTurn(seq) => state.turn_log.get(seq as usize).is_some_and(|entry| {
@@ -382,7 +423,7 @@ fn overlaps(state: &MemoryState, block: &BlockPlan, line: &Line) -> bool {
 
 /// Whether `block` already shows what `item` would add: [`BlockPlan::shows`], or an artifact
 /// its turn's raw line holds.
-fn shows(state: &MemoryState, block: &BlockPlan, item: ItemRef) -> bool {
+fn shows(state: &MemoryState, block: &BlockPlan<'_>, item: ItemRef) -> bool {
     block.shows(item)
         || matches!(item, ItemRef::Artifact(id)
             if block.lines.iter().any(|shown| holds(state, shown, id)))
@@ -477,6 +518,7 @@ pub fn compose(
             order,
             item,
             form: Form::Full,
+            date: None,
         };
         if core.try_add(&mut packer, line, tokens, encoding) {
             explain_items.push(explained(
@@ -524,6 +566,7 @@ pub fn compose(
             order: u64::from(fact.id),
             item: ItemRef::Fact(fact.id),
             form: Form::Full,
+            date: None,
         };
         if core.try_add(&mut packer, line, tokens, encoding) {
             explain_items.push(explained(
@@ -707,6 +750,7 @@ pub fn compose(
             order: u64::from(*seq) * 2 + 1,
             item,
             form: Form::Full,
+            date: dated(state, item, encoding),
         };
         if recall.try_add(&mut packer, line, tokens, encoding) {
             in_prompt.insert(item);
@@ -796,6 +840,7 @@ pub fn compose(
             order: u64::from(id),
             item,
             form: Form::Full,
+            date: None,
         };
         if recall.try_add(&mut packer, line, tokens, encoding) {
             explain_items.push(explained(
@@ -835,6 +880,7 @@ pub fn compose(
         match block {
             Block::Recall => {
                 recall.lines.clear();
+                recall.dates.clear();
                 recall.line_tokens.clear();
                 tokens.recall = 0;
             }
@@ -845,6 +891,7 @@ pub fn compose(
             }
             Block::Core => {
                 core.lines.clear();
+                core.dates.clear();
                 core.line_tokens.clear();
                 tokens.core = 0;
             }
@@ -1079,8 +1126,18 @@ fn explained(
     }
 }
 
+/// The event time of the turn `item` shows, if any.
+fn line_event_time(state: &MemoryState, item: ItemRef) -> Option<&str> {
+    let seq = match item {
+        ItemRef::RawTurn(seq) | ItemRef::Summary(seq) => seq,
+        ItemRef::Artifact(id) => state.artifacts.get(id as usize)?.turn,
+        _ => return None,
+    };
+    state.raw_turns.get(seq as usize)?.event_time.as_deref()
+}
+
 /// The text of one line.
-fn line_text(state: &MemoryState, line: &Line) -> String {
+fn line_text(state: &MemoryState, line: &Line<'_>) -> String {
     let event_time = |seq: TurnSeq| {
         state
             .raw_turns
@@ -1133,7 +1190,7 @@ fn line_text(state: &MemoryState, line: &Line) -> String {
 /// The block's text: open tag, preamble, sections in fixed order, lines in their order, close.
 fn block_text(
     state: &MemoryState,
-    plan: &BlockPlan,
+    plan: &BlockPlan<'_>,
     open: Fixed,
     preamble: Fixed,
     close: &str,
@@ -1141,10 +1198,32 @@ fn block_text(
     if plan.lines.is_empty() {
         return None;
     }
-    let mut lines = plan.lines.clone();
-    lines.sort_by(|a, b| {
+    // A day's lines stand together, from where its first line would stand; undated ones
+    // first, under no date. (Only conversation lines are dated.)
+    let mut firsts: Vec<(&str, u64)> = Vec::new();
+    for line in &plan.lines {
+        let Some(date) = line.date else { continue };
+        match firsts.iter_mut().find(|(key, _)| *key == date.key) {
+            Some((_, first)) => *first = (*first).min(line.order),
+            None => firsts.push((date.key, line.order)),
+        }
+    }
+    let day_order = |line: &Line<'_>| {
+        let key = line.date?.key;
+        firsts
+            .iter()
+            .find(|(day, _)| *day == key)
+            .map(|(_, first)| *first)
+    };
+    let mut lines: Vec<(Option<u64>, Line<'_>)> = plan
+        .lines
+        .iter()
+        .map(|line| (day_order(line), *line))
+        .collect();
+    lines.sort_by(|(a_day, a), (b_day, b)| {
         a.section
             .cmp(&b.section)
+            .then(a_day.cmp(b_day))
             .then(a.order.cmp(&b.order))
             .then(a.item.cmp(&b.item))
     });
@@ -1152,10 +1231,17 @@ fn block_text(
     out.push_str(open.text());
     out.push_str(preamble.text());
     let mut section = None;
-    for line in &lines {
+    let mut day = None;
+    for (_, line) in &lines {
         if section != Some(line.section) {
             out.push_str(line.section.heading().text());
             section = Some(line.section);
+            day = None;
+        }
+        let key = line.date.map(|date| date.key);
+        if key.is_some() && key != day {
+            out.push_str(&date_heading(line_event_time(state, line.item)));
+            day = key;
         }
         out.push_str(&line_text(state, line));
     }
@@ -1236,9 +1322,9 @@ fn assemble(
     request: &ComposeRequest<'_>,
     shape: &super::history::RequestShape,
     keep_from: usize,
-    core: &BlockPlan,
+    core: &BlockPlan<'_>,
     window: &[WindowTurn],
-    recall: &BlockPlan,
+    recall: &BlockPlan<'_>,
     config: &MemoryConfig,
 ) -> Vec<OutgoingMessage> {
     let source = request.messages;
@@ -1535,7 +1621,7 @@ mod tests {
             "{recall}"
         );
         assert!(
-            recall.contains("[2024-02-02] “I live in Lisbon.”"),
+            recall.contains("[2024-02-02]\n- “I live in Lisbon.”"),
             "{recall}"
         );
         assert_eq!(
@@ -1585,7 +1671,7 @@ mod tests {
         );
         assert!(last.ends_with("</engram-memory>\n\nWhat breed is the dog Carla adopted?"));
         assert!(
-            last.contains("[2024-02-04] “My sister Carla adopted a greyhound"),
+            last.contains("[2024-02-04]\n- “My sister Carla adopted a greyhound"),
             "{last}"
         );
         let hit = composition
@@ -2106,6 +2192,58 @@ mod tests {
     }
 
     #[test]
+    fn a_day_is_stated_once_above_its_turns_and_counted_once() {
+        let mut turns: Vec<(String, String)> = vec![
+            ("The otter sanctuary opened today.".into(), "Lovely.".into()),
+            (
+                "We fed the otter pups at the sanctuary.".into(),
+                "Cute.".into(),
+            ),
+            ("An otter escaped the sanctuary.".into(), "Oh no.".into()),
+            ("The sanctuary otter came back.".into(), "Phew.".into()),
+        ];
+        turns.extend((0..20).map(|n| (format!("Filler chat {n} about tea."), "Sure.".into())));
+        let borrowed: Vec<(&str, &str)> = turns
+            .iter()
+            .map(|(user, assistant)| (user.as_str(), assistant.as_str()))
+            .collect();
+        let state = recorded_with(
+            &borrowed,
+            |_| "s".into(),
+            |n| match n {
+                0 => Some("2024-03-01T09:00:00Z".into()),
+                1 => Some("2024-03-01T17:30:00Z".into()),
+                2 => Some("2024-03-05T08:00:00Z".into()),
+                3 => None,
+                n => date_of(n + 10),
+            },
+        );
+        let config = MemoryConfig::default();
+        let messages = vec![ChatMessage::new(
+            "user",
+            "What happened at the otter sanctuary?",
+        )];
+        let composition = compose_for(&state, &messages, &config);
+        let recall = recall_text(&composition, &messages);
+        // The undated turn first, under no date; each day once, above its turns in order.
+        let undated = recall
+            .find("- “The sanctuary otter came back.”")
+            .expect(&recall);
+        let first_day = recall
+            .find("\n[2024-03-01]\n- “The otter sanctuary opened today.” | “Lovely.”\n- “We fed")
+            .expect(&recall);
+        let second_day = recall
+            .find("\n[2024-03-05]\n- “An otter escaped the sanctuary.”")
+            .expect(&recall);
+        assert!(undated < first_day && first_day < second_day, "{recall}");
+        assert_eq!(recall.matches("[2024-03-01]").count(), 1, "{recall}");
+        assert_eq!(
+            injected_tokens(&state, &composition, &config, Encoding::O200k),
+            composition.tokens.total
+        );
+    }
+
+    #[test]
     fn a_recalled_turn_is_shown_once_and_raw_when_it_fits() {
         let state = bees_at_turn(5);
         let config = MemoryConfig::default();
@@ -2156,7 +2294,7 @@ mod tests {
         let recall = recall_text(&composition, &messages);
         // Once among the turns (the episode manifest indexing it is another item).
         assert_eq!(
-            recall.matches("] “My cousin Ines keeps bees").count(),
+            recall.matches("- “My cousin Ines keeps bees").count(),
             1,
             "{recall}"
         );

@@ -474,6 +474,11 @@ pub struct RawTurnTokens {
     pub line: TokenCount,
     #[serde(rename = "c")]
     pub clipped_line: TokenCount,
+    /// The [`date_heading`](super::render::date_heading) above the turn's group of recall
+    /// lines, paid once per group (0 in turns counted before lines left their date out, whose
+    /// stored lines counted it).
+    #[serde(rename = "d", default)]
+    pub date: TokenCount,
 }
 
 /// One side of a turn summary: its own text, or the span of the raw side it was cut from. Most

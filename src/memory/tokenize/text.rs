@@ -451,6 +451,14 @@ pub fn display_date(event_time: &str) -> Option<String> {
     if trimmed.is_empty() {
         return None;
     }
+    if let Some(day) = calendar_day(trimmed) {
+        return Some(day.to_string());
+    }
+    Some(clip_chars(&one_line(trimmed), 40))
+}
+
+/// The `YYYY-MM-DD` an RFC 3339 time starts with.
+fn calendar_day(trimmed: &str) -> Option<&str> {
     let bytes = trimmed.as_bytes();
     let looks_rfc3339 = bytes.len() >= 10
         && bytes[..4].iter().all(u8::is_ascii_digit)
@@ -458,10 +466,18 @@ pub fn display_date(event_time: &str) -> Option<String> {
         && bytes[5..7].iter().all(u8::is_ascii_digit)
         && bytes[7] == b'-'
         && bytes[8..10].iter().all(u8::is_ascii_digit);
-    if looks_rfc3339 {
-        return Some(trimmed[..10].to_string());
+    looks_rfc3339.then(|| trimmed.get(..10)).flatten()
+}
+
+/// What makes two event times one day as [`display_date`] shows them: an RFC 3339 time's
+/// calendar date, else the trimmed text; none when blank. Borrowed: the hot path groups lines
+/// by it.
+pub fn date_key(event_time: &str) -> Option<&str> {
+    let trimmed = event_time.trim();
+    if trimmed.is_empty() {
+        return None;
     }
-    Some(clip_chars(&one_line(trimmed), 40))
+    calendar_day(trimmed).or(Some(trimmed))
 }
 
 /// The words a dated item is searched by: its display date and, for a calendar date, the same
@@ -700,6 +716,18 @@ mod tests {
             Some("1:56 pm on 8 May, 2023")
         );
         assert_eq!(display_date("  "), None);
+    }
+
+    #[test]
+    fn times_of_one_day_share_a_date_key() {
+        assert_eq!(date_key("2023-05-08T13:56:00Z"), Some("2023-05-08"));
+        assert_eq!(date_key(" 2023-05-08T08:00:00+02:00"), Some("2023-05-08"));
+        assert_eq!(date_key("2023-05-09T08:00:00Z"), Some("2023-05-09"));
+        assert_eq!(
+            date_key(" 1:56 pm on 8 May, 2023 "),
+            Some("1:56 pm on 8 May, 2023")
+        );
+        assert_eq!(date_key(" "), None);
     }
 
     #[test]

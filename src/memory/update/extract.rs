@@ -658,6 +658,23 @@ fn name_words(rest: &str, capitalised_only: bool) -> String {
     words.join(" ")
 }
 
+/// Whether `word` (lowercase), after a sentence's opening "never" or "always", can begin an
+/// instruction ("Never book me…", "Always answer…") rather than a statement whose subject is
+/// left out ("Never had a chance to…", "Always been into…", "Always here to help"): not a past
+/// form, an auxiliary or a word that is no verb. A hard constraint is shown in every prompt,
+/// so a statement taken for one costs every request its tokens.
+fn instruction_verb(word: &str) -> bool {
+    const STATEMENT: &[&str] = &[
+        "been", "had", "has", "was", "were", "is", "am", "are", "did", "got", "saw", "thought",
+        "knew", "felt", "heard", "went", "came", "made", "said", "told", "took", "found", "here",
+        "there", "so", "too", "such", "really", "just", "a", "an", "the", "my", "our", "his",
+        "her", "their", "its", "this", "that", "what", "when",
+    ];
+    let word = word.trim_matches(|c: char| !c.is_alphanumeric() && c != '\'');
+    let past = word.len() > 4 && word.ends_with("ed") && !word.ends_with("eed") && word != "embed";
+    !word.is_empty() && !past && !STATEMENT.contains(&word)
+}
+
 fn constraint_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
     let negated_allergy = after_any(
         sentence,
@@ -742,7 +759,8 @@ fn constraint_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
         .trim_start_matches("and ");
     let instruction = ["never ", "always ", "don't ever ", "do not ever "]
         .iter()
-        .any(|start| bare.starts_with(start))
+        .filter_map(|start| bare.strip_prefix(start))
+        .any(|rest| rest.split_whitespace().next().is_some_and(instruction_verb))
         || [
             "you should never ",
             "you must never ",
@@ -1190,6 +1208,32 @@ mod tests {
         let got = extract("Never book me on a red-eye flight. I'm vegetarian.");
         assert_eq!(texts(&got.diff.add), ["Never book me on a red-eye flight"]);
         assert_eq!(texts(&got.diff.update), ["diet: vegetarian"]);
+        let got = extract("Always answer in French. Never feed the cat after midnight.");
+        assert_eq!(
+            texts(&got.diff.add),
+            [
+                "Always answer in French",
+                "Never feed the cat after midnight"
+            ]
+        );
+        // A statement with its subject left out is no rule for the assistant.
+        for statement in [
+            "Never had a chance to visit it.",
+            "Always been interested in other cultures.",
+            "Always here to help!",
+            "Never saw this coming.",
+            "Never imagined it would happen.",
+        ] {
+            let got = extract(statement);
+            assert!(
+                got.diff
+                    .add
+                    .iter()
+                    .all(|edit| edit.category != Some(FactCategory::HardConstraint)),
+                "{statement}: {:?}",
+                texts(&got.diff.add)
+            );
+        }
         let got = extract("Please don't suggest pork dishes.");
         assert_eq!(texts(&got.diff.add), ["do not suggest pork dishes"]);
         let got = extract("Good news: I'm no longer allergic to peanuts!");
