@@ -835,6 +835,23 @@ fn measure(
         &[("result", "applied")],
     );
     let fail_opens = delta(&before, &after, "engram_memory_fail_open_total", &[]);
+    // A recording the store would not take goes to the spool, and past its capacity is lost:
+    // the jobs applied count only those that reached the store.
+    let outbox = |result: &str| {
+        delta(
+            &before,
+            &after,
+            "engram_outbox_jobs_total",
+            &[("result", result)],
+        )
+    };
+    if let (Some(lost), Some(spooled)) = (outbox("lost"), outbox("spooled")) {
+        notes.push(format!(
+            "recordings spooled {}, lost {} (engram_outbox_jobs_total)",
+            thousands(spooled as f64),
+            thousands(lost as f64)
+        ));
+    }
     let fail_open_reasons: Vec<(String, u64)> = after
         .by_label("engram_memory_fail_open_total", "reason", &[])
         .into_iter()

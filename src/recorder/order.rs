@@ -34,7 +34,11 @@ struct Turnstile {
     next: u64,
     /// Tickets released ahead of `next`.
     released: BTreeSet<u64>,
-    notify: Arc<Notify>,
+    /// The wake-up of each ticket not yet released, by number: a release wakes only the ticket
+    /// whose turn it makes. One wake-up for the whole session woke every waiting recording at
+    /// each release, O(waiting) per recording: with one user at 1,000 req/s, 50,000 recordings
+    /// waited in memory (docs/benchmarks.md).
+    wakers: HashMap<u64, Arc<Notify>>,
 }
 
 impl SessionOrder {
@@ -51,15 +55,17 @@ impl SessionOrder {
                 issued: 0,
                 next: 0,
                 released: BTreeSet::new(),
-                notify: Arc::new(Notify::new()),
+                wakers: HashMap::new(),
             });
         let number = turnstile.issued;
         turnstile.issued += 1;
+        let notify = Arc::new(Notify::new());
+        turnstile.wakers.insert(number, Arc::clone(&notify));
         Ticket {
             order: Arc::clone(self),
             session,
             number,
-            notify: Arc::clone(&turnstile.notify),
+            notify,
         }
     }
 
@@ -75,6 +81,7 @@ impl SessionOrder {
         let Some(turnstile) = sessions.get_mut(session) else {
             return;
         };
+        turnstile.wakers.remove(&number);
         if number != turnstile.next {
             turnstile.released.insert(number);
             return;
@@ -83,7 +90,11 @@ impl SessionOrder {
         while turnstile.released.remove(&turnstile.next) {
             turnstile.next += 1;
         }
-        turnstile.notify.notify_waiters();
+        // Only the ticket now at `next` became free to go: those before it are released.
+        if let Some(waker) = turnstile.wakers.get(&turnstile.next) {
+            // Kept as a permit if it is not waiting yet.
+            waker.notify_one();
+        }
         if turnstile.next == turnstile.issued {
             sessions.remove(session);
         }
@@ -108,6 +119,7 @@ pub struct Ticket {
     order: Arc<SessionOrder>,
     session: String,
     number: u64,
+    /// Told when the ticket's turn comes (see `Turnstile::wakers`).
     notify: Arc<Notify>,
 }
 
@@ -121,15 +133,9 @@ impl Ticket {
     /// after the longest wait.
     pub async fn wait_turn(&self) -> bool {
         let waited = tokio::time::timeout(MAX_WAIT, async {
-            loop {
-                let notified = self.notify.notified();
-                tokio::pin!(notified);
-                // Registered before the check, so a release in between is not missed.
-                notified.as_mut().enable();
-                if self.order.is_turn(&self.session, self.number) {
-                    return;
-                }
-                notified.await;
+            // A release between the check and the wait leaves a permit: it is not missed.
+            while !self.order.is_turn(&self.session, self.number) {
+                self.notify.notified().await;
             }
         })
         .await;
@@ -248,6 +254,43 @@ mod tests {
         drop(first);
         assert!(waiting.await.unwrap());
         drop(other);
+        assert!(order.is_empty());
+    }
+
+    /// Thousands of one session's recordings waiting their turn go through in order, each
+    /// release waking the next one only: when every release woke every waiter, 20,000 waiting
+    /// tickets took about 2·10^8 wake-ups (minutes); now 2·10^4.
+    #[tokio::test]
+    async fn many_waiting_tickets_go_in_order_one_wake_up_each() {
+        const TICKETS: usize = 20_000;
+        let order = SessionOrder::new();
+        let tickets: Vec<Ticket> = (0..TICKETS).map(|_| order.ticket("s".into())).collect();
+        let went = Arc::new(Mutex::new(Vec::with_capacity(TICKETS)));
+        let mut waiting = tokio::task::JoinSet::new();
+        // Started newest first, so each waits rather than finding its turn at once.
+        for ticket in tickets.into_iter().rev() {
+            let went = Arc::clone(&went);
+            waiting.spawn(async move {
+                let ok = ticket.wait_turn().await;
+                went.lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(ticket.number);
+                drop(ticket);
+                ok
+            });
+        }
+        let all = tokio::time::timeout(Duration::from_secs(10), async {
+            while let Some(ok) = waiting.join_next().await {
+                assert!(ok.unwrap_or(false));
+            }
+        })
+        .await;
+        assert!(
+            all.is_ok(),
+            "the waiting tickets did not all go within 10 s"
+        );
+        let went = went.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        assert_eq!(went, (0..TICKETS as u64).collect::<Vec<_>>());
         assert!(order.is_empty());
     }
 }

@@ -8,7 +8,6 @@
 //! Keys are redb tuples beginning with `(tenant, user)`, so no escaping is needed and a user's
 //! records of one kind are one contiguous range.
 
-use std::collections::HashSet;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -67,9 +66,17 @@ const JOB_EXCHANGES: TableDefinition<(&str, &str, &str), &[u8]> =
 const QUEUE: TableDefinition<u64, (&str, &str, &str)> = TableDefinition::new("job_queue");
 /// (tenant, user, session, queue position) → job key of a job still queued: the session's
 /// recorded exchanges the worker has not applied yet, which the hot path reads (see
-/// `HotRecord::unapplied`). Jobs queued before it existed are not in it.
+/// `HotRecord::unapplied`), and by which a claim finds a session's jobs. Jobs queued before it
+/// existed join it when the store opens (`index_queue`).
 const SESSION_QUEUE: TableDefinition<(&str, &str, &str, u64), &str> =
     TableDefinition::new("session_queue");
+/// queue position → (tenant, user, session) of each session's oldest queued job: the sessions
+/// a claim looks at, oldest first, without walking the jobs queued behind a busy session's head
+/// (a claim walked the whole queue and decoded each job's record: O(backlog) per claim, which
+/// with one user sending fast was most of the worker's time). Rebuilt from `SESSION_QUEUE` when
+/// the store opens (see `index_queue`).
+const SESSION_HEADS: TableDefinition<u64, (&str, &str, &str)> =
+    TableDefinition::new("job_session_heads");
 /// Named counters (the next queue position).
 const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("counters");
 
@@ -171,6 +178,13 @@ impl EmbeddedStore {
                 tracing::info!(
                     memories = converted,
                     "converted memories stored as one value to the item layout"
+                );
+            }
+            let indexed = index_queue(&database)?;
+            if indexed > 0 {
+                tracing::info!(
+                    jobs = indexed,
+                    "indexed queued jobs by session (queued by an earlier release)"
                 );
             }
             let released = release_leases(&database)?;
@@ -465,6 +479,53 @@ fn convert_legacy(db: &Database) -> Result<usize> {
     Ok(legacy.len())
 }
 
+/// Completes the queue's indexes when the store opens, and returns how many jobs it added: a
+/// job queued by a release before `SESSION_QUEUE` joins it, and `SESSION_HEADS` is rebuilt
+/// from it (a release before the heads kept the session index but not them). Walks the
+/// session index (and, only when it misses jobs, the queue), without decoding an exchange.
+fn index_queue(db: &Database) -> Result<usize> {
+    let txn = db.begin_write().map_err(db_error)?;
+    let mut added = 0;
+    {
+        let queue = txn.open_table(QUEUE).map_err(db_error)?;
+        let jobs = txn.open_table(JOBS).map_err(db_error)?;
+        let mut session_queue = txn.open_table(SESSION_QUEUE).map_err(db_error)?;
+        if session_queue.len().map_err(db_error)? != queue.len().map_err(db_error)? {
+            for row in queue.iter().map_err(db_error)? {
+                let (position, value) = row.map_err(db_error)?;
+                let (tenant, user, key) = value.value();
+                let Some(record) = decode_job(jobs.get((tenant, user, key)).map_err(db_error)?)?
+                else {
+                    continue;
+                };
+                let index = (tenant, user, record.session(), position.value());
+                if session_queue.get(index).map_err(db_error)?.is_none() {
+                    session_queue.insert(index, key).map_err(db_error)?;
+                    added += 1;
+                }
+            }
+        }
+        let mut heads = txn.open_table(SESSION_HEADS).map_err(db_error)?;
+        heads.retain(|_, _| false).map_err(db_error)?;
+        let mut previous: Option<(String, String, String)> = None;
+        for row in session_queue.iter().map_err(db_error)? {
+            let (index, _) = row.map_err(db_error)?;
+            let (tenant, user, session, position) = index.value();
+            let same = previous.as_ref().is_some_and(|(t, u, s)| {
+                (t.as_str(), u.as_str(), s.as_str()) == (tenant, user, session)
+            });
+            if !same {
+                heads
+                    .insert(position, (tenant, user, session))
+                    .map_err(db_error)?;
+                previous = Some((tenant.to_owned(), user.to_owned(), session.to_owned()));
+            }
+        }
+    }
+    txn.commit().map_err(db_error)?;
+    Ok(added)
+}
+
 /// Clears every lease. The file is open in one process at a time, so a lease found at open
 /// belongs to a process that is gone (killed mid-job): its jobs are free at once instead of
 /// after the lease, which would hold each of their sessions back for `worker.lease_ms`.
@@ -505,6 +566,7 @@ fn create_tables(db: &Database) -> Result<()> {
     txn.open_table(JOB_EXCHANGES).map_err(db_error)?;
     txn.open_table(QUEUE).map_err(db_error)?;
     txn.open_table(SESSION_QUEUE).map_err(db_error)?;
+    txn.open_table(SESSION_HEADS).map_err(db_error)?;
     txn.open_table(COUNTERS).map_err(db_error)?;
     txn.commit().map_err(db_error)
 }
@@ -538,6 +600,7 @@ impl EmbeddedStore {
             JOB_EXCHANGES.name(),
             QUEUE.name(),
             SESSION_QUEUE.name(),
+            SESSION_HEADS.name(),
             COUNTERS.name(),
         ];
         for table in txn.list_tables().map_err(db_error)? {
@@ -618,6 +681,15 @@ impl EmbeddedStore {
                     position.to_string(),
                 ];
                 (key, job.as_bytes().to_vec())
+            },
+        )?;
+        dump_table(
+            &txn,
+            SESSION_HEADS,
+            &mut rows,
+            |position, (tenant, user, session)| {
+                let value = format!("{tenant}\u{0}{user}\u{0}{session}").into_bytes();
+                (vec![position.to_string()], value)
             },
         )?;
         dump_table(&txn, COUNTERS, &mut rows, |name, value| {
@@ -963,10 +1035,12 @@ impl Store for EmbeddedStore {
                     }
                     entries.push((session.to_owned(), position));
                 }
+                let mut heads = txn.open_table(SESSION_HEADS).map_err(db_error)?;
                 for (session, position) in entries {
                     session_queue
                         .remove((tenant, user_id, session.as_str(), position))
                         .map_err(db_error)?;
+                    heads.remove(position).map_err(db_error)?;
                 }
             }
             txn.commit().map_err(db_error)?;
@@ -1093,6 +1167,10 @@ fn write_raw(
 /// earlier job under a live lease (a session's jobs apply in order, even across consumers). A
 /// session's later jobs join the batch behind its first, consecutive and in order, so a worker
 /// that has fallen behind applies them together.
+///
+/// Looks at the sessions by their oldest queued job (`SESSION_HEADS`) and reads at most `max`
+/// of each session's jobs, stopping at a live lease: a busy session costs one record, whatever
+/// its backlog.
 fn write_claims(
     txn: &WriteTransaction,
     consumer: &str,
@@ -1100,47 +1178,48 @@ fn write_claims(
     lease_ms: u64,
     max: usize,
 ) -> Result<Vec<ClaimedJob>> {
-    let queue = txn.open_table(QUEUE).map_err(db_error)?;
+    let heads = txn.open_table(SESSION_HEADS).map_err(db_error)?;
+    let session_queue = txn.open_table(SESSION_QUEUE).map_err(db_error)?;
     let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
     let mut exchanges = txn.open_table(JOB_EXCHANGES).map_err(db_error)?;
-    let mut busy_sessions: HashSet<(String, String, String)> = HashSet::new();
-    let mut found = Vec::new();
-    for row in queue.iter().map_err(db_error)? {
-        if found.len() >= max {
+    // The claimable jobs of the sessions looked at so far, by queue position, at most `max`.
+    let mut found: Vec<(u64, JobId, JobRecord)> = Vec::new();
+    for head in heads.iter().map_err(db_error)? {
+        let (head, session) = head.map_err(db_error)?;
+        let head = head.value();
+        // This session's jobs and those of every session after it were queued after `head`:
+        // once `max` jobs queued before it are found, none of theirs can join.
+        if max == 0 || (found.len() >= max && found.last().is_some_and(|(last, ..)| *last < head)) {
             break;
         }
-        let (_, value) = row.map_err(db_error)?;
-        let (tenant, user, key) = value.value();
-        let Some(guard) = jobs.get((tenant, user, key)).map_err(db_error)? else {
-            continue;
-        };
-        let record: JobRecord = decode(guard.value())?;
-        let session = (
-            tenant.to_owned(),
-            user.to_owned(),
-            record.session().to_owned(),
-        );
-        let leased = record
-            .lease
-            .as_ref()
-            .is_some_and(|held| held.until_ms > now);
-        if busy_sessions.contains(&session) {
-            continue;
-        }
-        if leased {
-            // Held elsewhere: the session's later jobs wait for it.
-            busy_sessions.insert(session);
-            continue;
-        }
-        // Free, or its earlier jobs are in this batch: it follows them.
-        found.push((
-            JobId {
+        let (tenant, user, session) = session.value();
+        let range = (tenant, user, session, head)..=(tenant, user, session, u64::MAX);
+        for row in session_queue.range(range).map_err(db_error)?.take(max) {
+            let (index, key) = row.map_err(db_error)?;
+            let (position, key) = (index.value().3, key.value());
+            let Some(guard) = jobs.get((tenant, user, key)).map_err(db_error)? else {
+                continue;
+            };
+            let record: JobRecord = decode(guard.value())?;
+            if record
+                .lease
+                .as_ref()
+                .is_some_and(|held| held.until_ms > now)
+            {
+                // Held elsewhere: the session's later jobs wait for it.
+                break;
+            }
+            // Free, or its earlier jobs are in this batch: it follows them.
+            let id = JobId {
                 user: UserKey::new(tenant, user),
                 key: key.to_owned(),
-            },
-            record,
-        ));
+            };
+            found.push((position, id, record));
+        }
+        found.sort_unstable_by_key(|(position, ..)| *position);
+        found.truncate(max);
     }
+    let found = found.into_iter().map(|(_, id, record)| (id, record));
     let mut claimed = Vec::with_capacity(found.len());
     for (id, mut record) in found {
         record.attempts += 1;
@@ -1208,13 +1287,23 @@ fn write_enqueue(txn: &WriteTransaction, job: &Job) -> Result<Enqueued> {
         .map_err(db_error)?
         .insert(position, key)
         .map_err(db_error)?;
-    txn.open_table(SESSION_QUEUE)
+    let session = job.exchange.session_id.as_str();
+    let mut session_queue = txn.open_table(SESSION_QUEUE).map_err(db_error)?;
+    // Positions only grow: the session's first queued job is its head.
+    let first = session_queue
+        .range((key.0, key.1, session, 0)..(key.0, key.1, session, position))
         .map_err(db_error)?
-        .insert(
-            (key.0, key.1, job.exchange.session_id.as_str(), position),
-            key.2,
-        )
+        .next()
+        .is_none();
+    session_queue
+        .insert((key.0, key.1, session, position), key.2)
         .map_err(db_error)?;
+    if first {
+        txn.open_table(SESSION_HEADS)
+            .map_err(db_error)?
+            .insert(position, (key.0, key.1, session))
+            .map_err(db_error)?;
+    }
     Ok(Enqueued::Queued)
 }
 
@@ -1279,10 +1368,7 @@ fn write_finish(txn: &WriteTransaction, id: &JobId, state: JobState) -> Result<b
             .map_err(db_error)?
             .remove(record.queue_position)
             .map_err(db_error)?;
-        txn.open_table(SESSION_QUEUE)
-            .map_err(db_error)?
-            .remove((key.0, key.1, record.session(), record.queue_position))
-            .map_err(db_error)?;
+        dequeue_session(txn, key, record.session(), record.queue_position)?;
     }
     // The raw log keeps an applied exchange; a failed one stays with its job, the only copy.
     if state == JobState::Applied {
@@ -1300,6 +1386,37 @@ fn write_finish(txn: &WriteTransaction, id: &JobId, state: JobState) -> Result<b
     jobs.insert(key, encode(&record)?.as_slice())
         .map_err(db_error)?;
     Ok(true)
+}
+
+/// Takes a job that leaves the queue out of its session's index; when it was the session's head,
+/// the session's next queued job (if any) becomes the head.
+fn dequeue_session(
+    txn: &WriteTransaction,
+    key: (&str, &str, &str),
+    session: &str,
+    position: u64,
+) -> Result<()> {
+    let mut session_queue = txn.open_table(SESSION_QUEUE).map_err(db_error)?;
+    session_queue
+        .remove((key.0, key.1, session, position))
+        .map_err(db_error)?;
+    let mut heads = txn.open_table(SESSION_HEADS).map_err(db_error)?;
+    if heads.remove(position).map_err(db_error)?.is_none() {
+        return Ok(());
+    }
+    let next = session_queue
+        .range((key.0, key.1, session, position)..=(key.0, key.1, session, u64::MAX))
+        .map_err(db_error)?
+        .next()
+        .transpose()
+        .map_err(db_error)?
+        .map(|(index, _)| index.value().3);
+    if let Some(next) = next {
+        heads
+            .insert(next, (key.0, key.1, session))
+            .map_err(db_error)?;
+    }
+    Ok(())
 }
 
 /// The third key part of every row of a `(tenant, user, string)` table that belongs to `user`.
@@ -1511,11 +1628,70 @@ mod tests {
         assert_eq!(store.queue_depth().await.unwrap(), 0);
     }
 
+    /// The session heads a claim walks are rebuilt when the store opens: a store whose heads
+    /// are missing (a release before them kept only the session index) still has every
+    /// session's jobs claimed, in order, a busy session's skipped whatever its backlog.
+    #[tokio::test]
+    async fn session_heads_are_rebuilt_when_the_store_opens() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(dir.path()).unwrap();
+        let in_session = |session: &str, key: &str| {
+            let mut job = job(key, "I live in Oslo.");
+            job.exchange.session_id = session.into();
+            job
+        };
+        let queued = [
+            in_session("a", "a1"),
+            in_session("b", "b1"),
+            in_session("a", "a2"),
+            in_session("b", "b2"),
+            in_session("c", "c1"),
+        ];
+        for job in &queued {
+            store.enqueue(job).await.unwrap();
+        }
+        {
+            let db = store.db.get_or_reopen().unwrap();
+            let txn = db.begin_write().unwrap();
+            txn.open_table(SESSION_HEADS)
+                .unwrap()
+                .retain(|_, _| false)
+                .unwrap();
+            txn.commit().unwrap();
+        }
+        drop(store);
+        let store = EmbeddedStore::open(dir.path()).unwrap();
+        let keys = |claimed: Vec<ClaimedJob>| -> Vec<String> {
+            claimed
+                .into_iter()
+                .map(|claimed| claimed.job.id.key)
+                .collect()
+        };
+        // Oldest first across sessions, each session's jobs in order.
+        assert_eq!(
+            keys(store.claim_batch("w1", LEASE, 3).await.unwrap()),
+            ["a1", "b1", "a2"]
+        );
+        // a and b are leased: only c's job is free; b2 waits behind b1.
+        assert_eq!(
+            keys(store.claim_batch("w2", LEASE, 4).await.unwrap()),
+            ["c1"]
+        );
+        // Applying b1 makes b2 its session's head, free to claim.
+        assert!(store.ack(&queued[1].id).await.unwrap());
+        assert_eq!(
+            keys(store.claim_batch("w2", LEASE, 4).await.unwrap()),
+            ["b2"]
+        );
+        assert!(store.claim_batch("w3", LEASE, 4).await.unwrap().is_empty());
+    }
+
     /// A store written before the exchanges table keeps its queued jobs: a claim reads the
     /// exchange from the record and moves it to the table, and applying the job removes it.
     #[tokio::test]
     async fn a_queued_record_holding_its_exchange_is_claimed_and_applied() {
-        let store = EmbeddedStore::in_memory().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(dir.path()).unwrap();
         let older = job("k0", "I live in Rome.");
         let job = job("k1", "I live in Oslo.");
         {
@@ -1542,6 +1718,9 @@ mod tests {
                 .unwrap();
             txn.commit().unwrap();
         }
+        // Opening the file indexes them by session.
+        drop(store);
+        let store = EmbeddedStore::open(dir.path()).unwrap();
         // Both belong to session s1: the batch holds them in order.
         let claimed = store.claim_batch("w1", LEASE, 4).await.unwrap();
         let jobs: Vec<&Job> = claimed.iter().map(|claimed| &claimed.job).collect();
