@@ -37,7 +37,7 @@ struct Turnstile {
     /// The wake-up of each ticket not yet released, by number: a release wakes only the ticket
     /// whose turn it makes. One wake-up for the whole session woke every waiting recording at
     /// each release, O(waiting) per recording: with one user at 1,000 req/s, 50,000 recordings
-    /// waited in memory (docs/benchmarks.md).
+    /// waited in memory (docs/benchmarks-log.md).
     wakers: HashMap<u64, Arc<Notify>>,
 }
 

@@ -15,7 +15,7 @@
 //! content), each turn once in the fullest form that fits; episode manifests take what recall
 //! left. Only stored token counts are added here; nothing is tokenized.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -389,6 +389,18 @@ fn carried_items(state: &MemoryState, seq: TurnSeq, in_window: bool) -> Vec<Item
         }
     }
     items
+}
+
+/// The [`pair`](crate::memory::history::pair) hash of the exchange a raw turn or its summary
+/// shows, and the turn.
+fn turn_pair(state: &MemoryState, item: ItemRef) -> Option<(u64, TurnSeq)> {
+    let (ItemRef::RawTurn(seq) | ItemRef::Summary(seq)) = item else {
+        return None;
+    };
+    state
+        .raw_turns
+        .get(seq as usize)
+        .map(|turn| (turn.pair(), seq))
 }
 
 /// Whether `line`, a turn's raw line, shows (part of) `artifact`: a full raw line holds all of
@@ -789,12 +801,26 @@ pub fn compose(
         let kind = &mut best[cutoff_kind(hit.item)];
         *kind = kind.max(hit.relevance);
     }
+    // A turn whose exchange the prompt shows already as another turn, word for word, is not
+    // shown again: one user's sessions that say the same things (an app replaying one script
+    // per session) keep a copy each. (The same turn may still go from summary to raw line.)
+    let mut shown_pairs: HashMap<u64, Vec<TurnSeq>> = HashMap::new();
+    for item in &in_prompt {
+        if let Some((pair, seq)) = turn_pair(state, *item) {
+            shown_pairs.entry(pair).or_default().push(seq);
+        }
+    }
     let mut ranked: Vec<(f32, f32, ItemRef, Reason)> = retrieval
         .hits
         .iter()
         .filter(|hit| {
             hit.relevance >= best[cutoff_kind(hit.item)] * config.retrieval.min_relative_score
                 && !in_prompt.contains(&hit.item)
+                && !turn_pair(state, hit.item).is_some_and(|(pair, seq)| {
+                    shown_pairs
+                        .get(&pair)
+                        .is_some_and(|shown| shown.iter().any(|other| *other != seq))
+                })
         })
         .map(|hit| {
             let tier = item_tier_score(state, config, hit.item);
