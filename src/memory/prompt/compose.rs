@@ -158,6 +158,8 @@ struct Line<'a> {
 #[derive(Debug, Clone, Copy)]
 struct Dated<'a> {
     key: &'a str,
+    /// The turn's event time, which the heading shows.
+    event_time: &'a str,
     /// The heading's tokens.
     heading: u32,
 }
@@ -168,8 +170,10 @@ fn dated(state: &MemoryState, item: ItemRef, encoding: Encoding) -> Option<Dated
         return None;
     };
     let turn = state.raw_turns.get(seq as usize)?;
+    let event_time = turn.event_time.as_deref()?;
     Some(Dated {
-        key: date_key(turn.event_time.as_deref()?)?,
+        key: date_key(event_time)?,
+        event_time,
         heading: turn.tokens.date.get(encoding),
     })
 }
@@ -1152,16 +1156,6 @@ fn explained(
     }
 }
 
-/// The event time of the turn `item` shows, if any.
-fn line_event_time(state: &MemoryState, item: ItemRef) -> Option<&str> {
-    let seq = match item {
-        ItemRef::RawTurn(seq) | ItemRef::Summary(seq) => seq,
-        ItemRef::Artifact(id) => state.artifacts.get(id as usize)?.turn,
-        _ => return None,
-    };
-    state.raw_turns.get(seq as usize)?.event_time.as_deref()
-}
-
 /// The text of one line.
 fn line_text(state: &MemoryState, line: &Line<'_>) -> String {
     let event_time = |seq: TurnSeq| {
@@ -1264,10 +1258,11 @@ fn block_text(
             section = Some(line.section);
             day = None;
         }
-        let key = line.date.map(|date| date.key);
-        if key.is_some() && key != day {
-            out.push_str(&date_heading(line_event_time(state, line.item)));
-            day = key;
+        if let Some(date) = line.date
+            && day != Some(date.key)
+        {
+            out.push_str(&date_heading(Some(date.event_time)));
+            day = Some(date.key);
         }
         out.push_str(&line_text(state, line));
     }
