@@ -1,0 +1,119 @@
+//! The worker's computation per job as one user's history grows, without the store or the
+//! scheduler: what `worker::compute` does for one turn (copy the cached memory, record the
+//! exchange with the heuristic extractor, refresh the index, take the changes, prefetch, encode
+//! what the store would write), timed per turn on the history benchmark's turns, single thread.
+//! Wall time: run it on an otherwise idle machine (`flock -x /tmp/engram-cpu.lock` here).
+//!
+//! Run with `cargo bench --bench apply_growth -- [TURNS]` (default 50,000). It prints p50, p99
+//! and the maximum per window of 1,000 turns at 1,000, 10,000 and every further 10,000, so
+//! growth with history shows apart from the store's commit and from CPU shared with requests
+//! (issue 26's target: apply p99 ≤ 5 ms at every size, measured by `benches/history.sh`).
+//!
+//! Not a test: it prints numbers and asserts nothing.
+
+#![expect(
+    clippy::print_stdout,
+    reason = "a benchmark reports its figures on stdout"
+)]
+
+#[path = "history/text.rs"]
+mod text;
+
+use std::time::{Duration, Instant};
+
+use engram::cache::CachedMemory;
+use engram::memory::{ExchangeInput, HeuristicExtractor, MemoryConfig, record_exchange, warm_up};
+use engram::store::EncodedState;
+
+const SESSION: &str = "solo-session";
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    // `cargo test --all-targets` runs harness-less benches with `--test`: nothing to do here.
+    if args.iter().any(|arg| arg == "--test") {
+        return;
+    }
+    let turns: u64 = args
+        .iter()
+        .find_map(|arg| arg.replace(['_', ','], "").parse().ok())
+        .unwrap_or(50_000);
+    warm_up();
+    let config = MemoryConfig::default();
+    let mut memory = CachedMemory::new(engram::memory::MemoryState::new());
+    let mut window: Vec<Duration> = Vec::with_capacity(1_000);
+    // Per job: record, index refresh, prefetch, encode.
+    let mut phases: Vec<[Duration; 4]> = Vec::with_capacity(1_000);
+    let started = Instant::now();
+    println!(
+        "apply per job (copy + record_exchange + index refresh + prefetch + encode), one user, single thread"
+    );
+    println!(
+        "| turns | p50 (ms) | p99 (ms) | max (ms) | mean (ms) | p99 of record / index / prefetch / encode (ms) |"
+    );
+    println!("|--:|--:|--:|--:|--:|--|");
+    for n in 0..turns {
+        let exchange = ExchangeInput {
+            session_id: SESSION.to_owned(),
+            turn_id: format!("turn-{n:08}"),
+            user_text: text::user_text(n),
+            assistant_text: text::assistant_text(n),
+            event_time: None,
+            prior_chain: None,
+            incomplete: false,
+            arrival: None,
+        };
+        let start = Instant::now();
+        let mut state = memory.state.clone();
+        record_exchange(&mut state, &exchange, &HeuristicExtractor, &config);
+        let recorded = start.elapsed();
+        let mut next = CachedMemory::advanced(Some(&memory), state);
+        let indexed = start.elapsed();
+        let changes = next.state.take_changes();
+        let prefetched =
+            engram::memory::prefetch(&next.state, &next.index, SESSION, &config.retrieval);
+        let fetched = start.elapsed();
+        let encoded = EncodedState::changes(&next.state, &changes);
+        let end = start.elapsed();
+        window.push(end);
+        phases.push([
+            recorded,
+            indexed - recorded,
+            fetched - indexed,
+            end - fetched,
+        ]);
+        std::hint::black_box((prefetched, encoded.is_ok()));
+        memory = next;
+
+        let done = n + 1;
+        if window.len() == 1_000 {
+            if done == 1_000 || done % 10_000 == 0 || done == turns {
+                report(done, &mut window, &phases);
+            }
+            window.clear();
+            phases.clear();
+        }
+    }
+    println!("{turns} turns in {:.1} s", started.elapsed().as_secs_f64());
+}
+
+fn report(turns: u64, window: &mut [Duration], phases: &[[Duration; 4]]) {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let p99 = |mut samples: Vec<Duration>| {
+        samples.sort_unstable();
+        samples[((samples.len() as f64 - 1.0) * 0.99).round() as usize]
+    };
+    let by_phase: Vec<String> = (0..4)
+        .map(|phase| format!("{:.3}", ms(p99(phases.iter().map(|p| p[phase]).collect()))))
+        .collect();
+    window.sort_unstable();
+    let at = |q: f64| window[((window.len() as f64 - 1.0) * q).round() as usize];
+    let mean = window.iter().sum::<Duration>() / window.len() as u32;
+    println!(
+        "| {turns} | {:.3} | {:.3} | {:.3} | {:.3} | {} |",
+        ms(at(0.5)),
+        ms(at(0.99)),
+        ms(at(1.0)),
+        ms(mean),
+        by_phase.join(" / ")
+    );
+}
