@@ -201,7 +201,7 @@ proptest! {
                 &episode.links,
                 episode.rehydrated_at.clone(),
             );
-            prop_assert_eq!(&rebuilt, episode);
+            prop_assert_eq!(&rebuilt, &**episode);
         }
 
         // The LSM index, refreshed turn by turn, searches like one built afresh.

@@ -715,7 +715,7 @@ fn erase_summary(state: &mut MemoryState, seq: TurnSeq, deleted: &mut Vec<ItemRe
     let episode = entry.episode.take();
     deleted.push(ItemRef::Summary(seq));
     if let Some(id) = episode
-        && let Some(manifest) = state.episodes.get_mut(id as usize)
+        && let Some(manifest) = state.episode_mut(id)
     {
         manifest.links.retain(|link| *link != seq);
         if manifest.links.is_empty() {
@@ -730,7 +730,7 @@ fn erase_summary(state: &mut MemoryState, seq: TurnSeq, deleted: &mut Vec<ItemRe
 
 /// Empties the manifest; its turns stay (in OLD, outside any episode, still searchable).
 fn erase_episode(state: &mut MemoryState, id: EpisodeId, deleted: &mut Vec<ItemRef>) {
-    let Some(episode) = state.episodes.get_mut(id as usize) else {
+    let Some(episode) = state.episode_mut(id) else {
         return;
     };
     let links = std::mem::take(&mut episode.links);
@@ -1074,12 +1074,8 @@ mod tests {
         let mut state = recorded(&["The sourdough starter smells odd."]);
         state.turn_log[0].tier.tier = Tier::Old;
         state.turn_log[0].episode = Some(0);
-        state.episodes.push(crate::memory::manifest::build_manifest(
-            &state,
-            0,
-            0,
-            &[0],
-            Vec::new(),
+        state.episodes.push(std::sync::Arc::new(
+            crate::memory::manifest::build_manifest(&state, 0, 0, &[0], Vec::new()),
         ));
         assert!(view(&state, ItemRef::Episode(0)).is_some());
         let deleted = delete(&mut state, ItemRef::Summary(0)).unwrap();

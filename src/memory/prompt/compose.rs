@@ -1186,11 +1186,7 @@ fn line_text(state: &MemoryState, line: &Line<'_>) -> String {
             .get(seq as usize)
             .map(|turn| raw_turn_line(turn, line.form == Form::Clipped))
             .unwrap_or_default(),
-        ItemRef::Episode(id) => state
-            .episodes
-            .get(id as usize)
-            .map(episode_line)
-            .unwrap_or_default(),
+        ItemRef::Episode(id) => state.episode(id).map(episode_line).unwrap_or_default(),
         ItemRef::Artifact(id) => state
             .artifacts
             .get(id as usize)

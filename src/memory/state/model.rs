@@ -7,6 +7,7 @@
 //! (demotion and retirement are flags), so ids stay valid and provenance always resolves.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -92,8 +93,11 @@ pub struct MemoryState {
     /// One entry per raw turn, same index.
     #[serde(default)]
     pub turn_log: Segmented<TurnLogEntry>,
+    /// Each manifest shared on its own between copies: a chunk copied for one changed manifest
+    /// cloned 64 of them, a fifth of the worker's time at 10,000 turns (rehydration and
+    /// folding change old episodes every turn; docs/benchmarks-log.md, 2026-11-27).
     #[serde(default)]
-    pub episodes: Segmented<EpisodeManifest>,
+    pub episodes: Segmented<Arc<EpisodeManifest>>,
     #[serde(default)]
     pub artifacts: Segmented<Artifact>,
     #[serde(default)]
@@ -200,6 +204,15 @@ impl MemoryState {
 
     pub fn fact(&self, id: FactId) -> Option<&Fact> {
         self.facts.get(id as usize)
+    }
+
+    pub fn episode(&self, id: EpisodeId) -> Option<&EpisodeManifest> {
+        self.episodes.get(id as usize).map(|episode| &**episode)
+    }
+
+    /// Episode `id` for changing: copied first if another copy of the memory shares it.
+    pub fn episode_mut(&mut self, id: EpisodeId) -> Option<&mut EpisodeManifest> {
+        self.episodes.get_mut(id as usize).map(Arc::make_mut)
     }
 
     /// What fact `id` became: itself while active, else the fact it was merged into (through

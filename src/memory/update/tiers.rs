@@ -5,6 +5,7 @@
 //! deletes anything: items keep their text and provenance, manifests keep their links.
 
 use std::collections::{BTreeSet, HashSet};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -140,7 +141,7 @@ pub fn rehydrate(
     matching.truncate(MAX_REHYDRATED);
     let mut rehydrated = Vec::new();
     for (_, id) in matching {
-        let Some(episode) = state.episodes.get_mut(id as usize) else {
+        let Some(episode) = state.episode_mut(id) else {
             continue;
         };
         episode.rehydrated_at.push(turn);
@@ -176,7 +177,7 @@ pub fn rehydrate(
 
 /// The episode, if any of its turns is in OLD (it can be rehydrated).
 fn dormant(state: &MemoryState, id: EpisodeId) -> Option<&EpisodeManifest> {
-    state.episodes.get(id as usize).filter(|episode| {
+    state.episode(id).filter(|episode| {
         episode.links.iter().any(|seq| {
             state
                 .turn_log
@@ -343,14 +344,18 @@ fn fold_into_episodes(
             }
             None => {
                 let id = EpisodeId::try_from(state.episodes.len()).unwrap_or(EpisodeId::MAX);
-                state
-                    .episodes
-                    .push(build_manifest(state, id, session, &[], Vec::new()));
+                state.episodes.push(Arc::new(build_manifest(
+                    state,
+                    id,
+                    session,
+                    &[],
+                    Vec::new(),
+                )));
                 report.episodes_created.push(id);
                 id
             }
         };
-        if let Some(episode) = state.episodes.get_mut(id as usize) {
+        if let Some(episode) = state.episode_mut(id) {
             episode.links.push(*seq);
         }
         if let Some(entry) = state.turn_log.get_mut(*seq as usize) {
@@ -392,7 +397,7 @@ pub fn refresh_episode_facts(state: &mut MemoryState, id: EpisodeId) {
     let facts = episode_facts(state, &episode.links);
     // Unchanged lists leave the episode unwritten.
     if facts != episode.facts
-        && let Some(slot) = state.episodes.get_mut(id as usize)
+        && let Some(slot) = state.episode_mut(id)
     {
         slot.facts = facts;
     }
@@ -412,7 +417,8 @@ pub fn refresh_episode(state: &mut MemoryState, id: EpisodeId) {
         &episode.links,
         episode.rehydrated_at.clone(),
     );
+    // Replaced, not changed in place: the old manifest is not copied first.
     if let Some(slot) = state.episodes.get_mut(id as usize) {
-        *slot = rebuilt;
+        *slot = Arc::new(rebuilt);
     }
 }
