@@ -13,7 +13,7 @@
 
 use std::time::{Duration, Instant};
 
-use engram::memory::{
+use engram_memory::{
     ExchangeInput, HeuristicExtractor, ItemRef, MemoryConfig, MemoryState, record_exchange,
 };
 use engram::store::{EmbeddedStore, Job, JobId, JobQueue, MemoryRecords, UserKey};

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use engram::cache::MemoryCache;
 use engram::config::WorkerConfig;
-use engram::memory::{ExchangeInput, MemoryConfig};
+use engram_memory::{ExchangeInput, MemoryConfig};
 use engram::store::{EmbeddedStore, Job, JobId, RedisStore, Store, UserKey};
 use engram::summarizer::Summarizer;
 use engram::worker::Worker;

@@ -15,9 +15,9 @@
 )]
 
 use bytes::Bytes;
-use engram::openai::ChatRequest;
-use engram::openai::completion::StreamAccumulator;
-use engram::openai::sse::{EventSplitter, MAX_HELD_EVENT, UsageStripper, event_data};
+use engram_memory::openai::ChatRequest;
+use engram_memory::openai::completion::StreamAccumulator;
+use engram_memory::openai::sse::{EventSplitter, MAX_HELD_EVENT, UsageStripper, event_data};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};
 

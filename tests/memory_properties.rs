@@ -2,17 +2,17 @@
 
 use std::collections::BTreeMap;
 
-use engram::memory::diff::{normalise, split_key_value};
-use engram::memory::render::{
+use engram_memory::diff::{normalise, split_key_value};
+use engram_memory::render::{
     CORE_OPEN, FENCE_CLOSE, FIXED, Fixed, RECALL_OPEN, fact_line, identity_lines, pinned_line,
 };
-use engram::memory::tokens::count_in;
-use engram::memory::{
+use engram_memory::tokens::count_in;
+use engram_memory::{
     ComposeRequest, Composition, Encoding, ExchangeInput, FactDiff, FactEdit, HeuristicExtractor,
     MemoryConfig, MemoryIndex, MemoryState, Placement, apply_diff, compose, pin, prefetch,
     record_exchange, set_identity, strip_fences,
 };
-use engram::openai::ChatMessage;
+use engram_memory::openai::ChatMessage;
 use proptest::prelude::*;
 
 const SENTENCES: &[&str] = &[
@@ -203,7 +203,7 @@ fn injected_tokens(
         }
     }
     for item in &composition.explain.items {
-        if let (engram::memory::Block::Window, engram::memory::ItemRef::RawTurn(seq)) =
+        if let (engram_memory::Block::Window, engram_memory::ItemRef::RawTurn(seq)) =
             (item.block, item.item)
         {
             let turn = &state.raw_turns[seq as usize];
@@ -278,9 +278,9 @@ proptest! {
             for line in constraints.iter().chain(&pins) {
                 prop_assert!(core.contains(line.as_str()), "missing {line:?} in {core}");
             }
-            prop_assert_ne!(composition.outcome, engram::memory::MemoryOutcome::ReservedOverBudget);
+            prop_assert_ne!(composition.outcome, engram_memory::MemoryOutcome::ReservedOverBudget);
         } else if !(constraints.is_empty() && pins.is_empty() && identity.is_none()) {
-            prop_assert_eq!(composition.outcome, engram::memory::MemoryOutcome::ReservedOverBudget);
+            prop_assert_eq!(composition.outcome, engram_memory::MemoryOutcome::ReservedOverBudget);
         }
     }
 
@@ -313,7 +313,7 @@ proptest! {
         // escaped, nothing of engram's left).
         let sent = messages.last().unwrap().text();
         let got = composition.prompt(&messages).last().unwrap().text();
-        let expected = engram::memory::fence::neutralise_fences(&sent).into_owned();
+        let expected = engram_memory::fence::neutralise_fences(&sent).into_owned();
         prop_assert_eq!(strip_fences(&got), expected);
     }
 

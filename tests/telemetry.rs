@@ -22,7 +22,7 @@ use common::{Reply, post_json, send};
 use engram::admin::AdminAuth;
 use engram::app::{Credentials, Engram};
 use engram::config::Config;
-use engram::mock::{MockOptions, MockServer};
+use engram_mock::{MockOptions, MockServer};
 use engram::telemetry::{Telemetry, TelemetryConfig, TraceParent};
 use http::{HeaderMap, Response};
 use http_body_util::{BodyExt, Full};

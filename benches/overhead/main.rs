@@ -26,6 +26,8 @@
 mod args;
 mod chart;
 mod load;
+#[path = "../support/mock_process.rs"]
+mod mock_process;
 #[path = "../support/prose.rs"]
 mod prose;
 mod report;
@@ -144,6 +146,7 @@ struct Context<'a> {
 }
 
 fn main() {
+    mock_process::serve_if_asked();
     // `cargo test --all-targets` runs harness-less benches with `--test`: nothing to do here.
     let raw: Vec<String> = std::env::args().skip(1).collect();
     if raw.iter().any(|a| a == "--test") {

@@ -28,18 +28,18 @@ pub fn has_taskset() -> bool {
 }
 
 /// `command` run through `taskset -c core` when pinning is possible.
-fn pinned(core: Option<&str>, program: &str) -> Command {
+fn pinned(core: Option<&str>, program: impl AsRef<std::ffi::OsStr>) -> Command {
     match core {
         Some(core) => {
             let mut command = Command::new("taskset");
-            command.args(["-c", core, program]);
+            command.arg("-c").arg(core).arg(program);
             command
         }
         None => Command::new(program),
     }
 }
 
-/// Starts `engram` with `args`, its warnings going to `log` (or nowhere); returns the child
+/// Starts `engram` (or, for `mock-upstream` arguments, the mock) with `args`, its warnings going to `log` (or nowhere); returns the child
 /// and the address it printed.
 pub fn start_engram(
     core: Option<&str>,
@@ -47,7 +47,7 @@ pub fn start_engram(
     env: &[(String, String)],
     log: Option<&Path>,
 ) -> Result<(Child, String), String> {
-    let mut command = pinned(core, BIN);
+    let mut command = pinned(core, crate::mock_process::program(args, BIN));
     let stderr = log
         .and_then(|path| std::fs::File::create(path).ok())
         .map_or_else(Stdio::null, Stdio::from);

@@ -13,8 +13,8 @@ use std::collections::HashSet;
 use super::bm25::Bm25Index;
 use super::dataset::{Conversation, TurnPos};
 use super::metrics::normalise;
-use crate::memory::text::date_search_text;
-use crate::memory::tokens::{Encoding, count_in};
+use engram_memory::text::date_search_text;
+use engram_memory::tokens::{Encoding, count_in};
 
 /// Exchanges the window baseline keeps (engram's default raw window is 6 turns).
 pub const WINDOW_EXCHANGES: usize = 6;
@@ -135,7 +135,7 @@ impl ConversationBaselines {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::eval::dataset::parse;
+    use crate::dataset::parse;
 
     fn conversation() -> Conversation {
         let turns: Vec<serde_json::Value> = (1..=16)

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use crate::memory::text::terms;
+use engram_memory::text::terms;
 
 pub struct Bm25Index {
     k1: f64,

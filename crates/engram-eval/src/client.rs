@@ -11,7 +11,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 
-use crate::error::{Error, Result};
+use engram::error::{Error, Result};
 
 #[derive(Debug)]
 pub struct Reply {

@@ -11,7 +11,7 @@ use std::path::Path;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::error::{Error, Result};
+use engram::error::{Error, Result};
 
 /// One dialogue turn as LoCoMo gives it.
 #[derive(Debug, Clone, PartialEq)]

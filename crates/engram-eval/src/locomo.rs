@@ -1,4 +1,4 @@
-//! `engram eval locomo`: replays LoCoMo conversations through the proxy, asks their questions
+//! `engram-eval locomo`: replays LoCoMo conversations through the proxy, asks their questions
 //! read-only, and scores the prompts the upstream received against the baselines.
 //!
 //! The replay protocol, fixed so figures compare across versions:
@@ -34,13 +34,13 @@ use super::metrics::{Breakdown, QuestionScore, normalise, score};
 use super::progress::Progress;
 use super::report::{self, Report};
 use super::upstream::{EXCHANGE_HEADER, ScriptedUpstream};
-use crate::app::{Credentials, Engram};
-use crate::config::{Config, StoreBackend};
-use crate::error::{Error, Result};
-use crate::memory::config::RetrievalMode;
-use crate::memory::tokens::{Encoding, count_in};
-use crate::openai::ChatMessage;
-use crate::pipeline::identity::{EVENT_TIME_HEADER, MODE_HEADER, SESSION_HEADER, USER_HEADER};
+use engram::app::{Credentials, Engram};
+use engram::config::{Config, StoreBackend};
+use engram::error::{Error, Result};
+use engram_memory::config::RetrievalMode;
+use engram_memory::tokens::{Encoding, count_in};
+use engram_memory::openai::ChatMessage;
+use engram::pipeline::identity::{EVENT_TIME_HEADER, MODE_HEADER, SESSION_HEADER, USER_HEADER};
 
 /// The model named in every request: not an o200k model, so engram counts in cl100k, the
 /// encoding the metrics use.
@@ -201,7 +201,7 @@ impl LocalProxy {
         let engram = loop {
             match Engram::build(
                 config.clone(),
-                Credentials::admin_only(crate::admin::AdminAuth::global(token)),
+                Credentials::admin_only(engram::admin::AdminAuth::global(token)),
             )
             .await
             {
@@ -262,7 +262,7 @@ fn random_token() -> String {
         .map_or(0, |elapsed| elapsed.as_nanos());
     format!(
         "eval-{:x}",
-        crate::memory::text::fnv1a(0, format!("{nanos}:{}", std::process::id()).as_bytes())
+        engram_memory::text::fnv1a(0, format!("{nanos}:{}", std::process::id()).as_bytes())
     )
 }
 

@@ -14,7 +14,7 @@ use super::locomo::{
     EvalOptions, Loss, MODEL, Missed, ProtocolCheck, QuestionRecord, SystemScore, baseline_score,
 };
 use super::metrics::{Breakdown, QuestionScore, Summary, TokenStats};
-use crate::memory::MemoryConfig;
+use engram_memory::MemoryConfig;
 
 /// Target (issue 30): evidence recall at the default budget.
 pub const TARGET_EVIDENCE_RECALL: f64 = 0.90;

@@ -23,8 +23,8 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::task::TaskTracker;
 
-use crate::error::{Error, Result};
-use crate::openai::ChatMessage;
+use engram::error::{Error, Result};
+use engram_memory::openai::ChatMessage;
 
 /// The header naming the script entry of a request.
 pub const EXCHANGE_HEADER: &str = "x-eval-exchange";
@@ -150,7 +150,7 @@ impl Script {
             Ok(collected) => collected.to_bytes(),
             Err(problem) => return error(StatusCode::BAD_REQUEST, &problem.to_string()),
         };
-        let parsed: crate::openai::ChatRequest = match serde_json::from_slice(&body) {
+        let parsed: engram_memory::openai::ChatRequest = match serde_json::from_slice(&body) {
             Ok(parsed) => parsed,
             Err(problem) => return error(StatusCode::BAD_REQUEST, &problem.to_string()),
         };

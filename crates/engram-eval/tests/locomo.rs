@@ -1,4 +1,4 @@
-//! `engram eval locomo` on a small synthetic conversation written for these tests
+//! `engram-eval locomo` on a small synthetic conversation written for these tests
 //! (`tests/data/locomo-synthetic.json`, LoCoMo's shape): the replay protocol as the proxy saw
 //! it, and the metrics on cases checked by hand. The development split itself is only read when
 //! it is present beside the repository (its licence keeps it out of the repository).
@@ -11,19 +11,23 @@
     reason = "tests: a failure should fail loudly; skips are printed"
 )]
 
-mod common;
-
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::process::Command;
 
-use common::memory::{admin, export};
-use common::{ADMIN_TOKEN, BIN, proxy};
+use engram::admin::AdminAuth;
+use engram::app::{Credentials, Engram};
 use engram::config::Config;
-use engram::eval::locomo::{EvalOptions, run};
-use engram::eval::progress::Progress;
-use engram::memory::tokens::{Encoding, count_in};
+use engram_eval::client::ProxyClient;
+use engram_eval::locomo::{EvalOptions, run};
+use engram_eval::progress::Progress;
+use engram_memory::tokens::{Encoding, count_in};
+use http::Method;
 use serde_json::Value;
+use tokio::sync::oneshot;
+
+const BIN: &str = env!("CARGO_BIN_EXE_engram-eval");
+const ADMIN_TOKEN: &str = "test-admin-token";
 
 fn synthetic() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/locomo-synthetic.json")
@@ -96,17 +100,46 @@ fn figure(question: &Value, system: &str, key: &str) -> Value {
     question[system][key].clone()
 }
 
+/// A proxy over a fresh embedded store, in front of the harness's scripted upstream at `mock`,
+/// served in this process while `checks` runs against its address; stopped after them.
+async fn with_proxy<F: Future<Output = ()>>(mock: SocketAddr, checks: impl FnOnce(String) -> F) {
+    let data = tempfile::tempdir().unwrap();
+    let mut config = Config::default();
+    config.server.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    config.upstream.base_url = format!("http://{mock}/v1");
+    config.store.data_dir = data.path().to_path_buf();
+    // A debug build on a loaded machine can miss the production deadline.
+    config.store.hot_path_deadline_ms = 5000;
+    let credentials = Credentials::admin_only(AdminAuth::global(ADMIN_TOKEN));
+    let engram = Engram::build(config, credentials).await.unwrap();
+    let address = format!("http://{}", engram.local_addr().unwrap());
+    let (stop, stopped) = oneshot::channel::<()>();
+    let serving = engram.run(async move {
+        let _ = stopped.await;
+    });
+    let checking = async move {
+        checks(address).await;
+        let _ = stop.send(());
+    };
+    let (served, ()) = tokio::join!(serving, checking);
+    served.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_follows_the_protocol_and_metrics_match_hand_checked_figures() {
     let mock = free_address();
-    let proxy = proxy(&format!("http://{mock}"), &[]);
+    with_proxy(mock, |proxy| replay_and_check(proxy, mock)).await;
+}
+
+async fn replay_and_check(proxy: String, mock: SocketAddr) {
+    let client = ProxyClient::new(&proxy, ADMIN_TOKEN);
     let out = tempfile::tempdir().unwrap();
     let output = run(EvalOptions {
         data: synthetic(),
         budget: 2048,
         sweep: vec![512],
         out: Some(out.path().to_path_buf()),
-        proxy: Some(proxy.address.clone()),
+        proxy: Some(proxy.clone()),
         mock_listen: mock,
         admin_token: Some(ADMIN_TOKEN.to_owned()),
         config: Config::default(),
@@ -130,7 +163,10 @@ async fn replay_follows_the_protocol_and_metrics_match_hand_checked_figures() {
     assert_eq!(report["protocol_holds"], true);
     assert_eq!(report["unresolved_evidence"], 1, "D9:9 names no turn");
 
-    let memory = export(&proxy, "default", "syn-1").await;
+    let memory = client
+        .admin(Method::GET, "users/syn-1/memory")
+        .await
+        .unwrap();
     let sessions: Vec<&str> = memory["memory"]["sessions"]
         .as_array()
         .unwrap()
@@ -150,7 +186,7 @@ async fn replay_follows_the_protocol_and_metrics_match_hand_checked_figures() {
         assert_eq!(turn["user"], user);
         assert_eq!(turn["assistant"], reply, "the upstream replied verbatim");
     }
-    let queue = admin(&proxy, "/engram/v1/queue", "default").await.json();
+    let queue = client.admin(Method::GET, "queue").await.unwrap();
     assert_eq!(queue["recorded"]["queued"], 8, "{queue}");
 
     // ---- metrics, by hand ----
@@ -232,7 +268,7 @@ async fn replay_follows_the_protocol_and_metrics_match_hand_checked_figures() {
 fn the_command_writes_the_report_and_sweeps_budgets_in_process() {
     let out = tempfile::tempdir().unwrap();
     let result = Command::new(BIN)
-        .args(["eval", "locomo", "--data"])
+        .args(["locomo", "--data"])
         .arg(synthetic())
         .arg("--out")
         .arg(out.path())
@@ -285,7 +321,7 @@ fn the_command_writes_the_report_and_sweeps_budgets_in_process() {
 #[test]
 fn development_conversation_beats_the_window() {
     let data =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data/locomo/locomo-dev.json");
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/locomo/locomo-dev.json");
     let Ok(text) = std::fs::read_to_string(&data) else {
         println!(
             "skipped: the LoCoMo development split is not at {} (it stays out of the repository)",
@@ -299,7 +335,7 @@ fn development_conversation_beats_the_window() {
     let one = out.path().join("one.json");
     std::fs::write(&one, serde_json::to_string(&all[..1]).unwrap()).unwrap();
     let result = Command::new(BIN)
-        .args(["eval", "locomo", "--data"])
+        .args(["locomo", "--data"])
         .arg(&one)
         .arg("--out")
         .arg(out.path())

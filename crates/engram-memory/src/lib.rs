@@ -4,14 +4,22 @@
 //!
 //! Update path (worker): `record_exchange` → `MemoryIndex::refresh` → `prefetch`.
 //! Hot path (per request): `compose` with the cached index and the prefetched candidates.
+//!
+//! The crate at the bottom of the workspace: besides the engine it holds what the engine needs
+//! below it, the OpenAI wire types ([`openai`]) and the update path's yield points
+//! ([`yielding`]), and its own small [`Error`]. Its dependencies hold no async runtime, clock
+//! or I/O (`tests/layers.rs` checks its `cargo tree` for tokio).
 
 pub mod config;
+pub mod error;
 pub mod manage;
+pub mod openai;
 pub mod prompt;
 pub mod retrieval;
 pub mod state;
 pub mod tokenize;
 pub mod update;
+pub mod yielding;
 
 // Each module also at its path from before the folders, so `memory::compose` and the like
 // still name it.
@@ -23,6 +31,7 @@ pub use update::{depth, diff, extract, manifest, record, tiers};
 
 pub use budget::{Budgets, budgets_from_total};
 pub use compose::{ComposeRequest, Composition, MemoryOutcome, compose};
+pub use error::Error;
 pub use config::{MemoryConfig, Placement, ScoringWeights};
 pub use diff::{DiffReport, FactDiff, FactEdit, apply_diff};
 pub use explain::{Block, BlockTokens, ClientMode, Explain, ExplainedItem, Reason};

@@ -776,12 +776,12 @@ fn erase_artifact(state: &mut MemoryState, id: ArtifactId, deleted: &mut Vec<Ite
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::config::MemoryConfig;
-    use crate::memory::diff::{FactDiff, FactEdit, apply_diff};
-    use crate::memory::extract::HeuristicExtractor;
-    use crate::memory::index::MemoryIndex;
-    use crate::memory::record::test_support::record_turn;
-    use crate::memory::record::{ExchangeInput, consolidate, pin, pin_fact, record_exchange};
+    use crate::config::MemoryConfig;
+    use crate::diff::{FactDiff, FactEdit, apply_diff};
+    use crate::extract::HeuristicExtractor;
+    use crate::index::MemoryIndex;
+    use crate::record::test_support::record_turn;
+    use crate::record::{ExchangeInput, consolidate, pin, pin_fact, record_exchange};
 
     const BM25: Bm25 = Bm25::STANDARD;
 
@@ -1045,7 +1045,7 @@ mod tests {
             "user",
             "What should I cook tonight?",
         )];
-        let request = crate::memory::ComposeRequest {
+        let request = crate::ComposeRequest {
             session_id: "s",
             messages: &messages,
             model: "gpt-4o",
@@ -1053,7 +1053,7 @@ mod tests {
         };
         let summaries = |state: &MemoryState| -> Vec<ItemRef> {
             let index = MemoryIndex::build(state);
-            crate::memory::compose(state, &index, &[], &request, &config)
+            crate::compose(state, &index, &[], &request, &config)
                 .explain
                 .items
                 .iter()
@@ -1074,7 +1074,7 @@ mod tests {
         let mut state = recorded(&["The sourdough starter smells odd."]);
         state.turn_log[0].tier.tier = Tier::Old;
         state.turn_log[0].episode = Some(0);
-        state.episodes.push(crate::memory::manifest::build_manifest(
+        state.episodes.push(crate::manifest::build_manifest(
             &state,
             0,
             0,
@@ -1105,13 +1105,13 @@ mod tests {
         let mut state = recorded(&[pasted.as_str()]);
         assert_eq!(
             state.artifacts[0].side,
-            Some(crate::memory::model::Side::User)
+            Some(crate::model::Side::User)
         );
         delete(&mut state, ItemRef::Artifact(0)).unwrap();
         assert_eq!(state.artifact_content(&state.artifacts[0]), "");
         assert_eq!(state.raw_turns[0].user, pasted);
         let pin_id = pin(&mut state, "Call me Ana.");
-        crate::memory::record::unpin(&mut state, pin_id);
+        crate::record::unpin(&mut state, pin_id);
         // Unpinned, it still holds its text: deleting erases it.
         delete(&mut state, ItemRef::Pinned(pin_id)).unwrap();
         assert!(state.pinned[pin_id as usize].text.is_empty());

@@ -1,5 +1,6 @@
-//! `engram mock-upstream`: an OpenAI-compatible upstream for tests, benchmarks and the
-//! quickstart. Output is deterministic (fixed ids and timestamps) so a response can be compared
+//! `engram-mock`: an OpenAI-compatible upstream for tests, benchmarks and the quickstart, a
+//! development tool outside the sidecar (its binary, `engram-mock`, takes the options of
+//! [`MockArgs`]). Output is deterministic (fixed ids and timestamps) so a response can be compared
 //! byte for byte with the same response through the proxy.
 //!
 //! Per-request knobs, as request headers (the proxy forwards them):
@@ -35,7 +36,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body::Frame;
-use http_body_util::{BodyExt, Limited, channel::Channel};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, Limited, channel::Channel};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -44,7 +46,32 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
-use crate::error::{BodyError, Error, ProxyBody, full_body};
+pub use cli::{LISTENING, MockArgs, MockThread};
+
+mod cli;
+
+/// Logs to stderr at `warn` (or `RUST_LOG`), as the binary does.
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+}
+
+/// Errors that can end a response body mid-way.
+type BodyError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The body type of every response.
+type ProxyBody = BoxBody<Bytes, BodyError>;
+
+fn full_body(bytes: impl Into<Bytes>) -> ProxyBody {
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
 
 const CREATED: u64 = 1_700_000_000;
 const MAX_REQUEST_BYTES: usize = 64 * 1024 * 1024;
@@ -95,7 +122,7 @@ pub struct MockServer {
 }
 
 impl MockServer {
-    pub async fn bind(options: MockOptions) -> Result<MockServer, Error> {
+    pub async fn bind(options: MockOptions) -> std::io::Result<MockServer> {
         let listener = TcpListener::bind(options.listen).await?;
         let record = match &options.record {
             Some(path) => Some(Mutex::new(
@@ -116,11 +143,11 @@ impl MockServer {
         })
     }
 
-    pub fn local_addr(&self) -> Result<SocketAddr, Error> {
-        Ok(self.listener.local_addr()?)
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
     }
 
-    pub async fn run(self) -> Result<(), Error> {
+    pub async fn run(self) -> std::io::Result<()> {
         let connections = auto::Builder::new(TokioExecutor::new());
         loop {
             let (stream, _) = match self.listener.accept().await {
@@ -549,7 +576,7 @@ fn error_response(status: StatusCode, message: &str) -> Response<ProxyBody> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::openai::StreamAccumulator;
+    use engram_memory::openai::StreamAccumulator;
 
     fn reply(content: &str, chunks: usize) -> Reply {
         Reply {

@@ -28,19 +28,19 @@ use super::render::{
     FENCE_CLOSE, Fixed, artifact_full, artifact_reference, date_heading, episode_line, fact_line,
     identity_lines, pin_line, raw_turn_line, summary_line,
 };
-use crate::memory::config::{MemoryConfig, Placement};
-use crate::memory::depth::code_blocks;
-use crate::memory::index::MemoryIndex;
-use crate::memory::lookups::Lookups;
-use crate::memory::model::{
+use crate::config::{MemoryConfig, Placement};
+use crate::depth::code_blocks;
+use crate::index::MemoryIndex;
+use crate::lookups::Lookups;
+use crate::model::{
     ArtifactId, ArtifactKind, CandidateId, Depth, FactId, ItemRef, MemoryState, PinContent, Tier,
     TurnSeq,
 };
-use crate::memory::record::ExchangeInput;
-use crate::memory::retrieve::retrieve;
-use crate::memory::score::{fact_score, summary_score};
-use crate::memory::text::{date_key, excerpt};
-use crate::memory::tokens::Encoding;
+use crate::record::ExchangeInput;
+use crate::retrieve::retrieve;
+use crate::score::{fact_score, summary_score};
+use crate::text::{date_key, excerpt};
+use crate::tokens::Encoding;
 use crate::openai::{ChatMessage, OutgoingMessage};
 
 /// What the proxy knows about the request being rewritten.
@@ -50,7 +50,7 @@ pub struct ComposeRequest<'a> {
     pub messages: &'a [ChatMessage],
     pub model: &'a str,
     /// The session's recorded exchanges the memory does not hold yet, oldest first
-    /// ([`crate::store::HotRecord::unapplied`]): the newest turns of a stateless client's raw
+    /// (the sidecar's `store::HotRecord::unapplied`): the newest turns of a stateless client's raw
     /// window, so a follow-up sees the previous exchange before the worker has applied it.
     pub unapplied: &'a [ExchangeInput],
 }
@@ -72,7 +72,7 @@ fn unapplied_tokens(encoding: Encoding, text: &str) -> u32 {
     if text.len() > UNAPPLIED_COUNT_BYTES {
         u32::try_from(text.len()).unwrap_or(u32::MAX)
     } else {
-        crate::memory::tokens::count_in(encoding, text)
+        crate::tokens::count_in(encoding, text)
     }
 }
 
@@ -395,7 +395,7 @@ fn carried_items(state: &MemoryState, seq: TurnSeq, in_window: bool) -> Vec<Item
     items
 }
 
-/// The [`pair`](crate::memory::history::pair) hash of the exchange a raw turn or its summary
+/// The [`pair`](crate::history::pair) hash of the exchange a raw turn or its summary
 /// shows, and the turn.
 fn turn_pair(state: &MemoryState, item: ItemRef) -> Option<(u64, TurnSeq)> {
     let (ItemRef::RawTurn(seq) | ItemRef::Summary(seq)) = item else {
@@ -1467,13 +1467,13 @@ fn prefix_first_user(out: &mut [OutgoingMessage], source: &[ChatMessage], from: 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::config::RetrievalMode;
-    use crate::memory::diff::{FactDiff, FactEdit, apply_diff};
-    use crate::memory::record::test_support::{record_turn, recorded_with};
-    use crate::memory::record::{consolidate, pin, pin_fact, set_identity};
-    use crate::memory::render::CORE_OPEN as CORE_OPEN_TEXT;
-    use crate::memory::shape::test_support::{INVOICE_SCRIPT, indented_script};
-    use crate::memory::tokens::count_in;
+    use crate::config::RetrievalMode;
+    use crate::diff::{FactDiff, FactEdit, apply_diff};
+    use crate::record::test_support::{record_turn, recorded_with};
+    use crate::record::{consolidate, pin, pin_fact, set_identity};
+    use crate::render::CORE_OPEN as CORE_OPEN_TEXT;
+    use crate::shape::test_support::{INVOICE_SCRIPT, indented_script};
+    use crate::tokens::count_in;
 
     /// Turn `n` happens on 2024-02-(n+1).
     fn date_of(n: usize) -> Option<String> {

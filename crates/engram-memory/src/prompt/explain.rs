@@ -4,9 +4,9 @@
 use serde::{Deserialize, Serialize};
 
 use super::budget::Budgets;
-use crate::memory::model::{ItemRef, Tier};
-use crate::memory::retrieve::HitSource;
-use crate::memory::tokens::Encoding;
+use crate::model::{ItemRef, Tier};
+use crate::retrieve::HitSource;
+use crate::tokens::Encoding;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -18,8 +18,8 @@ use serde_json::Value;
 use crate::openai::{ChatMessage, ToolCall};
 
 use super::fence::{has_fence_marker, strip_fences};
-use crate::memory::depth::fence_info;
-use crate::memory::text::{fnv1a, fnv1a_one_line};
+use crate::depth::fence_info;
+use crate::text::{fnv1a, fnv1a_one_line};
 
 /// The link before the first exchange of a conversation.
 pub const CHAIN_ORIGIN: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -346,7 +346,7 @@ mod tests {
 
     #[test]
     fn links_are_the_hash_of_the_normalised_texts_that_stored_chains_were_made_with() {
-        use crate::memory::text::one_line;
+        use crate::text::one_line;
         // Chains are stored with each turn: how a link is computed must not change its value.
         for (user, assistant) in [
             ("hi  there\n", "hello"),
@@ -375,7 +375,7 @@ mod tests {
         answer.reply("The README says to run it with cargo.", &[]);
         let text = answer.finish();
         // Its own code block is still one block, and the wrapper is not read as code.
-        let blocks = crate::memory::depth::code_blocks(&text);
+        let blocks = crate::depth::code_blocks(&text);
         assert_eq!(
             blocks,
             vec![(Some("sh".to_owned()), "cargo run".to_owned())]

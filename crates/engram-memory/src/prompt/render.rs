@@ -18,13 +18,13 @@ use super::fence::neutralise_fences;
 use super::shape::{
     Clipped, INDENT, clipped, fenced, push_continuation, push_quoted, quoted, shaped, split_lines,
 };
-use crate::memory::memo::{TextMemo, memoised};
-use crate::memory::model::{
+use crate::memo::{TextMemo, memoised};
+use crate::model::{
     Artifact, ArtifactKind, EpisodeManifest, Fact, Identity, PinContent, PinnedItem, RawTurn,
     TurnLogEntry,
 };
-use crate::memory::text::{display_date, one_line};
-use crate::memory::tokens::{Encoding, TokenCount};
+use crate::text::{display_date, one_line};
+use crate::tokens::{Encoding, TokenCount};
 
 pub const FENCE_TAG: &str = "engram-memory";
 pub const CORE_OPEN: &str = "<engram-memory kind=\"core\">\n";
@@ -351,7 +351,7 @@ pub fn recount_episode(episode: &mut EpisodeManifest) {
 }
 
 /// The tokens of an artifact's full rendering and of its one-line reference. `content` is
-/// [`artifact_content`](crate::memory::model::MemoryState::artifact_content), which may borrow from
+/// [`artifact_content`](crate::model::MemoryState::artifact_content), which may borrow from
 /// the artifact itself, so the counts are returned rather than stored here.
 pub fn counted_artifact(
     artifact: &Artifact,
@@ -367,9 +367,9 @@ pub fn counted_artifact(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::shape::test_support::{INVOICE_SCRIPT, indented_script};
-    use crate::memory::shape::{QUOTE_CLOSE, QUOTE_OPEN};
-    use crate::memory::tokens::count_in;
+    use crate::shape::test_support::{INVOICE_SCRIPT, indented_script};
+    use crate::shape::{QUOTE_CLOSE, QUOTE_OPEN};
+    use crate::tokens::count_in;
 
     #[test]
     fn fixed_counts_match_the_tokenizer() {
@@ -393,7 +393,7 @@ mod tests {
             event_time: Some("2024-01-02T03:04:05Z".into()),
             chain: 0,
             pair: 0,
-            depth: crate::memory::model::Depth::Short,
+            depth: crate::model::Depth::Short,
             incomplete: false,
             tokens: Default::default(),
         }
@@ -492,14 +492,14 @@ mod tests {
             id: 0,
             key: key.into(),
             value: value.into(),
-            category: crate::memory::model::FactCategory::General,
+            category: crate::model::FactCategory::General,
             importance: 0.5,
             version: 1,
             provenance: Vec::new(),
             date: Some("2024-01-02".into()),
             history: Vec::new(),
             active: true,
-            tier: crate::memory::model::TierState::fresh(0),
+            tier: crate::model::TierState::fresh(0),
             tokens: Default::default(),
         }
     }
@@ -673,7 +673,7 @@ mod tests {
             let as_quoted = |text: &str| {
                 let lines: Vec<String> = shaped(text)
                     .iter()
-                    .map(|line| crate::memory::shape::unquotable(line).into_owned())
+                    .map(|line| crate::shape::unquotable(line).into_owned())
                     .collect();
                 neutralise_fences(&lines.join("\n")).into_owned()
             };
@@ -704,11 +704,11 @@ mod tests {
             }
             let entry = TurnLogEntry {
                 turn: 0,
-                user_summary: crate::memory::model::SummaryText::Text(a.clone()),
-                assistant_summary: crate::memory::model::SummaryText::Text(b.clone()),
+                user_summary: crate::model::SummaryText::Text(a.clone()),
+                assistant_summary: crate::model::SummaryText::Text(b.clone()),
                 facts: Vec::new(),
                 artifacts: Vec::new(),
-                tier: crate::memory::model::TierState::fresh(0),
+                tier: crate::model::TierState::fresh(0),
                 episode: None,
                 tokens: Default::default(),
                 erased: false,

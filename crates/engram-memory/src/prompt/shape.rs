@@ -14,8 +14,8 @@
 
 use std::borrow::Cow;
 
-use crate::memory::depth::fence_info;
-use crate::memory::text::{clip_words, one_line, word_count};
+use crate::depth::fence_info;
+use crate::text::{clip_words, one_line, word_count};
 
 /// What every line of an item after its first starts with (a blank line is left empty).
 pub const INDENT: &str = "  ";

@@ -24,7 +24,7 @@ const MAX_WORD_CHARS: usize = 100;
 /// (and a turn's cost in the worker stays bounded).
 pub const MAX_EMBED_BYTES: usize = 16 * 1024;
 
-static MODEL_BYTES: &[u8] = include_bytes!("../../../models/minilm-static-256.bin");
+static MODEL_BYTES: &[u8] = include_bytes!("../../../../models/minilm-static-256.bin");
 
 /// The shipped model, parsed on first use; `None` if the embedded file is malformed (a build
 /// bug, caught by the tests; retrieval then stays lexical rather than failing requests).
@@ -410,7 +410,7 @@ mod tests {
     #[test]
     fn tokenizes_like_the_upstream_tokenizer() {
         let cases: Vec<serde_json::Value> =
-            serde_json::from_str(include_str!("../../../tests/data/wordpiece-ids.json")).unwrap();
+            serde_json::from_str(include_str!("../../../../tests/data/wordpiece-ids.json")).unwrap();
         assert!(cases.len() >= 10);
         for case in cases {
             let text = case["text"].as_str().unwrap();

@@ -20,10 +20,10 @@ use std::sync::Arc;
 use rustc_hash::{FxBuildHasher, FxHasher};
 
 use super::embed::{self, Vector};
-use crate::memory::layered::LayeredMap;
-use crate::memory::model::{ItemRef, MemoryState, TurnSeq};
-use crate::memory::segmented::Segmented;
-use crate::memory::text::{date_search_text, distinct_terms, terms};
+use crate::layered::LayeredMap;
+use crate::model::{ItemRef, MemoryState, TurnSeq};
+use crate::segmented::Segmented;
+use crate::text::{date_search_text, distinct_terms, terms};
 
 pub type TermId = u32;
 
@@ -1103,7 +1103,7 @@ impl MemoryIndex {
         self.chains.get(&chain).copied()
     }
 
-    /// The latest raw turn with this exchange [`pair`](crate::memory::history::pair) hash.
+    /// The latest raw turn with this exchange [`pair`](crate::history::pair) hash.
     pub fn turn_for_pair(&self, pair: u64) -> Option<TurnSeq> {
         self.pairs.get(&pair).copied()
     }
@@ -1381,9 +1381,9 @@ mod tests {
             .into_iter()
             .enumerate()
         {
-            crate::memory::record::record_exchange(
+            crate::record::record_exchange(
                 &mut state,
-                &crate::memory::record::ExchangeInput {
+                &crate::record::ExchangeInput {
                     session_id: "s".into(),
                     turn_id: format!("t{n}"),
                     user_text: "We went to the lake.".into(),
@@ -1391,8 +1391,8 @@ mod tests {
                     event_time: Some(time.into()),
                     ..Default::default()
                 },
-                &crate::memory::extract::HeuristicExtractor,
-                &crate::memory::config::MemoryConfig::default(),
+                &crate::extract::HeuristicExtractor,
+                &crate::config::MemoryConfig::default(),
             );
         }
         let index = MemoryIndex::build(&state);

@@ -13,8 +13,8 @@ use serde::{Deserialize, Serialize};
 
 use super::embed::{self, Vector};
 use super::index::{Bm25, MemoryIndex, Segment, SegmentKind, TermId, segment_of};
-use crate::memory::config::{RetrievalConfig, RetrievalMode};
-use crate::memory::model::{CandidateId, ItemRef, MemoryState, Tier, TurnSeq};
+use crate::config::{RetrievalConfig, RetrievalMode};
+use crate::model::{CandidateId, ItemRef, MemoryState, Tier, TurnSeq};
 
 /// Why an item was retrieved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
@@ -576,8 +576,8 @@ pub fn prefetch(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::config::MemoryConfig;
-    use crate::memory::record::test_support::recorded_with;
+    use crate::config::MemoryConfig;
+    use crate::record::test_support::recorded_with;
 
     /// Each turn in a session of its own, so no turn is another's neighbour.
     fn recorded(turns: &[(&str, &str)]) -> MemoryState {

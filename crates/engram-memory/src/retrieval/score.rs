@@ -1,9 +1,9 @@
 //! Seed 000's item score, used to pack the working set, to decide demotion and to break ties
 //! between equally relevant recall candidates.
 
-use crate::memory::config::ScoringWeights;
-use crate::memory::model::{FactCategory, MemoryState, Tier, TierState, TurnLogEntry, TurnSeq};
-use crate::memory::tokens::Encoding;
+use crate::config::ScoringWeights;
+use crate::model::{FactCategory, MemoryState, Tier, TierState, TurnLogEntry, TurnSeq};
+use crate::tokens::Encoding;
 
 /// The inputs of one item's score.
 #[derive(Debug, Clone, Copy)]

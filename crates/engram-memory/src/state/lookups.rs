@@ -17,9 +17,9 @@ use rustc_hash::{FxBuildHasher, FxHasher};
 
 use super::layered::LayeredMap;
 use super::model::{EpisodeId, Fact, FactId, MemoryState, Tier, TurnSeq};
-use crate::memory::diff::normalise;
-use crate::memory::manifest::match_terms;
-use crate::memory::text::terms;
+use crate::diff::normalise;
+use crate::manifest::match_terms;
+use crate::text::terms;
 
 type Strings<V> = LayeredMap<String, V, foldhash::fast::RandomState>;
 

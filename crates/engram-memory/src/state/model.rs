@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 
 use super::lookups::Lookups;
 use super::segmented::Segmented;
-use crate::memory::text::{one_line, one_line_prefix};
-use crate::memory::tokens::TokenCount;
+use crate::text::{one_line, one_line_prefix};
+use crate::tokens::TokenCount;
 
 /// Position of a turn in the user's raw log (0-based, across all sessions).
 pub type TurnSeq = u32;
@@ -204,7 +204,7 @@ impl MemoryState {
 
     /// What fact `id` became: itself while active, else the fact it was merged into (through
     /// any merges after that); `None` once removed or deleted. A value the conversation changed
-    /// keeps its fact (see [`crate::memory::diff`]), so this is a lookup by id, plus one per merge.
+    /// keeps its fact (see [`crate::diff`]), so this is a lookup by id, plus one per merge.
     pub fn current_fact(&self, mut id: FactId) -> Option<&Fact> {
         // Merges go into an older fact, so a chain is never longer than the facts.
         for _ in 0..=self.facts.len() {
@@ -255,7 +255,7 @@ impl MemoryState {
         self.raw_turns
             .get(seq as usize)
             .and_then(|turn| turn.event_time.as_deref())
-            .and_then(crate::memory::text::display_date)
+            .and_then(crate::text::display_date)
     }
 }
 
@@ -429,7 +429,7 @@ pub struct RawTurn {
     pub event_time: Option<String>,
     /// Hash chain link over the normalised conversation up to and including this exchange.
     pub chain: u64,
-    /// [`pair`](crate::memory::history::pair) of the exchange as sent (before any excerpt); 0 in turns
+    /// [`pair`](crate::history::pair) of the exchange as sent (before any excerpt); 0 in turns
     /// recorded before it was kept, whose pair is taken from the stored texts.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub pair: u64,
@@ -445,10 +445,10 @@ fn is_zero(value: &u64) -> bool {
 }
 
 impl RawTurn {
-    /// The exchange's [`pair`](crate::memory::history::pair) hash.
+    /// The exchange's [`pair`](crate::history::pair) hash.
     pub fn pair(&self) -> u64 {
         match self.pair {
-            0 => crate::memory::history::pair(&self.user, &self.assistant),
+            0 => crate::history::pair(&self.user, &self.assistant),
             pair => pair,
         }
     }

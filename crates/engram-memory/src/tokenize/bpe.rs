@@ -16,7 +16,7 @@ use fancy_regex::Regex;
 use rustc_hash::FxHasher;
 use tiktoken_rs::CoreBPE;
 
-use crate::runtime::priority;
+use crate::yielding;
 
 /// Ranks are below this in every encoding engram serves (o200k's last is 200,018).
 const RANK_LIMIT: u32 = 1 << 18;
@@ -152,7 +152,7 @@ impl Bpe {
             counted_to = piece.end();
             count += self.piece_count(piece.as_str().as_bytes());
             // Long texts take milliseconds to count; on the worker, requests come first.
-            priority::checkpoint();
+            yielding::checkpoint();
         }
         count
     }
@@ -364,7 +364,7 @@ impl Bpe {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::tokens::Encoding;
+    use crate::tokens::Encoding;
     use proptest::prelude::*;
 
     fn both() -> [(Encoding, &'static CoreBPE); 2] {

@@ -7,7 +7,7 @@ use std::cell::RefCell;
 use std::collections::HashSet;
 use std::rc::Rc;
 
-use crate::memory::memo::{TextMemo, memoised};
+use crate::memo::{TextMemo, memoised};
 
 /// English function words that carry no retrieval signal.
 const STOP_WORDS: &[&str] = &[
@@ -555,7 +555,7 @@ pub fn fnv1a_one_line(seed: u64, text: &str) -> u64 {
                 words += 1;
                 // A pasted document is a million bytes to hash, byte by byte, on the worker.
                 if words % 256 == 0 {
-                    crate::runtime::priority::checkpoint();
+                    crate::yielding::checkpoint();
                 }
             }
             in_word = true;

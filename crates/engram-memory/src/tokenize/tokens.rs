@@ -137,7 +137,7 @@ pub fn warm_up() {
     for encoding in [Encoding::O200k, Encoding::Cl100k] {
         let _ = count_in(encoding, "warm up");
     }
-    crate::memory::render::warm_up_fixed();
+    crate::render::warm_up_fixed();
 }
 
 #[cfg(test)]

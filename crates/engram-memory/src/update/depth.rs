@@ -1,9 +1,9 @@
 //! Size-adaptive depth (seed 001): how much of an exchange is kept, and which parts are stored
 //! whole as artifacts (fenced code blocks always; a long reply without code as a draft).
 
-use crate::memory::config::DepthConfig;
-use crate::memory::model::{Depth, Side};
-use crate::memory::text::words_up_to;
+use crate::config::DepthConfig;
+use crate::model::{Depth, Side};
+use crate::text::words_up_to;
 
 /// A fenced code block or a long draft found in an exchange, before it gets an id.
 #[derive(Debug, Clone, PartialEq)]

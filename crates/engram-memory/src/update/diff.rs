@@ -11,12 +11,12 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::memory::model::{
+use crate::model::{
     Fact, FactCategory, FactId, FactRevision, MemoryState, RevisionEnd, TierState, TurnSeq,
 };
-use crate::memory::render::recount_fact;
-use crate::memory::score::default_importance;
-use crate::memory::text::{one_line, terms};
+use crate::render::recount_fact;
+use crate::score::default_importance;
+use crate::text::{one_line, terms};
 
 /// One diff entry: a string (what an LLM summarizer returns) or an object with a category.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -6,9 +6,9 @@ use serde::{Deserialize, Serialize};
 
 use super::depth::without_code;
 use super::diff::{FactDiff, FactEdit};
-use crate::memory::model::{Depth, FactCategory};
-use crate::memory::text::{clip_words, excerpt, one_line, word_count};
-use crate::runtime::priority;
+use crate::model::{Depth, FactCategory};
+use crate::text::{clip_words, excerpt, one_line, word_count};
+use crate::yielding;
 
 /// The exchange as the extractor sees it (engram's own fences already stripped).
 #[derive(Debug, Clone, Copy)]
@@ -66,7 +66,7 @@ impl Extractor for HeuristicExtractor {
         let mut diff = FactDiff::default();
         for sentence in sentences(&normalise_quotes(&user)) {
             extract_sentence(&sentence, &mut diff);
-            priority::checkpoint();
+            yielding::checkpoint();
         }
         Extraction {
             user_summary: summarise(&user, USER_SUMMARY_WORDS),

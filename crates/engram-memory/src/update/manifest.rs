@@ -6,11 +6,11 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, HashSet};
 use std::rc::Rc;
 
-use crate::memory::memo::{TextMemo, memoised};
-use crate::memory::model::{EpisodeId, EpisodeManifest, FactId, MemoryState, TurnSeq};
-use crate::memory::render::recount_episode;
-use crate::memory::text::{clip_chars, is_stop_word, stem, terms, words};
-use crate::memory::tokens::Encoding;
+use crate::memo::{TextMemo, memoised};
+use crate::model::{EpisodeId, EpisodeManifest, FactId, MemoryState, TurnSeq};
+use crate::render::recount_episode;
+use crate::text::{clip_chars, is_stop_word, stem, terms, words};
+use crate::tokens::Encoding;
 
 pub const SUMMARY_CHARS: usize = 256;
 const TAGS: usize = 8;
@@ -238,7 +238,7 @@ pub fn match_terms(manifest: &EpisodeManifest) -> HashSet<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::model::{Depth, RawTurn, Tier, TierState, TurnLogEntry};
+    use crate::model::{Depth, RawTurn, Tier, TierState, TurnLogEntry};
 
     fn state_with(turns: &[(&str, &str)]) -> MemoryState {
         let mut state = MemoryState::new();

@@ -11,19 +11,19 @@ use super::depth::{FoundArtifact, classify, find_artifacts};
 use super::diff::{DiffReport, apply_diff, normalise, retain_grounded};
 use super::extract::{ASSISTANT_SUMMARY_WORDS, ExchangeView, Extractor, USER_SUMMARY_WORDS};
 use super::tiers::{TierReport, maintain, refresh_episode_facts, rehydrate, touch_related};
-use crate::memory::config::MemoryConfig;
-use crate::memory::fence::memory_text;
-use crate::memory::history::link;
-use crate::memory::model::{
+use crate::config::MemoryConfig;
+use crate::fence::memory_text;
+use crate::history::link;
+use crate::model::{
     Artifact, ArtifactId, ArtifactKind, Depth, FactCategory, FactId, Identity, ItemRef,
     MemoryState, PinId, PinnedItem, RawTurn, RevisionEnd, SESSION_TAIL, SessionState, SummaryText,
     TierState, TurnLogEntry, TurnSeq,
 };
-use crate::memory::render::{
+use crate::render::{
     counted_artifact, recount_fact, recount_identity, recount_pinned, recount_raw_turn,
     recount_summary,
 };
-use crate::memory::text::{clip_words, excerpt, terms, word_count};
+use crate::text::{clip_words, excerpt, terms, word_count};
 
 /// One exchange to record, as the proxy saw it.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -95,7 +95,7 @@ pub fn record_exchange(
         None => {
             state.sessions.push(SessionState {
                 id: exchange.session_id.clone(),
-                last_chain: crate::memory::history::CHAIN_ORIGIN,
+                last_chain: crate::history::CHAIN_ORIGIN,
                 recent: Vec::new(),
             });
             u32::try_from(state.sessions.len() - 1).unwrap_or(u32::MAX)
@@ -105,7 +105,7 @@ pub fn record_exchange(
         state
             .sessions
             .get(session as usize)
-            .map_or(crate::memory::history::CHAIN_ORIGIN, |session| {
+            .map_or(crate::history::CHAIN_ORIGIN, |session| {
                 session.last_chain
             })
     });
@@ -123,7 +123,7 @@ pub fn record_exchange(
         assistant: assistant.clone(),
         event_time: exchange.event_time.clone(),
         chain,
-        pair: crate::memory::history::pair(&exchange.user_text, &exchange.assistant_text),
+        pair: crate::history::pair(&exchange.user_text, &exchange.assistant_text),
         depth,
         incomplete: exchange.incomplete,
         tokens: Default::default(),
@@ -241,7 +241,7 @@ fn bounded_summary(summary: &str, max_words: usize, note: &str) -> String {
     let mut text = if word_count(summary) > room {
         clip_words(summary, room.saturating_sub(1))
     } else {
-        crate::memory::text::one_line(summary)
+        crate::text::one_line(summary)
     };
     if !note.is_empty() {
         if !text.is_empty() {
@@ -302,7 +302,7 @@ pub fn consolidate(state: &mut MemoryState) -> ConsolidationReport {
             recount_fact(keeper);
         }
         if let Some(fact) = state.facts.get_mut(merged as usize) {
-            let revision = crate::memory::model::FactRevision {
+            let revision = crate::model::FactRevision {
                 value: fact.value.clone(),
                 version: fact.version,
                 provenance: fact.provenance.clone(),
@@ -399,8 +399,8 @@ pub fn same_key(a: &str, b: &str) -> bool {
 #[cfg(test)]
 pub(crate) mod test_support {
     use super::{ExchangeInput, MemoryState, record_exchange};
-    use crate::memory::config::MemoryConfig;
-    use crate::memory::extract::HeuristicExtractor;
+    use crate::config::MemoryConfig;
+    use crate::extract::HeuristicExtractor;
 
     /// Records `turns` (user, assistant) in order with the heuristic extractor and the default
     /// config; turn `n` is `t{n}`, in session `session(n)`, at `event_time(n)`.
@@ -445,8 +445,8 @@ pub(crate) mod test_support {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::extract::HeuristicExtractor;
-    use crate::memory::model::Tier;
+    use crate::extract::HeuristicExtractor;
+    use crate::model::Tier;
 
     fn exchange(n: usize, user: &str, assistant: &str) -> ExchangeInput {
         ExchangeInput {
@@ -515,7 +515,7 @@ mod tests {
         // The history chain is of the message as sent, so a client resending it is recognised.
         assert_eq!(
             state.sessions[0].last_chain,
-            link(crate::memory::history::CHAIN_ORIGIN, &user, "Done.")
+            link(crate::history::CHAIN_ORIGIN, &user, "Done.")
         );
         // A message within the limit is kept as it is.
         let short = exchange(1, "I live in Oslo.", "Nice.");
@@ -575,7 +575,7 @@ mod tests {
             (artifact.kind, artifact.side, artifact.content.as_str()),
             (
                 ArtifactKind::Draft,
-                Some(crate::memory::model::Side::User),
+                Some(crate::model::Side::User),
                 ""
             )
         );
@@ -586,7 +586,7 @@ mod tests {
             (artifact.tokens, artifact.reference_tokens),
             (full, reference)
         );
-        assert!(full.get(crate::memory::tokens::Encoding::O200k) > 500);
+        assert!(full.get(crate::tokens::Encoding::O200k) > 500);
         let json = serde_json::to_string(&state).unwrap();
         assert_eq!(json.matches("northern lighthouse budget").count(), 60);
 
@@ -675,7 +675,7 @@ mod tests {
         let mut state = MemoryState::new();
         apply_diff(
             &mut state,
-            &crate::memory::diff::FactDiff {
+            &crate::diff::FactDiff {
                 add: vec!["allergic to peanuts".into(), "Allergic to peanut".into()],
                 ..Default::default()
             },

@@ -9,14 +9,14 @@ use std::collections::{BTreeSet, HashSet};
 use serde::{Deserialize, Serialize};
 
 use super::manifest::{build_manifest, episode_facts, remembered_match_terms};
-use crate::memory::config::MemoryConfig;
-use crate::memory::model::{
+use crate::config::MemoryConfig;
+use crate::model::{
     EpisodeId, EpisodeManifest, FactId, ItemRef, MemoryState, Tier, TierState, TurnSeq,
 };
-use crate::memory::score::{fact_score, summary_score};
-use crate::memory::text::remembered_terms;
-use crate::memory::tokens::Encoding;
-use crate::runtime::priority;
+use crate::score::{fact_score, summary_score};
+use crate::text::remembered_terms;
+use crate::tokens::Encoding;
+use crate::yielding;
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct TierReport {
@@ -56,7 +56,7 @@ pub fn touch_related(
     let facts: Vec<FactId> = state.lookups.working_facts().iter().copied().collect();
     let summaries: Vec<TurnSeq> = state.lookups.working_summaries().iter().copied().collect();
     for id in facts {
-        priority::checkpoint();
+        yielding::checkpoint();
         let related_fact = state.fact(id).is_some_and(|fact| {
             fact.active
                 && !matches!(fact.tier.tier, Tier::Old)
@@ -70,7 +70,7 @@ pub fn touch_related(
         }
     }
     for seq in summaries {
-        priority::checkpoint();
+        yielding::checkpoint();
         let Some(entry) = state.turn_log.get(seq as usize) else {
             continue;
         };
