@@ -57,7 +57,10 @@ impl Process {
         let mut command = match core {
             Some(core) if has_taskset() => {
                 let mut command = Command::new("taskset");
-                command.arg("-c").arg(core).arg(mock_process::program(args, BIN));
+                command
+                    .arg("-c")
+                    .arg(core)
+                    .arg(mock_process::program(args, BIN));
                 command
             }
             _ => Command::new(mock_process::program(args, BIN)),

@@ -17,12 +17,12 @@ use engram_memory::config::RetrievalMode;
 use engram_memory::embed;
 use engram_memory::index::Segment;
 use engram_memory::model::SummaryText;
+use engram_memory::openai::ChatMessage;
 use engram_memory::{
     CandidateId, ComposeRequest, ExchangeInput, FactDiff, FactEdit, HeuristicExtractor,
     MemoryConfig, MemoryIndex, MemoryState, apply_diff, compose, pin, prefetch, record_exchange,
     set_identity, warm_up,
 };
-use engram_memory::openai::ChatMessage;
 
 #[path = "support/prose.rs"]
 mod prose;

@@ -19,11 +19,11 @@ mod store_suite;
 use std::time::Duration;
 
 use common::redis::RedisServer;
-use engram_memory::ItemRef;
 use engram::store::redis::{DEFAULT_FINISHED_JOB_TTL, LEASE_HORIZON_MS, queue_tag};
 use engram::store::{
     Enqueued, Job, JobQueue, JobState, MemoryRecords, RedisOptions, RedisStore, Store, UserKey,
 };
+use engram_memory::ItemRef;
 use redis::AsyncCommands;
 use redis::aio::MultiplexedConnection;
 use store_suite::{exchange, job, job_in, large_job, state_with};

@@ -263,7 +263,7 @@ fn start_litellm(litellm: &Path, upstream: &str, core: Option<&str>) -> Result<R
     let log = std::fs::File::create(scratch.join("litellm.log"))
         .map_err(|e| format!("LiteLLM log: {e}"))?;
     let log_err = log.try_clone().map_err(|e| e.to_string())?;
-    let mut command = pinned(core, &litellm.display().to_string());
+    let mut command = pinned(core, litellm);
     command
         .args(["--config", &config.display().to_string()])
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])

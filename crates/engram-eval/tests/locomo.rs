@@ -320,8 +320,8 @@ fn the_command_writes_the_report_and_sweeps_budgets_in_process() {
 /// The first conversation of the development split, when the data is beside the repository.
 #[test]
 fn development_conversation_beats_the_window() {
-    let data =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/locomo/locomo-dev.json");
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/data/locomo/locomo-dev.json");
     let Ok(text) = std::fs::read_to_string(&data) else {
         println!(
             "skipped: the LoCoMo development split is not at {} (it stays out of the repository)",

@@ -31,9 +31,9 @@ pub use update::{depth, diff, extract, manifest, record, tiers};
 
 pub use budget::{Budgets, budgets_from_total};
 pub use compose::{ComposeRequest, Composition, MemoryOutcome, compose};
-pub use error::Error;
 pub use config::{MemoryConfig, Placement, ScoringWeights};
 pub use diff::{DiffReport, FactDiff, FactEdit, apply_diff};
+pub use error::Error;
 pub use explain::{Block, BlockTokens, ClientMode, Explain, ExplainedItem, Reason};
 pub use extract::{Extraction, Extractor, HeuristicExtractor, Precomputed};
 pub use fence::strip_fences;

@@ -1103,10 +1103,7 @@ mod tests {
         // A draft that is its raw turn's text stops reading it (the raw turn stays).
         let pasted = "The lighthouse budget memo, paragraph after paragraph. ".repeat(40);
         let mut state = recorded(&[pasted.as_str()]);
-        assert_eq!(
-            state.artifacts[0].side,
-            Some(crate::model::Side::User)
-        );
+        assert_eq!(state.artifacts[0].side, Some(crate::model::Side::User));
         delete(&mut state, ItemRef::Artifact(0)).unwrap();
         assert_eq!(state.artifact_content(&state.artifacts[0]), "");
         assert_eq!(state.raw_turns[0].user, pasted);

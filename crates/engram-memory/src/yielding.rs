@@ -127,7 +127,6 @@ pub fn start_slice(since: Instant) {
     });
 }
 
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]

@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 
 use engram_memory::diff::{normalise, split_key_value};
+use engram_memory::openai::ChatMessage;
 use engram_memory::render::{
     CORE_OPEN, FENCE_CLOSE, FIXED, Fixed, RECALL_OPEN, fact_line, identity_lines, pinned_line,
 };
@@ -12,7 +13,6 @@ use engram_memory::{
     MemoryConfig, MemoryIndex, MemoryState, Placement, apply_diff, compose, pin, prefetch,
     record_exchange, set_identity, strip_fences,
 };
-use engram_memory::openai::ChatMessage;
 use proptest::prelude::*;
 
 const SENTENCES: &[&str] = &[

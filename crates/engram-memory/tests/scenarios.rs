@@ -1,11 +1,11 @@
 //! Scenario tests from the seed notes, through the engine's public API only.
 
 use engram_memory::model::{FactCategory, RevisionEnd, Tier};
+use engram_memory::openai::ChatMessage;
 use engram_memory::{
     ComposeRequest, Composition, ExchangeInput, HeuristicExtractor, ItemRef, MemoryConfig,
     MemoryIndex, MemoryState, RecordOutcome, compose, prefetch, record_exchange, strip_fences,
 };
-use engram_memory::openai::ChatMessage;
 
 const SESSION: &str = "session-1";
 

@@ -36,12 +36,12 @@ use crate::model::{
     ArtifactId, ArtifactKind, CandidateId, Depth, FactId, ItemRef, MemoryState, PinContent, Tier,
     TurnSeq,
 };
+use crate::openai::{ChatMessage, OutgoingMessage};
 use crate::record::ExchangeInput;
 use crate::retrieve::retrieve;
 use crate::score::{fact_score, summary_score};
 use crate::text::{date_key, excerpt};
 use crate::tokens::Encoding;
-use crate::openai::{ChatMessage, OutgoingMessage};
 
 /// What the proxy knows about the request being rewritten.
 #[derive(Debug, Clone, Copy)]

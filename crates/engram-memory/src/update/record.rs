@@ -105,9 +105,7 @@ pub fn record_exchange(
         state
             .sessions
             .get(session as usize)
-            .map_or(crate::history::CHAIN_ORIGIN, |session| {
-                session.last_chain
-            })
+            .map_or(crate::history::CHAIN_ORIGIN, |session| session.last_chain)
     });
     let chain = link(prior, &exchange.user_text, &exchange.assistant_text);
     if let Some(slot) = state.sessions.get_mut(session as usize) {
@@ -573,11 +571,7 @@ mod tests {
         let artifact = &state.artifacts[0];
         assert_eq!(
             (artifact.kind, artifact.side, artifact.content.as_str()),
-            (
-                ArtifactKind::Draft,
-                Some(crate::model::Side::User),
-                ""
-            )
+            (ArtifactKind::Draft, Some(crate::model::Side::User), "")
         );
         assert_eq!(state.artifact_content(artifact), pasted.trim());
         let event_time = state.raw_turns[0].event_time.as_deref();
