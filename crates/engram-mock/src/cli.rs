@@ -64,19 +64,10 @@ impl MockArgs {
         }
     }
 
-    fn runtime(&self) -> std::io::Result<tokio::runtime::Runtime> {
-        let mut builder = tokio::runtime::Builder::new_multi_thread();
-        builder.enable_all();
-        if self.worker_threads > 0 {
-            builder.worker_threads(self.worker_threads);
-        }
-        builder.build()
-    }
-
     /// Serves until SIGINT or SIGTERM, after printing [`LISTENING`] and the address on stdout.
     pub fn run(self) -> std::io::Result<()> {
         let options = self.options();
-        self.runtime()?.block_on(async move {
+        runtime(self.worker_threads)?.block_on(async move {
             let server = MockServer::bind(options).await?;
             let address = server.local_addr()?;
             let mut stdout = std::io::stdout();
@@ -89,17 +80,32 @@ impl MockArgs {
         })
     }
 
-    /// Serves on a thread of its own (with its own runtime) until the returned handle is
-    /// dropped; the listener is bound when this returns.
+    /// Serves on a thread of its own (with its own runtime, so it may be called from inside
+    /// another) until the returned handle is dropped; the listener is bound when this returns.
     pub fn start_thread(self) -> std::io::Result<MockThread> {
-        let runtime = self.runtime()?;
-        let server = runtime.block_on(MockServer::bind(self.options()))?;
-        let address = server.local_addr()?;
+        let options = self.options();
+        let worker_threads = self.worker_threads;
         let (stop, stopped) = oneshot::channel::<()>();
+        let (ready, bound) = std::sync::mpsc::channel::<std::io::Result<SocketAddr>>();
         let thread = std::thread::Builder::new()
             .name("engram-mock".into())
             .spawn(move || {
+                let runtime = match runtime(worker_threads) {
+                    Ok(runtime) => runtime,
+                    Err(error) => {
+                        let _ = ready.send(Err(error));
+                        return;
+                    }
+                };
                 runtime.block_on(async move {
+                    let server = match MockServer::bind(options).await {
+                        Ok(server) => server,
+                        Err(error) => {
+                            let _ = ready.send(Err(error));
+                            return;
+                        }
+                    };
+                    let _ = ready.send(server.local_addr());
                     tokio::select! {
                         _ = server.run() => {}
                         _ = stopped => {}
@@ -108,12 +114,24 @@ impl MockArgs {
                 // Dropping the runtime here ends every connection still open.
                 drop(runtime);
             })?;
+        let address = bound
+            .recv()
+            .map_err(|_| std::io::Error::other("the mock's thread ended before it listened"))??;
         Ok(MockThread {
             address,
             stop: Some(stop),
             thread: Some(thread),
         })
     }
+}
+
+fn runtime(worker_threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.enable_all();
+    if worker_threads > 0 {
+        builder.worker_threads(worker_threads);
+    }
+    builder.build()
 }
 
 /// A mock served on a thread of this process; dropping it stops the mock, closes its
