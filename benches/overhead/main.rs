@@ -1,7 +1,7 @@
 //! engram's overhead, side by side with direct-to-mock and with LiteLLM's proxy, in one run.
 //!
 //! Run with `./benches/overhead.sh [options]` (see `--help`, or docs/benchmarks.md). Against
-//! one mock upstream (`engram mock-upstream`, one thread), it measures direct, engram with
+//! one mock upstream (`engram-mock`, one thread), it measures direct, engram with
 //! memory off, with memory on (embedded store, and Redis), and LiteLLM's proxy (one worker),
 //! each started fresh for every step and pinned alone on core 1 while the mock, the load
 //! generators and Redis share core 0. Scenarios: non-streaming at stepped rates and at

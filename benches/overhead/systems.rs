@@ -39,8 +39,8 @@ fn pinned(core: Option<&str>, program: impl AsRef<std::ffi::OsStr>) -> Command {
     }
 }
 
-/// Starts `engram` (or, for `mock-upstream` arguments, the mock) with `args`, its warnings going to `log` (or nowhere); returns the child
-/// and the address it printed.
+/// Starts `engram` (or, for `mock-upstream` arguments, the mock) with `args`, its warnings
+/// going to `log` (or nowhere); returns the child and the address it printed.
 pub fn start_engram(
     core: Option<&str>,
     args: &[&str],
