@@ -2,10 +2,11 @@
 //!
 //! tiktoken-rs keeps every token's bytes three times (encoder, decoder, sorted list), each its
 //! own allocation: about 40 MiB of heap for o200k and cl100k together, the largest single part of
-//! the proxy's memory. Here a vocabulary is one byte arena and one open-addressing table of ranks
-//! (about 3 MiB for o200k). It is read out of tiktoken-rs's own tables, so it is exactly theirs,
-//! and the merge loops are tiktoken's (MIT licence), counting parts instead of collecting ranks.
-//! The tests check every count against tiktoken-rs.
+//! the proxy's memory. Here a vocabulary is one byte arena and its rank offsets, written from
+//! tiktoken-rs's own tables at build time (`build.rs`) and read in place from the binary, plus
+//! one open-addressing table of ranks built at first use (2 MiB for o200k). The merge loops are
+//! tiktoken's (MIT licence), counting parts instead of collecting ranks. The tests check every
+//! token and count against tiktoken-rs.
 
 use std::cell::RefCell;
 use std::collections::BinaryHeap;
@@ -14,12 +15,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use fancy_regex::Regex;
 use rustc_hash::FxHasher;
-use tiktoken_rs::CoreBPE;
 
 use crate::yielding;
 
-/// Ranks are below this in every encoding engram serves (o200k's last is 200,018).
-const RANK_LIMIT: u32 = 1 << 18;
 const NO_RANK: u32 = u32::MAX;
 /// tiktoken merges pieces this long or longer with a heap, shorter ones in a flat array.
 const LARGE_PIECE: usize = 100;
@@ -64,35 +62,19 @@ pub struct Bpe {
     /// as a token (an upper bound, so budgets still hold).
     pretokenizer: Option<Regex>,
     /// Every token's bytes, in rank order.
-    bytes: Vec<u8>,
-    /// Token `rank` is `bytes[starts[rank]..starts[rank + 1]]` (empty for unused ranks).
-    starts: Vec<u32>,
+    bytes: &'static [u8],
+    /// Token `rank` is `bytes[start(rank)..start(rank + 1)]` (empty for unused ranks); the
+    /// starts are little-endian u32s, read in place.
+    starts: &'static [u8],
     /// Open addressing by the hash of a token's bytes: a rank, or `NO_RANK` for a free slot.
     slots: Vec<u32>,
 }
 
 impl Bpe {
-    /// Reads the ordinary (non-special) tokens out of `tiktoken`; `pattern` must be the
-    /// pre-tokenizer pattern `tiktoken` was built with.
-    pub fn from_tiktoken(tiktoken: &CoreBPE, pattern: &str) -> Bpe {
-        let special = tiktoken.special_tokens();
-        let mut bytes = Vec::new();
-        let mut starts = Vec::new();
-        for rank in 0..RANK_LIMIT {
-            starts.push(u32::try_from(bytes.len()).unwrap_or(u32::MAX));
-            if let Ok(token) = tiktoken.decode_bytes(&[rank])
-                && !std::str::from_utf8(&token).is_ok_and(|text| special.contains(text))
-            {
-                bytes.extend_from_slice(&token);
-            }
-        }
-        // Unused ranks past the last token are dropped.
-        while starts.len() > 1 && starts.last() == starts.get(starts.len() - 2) {
-            starts.pop();
-        }
-        starts.push(u32::try_from(bytes.len()).unwrap_or(u32::MAX));
-
-        let tokens = starts.len() - 1;
+    /// The counter over tables `build.rs` wrote; `pattern` must be the pre-tokenizer pattern
+    /// of the encoding they were read from.
+    pub fn from_tables(bytes: &'static [u8], starts: &'static [u8], pattern: &str) -> Bpe {
+        let tokens = (starts.len() / 4).saturating_sub(1);
         let mut bpe = Bpe {
             vocabulary: NEXT_VOCABULARY.fetch_add(1, Ordering::Relaxed),
             pretokenizer: Regex::new(pattern).ok(),
@@ -112,21 +94,7 @@ impl Bpe {
             }
             bpe.slots[slot] = rank;
         }
-        bpe.bytes.shrink_to_fit();
-        bpe.starts.shrink_to_fit();
         bpe
-    }
-
-    /// Counts a token per byte: what the proxy falls back to if tiktoken-rs fails to load, so
-    /// budgets stay upper bounds.
-    pub fn byte_counter() -> Bpe {
-        Bpe {
-            vocabulary: NEXT_VOCABULARY.fetch_add(1, Ordering::Relaxed),
-            pretokenizer: None,
-            bytes: Vec::new(),
-            starts: vec![0],
-            slots: vec![NO_RANK; 2],
-        }
     }
 
     /// Tokens in the vocabulary (special tokens not included).
@@ -171,13 +139,16 @@ impl Bpe {
 
     fn token(&self, rank: u32) -> &[u8] {
         let rank = rank as usize;
-        match (self.starts.get(rank), self.starts.get(rank + 1)) {
-            (Some(&start), Some(&end)) => self
-                .bytes
-                .get(start as usize..end as usize)
-                .unwrap_or_default(),
+        match (self.start(rank), self.start(rank + 1)) {
+            (Some(start), Some(end)) => self.bytes.get(start..end).unwrap_or_default(),
             _ => &[],
         }
+    }
+
+    fn start(&self, rank: usize) -> Option<usize> {
+        let at = rank.checked_mul(4)?;
+        let word = self.starts.get(at..at.checked_add(4)?)?;
+        Some(u32::from_le_bytes(word.try_into().ok()?) as usize)
     }
 
     fn home_slot(&self, bytes: &[u8]) -> usize {
@@ -366,6 +337,7 @@ mod tests {
     use super::*;
     use crate::tokens::Encoding;
     use proptest::prelude::*;
+    use tiktoken_rs::CoreBPE;
 
     fn both() -> [(Encoding, &'static CoreBPE); 2] {
         [
@@ -388,6 +360,21 @@ mod tests {
     fn vocabularies_are_tiktokens_without_the_special_tokens() {
         assert_eq!(Encoding::O200k.bpe().vocabulary_len(), 199_998);
         assert_eq!(Encoding::Cl100k.bpe().vocabulary_len(), 100_256);
+        for (encoding, tiktoken) in both() {
+            let bpe = encoding.bpe();
+            let special = tiktoken.special_tokens();
+            for rank in 0..(1 << 18) {
+                let token = tiktoken
+                    .decode_bytes(&[rank])
+                    .ok()
+                    .filter(|token| !std::str::from_utf8(token).is_ok_and(|t| special.contains(t)))
+                    .unwrap_or_default();
+                assert_eq!(bpe.token(rank), token, "{encoding:?} rank {rank}");
+                if !token.is_empty() {
+                    assert_eq!(bpe.rank(&token), rank, "{encoding:?} rank {rank}");
+                }
+            }
+        }
     }
 
     #[test]

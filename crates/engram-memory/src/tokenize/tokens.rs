@@ -12,7 +12,6 @@
 use std::sync::LazyLock;
 
 use serde::{Deserialize, Serialize};
-use tiktoken_rs::{CoreBPE, O200K_BASE_PAT_STR};
 
 use super::bpe::Bpe;
 
@@ -58,14 +57,19 @@ impl Encoding {
 
     pub(crate) fn bpe(self) -> &'static Bpe {
         static O200K: LazyLock<Bpe> = LazyLock::new(|| {
-            compact(
-                Encoding::O200k,
-                tiktoken_rs::o200k_base(),
-                O200K_BASE_PAT_STR,
+            Bpe::from_tables(
+                include_bytes!(concat!(env!("OUT_DIR"), "/o200k.bytes")),
+                include_bytes!(concat!(env!("OUT_DIR"), "/o200k.starts")),
+                O200K_PATTERN,
             )
         });
-        static CL100K: LazyLock<Bpe> =
-            LazyLock::new(|| compact(Encoding::Cl100k, tiktoken_rs::cl100k_base(), CL100K_PATTERN));
+        static CL100K: LazyLock<Bpe> = LazyLock::new(|| {
+            Bpe::from_tables(
+                include_bytes!(concat!(env!("OUT_DIR"), "/cl100k.bytes")),
+                include_bytes!(concat!(env!("OUT_DIR"), "/cl100k.starts")),
+                CL100K_PATTERN,
+            )
+        });
         match self {
             Encoding::O200k => &O200K,
             Encoding::Cl100k => &CL100K,
@@ -73,23 +77,10 @@ impl Encoding {
     }
 }
 
-/// cl100k's pre-tokenizer, as tiktoken-rs builds `cl100k_base` with it (it does not export it).
+/// The pre-tokenizers tiktoken-rs builds `o200k_base` and `cl100k_base` with (the second is
+/// not exported; a test checks the first against tiktoken-rs's).
+const O200K_PATTERN: &str = "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 const CL100K_PATTERN: &str = "'(?i:[sdmt]|ll|ve|re)|[^\\r\\n\\p{L}\\p{N}]?+\\p{L}++|\\p{N}{1,3}+| ?[^\\s\\p{L}\\p{N}]++[\\r\\n]*+|\\s++$|\\s*[\\r\\n]|\\s+(?!\\S)|\\s";
-
-/// The compact counter for `encoding`, read out of tiktoken-rs's tables, which are then dropped.
-fn compact<E: std::fmt::Display>(
-    encoding: Encoding,
-    tiktoken: Result<CoreBPE, E>,
-    pattern: &str,
-) -> Bpe {
-    match tiktoken {
-        Ok(tiktoken) => Bpe::from_tiktoken(&tiktoken, pattern),
-        Err(error) => {
-            tracing::error!(encoding = encoding.name(), %error, "tokenizer failed to load; counting a token per byte");
-            Bpe::byte_counter()
-        }
-    }
-}
 
 /// A text's token count in both encodings, stored next to the text (serialised as `[o200k,
 /// cl100k]`).
@@ -143,6 +134,11 @@ pub fn warm_up() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn o200k_splits_text_as_tiktoken_does() {
+        assert_eq!(O200K_PATTERN, tiktoken_rs::O200K_BASE_PAT_STR);
+    }
 
     #[test]
     fn models_map_to_their_encoding() {
