@@ -22,7 +22,7 @@ Usage (needs numpy, safetensors and tokenizers; no torch):
     python3 -m venv /tmp/emb && /tmp/emb/bin/pip install numpy safetensors tokenizers
     /tmp/emb/bin/python scripts/build-embeddings.py            # writes the model file
     /tmp/emb/bin/python scripts/build-embeddings.py --check    # sentence sanity checks only
-    /tmp/emb/bin/python scripts/build-embeddings.py --token-ids > tests/data/wordpiece-ids.json
+    /tmp/emb/bin/python scripts/build-embeddings.py --token-ids > crates/engram-memory/tests/data/wordpiece-ids.json
     /tmp/emb/bin/python scripts/build-embeddings.py --tables > crates/engram-memory/src/retrieval/embed_tables.rs
 
 The output is byte-for-byte reproducible with the same numpy build (measured: numpy 2.4.6,

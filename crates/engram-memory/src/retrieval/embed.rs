@@ -410,8 +410,7 @@ mod tests {
     #[test]
     fn tokenizes_like_the_upstream_tokenizer() {
         let cases: Vec<serde_json::Value> =
-            serde_json::from_str(include_str!("../../../../tests/data/wordpiece-ids.json"))
-                .unwrap();
+            serde_json::from_str(include_str!("../../tests/data/wordpiece-ids.json")).unwrap();
         assert!(cases.len() >= 10);
         for case in cases {
             let text = case["text"].as_str().unwrap();
