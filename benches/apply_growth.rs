@@ -22,7 +22,7 @@ mod text;
 use std::time::{Duration, Instant};
 
 use engram::cache::CachedMemory;
-use engram::memory::{ExchangeInput, HeuristicExtractor, MemoryConfig, record_exchange, warm_up};
+use engram_memory::{ExchangeInput, HeuristicExtractor, MemoryConfig, record_exchange, warm_up};
 use engram::store::EncodedState;
 
 const SESSION: &str = "solo-session";
@@ -39,7 +39,7 @@ fn main() {
         .unwrap_or(50_000);
     warm_up();
     let config = MemoryConfig::default();
-    let mut memory = CachedMemory::new(engram::memory::MemoryState::new());
+    let mut memory = CachedMemory::new(engram_memory::MemoryState::new());
     let mut window: Vec<Duration> = Vec::with_capacity(1_000);
     // Per job: record, index refresh, prefetch, encode.
     let mut phases: Vec<[Duration; 4]> = Vec::with_capacity(1_000);
@@ -70,7 +70,7 @@ fn main() {
         let indexed = start.elapsed();
         let changes = next.state.take_changes();
         let prefetched =
-            engram::memory::prefetch(&next.state, &next.index, SESSION, &config.retrieval);
+            engram_memory::prefetch(&next.state, &next.index, SESSION, &config.retrieval);
         let fetched = start.elapsed();
         let encoded = EncodedState::changes(&next.state, &changes);
         let end = start.elapsed();

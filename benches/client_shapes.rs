@@ -27,8 +27,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use engram::memory::Encoding;
-use engram::memory::tokens::count_in;
+use engram_memory::Encoding;
+use engram_memory::tokens::count_in;
 use http::Request;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
@@ -36,6 +36,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 
+#[path = "support/mock_process.rs"]
+mod mock_process;
 #[path = "../tests/common/prompt_forms.rs"]
 mod prompt_forms;
 
@@ -60,7 +62,7 @@ impl Drop for Process {
 }
 
 fn spawn(args: &[&str], env: &[(&str, &str)], ready: &str) -> Process {
-    let mut command = Command::new(BIN);
+    let mut command = Command::new(mock_process::program(args, BIN));
     command
         .args(args)
         .stdin(Stdio::null())
@@ -268,6 +270,7 @@ async fn run(shape: &'static str, timing: &'static str, work: &Path) -> Run {
 }
 
 fn main() {
+    mock_process::serve_if_asked();
     let work = tempfile::tempdir().unwrap();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

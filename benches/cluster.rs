@@ -18,6 +18,8 @@
     reason = "a benchmark binary: it reports on stdout and stops loudly on a broken setup"
 )]
 
+#[path = "support/mock_process.rs"]
+mod mock_process;
 #[path = "support/redis.rs"]
 mod support;
 
@@ -55,10 +57,13 @@ impl Process {
         let mut command = match core {
             Some(core) if has_taskset() => {
                 let mut command = Command::new("taskset");
-                command.args(["-c", core, BIN]);
+                command
+                    .arg("-c")
+                    .arg(core)
+                    .arg(mock_process::program(args, BIN));
                 command
             }
-            _ => Command::new(BIN),
+            _ => Command::new(mock_process::program(args, BIN)),
         };
         command
             .args(args)
@@ -966,6 +971,7 @@ async fn cluster_run(mock: &Process, args: &Args) {
 }
 
 fn main() {
+    mock_process::serve_if_asked();
     // `cargo test --all-targets` runs harness-less benches with `--test`: nothing to check here.
     if std::env::args().any(|arg| arg == "--test") {
         println!("cluster benchmark: skipped in test mode (run ./benches/cluster.sh)");

@@ -34,6 +34,8 @@ mod chart;
 )]
 #[path = "overhead/load.rs"]
 mod load;
+#[path = "support/mock_process.rs"]
+mod mock_process;
 #[path = "history/preload.rs"]
 mod preload;
 #[allow(
@@ -102,6 +104,7 @@ struct Context<'a> {
 }
 
 fn main() {
+    mock_process::serve_if_asked();
     // `cargo test --all-targets` runs harness-less benches with `--test`: nothing to do here.
     let raw: Vec<String> = std::env::args().skip(1).collect();
     if raw.iter().any(|a| a == "--test") {

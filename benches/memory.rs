@@ -13,16 +13,16 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::Criterion;
-use engram::memory::config::RetrievalMode;
-use engram::memory::embed;
-use engram::memory::index::Segment;
-use engram::memory::model::SummaryText;
-use engram::memory::{
+use engram_memory::config::RetrievalMode;
+use engram_memory::embed;
+use engram_memory::index::Segment;
+use engram_memory::model::SummaryText;
+use engram_memory::openai::ChatMessage;
+use engram_memory::{
     CandidateId, ComposeRequest, ExchangeInput, FactDiff, FactEdit, HeuristicExtractor,
     MemoryConfig, MemoryIndex, MemoryState, apply_diff, compose, pin, prefetch, record_exchange,
     set_identity, warm_up,
 };
-use engram::openai::ChatMessage;
 
 #[path = "support/prose.rs"]
 mod prose;
@@ -350,7 +350,7 @@ fn percentiles(mut samples: Vec<Duration>) -> (Duration, Duration, Duration) {
 fn estimated_heap_bytes(state: &MemoryState) -> usize {
     use std::mem::size_of_val;
     let strings = |texts: &[&String]| texts.iter().map(|text| text.capacity()).sum::<usize>();
-    use engram::memory::model::{Artifact, EpisodeManifest, Fact, RawTurn, TurnLogEntry};
+    use engram_memory::model::{Artifact, EpisodeManifest, Fact, RawTurn, TurnLogEntry};
     let mut bytes = state.facts.len() * size_of::<Fact>()
         + state.raw_turns.len() * size_of::<RawTurn>()
         + state.turn_log.len() * size_of::<TurnLogEntry>()

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Builds models/minilm-static-256.bin, the static word-piece embeddings engram's semantic
-retrieval uses (src/memory/retrieval/embed.rs), from all-MiniLM-L6-v2 on the package registry.
+retrieval uses (crates/engram-memory/src/retrieval/embed.rs), from all-MiniLM-L6-v2 on the package registry.
 
 Reproducible: the inputs' checksums are pinned below and checked, and the output's sha256 is
 printed and must equal OUTPUT_SHA256 (also checked by a Rust test) — if you change the method,
@@ -22,14 +22,14 @@ Usage (needs numpy, safetensors and tokenizers; no torch):
     python3 -m venv /tmp/emb && /tmp/emb/bin/pip install numpy safetensors tokenizers
     /tmp/emb/bin/python scripts/build-embeddings.py            # writes the model file
     /tmp/emb/bin/python scripts/build-embeddings.py --check    # sentence sanity checks only
-    /tmp/emb/bin/python scripts/build-embeddings.py --token-ids > tests/data/wordpiece-ids.json
-    /tmp/emb/bin/python scripts/build-embeddings.py --tables > src/memory/retrieval/embed_tables.rs
+    /tmp/emb/bin/python scripts/build-embeddings.py --token-ids > crates/engram-memory/tests/data/wordpiece-ids.json
+    /tmp/emb/bin/python scripts/build-embeddings.py --tables > crates/engram-memory/src/retrieval/embed_tables.rs
 
 The output is byte-for-byte reproducible with the same numpy build (measured: numpy 2.4.6,
 Python 3.11, x86-64); another BLAS may round a few components differently, which changes the
 checksum but not retrieval in any measurable way.
 
-Binary layout (little-endian), see `StaticModel::parse` in src/memory/retrieval/embed.rs:
+Binary layout (little-endian), see `StaticModel::parse` in crates/engram-memory/src/retrieval/embed.rs:
     b"EGSM" u32 version=1  u32 rows  u32 dims
     rows × (u16 BERT token id, u8 byte length, utf-8 token)
     rows × f32 scale
@@ -279,7 +279,7 @@ def token_ids(tok_json):
 
 
 def tables():
-    """src/memory/retrieval/embed_tables.rs: the Unicode categories the Rust tokenizer needs (std has none)."""
+    """crates/engram-memory/src/retrieval/embed_tables.rs: the Unicode categories the Rust tokenizer needs (std has none)."""
     import unicodedata
 
     def ranges(pred, hi=0x30000):
@@ -335,7 +335,7 @@ def main():
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "engram-embeddings"))
     parser.add_argument("--check", action="store_true", help="sentence sanity checks only")
     parser.add_argument("--token-ids", action="store_true", help="print tokenizer test data")
-    parser.add_argument("--tables", action="store_true", help="print src/memory/retrieval/embed_tables.rs")
+    parser.add_argument("--tables", action="store_true", help="print crates/engram-memory/src/retrieval/embed_tables.rs")
     parser.add_argument("--out", default=OUTPUT, help="where to write the model")
     args = parser.parse_args()
     if args.tables:

@@ -28,14 +28,15 @@ log "cargo fmt --check"
 cargo fmt --all -- --check
 
 log "cargo clippy"
-cargo clippy --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets --locked -- -D warnings
 
 log "cargo test"
-# Doc tests are left out (the crate has none); the totals line below sums every test binary
-# and the deployment checks.
+# Every crate of the workspace: the engine, the sidecar, the mock and the evaluation
+# (tests/layers.rs checks their order and dependency trees). Doc tests are left out (the crates
+# have none); the totals line below sums every test binary and the deployment checks.
 results=$(mktemp)
 trap 'rm -f "$results"' EXIT
-cargo test --locked --no-fail-fast --lib --bins --tests 2>&1 | tee "$results"
+cargo test --workspace --locked --no-fail-fast --lib --bins --tests 2>&1 | tee "$results"
 
 log "deployment files (helm lint, helm template, kubernetes-validate --strict)"
 # Prints a cargo-style `test result:` line, so its checks count in the totals below.

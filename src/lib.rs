@@ -1,4 +1,13 @@
 //! engram: an OpenAI-compatible sidecar proxy that gives LLM applications long-term memory.
+//!
+//! The sidecar crate of the workspace: it stands on `engram-memory` (the pure engine and the
+//! OpenAI wire types), and the development tools (`engram-mock`, `engram-eval`) stand on it;
+//! docs/architecture.md has the map.
+
+// The engine crate under the names its modules had inside this crate, so `crate::memory::…`
+// and `crate::openai::…` read as before (not re-exported: users name `engram_memory`).
+use engram_memory as memory;
+use engram_memory::openai;
 
 pub mod admin;
 pub mod app;
@@ -7,11 +16,7 @@ pub mod cli;
 pub mod config;
 pub mod credentials;
 pub mod error;
-pub mod eval;
-pub mod memory;
 pub mod metrics;
-pub mod mock;
-pub mod openai;
 pub mod pipeline;
 pub mod ratelimit;
 pub mod recorder;

@@ -2,16 +2,12 @@
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
-use std::time::Duration;
 
 use clap::Parser;
 use engram::app::{Credentials, Engram};
-use engram::cli::{
-    AdminArgs, Cli, Command, EvalBenchmark, LocomoArgs, MockArgs, ServeArgs, StoreFlag,
-};
+use engram::cli::{AdminArgs, Cli, Command, ServeArgs, StoreFlag};
 use engram::config::{Config, LogFormat, StoreBackend};
 use engram::error::Error;
-use engram::mock::{MockOptions, MockServer};
 use engram::server::shutdown_signal;
 use tracing_subscriber::EnvFilter;
 
@@ -25,11 +21,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve(args) => serve(args),
-        Command::MockUpstream(args) => mock_upstream(args),
         Command::Admin(args) => return admin(args),
-        Command::Eval(args) => match args.benchmark {
-            EvalBenchmark::Locomo(args) => eval_locomo(args),
-        },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -155,67 +147,4 @@ fn admin(args: AdminArgs) -> ExitCode {
         Ok(reply) => failed(&reply.error_message()),
         Err(error) => failed(&error),
     }
-}
-
-fn mock_upstream(args: MockArgs) -> Result<(), Error> {
-    init_logging("warn", LogFormat::Text);
-    let options = MockOptions {
-        listen: args.listen,
-        latency: Duration::from_millis(args.latency_ms),
-        chunks: args.chunks,
-        chunk_size: args.chunk_size,
-        chunk_delay: Duration::from_millis(args.chunk_delay_ms),
-        echo: args.echo,
-        record: args.record,
-        reply: args.reply,
-    };
-    runtime(args.worker_threads)?.block_on(async move {
-        let server = MockServer::bind(options).await?;
-        let address = server.local_addr()?;
-        let _ = writeln!(
-            std::io::stdout(),
-            "mock-upstream listening on http://{address}"
-        );
-        let _ = std::io::stdout().flush();
-        tokio::select! {
-            result = server.run() => result,
-            () = shutdown_signal() => Ok(()),
-        }
-    })
-}
-
-fn eval_locomo(args: LocomoArgs) -> Result<(), Error> {
-    let config = Config::load(args.config.as_deref(), std::env::vars())?;
-    init_logging("warn", LogFormat::Text);
-    let budget = args.budget.unwrap_or(config.memory.budget_tokens);
-    let bar = !args.no_progress && std::io::stderr().is_terminal();
-    let options = engram::eval::locomo::EvalOptions {
-        data: args.data,
-        budget,
-        sweep: args.sweep,
-        out: Some(args.out),
-        proxy: args.proxy,
-        mock_listen: args.mock_listen,
-        admin_token: std::env::var(engram::admin::TOKEN_ENV).ok(),
-        config,
-        progress: engram::eval::progress::Progress::new(bar, true),
-        trace: args.trace,
-    };
-    let output = runtime(0)?.block_on(engram::eval::locomo::run(options))?;
-    let mut stdout = std::io::stdout();
-    let _ = writeln!(stdout, "\n{}", output.markdown);
-    for path in &output.written {
-        let _ = writeln!(stdout, "wrote {}", path.display());
-    }
-    let _ = writeln!(
-        stdout,
-        "total runtime {:.1} s",
-        output.report.timing.total_seconds
-    );
-    if !output.report.protocol_holds {
-        return Err(Error::Internal(
-            "the replay protocol check failed (see the report's protocol section)".into(),
-        ));
-    }
-    Ok(())
 }

@@ -15,7 +15,7 @@ use std::time::Duration;
 use common::memory::{
     admin, admin_request, export, memory_part, recorded, say, wait_applied, wait_drained,
 };
-use common::{Process, Reply, mock, proxy, send, temp_path};
+use common::{Mock, Process, Reply, mock, proxy, send, temp_path};
 use serde_json::{Value, json};
 
 async fn admin_send(proxy: &Process, method: &str, path: &str, tenant: &str, body: Value) -> Reply {
@@ -690,7 +690,7 @@ async fn a_tenant_token_reaches_its_own_tenant_only() {
 
 /// A proxy (and its mock upstream) with an admin token for tenant t1 only, and one applied turn
 /// of t1's user uma.
-async fn t1_with_memory() -> (Process, Process) {
+async fn t1_with_memory() -> (Mock, Process) {
     let upstream = mock(&[]);
     let proxy = proxy(
         &upstream.address,

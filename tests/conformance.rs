@@ -43,7 +43,7 @@ struct Played {
     prompts: Vec<Value>,
     reports: Vec<Value>,
     proxy: Process,
-    _upstream: Process,
+    _upstream: Mock,
 }
 
 async fn play(pattern: &str) -> Option<Played> {

@@ -1,62 +1,174 @@
-//! The top-level modules of `src/` in their declared layer order, and a check that every
-//! import points down it: a module may name (`crate::…`) only modules listed before it. An
-//! import cycle is then impossible, and a new module must be given its place here.
-//! docs/architecture.md describes the layers.
-#![allow(clippy::unwrap_used)]
+//! The workspace's crates and each crate's top-level modules in their declared layer order,
+//! and checks that every dependency and import points down it: a crate depends (normal
+//! dependencies) only on crates listed before it, and a module may name (`crate::…`, or
+//! `super::…` from a top-level file) only modules of its own layer or of layers listed before
+//! it. A cycle is then impossible (a dev-dependency may point up, to a development tool, but
+//! may not close a cycle), and a new crate or module must be given its place here. The
+//! sidecar's dependency tree is checked for the development tools and test frameworks, the
+//! engine's for an async runtime or I/O. docs/architecture.md describes the layers.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
-/// Bottom first. A module imports only modules listed above it.
-const LAYERS: &[&str] = &[
-    // Runtime helpers every layer may use.
-    "error",
-    "runtime",
-    // Wire types and clients with no memory in them.
-    "openai",
-    "upstream",
-    "telemetry",
-    // The pure memory engine: no I/O, no clock.
-    "memory",
-    // Storage, and the hot path's cache of what it read.
-    "store",
-    "cache",
-    // The proxy: identity, limits, the summarizer, recorder, hot path, worker.
-    "credentials",
-    "ratelimit",
-    "summarizer",
-    "recorder",
-    "pipeline",
-    "worker",
-    // Operations and wiring.
-    "metrics",
-    "config",
-    "cli",
-    "admin",
-    "server",
-    "app",
-    // Development tools.
-    "mock",
-    "eval",
+use serde_json::Value;
+
+/// A crate of the workspace: its package name, its directory from the workspace root, and its
+/// top-level modules in layers, bottom first. Modules of one layer may import each other.
+struct Crate {
+    name: &'static str,
+    dir: &'static str,
+    layers: &'static [&'static [&'static str]],
+    /// Names that stand for a crate below, not a module of this one (`use engram_memory as
+    /// memory`), and the crate they stand for.
+    aliases: &'static [(&'static str, &'static str)],
+}
+
+/// Bottom first. A crate depends only on crates listed above it.
+const CRATES: &[Crate] = &[
+    // The pure memory engine and what it needs below it: no tokio, clock or I/O.
+    Crate {
+        name: "engram-memory",
+        dir: "crates/engram-memory",
+        layers: &[
+            &["error"],
+            // The update path's yield points.
+            &["yielding"],
+            // Wire types with no memory in them.
+            &["openai"],
+            // The engine's folders, one layer (they import each other).
+            &[
+                "config",
+                "tokenize",
+                "state",
+                "retrieval",
+                "update",
+                "prompt",
+                "manage",
+            ],
+        ],
+        aliases: &[],
+    },
+    // The sidecar: its library and the `engram` binary.
+    Crate {
+        name: "engram",
+        dir: ".",
+        layers: &[
+            // Runtime helpers every layer may use.
+            &["error"],
+            &["runtime"],
+            // Clients with no memory in them.
+            &["upstream"],
+            &["telemetry"],
+            // Storage, and the hot path's cache of what it read.
+            &["store"],
+            &["cache"],
+            // The proxy: identity, limits, the summarizer, recorder, hot path, worker.
+            &["credentials"],
+            &["ratelimit"],
+            &["summarizer"],
+            &["recorder"],
+            &["pipeline"],
+            &["worker"],
+            // Operations and wiring.
+            &["metrics"],
+            &["config"],
+            &["cli"],
+            &["admin"],
+            &["server"],
+            &["app"],
+        ],
+        aliases: &[("memory", "engram-memory"), ("openai", "engram-memory")],
+    },
+    // Development tools, outside the sidecar.
+    Crate {
+        name: "engram-mock",
+        dir: "crates/engram-mock",
+        layers: &[&["cli"]],
+        aliases: &[],
+    },
+    Crate {
+        name: "engram-eval",
+        dir: "crates/engram-eval",
+        layers: &[
+            // The data, the figures and the baselines.
+            &["dataset", "bm25", "metrics", "progress"],
+            &["baselines"],
+            // The harness's clients and its scripted upstream.
+            &["client", "upstream"],
+            // The replay and its report (they import each other), the chart of the report.
+            &["locomo", "report", "chart"],
+            &["cli"],
+        ],
+        aliases: &[],
+    },
 ];
+
+/// What the sidecar's dependency tree (normal dependencies) must not hold.
+const NOT_IN_THE_SIDECAR: &[&str] = &["engram-mock", "engram-eval", "criterion", "proptest"];
+
+/// What the engine's dependency tree must not hold: an async runtime, sockets, storage.
+const NOT_IN_THE_ENGINE: &[&str] = &[
+    "tokio",
+    "mio",
+    "socket2",
+    "hyper",
+    "redb",
+    "redis",
+    "thread-priority",
+];
+
+fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn rank_of(name: &str) -> Option<usize> {
+    CRATES.iter().position(|krate| krate.name == name)
+}
 
 #[test]
 fn imports_point_down_the_declared_layers() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let imports = top_level_imports(&src);
-    let rank = |module: &str| LAYERS.iter().position(|layer| *layer == module);
-
     let mut problems = Vec::new();
-    for module in imports.keys() {
+    for krate in CRATES {
+        problems.extend(module_problems(krate));
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// The problems of one crate's modules: a module not in its layers (or a layer naming a
+/// module the crate does not have), an import of a module in a layer above.
+fn module_problems(krate: &Crate) -> Vec<String> {
+    let src = workspace_root().join(krate.dir).join("src");
+    let modules = top_level_modules(&src);
+    let imports = top_level_imports(&src, &modules);
+    let rank = |module: &str| {
+        krate
+            .layers
+            .iter()
+            .position(|layer| layer.contains(&module))
+    };
+    let name = krate.name;
+    let mut problems = Vec::new();
+    for module in &modules {
         if rank(module).is_none() {
             problems.push(format!(
-                "`{module}` is not in LAYERS (tests/layers.rs): give it its place"
+                "`{name}::{module}` has no layer in CRATES (tests/layers.rs): give it its place"
             ));
         }
     }
-    for layer in LAYERS {
-        if !imports.contains_key(*layer) {
-            problems.push(format!("LAYERS names `{layer}`, which src/ does not have"));
+    for module in krate.layers.iter().flat_map(|layer| layer.iter()) {
+        if !modules.contains(*module) {
+            problems.push(format!(
+                "CRATES names `{name}::{module}`, which its src/ does not have"
+            ));
+        }
+    }
+    for (alias, below) in krate.aliases {
+        if rank_of(below) >= rank_of(name) {
+            problems.push(format!(
+                "`{name}` names `{alias}` for `{below}`, not a crate below it"
+            ));
         }
     }
     for (module, uses) in &imports {
@@ -64,13 +176,225 @@ fn imports_point_down_the_declared_layers() {
         for (used, files) in uses {
             if rank(used).is_some_and(|theirs| theirs > own) {
                 problems.push(format!(
-                    "`{module}` imports `{used}`, a layer above it, in {}",
+                    "`{name}::{module}` imports `{used}`, a layer above it, in {}",
                     files.iter().cloned().collect::<Vec<_>>().join(", ")
                 ));
             }
         }
     }
+    problems
+}
+
+/// The crates' dependencies point down [`CRATES`], and no dependency of any kind closes a
+/// cycle.
+#[test]
+fn crates_depend_down_the_declared_order() {
+    let metadata = cargo_metadata();
+    let problems = crate_problems(&workspace_dependencies(&metadata));
     assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// The checker fails on a crate depending up, and on a cycle through a dev-dependency.
+#[test]
+fn the_crate_check_fails_on_an_upward_dependency_and_a_cycle() {
+    let edge = |from: &str, to: &str, kind: &str| (from.to_owned(), to.to_owned(), kind.to_owned());
+    let sound = vec![
+        edge("engram", "engram-memory", "normal"),
+        edge("engram", "engram-mock", "dev"),
+        edge("engram-eval", "engram", "normal"),
+    ];
+    assert!(crate_problems(&as_graph(&sound)).is_empty());
+    let mut upward = sound.clone();
+    upward.push(edge("engram-memory", "engram", "normal"));
+    assert!(
+        crate_problems(&as_graph(&upward))
+            .iter()
+            .any(|problem| problem.contains("a crate above it")),
+        "{:?}",
+        crate_problems(&as_graph(&upward))
+    );
+    let mut cycle = sound;
+    cycle.push(edge("engram", "engram-eval", "dev"));
+    assert!(
+        crate_problems(&as_graph(&cycle))
+            .iter()
+            .any(|problem| problem.contains("cycle")),
+        "{:?}",
+        crate_problems(&as_graph(&cycle))
+    );
+}
+
+type Graph = BTreeMap<String, Vec<(String, String)>>;
+
+fn as_graph(edges: &[(String, String, String)]) -> Graph {
+    let mut graph: Graph = CRATES
+        .iter()
+        .map(|krate| (krate.name.to_owned(), Vec::new()))
+        .collect();
+    for (from, to, kind) in edges {
+        graph
+            .entry(from.clone())
+            .or_default()
+            .push((to.clone(), kind.clone()));
+    }
+    graph
+}
+
+/// Workspace crate → (workspace crate it depends on, `normal`, `dev` or `build`).
+fn workspace_dependencies(metadata: &Value) -> Graph {
+    let members: BTreeSet<&str> = metadata["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|package| package["name"].as_str().unwrap())
+        .collect();
+    let mut graph = Graph::new();
+    for package in metadata["packages"].as_array().unwrap() {
+        let edges = graph
+            .entry(package["name"].as_str().unwrap().to_owned())
+            .or_default();
+        for dependency in package["dependencies"].as_array().unwrap() {
+            let name = dependency["name"].as_str().unwrap();
+            if members.contains(name) {
+                let kind = dependency["kind"].as_str().unwrap_or("normal");
+                edges.push((name.to_owned(), kind.to_owned()));
+            }
+        }
+    }
+    graph
+}
+
+fn crate_problems(graph: &Graph) -> Vec<String> {
+    let mut problems = Vec::new();
+    for name in graph.keys() {
+        if rank_of(name).is_none() {
+            problems.push(format!(
+                "crate `{name}` is not in CRATES (tests/layers.rs): give it its place"
+            ));
+        }
+    }
+    for krate in CRATES {
+        if !graph.contains_key(krate.name) {
+            problems.push(format!(
+                "CRATES names `{}`, which the workspace does not have",
+                krate.name
+            ));
+        }
+    }
+    for (name, edges) in graph {
+        for (used, kind) in edges {
+            if kind != "dev" && rank_of(used) > rank_of(name) {
+                problems.push(format!(
+                    "`{name}` depends on `{used}`, a crate above it ({kind})"
+                ));
+            }
+        }
+    }
+    // Depth-first search over every kind of dependency.
+    fn visit(
+        name: &str,
+        graph: &Graph,
+        path: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+        problems: &mut Vec<String>,
+    ) {
+        if let Some(at) = path.iter().position(|seen| seen == name) {
+            problems.push(format!(
+                "a dependency cycle: {} → {name}",
+                path[at..].join(" → ")
+            ));
+            return;
+        }
+        if !done.insert(name.to_owned()) {
+            return;
+        }
+        path.push(name.to_owned());
+        for (used, _) in graph.get(name).into_iter().flatten() {
+            visit(used, graph, path, done, problems);
+        }
+        path.pop();
+    }
+    let mut done = BTreeSet::new();
+    for name in graph.keys() {
+        visit(name, graph, &mut Vec::new(), &mut done, &mut problems);
+    }
+    problems
+}
+
+/// The sidecar's normal dependency tree holds no development tool or test framework, and
+/// the engine's no async runtime or I/O.
+#[test]
+fn the_sidecar_and_the_engine_trees_hold_nothing_they_must_not() {
+    let sidecar = dependency_tree("engram");
+    let engine = dependency_tree("engram-memory");
+    assert!(sidecar.contains("engram-memory"), "{sidecar:?}");
+    let mut problems = Vec::new();
+    for name in NOT_IN_THE_SIDECAR {
+        if sidecar.contains(*name) {
+            problems.push(format!("`cargo tree -p engram -e normal` holds {name}"));
+        }
+    }
+    for name in NOT_IN_THE_ENGINE {
+        if engine.contains(*name) {
+            problems.push(format!(
+                "`cargo tree -p engram-memory -e normal` holds {name}"
+            ));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+fn cargo() -> Command {
+    let mut command = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    command.current_dir(workspace_root());
+    command
+}
+
+fn cargo_metadata() -> Value {
+    let output = cargo()
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--no-deps",
+            "--offline",
+        ])
+        .output()
+        .expect("run cargo metadata");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).unwrap()
+}
+
+/// The package names in `package`'s tree of normal dependencies.
+fn dependency_tree(package: &str) -> BTreeSet<String> {
+    let output = cargo()
+        .args([
+            "tree",
+            "--offline",
+            "-p",
+            package,
+            "-e",
+            "normal",
+            "--prefix",
+            "none",
+        ])
+        .args(["--format", "{p}"])
+        .output()
+        .expect("run cargo tree");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| line.split_whitespace().next())
+        .map(str::to_owned)
+        .collect()
 }
 
 /// The checker's own parsing, on the shapes imports take.
@@ -90,8 +414,23 @@ fn finds_paths_groups_and_skips_comments_and_tests() {
     assert_eq!(found, expected);
 }
 
-/// Top-level module → (module it imports → the files that do).
-fn top_level_imports(src: &Path) -> BTreeMap<String, BTreeMap<String, BTreeSet<String>>> {
+/// The crate's top-level modules: the files and folders of its `src/` but `lib.rs` and
+/// `main.rs`.
+fn top_level_modules(src: &Path) -> BTreeSet<String> {
+    std::fs::read_dir(src)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.is_dir() || path.extension().is_some_and(|ext| ext == "rs"))
+        .map(|path| path.file_stem().unwrap().to_string_lossy().into_owned())
+        .filter(|name| name != "lib" && name != "main")
+        .collect()
+}
+
+/// Top-level module → (module of the crate it imports → the files that do).
+fn top_level_imports(
+    src: &Path,
+    modules: &BTreeSet<String>,
+) -> BTreeMap<String, BTreeMap<String, BTreeSet<String>>> {
     let mut imports: BTreeMap<String, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
     for file in rust_files(src) {
         let relative = file.strip_prefix(src).unwrap_or(&file).to_path_buf();
@@ -104,10 +443,16 @@ fn top_level_imports(src: &Path) -> BTreeMap<String, BTreeMap<String, BTreeSet<S
         if module == "lib" || module == "main" {
             continue;
         }
-        let code = std::fs::read_to_string(&file).unwrap();
+        let mut code = std::fs::read_to_string(&file).unwrap();
+        // In `src/x.rs` and `src/x/mod.rs`, `super::` is the crate root.
+        let top_file = relative.components().count() == 1
+            || relative.ends_with("mod.rs") && relative.components().count() == 2;
+        if top_file {
+            code = code.replace("super::", "crate::");
+        }
         let uses = imports.entry(module.clone()).or_default();
         for used in imported_modules(&code) {
-            if used != module {
+            if used != module && modules.contains(&used) {
                 uses.entry(used)
                     .or_default()
                     .insert(relative.display().to_string());

@@ -200,7 +200,7 @@ fn check(prompt: &Value, entry: &Entry) -> bool {
                 "payload outside the blocks: {why}"
             );
             // The client's own message, as the proxy forwards client text.
-            let own = engram::memory::fence::neutralise_fences(&entry.text);
+            let own = engram_memory::fence::neutralise_fences(&entry.text);
             assert_eq!(outside, own, "{why}");
         }
     }

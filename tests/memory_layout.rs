@@ -14,14 +14,14 @@
 use std::sync::Arc;
 
 use engram::cache::CachedMemory;
-use engram::memory::index::Bm25;
-use engram::memory::manifest::build_manifest;
-use engram::memory::{
+use engram::store::{EmbeddedStore, EncodedState, MemoryRecords, UserKey};
+use engram_memory::index::Bm25;
+use engram_memory::manifest::build_manifest;
+use engram_memory::openai::ChatMessage;
+use engram_memory::{
     ComposeRequest, ExchangeInput, HeuristicExtractor, MemoryConfig, MemoryIndex, MemoryState,
     compose, consolidate, record_exchange,
 };
-use engram::openai::ChatMessage;
-use engram::store::{EmbeddedStore, EncodedState, MemoryRecords, UserKey};
 use proptest::prelude::*;
 
 const WORDS: &[&str] = &[

@@ -499,7 +499,7 @@ async fn the_llm_summarizers_grounded_facts_reach_memory_and_hallucinated_ones_d
 async fn a_summarizer_timeout_records_the_heuristic_now_and_applies_the_model_later() {
     let upstream = mock(&[]);
     // Slower than the summarizer's timeout at first …
-    let mut slow = mock(&[
+    let slow = mock(&[
         "--reply",
         SUMMARY_WITH_HALLUCINATION,
         "--latency-ms",
@@ -536,8 +536,7 @@ async fn a_summarizer_timeout_records_the_heuristic_now_and_applies_the_model_la
     );
 
     // … then answering in time, on the same address, before the background retry.
-    slow.signal("KILL");
-    slow.wait_exit(Duration::from_secs(5));
+    drop(slow); // stops the mock and frees its port
     let _fast = mock_at(&listen, &["--reply", SUMMARY_WITH_HALLUCINATION]);
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {

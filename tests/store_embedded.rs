@@ -242,11 +242,11 @@ async fn a_store_written_by_the_earlier_layout_is_converted_on_open() {
     let store = EmbeddedStore::open(dir.path()).unwrap();
     let (user, mut state) = states.remove(0);
     let before = state.version;
-    engram::memory::record_exchange(
+    engram_memory::record_exchange(
         &mut state,
         &exchange("s1", "after-upgrade", "I moved to Lisbon."),
-        &engram::memory::HeuristicExtractor,
-        &engram::memory::MemoryConfig::default(),
+        &engram_memory::HeuristicExtractor,
+        &engram_memory::MemoryConfig::default(),
     );
     let changes = state.take_changes();
     let encoded = engram::store::EncodedState::changes(&state, &changes).unwrap();

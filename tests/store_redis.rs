@@ -19,11 +19,11 @@ mod store_suite;
 use std::time::Duration;
 
 use common::redis::RedisServer;
-use engram::memory::ItemRef;
 use engram::store::redis::{DEFAULT_FINISHED_JOB_TTL, LEASE_HORIZON_MS, queue_tag};
 use engram::store::{
     Enqueued, Job, JobQueue, JobState, MemoryRecords, RedisOptions, RedisStore, Store, UserKey,
 };
+use engram_memory::ItemRef;
 use redis::AsyncCommands;
 use redis::aio::MultiplexedConnection;
 use store_suite::{exchange, job, job_in, large_job, state_with};
@@ -174,14 +174,14 @@ async fn raw_elements(
 }
 
 /// A state large enough to be staged.
-fn large_state(user: &UserKey) -> engram::memory::MemoryState {
+fn large_state(user: &UserKey) -> engram_memory::MemoryState {
     let mut state = state_with(&["I live in Lisbon."]);
     for key in ["earlier-1", "earlier-2", "earlier-3"] {
-        engram::memory::record_exchange(
+        engram_memory::record_exchange(
             &mut state,
             &large_job(user, "s0", key).exchange,
-            &engram::memory::HeuristicExtractor,
-            &engram::memory::MemoryConfig::default(),
+            &engram_memory::HeuristicExtractor,
+            &engram_memory::MemoryConfig::default(),
         );
     }
     state

@@ -15,7 +15,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::memory::{admin, export, header, wait_drained};
-use common::{Process, Reply, assert_openai_error, mock, post_json, proxy, proxy_args, send};
+use common::{Mock, Process, Reply, assert_openai_error, mock, post_json, proxy, proxy_args, send};
 use engram::pipeline::trust::{IDENTITY_HEADER, sign, unix_now};
 use serde_json::json;
 
@@ -31,7 +31,7 @@ const UPSTREAM_KEY_ENV: [(&str, &str); 2] = [
     ("TEST_UPSTREAM_KEY", UPSTREAM_KEY),
 ];
 
-fn client_keys_proxy(upstream: &Process) -> Process {
+fn client_keys_proxy(upstream: &Mock) -> Process {
     let mut env = vec![
         ("ENGRAM_IDENTITY__TRUST", "client_keys"),
         ("ENGRAM_CLIENT_KEYS", CLIENT_KEYS),
@@ -40,7 +40,7 @@ fn client_keys_proxy(upstream: &Process) -> Process {
     proxy(&upstream.address, &env)
 }
 
-fn signed_proxy(upstream: &Process, holds_upstream_key: bool) -> Process {
+fn signed_proxy(upstream: &Mock, holds_upstream_key: bool) -> Process {
     let mut env = vec![
         ("ENGRAM_IDENTITY__TRUST", "signed"),
         ("ENGRAM_IDENTITY_SECRET", SECRET),
@@ -181,7 +181,7 @@ async fn a_client_key_confines_memory_to_its_tenant() {
 
 /// An echo mock, a signed proxy in front of it, and jane's identity (tenant acme), under which
 /// she has stated her code word `zq-jane`.
-async fn janes_signed_proxy(holds_upstream_key: bool) -> (Process, Process, String) {
+async fn janes_signed_proxy(holds_upstream_key: bool) -> (Mock, Process, String) {
     let upstream = mock(&["--echo"]);
     let proxy = signed_proxy(&upstream, holds_upstream_key);
     let jane = identity("acme", "jane", 300);

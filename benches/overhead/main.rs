@@ -1,7 +1,7 @@
 //! engram's overhead, side by side with direct-to-mock and with LiteLLM's proxy, in one run.
 //!
 //! Run with `./benches/overhead.sh [options]` (see `--help`, or docs/benchmarks.md). Against
-//! one mock upstream (`engram mock-upstream`, one thread), it measures direct, engram with
+//! one mock upstream (`engram-mock`, one thread), it measures direct, engram with
 //! memory off, with memory on (embedded store, and Redis), and LiteLLM's proxy (one worker),
 //! each started fresh for every step and pinned alone on core 1 while the mock, the load
 //! generators and Redis share core 0. Scenarios: non-streaming at stepped rates and at
@@ -26,6 +26,8 @@
 mod args;
 mod chart;
 mod load;
+#[path = "../support/mock_process.rs"]
+mod mock_process;
 #[path = "../support/prose.rs"]
 mod prose;
 mod report;
@@ -144,6 +146,7 @@ struct Context<'a> {
 }
 
 fn main() {
+    mock_process::serve_if_asked();
     // `cargo test --all-targets` runs harness-less benches with `--test`: nothing to do here.
     let raw: Vec<String> = std::env::args().skip(1).collect();
     if raw.iter().any(|a| a == "--test") {

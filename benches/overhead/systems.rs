@@ -28,26 +28,26 @@ pub fn has_taskset() -> bool {
 }
 
 /// `command` run through `taskset -c core` when pinning is possible.
-fn pinned(core: Option<&str>, program: &str) -> Command {
+fn pinned(core: Option<&str>, program: impl AsRef<std::ffi::OsStr>) -> Command {
     match core {
         Some(core) => {
             let mut command = Command::new("taskset");
-            command.args(["-c", core, program]);
+            command.arg("-c").arg(core).arg(program);
             command
         }
         None => Command::new(program),
     }
 }
 
-/// Starts `engram` with `args`, its warnings going to `log` (or nowhere); returns the child
-/// and the address it printed.
+/// Starts `engram` (or, for `mock-upstream` arguments, the mock) with `args`, its warnings
+/// going to `log` (or nowhere); returns the child and the address it printed.
 pub fn start_engram(
     core: Option<&str>,
     args: &[&str],
     env: &[(String, String)],
     log: Option<&Path>,
 ) -> Result<(Child, String), String> {
-    let mut command = pinned(core, BIN);
+    let mut command = pinned(core, crate::mock_process::program(args, BIN));
     let stderr = log
         .and_then(|path| std::fs::File::create(path).ok())
         .map_or_else(Stdio::null, Stdio::from);
@@ -263,7 +263,7 @@ fn start_litellm(litellm: &Path, upstream: &str, core: Option<&str>) -> Result<R
     let log = std::fs::File::create(scratch.join("litellm.log"))
         .map_err(|e| format!("LiteLLM log: {e}"))?;
     let log_err = log.try_clone().map_err(|e| e.to_string())?;
-    let mut command = pinned(core, &litellm.display().to_string());
+    let mut command = pinned(core, litellm);
     command
         .args(["--config", &config.display().to_string()])
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])

@@ -250,29 +250,28 @@ impl Error {
     }
 }
 
-/// A complete in-memory body in the proxy's body type.
 /// Parses a JSON request body, naming the byte position or the field path of the first problem
 /// (`InvalidJson`, a 400).
 pub fn decode_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T> {
-    let deserializer = &mut serde_json::Deserializer::from_slice(body);
-    let value = serde_path_to_error::deserialize(&mut *deserializer).map_err(|error| {
-        let path = error.path().to_string();
-        let inner = error.into_inner();
-        let param = (path != "." && !inner.is_syntax() && !inner.is_eof()).then_some(path);
-        Error::InvalidJson {
-            message: inner.to_string(),
-            param,
-        }
-    })?;
-    // Anything but whitespace after the value is malformed: it would be dropped unseen when
-    // the body is rewritten, or reach an upstream that reads it differently.
-    deserializer.end().map_err(|error| Error::InvalidJson {
-        message: error.to_string(),
-        param: None,
-    })?;
-    Ok(value)
+    Ok(engram_memory::error::decode_json(body)?)
 }
 
+/// The engine's errors (a chat request the wire types reject) as the proxy's.
+impl From<engram_memory::Error> for Error {
+    fn from(error: engram_memory::Error) -> Self {
+        match error {
+            engram_memory::Error::InvalidJson { message, param } => {
+                Error::InvalidJson { message, param }
+            }
+            engram_memory::Error::InvalidRequest { message, param } => {
+                Error::InvalidRequest { message, param }
+            }
+            engram_memory::Error::Internal(message) => Error::Internal(message),
+        }
+    }
+}
+
+/// A complete in-memory body in the proxy's body type.
 pub fn full_body(bytes: impl Into<Bytes>) -> ProxyBody {
     Full::new(bytes.into())
         .map_err(|never| match never {})

@@ -23,12 +23,19 @@
 //! store's commits, at each write of a round and each page read and write (`YieldingFile`): a
 //! waking request thread does not take the core from the recorder, it waits for a yield.
 
-use std::cell::Cell;
-use std::time::{Duration, Instant};
+#[cfg(test)]
+use std::time::Instant;
 
+use engram_memory::yielding::mark_background;
 use tokio::runtime::{Builder, Runtime};
 
 use crate::error::Result;
+
+// The yield points themselves are the engine's (it calls them in its long loops); the store,
+// recorder and worker name them here, beside the threads they apply to.
+pub use engram_memory::yielding::{
+    checkpoint, checkpoint_step, start_slice, yield_if_background, yield_to_requests,
+};
 
 /// The worker's runtime. Dropping it (even inside another runtime, where dropping a `Runtime`
 /// would panic) lets it wind down in the background.
@@ -108,114 +115,6 @@ pub fn recorder_pool(name: &str, priority: RecorderPriority) -> Result<WorkerRun
     Ok(WorkerRuntime(Some(runtime)))
 }
 
-/// Offers the core to a runnable request thread before the next step of background work.
-///
-/// A low policy alone does not keep a background thread from delaying requests. In a 3 s
-/// `perf sched` trace at 1,000 req/s with memory on, 53 of the request runtime's 120 waits over
-/// 0.3 ms were spent while the idle worker or the niced recorder ran on, until it blocked or
-/// the next tick (1 ms at `HZ=1000`) took the core back; the rest followed other threads of the
-/// request runtime. Under Linux's EEVDF scheduler a thread that wakes having had more than its
-/// share is not yet eligible, which is the likely reason. The worker runs its steps (each
-/// engine pass, the index refresh, the prefetch, the encoding, each commit) between yields; a
-/// yield with nobody waiting returns at once. With them, the same trace showed no wait over
-/// 0.3 ms.
-pub fn yield_to_requests() {
-    std::thread::yield_now();
-    SLICE.with(|slice| {
-        if let Some(mut current) = slice.get() {
-            current.since = Instant::now();
-            slice.set(Some(current));
-        }
-    });
-}
-
-/// [`yield_to_requests`] on a worker or recorder thread; on any other thread, nothing.
-pub fn yield_if_background() {
-    if SLICE.with(Cell::get).is_some() {
-        yield_to_requests();
-    }
-}
-
-/// How long a background thread runs before a [`checkpoint`] yields. Some steps are long: with
-/// 100 KB or 1 MB exchanges one engine pass counts the tokens of 16 KiB excerpts in two
-/// encodings and runs the extractor over every sentence, which takes milliseconds.
-const BACKGROUND_SLICE: Duration = Duration::from_micros(100);
-
-/// Checkpoints between two looks at the clock: reading it costs about as much as counting a
-/// short piece of text, so most checkpoints only count down.
-const CHECKPOINTS_PER_CLOCK_READ: u32 = 32;
-
-#[derive(Clone, Copy)]
-struct Slice {
-    /// Checkpoints left before the next look at the clock.
-    countdown: u32,
-    /// When this thread last yielded.
-    since: Instant,
-}
-
-thread_local! {
-    /// `Some` on the worker's and the recorder's threads (set as they start); on every other
-    /// thread (the request threads among them) a checkpoint does nothing.
-    static SLICE: Cell<Option<Slice>> = const { Cell::new(None) };
-}
-
-/// A point inside a long loop of background work where it may give way: on a worker or
-/// recorder thread that has run [`BACKGROUND_SLICE`] since it last yielded, yields to a waiting
-/// request thread; elsewhere, or sooner, returns at once. The engine's long loops (token
-/// counting, the extractor's sentences, relating items to a new turn) call it, so a request
-/// waits for a slice at most, not for a whole step.
-pub fn checkpoint() {
-    SLICE.with(|slice| {
-        let Some(mut current) = slice.get() else {
-            return;
-        };
-        if current.countdown > 0 {
-            current.countdown -= 1;
-        } else {
-            current.countdown = CHECKPOINTS_PER_CLOCK_READ;
-            yield_once_the_slice_is_over(&mut current);
-        }
-        slice.set(Some(current));
-    });
-}
-
-/// [`checkpoint`] between steps of microseconds or more (a page read or write, one write of a
-/// group commit), where counting down would let dozens pass between looks at the clock: it
-/// looks every time. In a `perf` trace at 2,000 req/s with memory on, a recorder round ran
-/// 1–1.7 ms of writes and page reads (30–40 misses of redb's cache, served by the kernel's)
-/// before its first look, while request threads waited.
-pub fn checkpoint_step() {
-    SLICE.with(|slice| {
-        let Some(mut current) = slice.get() else {
-            return;
-        };
-        yield_once_the_slice_is_over(&mut current);
-        slice.set(Some(current));
-    });
-}
-
-fn yield_once_the_slice_is_over(current: &mut Slice) {
-    if current.since.elapsed() >= BACKGROUND_SLICE {
-        std::thread::yield_now();
-        current.since = Instant::now();
-    }
-}
-
-/// Makes [`checkpoint`] yield on the calling thread.
-fn mark_background() {
-    start_slice(Instant::now());
-}
-
-/// Starts the calling thread's slice at `since`, marking it a background thread.
-pub(crate) fn start_slice(since: Instant) {
-    SLICE.with(|slice| {
-        slice.set(Some(Slice {
-            countdown: CHECKPOINTS_PER_CLOCK_READ,
-            since,
-        }));
-    });
-}
-
 /// A [`RecorderPriority::Lowest`] thread: `SCHED_OTHER` at nice 19. Raising a thread's nice
 /// value needs no privilege, and on Linux it applies to the calling thread only.
 fn nice_lowest() {
@@ -233,7 +132,7 @@ fn lower_priority() {
 #[cfg(test)]
 #[allow(clippy::unwrap_used, reason = "tests")]
 pub(crate) fn last_yield() -> Instant {
-    SLICE.with(Cell::get).unwrap().since
+    engram_memory::yielding::last_yield().unwrap()
 }
 
 /// The normal scheduling policies this module uses.
@@ -299,7 +198,7 @@ mod tests {
         assert_eq!(blocking_thread.unwrap(), SCHED_IDLE);
         let checkpoints_on = |handle: &tokio::runtime::Handle| {
             handle
-                .block_on(handle.spawn_blocking(|| SLICE.with(Cell::get).is_some()))
+                .block_on(handle.spawn_blocking(engram_memory::yielding::is_background))
                 .unwrap()
         };
         assert!(checkpoints_on(worker));
@@ -322,85 +221,5 @@ mod tests {
         let policy = normal.block_on(normal.spawn(async { own_stat_field(POLICY) }));
         assert_eq!(policy.unwrap(), 0);
         assert!(!checkpoints_on(normal));
-    }
-
-    #[test]
-    fn checkpoints_yield_on_background_threads_once_a_slice_has_passed() {
-        // A thread that was never marked (a request thread) keeps no slice.
-        checkpoint();
-        assert!(SLICE.with(Cell::get).is_none());
-
-        std::thread::spawn(|| {
-            mark_background();
-            let a_slice_ago = Instant::now().checked_sub(2 * BACKGROUND_SLICE).unwrap();
-            start_slice(a_slice_ago);
-            // The clock is read once per CHECKPOINTS_PER_CLOCK_READ + 1 checkpoints.
-            for _ in 0..CHECKPOINTS_PER_CLOCK_READ {
-                checkpoint();
-            }
-            assert_eq!(
-                last_yield(),
-                a_slice_ago,
-                "yielded before reading the clock"
-            );
-            checkpoint();
-            let yielded = last_yield();
-            assert!(yielded > a_slice_ago, "a slice passed without a yield");
-
-            // Within a slice the checkpoints only count.
-            for _ in 0..=CHECKPOINTS_PER_CLOCK_READ {
-                checkpoint();
-            }
-            if yielded.elapsed() < BACKGROUND_SLICE {
-                assert_eq!(last_yield(), yielded, "yielded within a slice");
-            }
-            // An explicit yield starts a new slice.
-            start_slice(a_slice_ago);
-            yield_to_requests();
-            assert!(
-                last_yield() > a_slice_ago,
-                "a yield did not start a new slice"
-            );
-            // So does a yield for background threads, on one.
-            start_slice(a_slice_ago);
-            yield_if_background();
-            assert!(
-                last_yield() > a_slice_ago,
-                "a background thread's yield did not start a new slice"
-            );
-        })
-        .join()
-        .unwrap();
-    }
-
-    #[test]
-    fn a_step_checkpoint_looks_at_the_clock_every_time() {
-        checkpoint_step();
-        assert!(SLICE.with(Cell::get).is_none());
-
-        std::thread::spawn(|| {
-            let a_slice_ago = Instant::now().checked_sub(2 * BACKGROUND_SLICE).unwrap();
-            start_slice(a_slice_ago);
-            // The first one already: no counting down.
-            checkpoint_step();
-            let yielded = last_yield();
-            assert!(yielded > a_slice_ago, "a slice passed without a yield");
-            checkpoint_step();
-            if yielded.elapsed() < BACKGROUND_SLICE {
-                assert_eq!(last_yield(), yielded, "yielded within a slice");
-            }
-        })
-        .join()
-        .unwrap();
-    }
-
-    #[test]
-    fn a_yield_for_background_threads_leaves_other_threads_alone() {
-        std::thread::spawn(|| {
-            yield_if_background();
-            assert!(SLICE.with(Cell::get).is_none());
-        })
-        .join()
-        .unwrap();
     }
 }

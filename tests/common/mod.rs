@@ -1,5 +1,6 @@
-//! Test harness: starts the real `engram` binary (proxy or mock upstream) on port 0, reads the
-//! address it prints, collects its stderr, and kills it on drop.
+//! Test harness: starts the real `engram` binary on port 0, reads the address it prints,
+//! collects its stderr, and kills it on drop; and the mock upstream (`engram-mock`, a crate of
+//! its own) on a thread of the test process, stopped on drop.
 
 #![allow(
     dead_code,
@@ -174,15 +175,36 @@ impl Drop for Process {
     }
 }
 
-pub fn mock(args: &[&str]) -> Process {
+/// The mock upstream, served on a thread of this process (with its own runtime) until dropped.
+pub struct Mock {
+    pub address: String,
+    _thread: engram_mock::MockThread,
+}
+
+impl Mock {
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.address, path)
+    }
+}
+
+/// A mock upstream; `args` are `engram-mock`'s options.
+pub fn mock(args: &[&str]) -> Mock {
     mock_at("127.0.0.1:0", args)
 }
 
 /// A mock on a given address (to replace one that was stopped, on the same port).
-pub fn mock_at(listen: &str, args: &[&str]) -> Process {
-    let mut all = vec!["mock-upstream", "--listen", listen];
+pub fn mock_at(listen: &str, args: &[&str]) -> Mock {
+    use clap::Parser;
+    let mut all = vec!["engram-mock", "--listen", listen];
     all.extend_from_slice(args);
-    Process::spawn(&all, &[], "mock-upstream listening on ")
+    let thread = engram_mock::MockArgs::try_parse_from(all)
+        .unwrap_or_else(|error| panic!("mock options {args:?}: {error}"))
+        .start_thread()
+        .expect("start the mock upstream");
+    Mock {
+        address: format!("http://{}", thread.local_addr()),
+        _thread: thread,
+    }
 }
 
 /// Starts the proxy in front of `upstream` (a process address) with extra env settings. It

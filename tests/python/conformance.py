@@ -2,7 +2,7 @@
 
 Usage: ENGRAM_ADMIN_TOKEN=... python conformance.py PATTERN PROXY_BASE_URL
 
-Each pattern plays one kind of client against engram in front of `engram mock-upstream`; the
+Each pattern plays one kind of client against engram in front of `engram-mock`; the
 mock records every prompt it received, and the Rust side (tests/conformance.rs) checks those.
 This script prints one JSON line per request with the `x-engram-*` response headers it got.
 

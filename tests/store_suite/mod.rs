@@ -20,14 +20,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use engram::error::Error;
-use engram::memory::{
-    ExchangeInput, HeuristicExtractor, ItemRef, MemoryConfig, MemoryState, record_exchange,
-};
 use engram::store::{
     EncodedState, Enqueued, ForgetReport, Job, JobId, JobState, MemoryUpdate, Published, Store,
     UserKey,
 };
 use engram::telemetry::TraceParent;
+use engram_memory::{
+    ExchangeInput, HeuristicExtractor, ItemRef, MemoryConfig, MemoryState, record_exchange,
+};
 
 /// Generates one `#[tokio::test]` per suite case against `$fresh().await`.
 /// `store_suite!(optional $fresh)`: `$fresh().await` returns `Option<(store, guard)>`, and

@@ -1,0 +1,111 @@
+//! What a composition injected and why: every item, its block, tier, score, tokens, reason and
+//! provenance. Serialisable, for the management API's "explain a turn".
+
+use serde::{Deserialize, Serialize};
+
+use super::budget::Budgets;
+use crate::model::{ItemRef, Tier};
+use crate::retrieve::HitSource;
+use crate::tokens::Encoding;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Block {
+    Core,
+    /// Raw turns the engine supplied as chat messages.
+    Window,
+    Recall,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "why", rename_all = "snake_case")]
+pub enum Reason {
+    Identity,
+    HardConstraint,
+    Pinned,
+    /// A NEW or CURRENT fact, packed by tier score.
+    WorkingSet,
+    /// One of the session's last raw turns.
+    RawWindow,
+    /// A summary of a session turn just older than the window (or of a replaced client turn).
+    RecentContext,
+    Retrieved {
+        source: HitSource,
+    },
+}
+
+/// How an item was rendered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Form {
+    Full,
+    /// A long raw turn cut to its first words per side.
+    Clipped,
+    /// An artifact too long to include, named so the model knows it exists.
+    Reference,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExplainedItem {
+    pub item: ItemRef,
+    pub block: Block,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tier: Option<Tier>,
+    /// The ranking score: tier score for core items, relevance + blended tier score for recall.
+    pub score: f32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub relevance: Option<f32>,
+    pub tokens: u32,
+    pub reason: Reason,
+    pub form: Form,
+    /// Raw turn ids the item comes from.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub provenance: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub date: Option<String>,
+}
+
+/// How the client sent its conversation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "mode", rename_all = "snake_case")]
+pub enum ClientMode {
+    /// Only the new message: the engine supplied the raw window.
+    Stateless,
+    /// The whole conversation: `recognised` leading exchanges matched recorded turns, of which
+    /// the `replaced` oldest were dropped in favour of memory.
+    FullHistory {
+        resent: usize,
+        recognised: usize,
+        replaced: usize,
+    },
+    /// No user message to answer (nothing recalled).
+    NoUserMessage,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockTokens {
+    pub core: u32,
+    pub window: u32,
+    pub recall: u32,
+    pub total: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Explain {
+    pub encoding: Encoding,
+    /// Shares of what was left after the reserved items.
+    pub budgets: Budgets,
+    pub reserved_tokens: u32,
+    pub tokens: BlockTokens,
+    pub client_mode: ClientMode,
+    pub coverage: f32,
+    pub escalated: bool,
+    pub items: Vec<ExplainedItem>,
+    /// Turn ids of recorded exchanges the worker had not applied yet, shown in the raw window.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unapplied_turns: Vec<String>,
+    /// Candidates that ranked but did not fit (at most 16, best first).
+    pub left_out: Vec<ItemRef>,
+    /// The final guard had to drop a block (a packing bug if it ever shows up).
+    pub guard_trimmed: bool,
+}

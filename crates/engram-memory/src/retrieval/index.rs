@@ -1,0 +1,1415 @@
+//! An in-memory BM25 index over a user's whole memory: raw turns, turn summaries, facts,
+//! episode manifests and artifacts, one [`Segment`] each (each with its own statistics).
+//!
+//! The proxy caches one per user, and the worker refreshes it after every turn, so it is built
+//! to change in O(turn), not O(history): each segment is an LSM of immutable parts shared
+//! between copies plus a small mutable head. A new document goes into the head; a full head is
+//! sealed into a part; parts of similar size are merged. A document whose text changed (a fact
+//! updated, an episode rebuilt) is added again and its old copy goes stale: searches skip it,
+//! and the statistics leave it out (per-term counts of stale documents), so scores are exactly
+//! those of an index built afresh. Merges drop stale copies.
+//!
+//! `refresh` finds what to index from the state: items appended since the last refresh, and the
+//! items the state records as changed since it was last stored ([`Segmented::pending`]); an
+//! item whose text did not change (only its tier moved) is left as it is.
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+
+use rustc_hash::{FxBuildHasher, FxHasher};
+
+use super::embed::{self, Vector};
+use crate::layered::LayeredMap;
+use crate::model::{ItemRef, MemoryState, TurnSeq};
+use crate::segmented::Segmented;
+use crate::text::{date_search_text, distinct_terms, terms};
+
+pub type TermId = u32;
+
+/// Documents the mutable head of a segment holds before it is sealed into a part.
+const HEAD_DOCS: usize = 128;
+
+#[derive(Debug, Clone, Copy)]
+struct Posting {
+    doc: u32,
+    tf: u32,
+}
+
+/// Where the live copy of a key's document is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct DocLoc {
+    /// The part's id; [`ABSENT`] when the key has no document (an inactive fact).
+    part: u32,
+    doc: u32,
+    /// A hash of the indexed text, so an unchanged item is not indexed again.
+    fingerprint: u64,
+}
+
+const ABSENT: u32 = u32::MAX;
+
+impl DocLoc {
+    const NONE: DocLoc = DocLoc {
+        part: ABSENT,
+        doc: 0,
+        fingerprint: 0,
+    };
+}
+
+/// One BM25 posting collection over some documents of a segment. Sealed parts never change
+/// (copies share them); the head is the one part that grows.
+#[derive(Debug, Clone, Default)]
+struct Part {
+    id: u32,
+    doc_keys: Vec<u32>,
+    doc_len: Vec<u32>,
+    /// Postings sorted by document. Keyed by a multiplicative hash, not SipHash: a long query
+    /// looks up hundreds of terms in every part on the hot path, and term ids are numbers this
+    /// index hands out in sequence, never chosen by a client (the vocabulary, keyed by the
+    /// client's words, keeps a seeded hash).
+    postings: HashMap<TermId, Vec<Posting>, FxBuildHasher>,
+    /// Each document's distinct terms (the forward index), for query expansion from the best
+    /// hits without re-reading their text on the hot path.
+    doc_terms: Vec<Box<[TermId]>>,
+    /// Each document's distinct context terms that are not among its said terms (a raw turn's
+    /// date words): with `doc_terms`, every term the document is posted under.
+    doc_context: Vec<Box<[TermId]>>,
+    /// Approximate heap size, kept as documents are added.
+    bytes: usize,
+}
+
+/// Approximate heap bytes of one document's entry in a part (keys, length, forward index).
+fn doc_bytes(terms: usize) -> usize {
+    8 + 32 + terms * 4
+}
+
+const POSTING_BYTES: usize = 8;
+const POSTING_LIST_BYTES: usize = 48;
+
+impl Part {
+    fn len(&self) -> usize {
+        self.doc_keys.len()
+    }
+
+    /// Adds a document; returns its number in this part.
+    fn add(&mut self, key: u32, said: Vec<TermId>, context: Vec<TermId>) -> u32 {
+        let mut distinct = said.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let mut context_only = context.clone();
+        context_only.sort_unstable();
+        context_only.dedup();
+        context_only.retain(|term| distinct.binary_search(term).is_err());
+        self.bytes += doc_bytes(distinct.len() + context_only.len());
+        self.doc_terms.push(distinct.into_boxed_slice());
+        self.doc_context.push(context_only.into_boxed_slice());
+        let mut term_ids = said;
+        term_ids.extend(context);
+        let doc = u32::try_from(self.doc_keys.len()).unwrap_or(u32::MAX);
+        self.doc_keys.push(key);
+        self.doc_len
+            .push(u32::try_from(term_ids.len()).unwrap_or(u32::MAX));
+        term_ids.sort_unstable();
+        let mut index = 0;
+        while index < term_ids.len() {
+            let term = term_ids[index];
+            let run = term_ids[index..].iter().take_while(|t| **t == term).count();
+            let list = self.postings.entry(term).or_default();
+            if list.is_empty() {
+                self.bytes += POSTING_LIST_BYTES;
+            }
+            list.push(Posting {
+                doc,
+                tf: u32::try_from(run).unwrap_or(u32::MAX),
+            });
+            self.bytes += POSTING_BYTES;
+            index += run;
+        }
+        doc
+    }
+
+    fn doc_freq(&self, term: TermId) -> usize {
+        self.postings.get(&term).map_or(0, Vec::len)
+    }
+
+    fn all_terms(&self, doc: usize) -> impl Iterator<Item = TermId> + '_ {
+        let said = self.doc_terms.get(doc).map_or(&[][..], |terms| terms);
+        let context = self.doc_context.get(doc).map_or(&[][..], |terms| terms);
+        said.iter().chain(context).copied()
+    }
+
+    fn has(&self, doc: u32, term: TermId) -> bool {
+        self.postings.get(&term).is_some_and(|postings| {
+            postings
+                .binary_search_by_key(&doc, |posting| posting.doc)
+                .is_ok()
+        })
+    }
+}
+
+/// BM25 parameters.
+#[derive(Debug, Clone, Copy)]
+pub struct Bm25 {
+    pub k1: f32,
+    pub b: f32,
+    /// A query term finds and scores documents in at most this many of its postings, the
+    /// newest (`usize::MAX`: all). Bounds a query's work whatever the history: a word found in
+    /// more documents than this counts in its newest mentions only (its rarity, the idf, still
+    /// counts all of them).
+    pub postings_per_term: usize,
+}
+
+impl Bm25 {
+    /// k1 1.2, b 0.75, every posting.
+    pub const STANDARD: Bm25 = Bm25 {
+        k1: 1.2,
+        b: 0.75,
+        postings_per_term: usize::MAX,
+    };
+}
+
+/// One BM25 collection, whose documents are keyed by a turn sequence number or an id.
+#[derive(Debug, Clone, Default)]
+pub struct Segment {
+    /// Sealed parts, oldest first.
+    parts: Vec<Arc<Part>>,
+    head: Part,
+    next_part: u32,
+    /// Key -> its live document.
+    live: Segmented<DocLoc>,
+    /// Live documents and their summed length.
+    docs: u32,
+    total_len: u64,
+    /// Stale documents (replaced or removed, not yet merged away) per term they are posted
+    /// under, so document frequencies count live documents only.
+    stale: HashMap<TermId, u32, FxBuildHasher>,
+    stale_docs: u32,
+    /// Key -> the unit vector of its text (semantic recall), kept beside the postings rather
+    /// than in the parts: it is replaced in place when the text changes, never goes stale.
+    vectors: Segmented<Option<Vector>>,
+    /// Keys with a vector.
+    vector_count: u32,
+}
+
+impl Segment {
+    /// Live documents.
+    pub fn len(&self) -> usize {
+        self.docs as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.docs == 0
+    }
+
+    /// Keys `0..keys()` have been looked at (indexed, or found to have no document).
+    fn keys(&self) -> usize {
+        self.live.len()
+    }
+
+    fn average_len(&self) -> f32 {
+        if self.docs == 0 {
+            1.0
+        } else {
+            (self.total_len as f32 / self.docs as f32).max(1.0)
+        }
+    }
+
+    fn all_parts(&self) -> impl Iterator<Item = &Part> + '_ {
+        self.parts
+            .iter()
+            .map(|part| &**part)
+            .chain(std::iter::once(&self.head))
+    }
+
+    fn part(&self, id: u32) -> Option<&Part> {
+        self.all_parts().find(|part| part.id == id)
+    }
+
+    /// Live documents holding `term`.
+    pub fn doc_freq(&self, term: TermId) -> usize {
+        let posted: usize = self.all_parts().map(|part| part.doc_freq(term)).sum();
+        posted.saturating_sub(self.stale.get(&term).copied().unwrap_or(0) as usize)
+    }
+
+    pub fn idf(&self, term: TermId) -> f32 {
+        let n = self.docs as f32;
+        let df = self.doc_freq(term) as f32;
+        if df == 0.0 {
+            return 0.0;
+        }
+        (1.0 + (n - df + 0.5) / (df + 0.5)).ln()
+    }
+
+    /// The best score any document could reach for `query`: normalises scores to about `0..1`
+    /// so segments can be compared.
+    pub fn ceiling(&self, query: &[TermId], bm25: Bm25) -> f32 {
+        query
+            .iter()
+            .map(|term| self.idf(*term) * (bm25.k1 + 1.0))
+            .sum()
+    }
+
+    fn term_score(idf: f32, tf: u32, len: u32, average: f32, bm25: Bm25) -> f32 {
+        let tf = tf as f32;
+        let norm = bm25.k1 * (1.0 - bm25.b + bm25.b * len as f32 / average);
+        idf * tf * (bm25.k1 + 1.0) / (tf + norm)
+    }
+
+    fn is_live(&self, part: &Part, doc: u32) -> bool {
+        // No stale copy anywhere: every posted document is its key's live one.
+        self.stale_docs == 0
+            || part
+                .doc_keys
+                .get(doc as usize)
+                .and_then(|key| self.live.get(*key as usize))
+                .is_some_and(|loc| loc.part == part.id && loc.doc == doc)
+    }
+
+    /// The `top` best documents for `query` as `(key, normalised score)`, best first, ties by
+    /// key.
+    pub fn search(&self, query: &[TermId], bm25: Bm25, top: usize) -> Vec<(u32, f32)> {
+        let weighted: Vec<(TermId, f32)> = query.iter().map(|term| (*term, 1.0)).collect();
+        self.search_weighted(&weighted, self.ceiling(query, bm25), bm25, top)
+    }
+
+    /// `search` with a weight per query term, scores divided by `ceiling` (the caller's
+    /// normaliser: an expanded query keeps its original query's scale).
+    ///
+    /// Term at a time, with MaxScore pruning, so that a long history's common words do not
+    /// make every query walk tens of thousands of postings: terms are taken by the most they
+    /// can add to a document (largest first), and once the `top` best documents found so far
+    /// all score more than the remaining terms could give a document not yet found, those
+    /// terms only add to the documents still in the running (looked up in their postings
+    /// instead of walking them). The result equals scoring every document under the same
+    /// `postings_per_term` rule: each document's score adds its terms in the same order
+    /// either way.
+    pub fn search_weighted(
+        &self,
+        query: &[(TermId, f32)],
+        ceiling: f32,
+        bm25: Bm25,
+        top: usize,
+    ) -> Vec<(u32, f32)> {
+        if self.docs == 0 || query.is_empty() || top == 0 || ceiling <= 0.0 {
+            return Vec::new();
+        }
+        let average = self.average_len();
+        // (term, weight, idf), largest bound first; the sort is stable, so ties keep the
+        // query's order.
+        let mut terms: Vec<(TermId, f32, f32)> = query
+            .iter()
+            .map(|(term, weight)| (*term, *weight, self.idf(*term)))
+            .filter(|(_, weight, idf)| *weight > 0.0 && *idf > 0.0)
+            .collect();
+        let bound = |(_, weight, idf): &(TermId, f32, f32)| weight * idf * (bm25.k1 + 1.0);
+        terms.sort_by(|a, b| bound(b).total_cmp(&bound(a)));
+        // rest[i]: the most terms i.. can add to one document (BM25's tf part stays below
+        // k1 + 1).
+        let mut rest = vec![0.0f32; terms.len() + 1];
+        for i in (0..terms.len()).rev() {
+            rest[i] = rest[i + 1] + bound(&terms[i]);
+        }
+        // The best live documents so far, as (key, raw score); at most `top` after each part.
+        let mut hits: Vec<(u32, f32)> = Vec::new();
+        let mut scores: Vec<f32> = Vec::new();
+        let mut touched: Vec<u32> = Vec::new();
+        let mut running: Vec<f32> = Vec::new();
+        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        // Postings each term may still use: parts are taken newest first, and each part's
+        // postings from its newest (a posting list is in document order). Stale copies count
+        // too, so past the cap what is searched depends on when parts were merged.
+        let mut left = vec![bm25.postings_per_term; terms.len()];
+        let mut parts: Vec<&Part> = self.all_parts().collect();
+        parts.reverse();
+        for part in parts {
+            let postings_of = |i: usize, left: &[usize]| -> Option<&[Posting]> {
+                let all = part.postings.get(&terms[i].0)?;
+                Some(&all[all.len().saturating_sub(left[i])..])
+            };
+            // Dense accumulation: a few kilobytes per query, no hashing on the hot path.
+            scores.clear();
+            scores.resize(part.len(), 0.0);
+            touched.clear();
+            let score = |posting: &Posting, weight: f32, idf: f32| {
+                let len = part.doc_len.get(posting.doc as usize).copied().unwrap_or(0);
+                weight * Segment::term_score(idf, posting.tf, len, average, bm25)
+            };
+            let mut walked = terms.len();
+            for (i, (_, weight, idf)) in terms.iter().enumerate() {
+                let Some(postings) = postings_of(i, &left) else {
+                    continue;
+                };
+                // Finding the bar costs a pass over the documents found; only worth it
+                // before a walk at least as long.
+                if postings.len() >= touched.len().max(top) {
+                    let bar = self.bar(part, &scores, &touched, &hits, top, &mut running);
+                    if rest[i] < bar {
+                        walked = i;
+                        break;
+                    }
+                }
+                left[i] -= postings.len();
+                for posting in postings {
+                    let slot = &mut scores[posting.doc as usize];
+                    if *slot == 0.0 {
+                        touched.push(posting.doc);
+                    }
+                    *slot += score(posting, *weight, *idf);
+                }
+            }
+            if walked < terms.len() {
+                // Documents that cannot reach the bar any more leave the running (below zero,
+                // so no term adds to them); the rest take the remaining terms in order.
+                let bar = self.bar(part, &scores, &touched, &hits, top, &mut running);
+                touched.retain(|doc| {
+                    let slot = &mut scores[*doc as usize];
+                    let stays = *slot + rest[walked] >= bar;
+                    if !stays {
+                        *slot = f32::NEG_INFINITY;
+                    }
+                    stays
+                });
+                for (i, (_, weight, idf)) in terms.iter().enumerate().skip(walked) {
+                    let Some(postings) = postings_of(i, &left) else {
+                        continue;
+                    };
+                    left[i] -= postings.len();
+                    if postings.len() <= touched.len() {
+                        for posting in postings {
+                            let slot = &mut scores[posting.doc as usize];
+                            if *slot > 0.0 {
+                                *slot += score(posting, *weight, *idf);
+                            }
+                        }
+                    } else {
+                        for doc in &touched {
+                            if let Ok(at) = postings.binary_search_by_key(doc, |p| p.doc) {
+                                scores[*doc as usize] += score(&postings[at], *weight, *idf);
+                            }
+                        }
+                    }
+                }
+            }
+            for doc in &touched {
+                if !self.is_live(part, *doc) {
+                    continue;
+                }
+                let key = part
+                    .doc_keys
+                    .get(*doc as usize)
+                    .copied()
+                    .unwrap_or(u32::MAX);
+                hits.push((key, scores[*doc as usize]));
+            }
+            if hits.len() > top {
+                hits.select_nth_unstable_by(top - 1, order);
+                hits.truncate(top);
+            }
+        }
+        for hit in &mut hits {
+            hit.1 /= ceiling;
+        }
+        hits.sort_by(order);
+        hits
+    }
+
+    /// The score a document must reach to be among the `top` best: the `top`-th best of the
+    /// earlier parts' live hits and this part's live documents' scores so far (each only
+    /// grows); 0 while fewer are known.
+    fn bar(
+        &self,
+        part: &Part,
+        scores: &[f32],
+        touched: &[u32],
+        hits: &[(u32, f32)],
+        top: usize,
+        running: &mut Vec<f32>,
+    ) -> f32 {
+        running.clear();
+        running.extend(hits.iter().map(|(_, score)| *score));
+        running.extend(
+            touched
+                .iter()
+                .filter(|doc| self.is_live(part, **doc))
+                .map(|doc| scores[*doc as usize]),
+        );
+        if running.len() < top {
+            return 0.0;
+        }
+        let (_, kth, _) = running.select_nth_unstable_by(top - 1, |a, b| b.total_cmp(a));
+        *kth
+    }
+
+    /// The live document of `key`: its part and number.
+    fn locate(&self, key: u32) -> Option<(&Part, u32)> {
+        let loc = self.live.get(key as usize)?;
+        if loc.part == ABSENT {
+            return None;
+        }
+        Some((self.part(loc.part)?, loc.doc))
+    }
+
+    /// Normalised score of one document (by key) for `query`; 0 when absent. To score many
+    /// documents for one query, make a [`Segment::scorer`] once.
+    pub fn score_key(&self, key: u32, query: &[TermId], bm25: Bm25) -> f32 {
+        self.scorer(query, bm25).score(key)
+    }
+
+    /// `query` prepared for scoring documents one by one: each part's postings of each term,
+    /// and the idfs and ceiling, looked up once rather than per document (re-ranking a hundred
+    /// prefetched candidates spent half of `compose` on them).
+    pub fn scorer(&self, query: &[TermId], bm25: Bm25) -> KeyScorer<'_> {
+        let idfs: Vec<(TermId, f32)> = query
+            .iter()
+            .filter(|term| self.doc_freq(**term) > 0)
+            .map(|term| (*term, self.idf(*term)))
+            .collect();
+        let parts = self
+            .all_parts()
+            .map(|part| {
+                let terms = idfs
+                    .iter()
+                    .filter_map(|(term, idf)| Some((part.postings.get(term)?.as_slice(), *idf)))
+                    .collect();
+                (part, terms)
+            })
+            .collect();
+        KeyScorer {
+            segment: self,
+            parts,
+            ceiling: self.ceiling(query, bm25),
+            average: self.average_len(),
+            bm25,
+        }
+    }
+
+    /// The distinct terms of the document with `key`, ascending (empty when absent).
+    pub fn terms_of(&self, key: u32) -> &[TermId] {
+        self.locate(key)
+            .and_then(|(part, doc)| part.doc_terms.get(doc as usize))
+            .map_or(&[], |terms| terms)
+    }
+
+    /// Whether the document with `key` contains `term`.
+    pub fn contains(&self, key: u32, term: TermId) -> bool {
+        self.locate(key)
+            .is_some_and(|(part, doc)| part.has(doc, term))
+    }
+
+    /// Whether `key`'s live document was indexed from text with this fingerprint (callers
+    /// check it before they tokenize).
+    fn holds(&self, key: u32, fingerprint: u64) -> bool {
+        self.live
+            .get(key as usize)
+            .is_some_and(|loc| loc.part != ABSENT && loc.fingerprint == fingerprint)
+    }
+
+    /// Indexes `key`, replacing its earlier document, if any (callers skip a key whose text is
+    /// unchanged, see [`Segment::holds`]). `text` is `None` for a key without a document.
+    fn put(&mut self, key: u32, text: Option<(Vec<TermId>, Vec<TermId>)>, fingerprint: u64) {
+        let current = self.live.get(key as usize).copied();
+        if current.is_none_or(|loc| loc.part == ABSENT) && text.is_none() {
+            self.set_live(key, DocLoc::NONE);
+            return;
+        }
+        if let Some(current) = current {
+            self.retire(current);
+        }
+        let loc = match text {
+            Some((said, context)) => {
+                let len = (said.len() + context.len()) as u64;
+                let doc = self.head.add(key, said, context);
+                self.docs += 1;
+                self.total_len += len;
+                DocLoc {
+                    part: self.head.id,
+                    doc,
+                    fingerprint,
+                }
+            }
+            None => DocLoc::NONE,
+        };
+        self.set_live(key, loc);
+        if self.head.len() >= HEAD_DOCS {
+            self.seal();
+        }
+    }
+
+    fn set_live(&mut self, key: u32, loc: DocLoc) {
+        let key = key as usize;
+        while self.live.len() < key {
+            self.live.push(DocLoc::NONE);
+        }
+        if key == self.live.len() {
+            self.live.push(loc);
+        } else if let Some(slot) = self.live.get_mut(key) {
+            *slot = loc;
+        }
+        // The index keeps no record of its own changes.
+        self.live.take_dirty();
+    }
+
+    /// Takes a live document out of the statistics; its copy stays in its part until a merge.
+    fn retire(&mut self, loc: DocLoc) {
+        if loc.part == ABSENT {
+            return;
+        }
+        let Some(part) = self.part(loc.part) else {
+            return;
+        };
+        let doc = loc.doc as usize;
+        let len = part.doc_len.get(doc).copied().unwrap_or(0);
+        let terms: Vec<TermId> = part.all_terms(doc).collect();
+        for term in terms {
+            *self.stale.entry(term).or_default() += 1;
+        }
+        self.stale_docs += 1;
+        self.docs = self.docs.saturating_sub(1);
+        self.total_len = self.total_len.saturating_sub(u64::from(len));
+    }
+
+    /// Seals the head into a part, then merges the newest parts while the newer has grown to
+    /// half the older; a part holding mostly stale copies is compacted.
+    fn seal(&mut self) {
+        let head = std::mem::take(&mut self.head);
+        self.head.id = self.fresh_part_id();
+        let sealed = self.merge(&[&head]);
+        self.parts.push(Arc::new(sealed));
+        while let [.., older, newer] = self.parts.as_slice()
+            && newer.len() * 2 >= older.len()
+        {
+            let (Some(newer), Some(older)) = (self.parts.pop(), self.parts.pop()) else {
+                break;
+            };
+            let merged = self.merge(&[&older, &newer]);
+            self.parts.push(Arc::new(merged));
+        }
+        if self.stale_docs as usize * 4 > self.docs as usize + HEAD_DOCS {
+            let parts = std::mem::take(&mut self.parts);
+            let merged: Vec<Arc<Part>> = parts
+                .iter()
+                .map(|part| Arc::new(self.merge(&[part])))
+                .collect();
+            self.parts = merged;
+        }
+    }
+
+    fn fresh_part_id(&mut self) -> u32 {
+        self.next_part += 1;
+        self.next_part
+    }
+
+    /// One new part holding the live documents of `parts`, in order; stale copies are dropped
+    /// (and leave the stale counts), live ones are pointed at their new place.
+    fn merge(&mut self, parts: &[&Part]) -> Part {
+        let mut merged = Part {
+            id: self.fresh_part_id(),
+            ..Part::default()
+        };
+        for part in parts {
+            let mut renumbered: Vec<Option<u32>> = Vec::with_capacity(part.len());
+            for doc in 0..part.len() {
+                let key = part.doc_keys[doc];
+                let live = self
+                    .live
+                    .get(key as usize)
+                    .is_some_and(|loc| loc.part == part.id && loc.doc as usize == doc);
+                if !live {
+                    for term in part.all_terms(doc) {
+                        if let Some(count) = self.stale.get_mut(&term) {
+                            *count -= 1;
+                            if *count == 0 {
+                                self.stale.remove(&term);
+                            }
+                        }
+                    }
+                    self.stale_docs = self.stale_docs.saturating_sub(1);
+                    renumbered.push(None);
+                    continue;
+                }
+                let at = u32::try_from(merged.doc_keys.len()).unwrap_or(u32::MAX);
+                merged.doc_keys.push(key);
+                merged.doc_len.push(part.doc_len[doc]);
+                merged.bytes += doc_bytes(part.doc_terms[doc].len() + part.doc_context[doc].len());
+                merged.doc_terms.push(part.doc_terms[doc].clone());
+                merged.doc_context.push(part.doc_context[doc].clone());
+                if let Some(slot) = self.live.get_mut(key as usize) {
+                    slot.part = merged.id;
+                    slot.doc = at;
+                }
+                renumbered.push(Some(at));
+            }
+            for (term, postings) in &part.postings {
+                let moved = postings.iter().filter_map(|posting| {
+                    let doc = renumbered.get(posting.doc as usize).copied().flatten()?;
+                    Some(Posting {
+                        doc,
+                        tf: posting.tf,
+                    })
+                });
+                let mut moved = moved.peekable();
+                if moved.peek().is_some() {
+                    let list = merged.postings.entry(*term).or_default();
+                    let before = list.len();
+                    if before == 0 {
+                        merged.bytes += POSTING_LIST_BYTES;
+                    }
+                    list.extend(moved);
+                    merged.bytes += (list.len() - before) * POSTING_BYTES;
+                }
+            }
+        }
+        self.live.take_dirty();
+        merged
+    }
+
+    fn estimated_bytes(&self) -> usize {
+        self.all_parts().map(|part| part.bytes).sum::<usize>()
+            + self.live.len() * 16
+            + self.stale.len() * 8
+            + self.vectors.len() * std::mem::size_of::<Option<Vector>>()
+            + self.vector_count as usize * embed::DIMS
+    }
+
+    /// Sets `key`'s vector (`None`: it has none). Public for benchmarks; the index sets its
+    /// own when it indexes an item.
+    pub fn set_vector(&mut self, key: u32, vector: Option<Vector>) {
+        let key = key as usize;
+        while self.vectors.len() <= key {
+            self.vectors.push(None);
+        }
+        if let Some(slot) = self.vectors.get_mut(key) {
+            self.vector_count = self
+                .vector_count
+                .saturating_add(u32::from(vector.is_some()))
+                .saturating_sub(u32::from(slot.is_some()));
+            *slot = vector;
+        }
+        self.vectors.take_dirty();
+    }
+
+    /// Cosine similarity of `key`'s vector with `query`; `None` when it has none.
+    pub fn cosine(&self, key: u32, query: &Vector) -> Option<f32> {
+        self.vectors
+            .get(key as usize)?
+            .as_ref()
+            .map(|vector| vector.cosine(query))
+    }
+
+    /// The `top` items nearest to `query`, among every item
+    /// with a vector when there are at most `pool`, else the `pool` whose sign codes differ from
+    /// the query's in the fewest dimensions (ties: the newest), rescored by their int8 dot
+    /// product. So a 50,000-turn history costs one popcount pass over 32-byte codes and `pool`
+    /// dot products, not 50,000 of them.
+    pub fn nearest(&self, query: &Vector, pool: usize, top: usize) -> Nearest {
+        let mut scored: Vec<(u32, f32)> = Vec::new();
+        let keyed = |key: usize| u32::try_from(key).unwrap_or(u32::MAX);
+        if self.vector_count as usize <= pool {
+            scored.reserve(self.vector_count as usize);
+            for (key, vector) in self.vectors.iter().enumerate() {
+                if let Some(vector) = vector {
+                    scored.push((keyed(key), vector.cosine(query)));
+                }
+            }
+        } else {
+            // One popcount pass: every item's distance (`NONE` without a vector), counted by
+            // distance to find the one below which fewer than `pool` items lie.
+            const NONE: u16 = u16::MAX;
+            let mut histogram = [0usize; embed::DIMS + 1];
+            let mut distances: Vec<u16> = Vec::with_capacity(self.vectors.len());
+            for vector in self.vectors.iter() {
+                let distance = vector.as_ref().map_or(NONE, |vector| {
+                    u16::try_from(query.hamming(&vector.code)).unwrap_or(NONE)
+                });
+                if let Some(count) = histogram.get_mut(usize::from(distance)) {
+                    *count += 1;
+                }
+                distances.push(distance);
+            }
+            let mut below = 0;
+            let mut limit = embed::DIMS;
+            for (distance, count) in histogram.iter().enumerate() {
+                if below + count >= pool {
+                    limit = distance;
+                    break;
+                }
+                below += count;
+            }
+            // Everything nearer than `limit`, then the newest at `limit` up to `pool`.
+            let limit = u16::try_from(limit).unwrap_or(NONE);
+            let mut at_limit = pool - below;
+            scored.reserve(pool);
+            for (key, distance) in distances.iter().enumerate().rev() {
+                if *distance < limit || (*distance == limit && at_limit > 0) {
+                    if *distance == limit {
+                        at_limit -= 1;
+                    }
+                    if let Some(Some(vector)) = self.vectors.get(key) {
+                        scored.push((keyed(key), vector.cosine(query)));
+                    }
+                }
+            }
+        }
+        let lowest = scored.iter().map(|hit| hit.1).reduce(f32::min);
+        // Only the best `top` are wanted in order: select them, then sort those.
+        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if scored.len() > top && top > 0 {
+            scored.select_nth_unstable_by(top - 1, order);
+        }
+        scored.truncate(top);
+        scored.sort_unstable_by(order);
+        Nearest {
+            best: scored,
+            lowest: lowest.unwrap_or(0.0),
+        }
+    }
+
+    /// Sealed parts, for tests and sizing.
+    pub fn part_count(&self) -> usize {
+        self.parts.len()
+    }
+}
+
+/// The items of a segment nearest to a query vector.
+#[derive(Debug, Clone, Default)]
+pub struct Nearest {
+    /// `(key, cosine)`, best first, ties by key.
+    pub best: Vec<(u32, f32)>,
+    /// The lowest cosine among the items compared (0 when none was).
+    pub lowest: f32,
+}
+
+/// One query term's postings in a part, with the term's idf.
+type TermPostings<'a> = (&'a [Posting], f32);
+
+/// A query ready to score single documents of one segment (see [`Segment::scorer`]).
+pub struct KeyScorer<'a> {
+    segment: &'a Segment,
+    /// Per part, the query's terms present in it.
+    parts: Vec<(&'a Part, Vec<TermPostings<'a>>)>,
+    ceiling: f32,
+    average: f32,
+    bm25: Bm25,
+}
+
+impl KeyScorer<'_> {
+    /// Normalised score of the document with `key`; 0 when absent.
+    pub fn score(&self, key: u32) -> f32 {
+        if self.ceiling <= 0.0 {
+            return 0.0;
+        }
+        let Some(loc) = self.segment.live.get(key as usize) else {
+            return 0.0;
+        };
+        let Some((part, terms)) = self.parts.iter().find(|(part, _)| part.id == loc.part) else {
+            return 0.0;
+        };
+        let doc = loc.doc;
+        let len = part.doc_len.get(doc as usize).copied().unwrap_or(0);
+        let mut score = 0.0;
+        for (postings, idf) in terms {
+            if let Ok(at) = postings.binary_search_by_key(&doc, |posting| posting.doc) {
+                score += Segment::term_score(*idf, postings[at].tf, len, self.average, self.bm25);
+            }
+        }
+        score / self.ceiling
+    }
+}
+
+/// A query ready to score items of every segment (see [`MemoryIndex::item_scorer`]).
+pub struct ItemScorer<'a> {
+    raw: KeyScorer<'a>,
+    summaries: KeyScorer<'a>,
+    facts: KeyScorer<'a>,
+    episodes: KeyScorer<'a>,
+    artifacts: KeyScorer<'a>,
+}
+
+impl ItemScorer<'_> {
+    /// Normalised relevance of `item`; 0 for items outside the index.
+    pub fn score(&self, item: ItemRef) -> f32 {
+        let Some((kind, key)) = segment_of(item) else {
+            return 0.0;
+        };
+        let scorer = match kind {
+            SegmentKind::Raw => &self.raw,
+            SegmentKind::Summary => &self.summaries,
+            SegmentKind::Fact => &self.facts,
+            SegmentKind::Episode => &self.episodes,
+            SegmentKind::Artifact => &self.artifacts,
+        };
+        scorer.score(key)
+    }
+}
+
+/// Which segment an item lives in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SegmentKind {
+    Raw,
+    Summary,
+    Fact,
+    Episode,
+    Artifact,
+}
+
+type Vocabulary = LayeredMap<String, TermId, foldhash::fast::RandomState>;
+
+#[derive(Debug, Clone, Default)]
+pub struct MemoryIndex {
+    /// The state version this index reflects.
+    pub state_version: u64,
+    rewrites: u64,
+    /// Keyed by the client's words, so by a hash seeded per process (foldhash: the default
+    /// SipHash cost a long query a hundred microseconds of lookups).
+    vocabulary: Vocabulary,
+    terms: u32,
+    /// Approximate heap size of the vocabulary.
+    vocabulary_bytes: usize,
+    pub raw: Segment,
+    pub summaries: Segment,
+    pub facts: Segment,
+    pub episodes: Segment,
+    pub artifacts: Segment,
+    /// Chain link -> raw turn, for recognising a full-history client's turns.
+    chains: LayeredMap<u64, TurnSeq, FxBuildHasher>,
+    /// Exchange pair hash -> its latest raw turn, for a client that trimmed or edited the
+    /// history it resends.
+    pairs: LayeredMap<u64, TurnSeq, FxBuildHasher>,
+}
+
+const ARTIFACT_INDEX_CHARS: usize = 4000;
+
+fn fingerprint(parts: &[&str]) -> u64 {
+    let mut hasher = FxHasher::default();
+    for part in parts {
+        part.hash(&mut hasher);
+    }
+    hasher.finish()
+}
+
+/// Keys to look at in a segment of `len` items: those the state changed since it was stored,
+/// and those appended since the segment last looked.
+fn keys_to_index(pending: &[u32], indexed: usize, len: usize) -> Vec<u32> {
+    let mut keys: Vec<u32> = pending
+        .iter()
+        .copied()
+        .filter(|key| (*key as usize) < indexed.min(len))
+        .collect();
+    keys.sort_unstable();
+    keys.dedup();
+    keys.extend((indexed..len).filter_map(|key| u32::try_from(key).ok()));
+    keys
+}
+
+impl MemoryIndex {
+    pub fn build(state: &MemoryState) -> MemoryIndex {
+        let mut index = MemoryIndex::default();
+        index.refresh(state);
+        index
+    }
+
+    /// Whether the index reflects `state` exactly.
+    pub fn is_current(&self, state: &MemoryState) -> bool {
+        self.state_version == state.version
+            && self.rewrites == state.rewrites
+            && self.raw.keys() == state.raw_turns.len()
+    }
+
+    /// Brings the index up to `state`, a later version of the memory it reflects (or builds it
+    /// afresh when `state` is not): indexes the items appended since, and those `state` records
+    /// as changed since it was last stored whose text changed.
+    pub fn refresh(&mut self, state: &MemoryState) {
+        if self.raw.keys() > state.raw_turns.len()
+            || self.summaries.keys() > state.turn_log.len()
+            || self.artifacts.keys() > state.artifacts.len()
+            || self.facts.keys() > state.facts.len()
+            || self.episodes.keys() > state.episodes.len()
+            || self.rewrites != state.rewrites
+        {
+            // Not a later version of the same state, or a deletion rewrote text in place:
+            // start over.
+            *self = MemoryIndex {
+                rewrites: state.rewrites,
+                ..MemoryIndex::default()
+            };
+        }
+        for seq in keys_to_index(
+            state.raw_turns.pending(),
+            self.raw.keys(),
+            state.raw_turns.len(),
+        ) {
+            let Some(turn) = state.raw_turns.get(seq as usize) else {
+                continue;
+            };
+            let date = turn
+                .event_time
+                .as_deref()
+                .map(date_search_text)
+                .unwrap_or_default();
+            let said = format!("{} {}", turn.user, turn.assistant);
+            let print = fingerprint(&[&said, &date]);
+            if self.raw.holds(seq, print) {
+                continue;
+            }
+            let text = (self.term_ids(&said), self.term_ids(&date));
+            self.raw.put(seq, Some(text), print);
+            self.raw.set_vector(seq, embed_text(&said));
+            self.chains.insert(turn.chain, seq);
+            self.pairs.insert(turn.pair(), seq);
+        }
+        for seq in keys_to_index(
+            state.turn_log.pending(),
+            self.summaries.keys(),
+            state.turn_log.len(),
+        ) {
+            let (user, assistant) = state.summary_texts(seq);
+            let text = format!("{user} {assistant}");
+            self.put_text(SegmentKind::Summary, seq, Some(&text));
+        }
+        for id in keys_to_index(
+            state.artifacts.pending(),
+            self.artifacts.keys(),
+            state.artifacts.len(),
+        ) {
+            let Some(artifact) = state.artifacts.get(id as usize) else {
+                continue;
+            };
+            let head: String = state
+                .artifact_content(artifact)
+                .chars()
+                .take(ARTIFACT_INDEX_CHARS)
+                .collect();
+            let text = format!("{} {head}", artifact.language.as_deref().unwrap_or(""));
+            self.put_text(SegmentKind::Artifact, id, Some(&text));
+        }
+        for id in keys_to_index(state.facts.pending(), self.facts.keys(), state.facts.len()) {
+            let text = state.fact(id).filter(|fact| fact.active).map(|fact| {
+                let mut text = fact.text();
+                // Earlier values answer "where did I live before?".
+                for revision in &fact.history {
+                    text.push(' ');
+                    text.push_str(&revision.value);
+                }
+                text
+            });
+            self.put_text(SegmentKind::Fact, id, text.as_deref());
+        }
+        for id in keys_to_index(
+            state.episodes.pending(),
+            self.episodes.keys(),
+            state.episodes.len(),
+        ) {
+            let Some(episode) = state.episodes.get(id as usize) else {
+                continue;
+            };
+            let text = format!(
+                "{} {} {} {}",
+                episode.topic,
+                episode.summary,
+                episode.salience_tags.join(" "),
+                episode.rehydration_hints.join(" ")
+            );
+            self.put_text(SegmentKind::Episode, id, Some(&text));
+        }
+        self.state_version = state.version;
+    }
+
+    fn put_text(&mut self, kind: SegmentKind, key: u32, text: Option<&str>) {
+        let print = text.map_or(0, |text| fingerprint(&[text]));
+        if text.is_some() && self.segment(kind).holds(key, print) {
+            return;
+        }
+        let terms = text.map(|text| (self.term_ids(text), Vec::new()));
+        let vector = text.and_then(embed_text);
+        let segment = self.segment_mut(kind);
+        segment.put(key, terms, print);
+        segment.set_vector(key, vector);
+    }
+
+    fn term_ids(&mut self, text: &str) -> Vec<TermId> {
+        let mut ids = Vec::new();
+        for term in terms(text) {
+            let id = match self.vocabulary.get(term.as_str()) {
+                Some(id) => *id,
+                None => {
+                    let id = self.terms;
+                    self.terms = self.terms.saturating_add(1);
+                    self.vocabulary_bytes += term.len() + 40;
+                    self.vocabulary.insert(term, id);
+                    id
+                }
+            };
+            ids.push(id);
+        }
+        ids
+    }
+
+    /// The query's known terms (deduplicated, in first-seen order) and how many terms it had.
+    pub fn query_terms(&self, text: &str) -> (Vec<TermId>, usize) {
+        let terms = distinct_terms(text);
+        let ids = terms
+            .iter()
+            .filter_map(|term| self.vocabulary.get(term.as_str()).copied())
+            .collect();
+        (ids, terms.len())
+    }
+
+    /// Keeps at most `max` of `terms`: the rarest in this memory (fewest documents over all
+    /// segments, the earlier term on ties), in their original order.
+    pub fn keep_rarest(&self, terms: &mut Vec<TermId>, max: usize) {
+        if terms.len() <= max {
+            return;
+        }
+        let segments = [
+            &self.raw,
+            &self.summaries,
+            &self.facts,
+            &self.episodes,
+            &self.artifacts,
+        ];
+        let mut ranked: Vec<(usize, usize)> = terms
+            .iter()
+            .enumerate()
+            .map(|(at, term)| (segments.iter().map(|s| s.doc_freq(*term)).sum(), at))
+            .collect();
+        ranked.sort_unstable();
+        ranked.truncate(max);
+        ranked.sort_unstable_by_key(|&(_, at)| at);
+        *terms = ranked.iter().map(|&(_, at)| terms[at]).collect();
+    }
+
+    pub fn segment(&self, kind: SegmentKind) -> &Segment {
+        match kind {
+            SegmentKind::Raw => &self.raw,
+            SegmentKind::Summary => &self.summaries,
+            SegmentKind::Fact => &self.facts,
+            SegmentKind::Episode => &self.episodes,
+            SegmentKind::Artifact => &self.artifacts,
+        }
+    }
+
+    fn segment_mut(&mut self, kind: SegmentKind) -> &mut Segment {
+        match kind {
+            SegmentKind::Raw => &mut self.raw,
+            SegmentKind::Summary => &mut self.summaries,
+            SegmentKind::Fact => &mut self.facts,
+            SegmentKind::Episode => &mut self.episodes,
+            SegmentKind::Artifact => &mut self.artifacts,
+        }
+    }
+
+    /// The raw turn a chain link was recorded under.
+    pub fn turn_for_chain(&self, chain: u64) -> Option<TurnSeq> {
+        self.chains.get(&chain).copied()
+    }
+
+    /// The latest raw turn with this exchange [`pair`](crate::history::pair) hash.
+    pub fn turn_for_pair(&self, pair: u64) -> Option<TurnSeq> {
+        self.pairs.get(&pair).copied()
+    }
+
+    /// `query` ready to score items of any segment, one by one.
+    pub fn item_scorer(&self, query: &[TermId], bm25: Bm25) -> ItemScorer<'_> {
+        ItemScorer {
+            raw: self.raw.scorer(query, bm25),
+            summaries: self.summaries.scorer(query, bm25),
+            facts: self.facts.scorer(query, bm25),
+            episodes: self.episodes.scorer(query, bm25),
+            artifacts: self.artifacts.scorer(query, bm25),
+        }
+    }
+
+    /// Approximate heap size in bytes (for the per-user memory report and the cache's budget).
+    pub fn estimated_bytes(&self) -> usize {
+        self.vocabulary_bytes
+            + (self.chains.stored() + self.pairs.stored()) * 24
+            + self.raw.estimated_bytes()
+            + self.summaries.estimated_bytes()
+            + self.facts.estimated_bytes()
+            + self.episodes.estimated_bytes()
+            + self.artifacts.estimated_bytes()
+    }
+}
+
+/// The vector of an item's text, when the shipped model parses (it always does; see
+/// `embed::model`).
+fn embed_text(text: &str) -> Option<Vector> {
+    embed::model().and_then(|model| model.embed(text))
+}
+
+/// The segment and document key of an item, if it is indexed.
+pub fn segment_of(item: ItemRef) -> Option<(SegmentKind, u32)> {
+    match item {
+        ItemRef::RawTurn(seq) => Some((SegmentKind::Raw, seq)),
+        ItemRef::Summary(seq) => Some((SegmentKind::Summary, seq)),
+        ItemRef::Fact(id) => Some((SegmentKind::Fact, id)),
+        ItemRef::Episode(id) => Some((SegmentKind::Episode, id)),
+        ItemRef::Artifact(id) => Some((SegmentKind::Artifact, id)),
+        ItemRef::Identity | ItemRef::Pinned(_) => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn segment(docs: &[&str]) -> (MemoryIndex, Segment) {
+        let mut index = MemoryIndex::default();
+        let mut segment = Segment::default();
+        for (key, doc) in docs.iter().enumerate() {
+            let ids = index.term_ids(doc);
+            segment.put(key as u32, Some((ids, Vec::new())), fingerprint(&[doc]));
+        }
+        (index, segment)
+    }
+
+    const BM25: Bm25 = Bm25::STANDARD;
+
+    /// Past `pool` vectors, the sign-code prefilter keeps the nearest: the exact answer's best
+    /// items are found, and every item is scored when the pool covers them all.
+    #[test]
+    fn nearest_prefilters_by_sign_codes_and_keeps_the_best() {
+        let topics = [
+            "pottery class with clay and a wheel",
+            "my car needs new winter tyres",
+            "the train to Leeds was late",
+            "baking sourdough bread at home",
+        ];
+        let mut segment = Segment::default();
+        for key in 0..400u32 {
+            let text = format!("{} number {key}", topics[key as usize % topics.len()]);
+            segment.set_vector(key, embed_text(&text));
+        }
+        let query = embed_text("I love shaping clay on the pottery wheel").unwrap();
+        let exact = segment.nearest(&query, 1_000, usize::MAX).best;
+        assert_eq!(exact.len(), 400);
+        let pre = segment.nearest(&query, 64, usize::MAX).best;
+        assert_eq!(pre.len(), 64);
+        // Every one of the prefilter's picks is a pottery turn, as are the exact top 64.
+        assert!(pre.iter().all(|(key, _)| key % 4 == 0), "{pre:?}");
+        assert!(exact.iter().take(64).all(|(key, _)| key % 4 == 0));
+        assert_eq!(pre[0], exact[0]);
+        segment.set_vector(0, None);
+        assert_eq!(segment.cosine(0, &query), None);
+        let all = segment.nearest(&query, 1_000, usize::MAX).best;
+        assert_eq!(all.len(), 399);
+        let top = segment.nearest(&query, 1_000, 5);
+        assert_eq!(top.best[..], all[..5]);
+        assert_eq!(top.lowest, all[398].1);
+    }
+
+    #[test]
+    fn bm25_ranks_rare_terms_higher() {
+        let (index, segment) = segment(&[
+            "the cat sat on the mat",
+            "dogs and cats are pets",
+            "my sourdough starter smells of acetone",
+            "the cat likes the sourdough",
+        ]);
+        let (query, total) = index.query_terms("why does my sourdough starter smell?");
+        assert_eq!(total, 3);
+        let hits = segment.search(&query, BM25, 10);
+        assert_eq!(hits[0].0, 2);
+        assert_eq!(hits[1].0, 3);
+        assert_eq!(hits.len(), 2);
+        assert!(hits[0].1 > 0.0 && hits[0].1 <= 1.0);
+        let single = segment.score_key(2, &query, BM25);
+        assert!((single - hits[0].1).abs() < 1e-6);
+        assert_eq!(segment.score_key(0, &query, BM25), 0.0);
+    }
+
+    #[test]
+    fn a_long_query_keeps_its_rarest_terms_in_their_order() {
+        let mut index = MemoryIndex::default();
+        for (key, doc) in [
+            "kettle walrus",
+            "kettle banjo",
+            "kettle zither",
+            "walrus kettle",
+        ]
+        .iter()
+        .enumerate()
+        {
+            let ids = index.term_ids(doc);
+            index
+                .raw
+                .put(key as u32, Some((ids, Vec::new())), fingerprint(&[doc]));
+        }
+        // Documents holding each: kettle 4, walrus 2, banjo 1, zither 1.
+        let (all, _) = index.query_terms("kettle walrus banjo zither");
+        assert_eq!(all.len(), 4);
+        for (max, kept) in [
+            (2, vec![all[2], all[3]]),
+            (3, all[1..].to_vec()),
+            (9, all.clone()),
+        ] {
+            let mut terms = all.clone();
+            index.keep_rarest(&mut terms, max);
+            assert_eq!(terms, kept, "max {max}");
+        }
+    }
+
+    #[test]
+    fn stemming_matches_inflections() {
+        let (index, segment) = segment(&["we went hiking in the alps", "taxes are due"]);
+        let (query, _) = index.query_terms("hikes");
+        assert_eq!(segment.search(&query, BM25, 5)[0].0, 0);
+    }
+
+    /// Every live document's score by brute force, in the query's order, each term counting
+    /// in its newest `bm25.postings_per_term` postings only: what the pruned search must equal.
+    fn exhaustive(
+        segment: &Segment,
+        query: &[(TermId, f32)],
+        ceiling: f32,
+        bm25: Bm25,
+        top: usize,
+    ) -> Vec<(u32, f32)> {
+        let average = segment.average_len();
+        let parts: Vec<&Part> = segment.all_parts().collect();
+        // (term, part id, document) of the postings each term may use.
+        let mut usable = std::collections::HashSet::new();
+        for (term, _) in query {
+            let newest_first = parts.iter().rev().flat_map(|part| {
+                let postings = part.postings.get(term).map_or(&[][..], Vec::as_slice);
+                postings.iter().rev().map(|p| (part.id, p.doc))
+            });
+            for (part, doc) in newest_first.take(bm25.postings_per_term) {
+                usable.insert((*term, part, doc));
+            }
+        }
+        let mut hits = Vec::new();
+        for part in parts {
+            for doc in 0..part.len() as u32 {
+                if !segment.is_live(part, doc) {
+                    continue;
+                }
+                let mut total = 0.0;
+                let mut found = false;
+                for (term, weight) in query {
+                    let posted = part
+                        .postings
+                        .get(term)
+                        .and_then(|postings| postings.iter().find(|p| p.doc == doc))
+                        .filter(|_| usable.contains(&(*term, part.id, doc)));
+                    if let Some(posting) = posted {
+                        let len = part.doc_len[doc as usize];
+                        let idf = segment.idf(*term);
+                        total += weight * Segment::term_score(idf, posting.tf, len, average, bm25);
+                        found = true;
+                    }
+                }
+                if found {
+                    hits.push((part.doc_keys[doc as usize], total / ceiling));
+                }
+            }
+        }
+        hits.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        hits.truncate(top);
+        hits
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(48))]
+
+        /// The pruned search finds the same best documents with the same scores as scoring
+        /// every document, over several parts, replaced documents and skewed word counts,
+        /// with and without a cap on each term's postings.
+        #[test]
+        fn pruned_search_equals_scoring_every_document(
+            docs in proptest::collection::vec(
+                (0u32..400, proptest::collection::vec(0usize..1_600, 1..14)),
+                1..700,
+            ),
+            query in proptest::collection::vec((0usize..1_600, 1u32..8), 1..24),
+            top in 1usize..30,
+            cap in proptest::prop_oneof![proptest::strategy::Just(usize::MAX), 1usize..60],
+        ) {
+            let bm25 = Bm25 {
+                postings_per_term: cap,
+                ..BM25
+            };
+            // Squaring skews the vocabulary: low words are common, high ones rare.
+            let word = |n: usize| format!("w{}", n * n / 16_000);
+            let mut index = MemoryIndex::default();
+            let mut segment = Segment::default();
+            for (key, words) in &docs {
+                let text: Vec<String> = words.iter().map(|n| word(*n)).collect();
+                let text = text.join(" ");
+                let ids = index.term_ids(&text);
+                segment.put(*key, Some((ids, Vec::new())), fingerprint(&[&text]));
+            }
+            let query: Vec<(TermId, f32)> = query
+                .iter()
+                .filter_map(|(n, weight)| {
+                    let (ids, _) = index.query_terms(&word(*n));
+                    Some((*ids.first()?, *weight as f32 / 4.0))
+                })
+                .collect();
+            let ceiling = 3.0;
+            let pruned = segment.search_weighted(&query, ceiling, bm25, top);
+            let every = exhaustive(&segment, &query, ceiling, bm25, top);
+            proptest::prop_assert_eq!(pruned.len(), every.len());
+            let close = |a: f32, b: f32| (a - b).abs() <= 1e-5 * a.abs().max(b.abs()).max(1.0);
+            for (found, wanted) in pruned.iter().zip(&every) {
+                // Same scores rank by rank (summing in another order moves the last bits)...
+                proptest::prop_assert!(close(found.1, wanted.1), "{:?} vs {:?}", pruned, every);
+            }
+            // ...and each document found has the score the brute force gives it.
+            for (key, score) in &pruned {
+                let own = exhaustive(&segment, &query, ceiling, bm25, usize::MAX)
+                    .into_iter()
+                    .find(|(other, _)| other == key)
+                    .map(|(_, score)| score);
+                proptest::prop_assert!(own.is_some_and(|own| close(own, *score)), "key {}", key);
+            }
+        }
+    }
+
+    #[test]
+    fn top_k_is_deterministic_on_ties() {
+        let (index, segment) = segment(&["apple pie", "apple pie", "apple pie", "pear"]);
+        let (query, _) = index.query_terms("apple");
+        let hits = segment.search(&query, BM25, 2);
+        assert_eq!(hits.iter().map(|hit| hit.0).collect::<Vec<_>>(), [0, 1]);
+    }
+
+    #[test]
+    fn raw_turns_are_found_by_their_date_in_words() {
+        let mut state = MemoryState::new();
+        for (n, time) in ["2023-05-08T13:56:00Z", "2023-06-20T10:00:00Z"]
+            .into_iter()
+            .enumerate()
+        {
+            crate::record::record_exchange(
+                &mut state,
+                &crate::record::ExchangeInput {
+                    session_id: "s".into(),
+                    turn_id: format!("t{n}"),
+                    user_text: "We went to the lake.".into(),
+                    assistant_text: "Sounds fun.".into(),
+                    event_time: Some(time.into()),
+                    ..Default::default()
+                },
+                &crate::extract::HeuristicExtractor,
+                &crate::config::MemoryConfig::default(),
+            );
+        }
+        let index = MemoryIndex::build(&state);
+        let (query, _) = index.query_terms("What did we do on 20 June, 2023?");
+        let hits = index.raw.search(&query, BM25, 5);
+        assert_eq!(hits[0].0, 1, "{hits:?}");
+
+        // The forward index holds what was said, not the date words.
+        let (said, _) = index.query_terms("We went to the lake. Sounds fun.");
+        let (date, _) = index.query_terms("20 June 2023");
+        let mut expected = said.clone();
+        expected.sort_unstable();
+        assert_eq!(index.raw.terms_of(1), expected.as_slice());
+        assert!(
+            date.iter()
+                .all(|term| !index.raw.terms_of(1).contains(term))
+        );
+        assert!(index.raw.terms_of(7).is_empty());
+    }
+}

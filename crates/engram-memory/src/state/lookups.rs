@@ -1,0 +1,497 @@
+//! Lookups derived from a memory's items, kept beside them so that a turn's work never scans
+//! the whole history: turn ids, fact keys, the facts each turn supports, fact signatures (for
+//! consolidation), episodes by the terms that rehydrate them, and the working set (facts and
+//! turn summaries in NEW or CURRENT).
+//!
+//! None of it is stored. A copy of the memory builds them from its items the first time it
+//! needs them (O(history), once per process and user), then keeps them current from the
+//! changes its items record ([`super::segmented::Segmented::pending`]):
+//! [`MemoryState::sync_lookups`] applies the changes they have not seen yet. Lists may hold stale entries (an id whose item no longer
+//! matches); every user checks the item itself, so a stale entry costs a look, never a wrong
+//! answer. They are layered maps ([`LayeredMap`]), so a copy of the memory shares them.
+
+use std::collections::BTreeSet;
+use std::hash::{Hash, Hasher};
+
+use rustc_hash::{FxBuildHasher, FxHasher};
+
+use super::layered::LayeredMap;
+use super::model::{EpisodeId, Fact, FactId, MemoryState, Tier, TurnSeq};
+use crate::diff::normalise;
+use crate::manifest::match_terms;
+use crate::text::terms;
+
+type Strings<V> = LayeredMap<String, V, foldhash::fast::RandomState>;
+
+/// Episodes a message's term brings up as rehydration candidates at most: the newest that
+/// have it (episode ids grow with time).
+pub const EPISODES_PER_TERM: usize = 256;
+
+/// The positions each kind of item recorded as changed, in the order of [`Lookups::seen`].
+fn pending(state: &MemoryState) -> [&[u32]; 5] {
+    [
+        state.raw_turns.pending(),
+        state.facts.pending(),
+        state.turn_log.pending(),
+        state.episodes.pending(),
+        state.sessions.pending(),
+    ]
+}
+
+#[derive(Clone, Default)]
+pub struct Lookups {
+    built: bool,
+    /// How much of each pending-change list (raw turns, facts, turn log, episodes, sessions)
+    /// has been applied.
+    seen: [usize; 5],
+    turn_ids: Strings<TurnSeq>,
+    session_ids: Strings<u32>,
+    /// Normalised key -> facts that had it.
+    fact_keys: Strings<Vec<FactId>>,
+    /// Raw turn -> facts whose provenance named it.
+    facts_by_turn: LayeredMap<TurnSeq, Vec<FactId>, FxBuildHasher>,
+    /// Signature (stemmed key and value terms) hash -> facts that had it.
+    signatures: LayeredMap<u64, Vec<FactId>, FxBuildHasher>,
+    /// Signatures that two facts came to share since the last consolidation.
+    collided: BTreeSet<u64>,
+    /// Match term -> episodes that had it.
+    episode_terms: Strings<Vec<EpisodeId>>,
+    /// Fact -> whether it was active and its provenance, as last seen: a manifest lists the
+    /// active facts of its turns, so a change of either touches the episodes of the turns it
+    /// names before and after.
+    fact_membership: LayeredMap<FactId, (bool, Vec<TurnSeq>), FxBuildHasher>,
+    /// Episodes whose facts changed since the last consolidation. Not kept across a restart:
+    /// a manifest waiting for its refresh then gets it when its facts next change.
+    stale_episodes: BTreeSet<EpisodeId>,
+    working_facts: BTreeSet<FactId>,
+    working_summaries: BTreeSet<TurnSeq>,
+    /// Active hard constraints (the core block reserves room for each on every request).
+    hard_constraints: BTreeSet<FactId>,
+}
+
+impl std::fmt::Debug for Lookups {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lookups")
+            .field("built", &self.built)
+            .field("working_facts", &self.working_facts.len())
+            .field("working_summaries", &self.working_summaries.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Derived data: two memories with equal items are equal whatever their lookups hold.
+impl PartialEq for Lookups {
+    fn eq(&self, _: &Lookups) -> bool {
+        true
+    }
+}
+
+/// Stemmed key terms and value terms, each sorted and distinct.
+pub type Signature = (Vec<String>, Vec<String>);
+
+/// A fact's consolidation signature: its stemmed key and value terms, sorted and distinct.
+/// `None` for a fact whose key has no terms (never merged).
+pub fn signature(fact: &Fact) -> Option<Signature> {
+    let mut key_terms: Vec<String> = terms(&fact.key).collect();
+    key_terms.sort();
+    key_terms.dedup();
+    if key_terms.is_empty() {
+        return None;
+    }
+    let mut value_terms: Vec<String> = terms(&fact.value).collect();
+    value_terms.sort();
+    value_terms.dedup();
+    Some((key_terms, value_terms))
+}
+
+fn signature_hash(signature: &Signature) -> u64 {
+    let mut hasher = FxHasher::default();
+    signature.hash(&mut hasher);
+    hasher.finish()
+}
+
+/// Adds `id` to the list under `key` unless it is there; true when the list already held
+/// another id.
+fn add_to<K, S>(map: &mut LayeredMap<K, Vec<u32>, S>, key: K, id: u32) -> bool
+where
+    K: Hash + Eq + Clone,
+    S: std::hash::BuildHasher + Default + Clone,
+{
+    if let Some(ids) = map.get(&key)
+        && ids.contains(&id)
+    {
+        return ids.len() > 1;
+    }
+    let mut ids = map.get(&key).cloned().unwrap_or_default();
+    let shared = !ids.is_empty();
+    ids.push(id);
+    map.insert(key, ids);
+    shared
+}
+
+impl Lookups {
+    /// Whether the lookups have been built for this copy (they may still lag its latest
+    /// changes until [`MemoryState::sync_lookups`]).
+    pub fn is_built(&self) -> bool {
+        self.built
+    }
+
+    /// The position of session `session_id`.
+    pub fn session(&self, state: &MemoryState, session_id: &str) -> Option<u32> {
+        let at = *self.session_ids.get(session_id)?;
+        state
+            .sessions
+            .get(at as usize)
+            .is_some_and(|session| session.id == session_id)
+            .then_some(at)
+    }
+
+    /// The raw turn recorded under `turn_id`.
+    pub fn turn(&self, state: &MemoryState, turn_id: &str) -> Option<TurnSeq> {
+        let seq = *self.turn_ids.get(turn_id)?;
+        state
+            .raw_turns
+            .get(seq as usize)
+            .is_some_and(|turn| turn.id == turn_id)
+            .then_some(seq)
+    }
+
+    /// Facts whose key normalises to `normalised_key`, ascending.
+    pub fn facts_with_key(&self, state: &MemoryState, normalised_key: &str) -> Vec<FactId> {
+        let mut ids: Vec<FactId> = self
+            .fact_keys
+            .get(normalised_key)
+            .map(|ids| {
+                ids.iter()
+                    .copied()
+                    .filter(|id| {
+                        state
+                            .fact(*id)
+                            .is_some_and(|fact| normalise(&fact.key) == normalised_key)
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// Facts whose provenance names any of `turns`, ascending (active or not).
+    pub fn facts_of_turns(&self, state: &MemoryState, turns: &[TurnSeq]) -> Vec<FactId> {
+        let mut ids: Vec<FactId> = turns
+            .iter()
+            .filter_map(|seq| self.facts_by_turn.get(seq))
+            .flatten()
+            .copied()
+            .filter(|id| {
+                state
+                    .fact(*id)
+                    .is_some_and(|fact| fact.provenance.iter().any(|seq| turns.contains(seq)))
+            })
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
+    /// Episodes sharing at least `min` of `terms` with their match terms, as `(bound, id)`
+    /// ordered by bound then id, both descending: the bound counts the terms whose lists name
+    /// the episode, never fewer than it shares among those lists (a list may still name an
+    /// episode whose terms have changed since). Each term names its newest
+    /// [`EPISODES_PER_TERM`] episodes only.
+    pub fn episodes_with_terms<'a>(
+        &self,
+        terms: impl Iterator<Item = &'a String>,
+        min: usize,
+    ) -> Vec<(usize, EpisodeId)> {
+        let mut counts: std::collections::HashMap<EpisodeId, usize, FxBuildHasher> =
+            std::collections::HashMap::default();
+        for term in terms {
+            // The newest episodes of each term only: a word the user says every day would
+            // otherwise make each turn count thousands of episodes.
+            let listed = self
+                .episode_terms
+                .get(term.as_str())
+                .map_or(&[][..], Vec::as_slice);
+            for id in listed.iter().rev().take(EPISODES_PER_TERM) {
+                *counts.entry(*id).or_default() += 1;
+            }
+        }
+        let mut ranked: Vec<(usize, EpisodeId)> = counts
+            .into_iter()
+            .filter(|(_, count)| *count >= min.max(1))
+            .map(|(id, count)| (count, id))
+            .collect();
+        ranked.sort_unstable_by(|a, b| b.cmp(a));
+        ranked
+    }
+
+    /// Groups of active facts with equal signatures that formed since the last call, each
+    /// ascending by id; the record starts over.
+    pub fn take_collisions(&mut self, state: &MemoryState) -> Vec<Vec<FactId>> {
+        let collided = std::mem::take(&mut self.collided);
+        let mut groups = Vec::new();
+        for hash in collided {
+            let Some(ids) = self.signatures.get(&hash) else {
+                continue;
+            };
+            let mut by_signature: Vec<(Signature, FactId)> = ids
+                .iter()
+                .filter_map(|id| state.fact(*id))
+                .filter(|fact| fact.active)
+                .filter_map(|fact| Some((signature(fact)?, fact.id)))
+                .collect();
+            by_signature.sort();
+            let mut start = 0;
+            while start < by_signature.len() {
+                let end = start
+                    + by_signature[start..]
+                        .iter()
+                        .take_while(|(sig, _)| *sig == by_signature[start].0)
+                        .count();
+                if end - start > 1 {
+                    groups.push(by_signature[start..end].iter().map(|(_, id)| *id).collect());
+                }
+                start = end;
+            }
+        }
+        groups
+    }
+
+    /// Episodes whose facts changed since the last call, ascending; the record starts over.
+    pub fn take_stale_episodes(&mut self) -> Vec<EpisodeId> {
+        std::mem::take(&mut self.stale_episodes)
+            .into_iter()
+            .collect()
+    }
+
+    /// Facts in NEW or CURRENT, ascending.
+    pub fn working_facts(&self) -> &BTreeSet<FactId> {
+        &self.working_facts
+    }
+
+    /// Active hard constraints, ascending.
+    pub fn hard_constraints(&self) -> &BTreeSet<FactId> {
+        &self.hard_constraints
+    }
+
+    /// Whether the lookups have taken in every change `state` recorded (a cached memory's
+    /// have): a reader that cannot bring them up to date (it holds the memory shared) uses
+    /// them only then.
+    pub fn is_current(&self, state: &MemoryState) -> bool {
+        self.built && self.seen == pending(state).map(<[u32]>::len)
+    }
+
+    /// Turn summaries in NEW or CURRENT, ascending.
+    pub fn working_summaries(&self) -> &BTreeSet<TurnSeq> {
+        &self.working_summaries
+    }
+
+    /// Applies the changes `state` recorded since the last call (or builds everything).
+    fn catch_up(&mut self, state: &MemoryState) {
+        let pending = pending(state);
+        if !self.built {
+            *self = Lookups {
+                built: true,
+                ..Lookups::default()
+            };
+            for seq in 0..state.raw_turns.len() {
+                self.raw_turn(state, seq);
+            }
+            for id in 0..state.facts.len() {
+                self.fact(state, id);
+            }
+            for seq in 0..state.turn_log.len() {
+                self.summary(state, seq);
+            }
+            for id in 0..state.episodes.len() {
+                self.episode(state, id);
+            }
+            for at in 0..state.sessions.len() {
+                self.session_id(state, at);
+            }
+            // What the stored manifests list stands until their facts change.
+            self.stale_episodes.clear();
+        } else {
+            let unseen = |kind: usize, list: &[u32]| -> Vec<usize> {
+                list.get(self.seen[kind]..)
+                    .unwrap_or(list)
+                    .iter()
+                    .map(|at| *at as usize)
+                    .collect()
+            };
+            let (raw, facts, summaries, episodes, sessions) = (
+                unseen(0, pending[0]),
+                unseen(1, pending[1]),
+                unseen(2, pending[2]),
+                unseen(3, pending[3]),
+                unseen(4, pending[4]),
+            );
+            sessions
+                .into_iter()
+                .for_each(|at| self.session_id(state, at));
+            raw.into_iter().for_each(|seq| self.raw_turn(state, seq));
+            facts.into_iter().for_each(|id| self.fact(state, id));
+            summaries
+                .into_iter()
+                .for_each(|seq| self.summary(state, seq));
+            episodes.into_iter().for_each(|id| self.episode(state, id));
+        }
+        self.seen = pending.map(<[u32]>::len);
+    }
+
+    fn session_id(&mut self, state: &MemoryState, at: usize) {
+        if let Some(session) = state.sessions.get(at) {
+            self.session_ids
+                .insert(session.id.clone(), u32::try_from(at).unwrap_or(u32::MAX));
+        }
+    }
+
+    fn raw_turn(&mut self, state: &MemoryState, seq: usize) {
+        if let Some(turn) = state.raw_turns.get(seq) {
+            self.turn_ids.insert(
+                turn.id.clone(),
+                TurnSeq::try_from(seq).unwrap_or(TurnSeq::MAX),
+            );
+        }
+    }
+
+    fn fact(&mut self, state: &MemoryState, id: usize) {
+        let Some(fact) = state.facts.get(id) else {
+            return;
+        };
+        add_to(&mut self.fact_keys, normalise(&fact.key), fact.id);
+        for seq in &fact.provenance {
+            add_to(&mut self.facts_by_turn, *seq, fact.id);
+        }
+        if fact.active
+            && let Some(signature) = signature(fact)
+        {
+            let hash = signature_hash(&signature);
+            if add_to(&mut self.signatures, hash, fact.id) {
+                self.collided.insert(hash);
+            }
+        }
+        let membership = (fact.active, fact.provenance.clone());
+        let before = self.fact_membership.get(&fact.id);
+        if before != Some(&membership) {
+            let episode_of = |seq: &TurnSeq| {
+                state
+                    .turn_log
+                    .get(*seq as usize)
+                    .and_then(|entry| entry.episode)
+            };
+            if let Some((_, turns)) = before {
+                let touched: Vec<EpisodeId> = turns.iter().filter_map(episode_of).collect();
+                self.stale_episodes.extend(touched);
+            }
+            self.stale_episodes
+                .extend(membership.1.iter().filter_map(episode_of));
+            self.fact_membership.insert(fact.id, membership);
+        }
+        if fact.active && fact.tier.tier != Tier::Old {
+            self.working_facts.insert(fact.id);
+        } else {
+            self.working_facts.remove(&fact.id);
+        }
+        if fact.active && fact.is_hard_constraint() {
+            self.hard_constraints.insert(fact.id);
+        } else {
+            self.hard_constraints.remove(&fact.id);
+        }
+    }
+
+    fn summary(&mut self, state: &MemoryState, seq: usize) {
+        let Some(entry) = state.turn_log.get(seq) else {
+            return;
+        };
+        if entry.tier.tier != Tier::Old {
+            self.working_summaries.insert(entry.turn);
+        } else {
+            self.working_summaries.remove(&entry.turn);
+        }
+    }
+
+    fn episode(&mut self, state: &MemoryState, id: usize) {
+        let Some(episode) = state.episodes.get(id) else {
+            return;
+        };
+        for term in match_terms(episode) {
+            add_to(&mut self.episode_terms, term, episode.id);
+        }
+    }
+}
+
+impl MemoryState {
+    /// Brings [`MemoryState::lookups`] up to every change made so far; call before reading
+    /// them.
+    pub fn sync_lookups(&mut self) {
+        let mut lookups = std::mem::take(&mut self.lookups);
+        lookups.catch_up(self);
+        self.lookups = lookups;
+    }
+
+    /// [`Lookups::take_collisions`], with the lookups brought up to date first.
+    pub fn take_fact_collisions(&mut self) -> Vec<Vec<FactId>> {
+        self.sync_lookups();
+        let mut lookups = std::mem::take(&mut self.lookups);
+        let groups = lookups.take_collisions(self);
+        self.lookups = lookups;
+        groups
+    }
+
+    /// [`Lookups::take_stale_episodes`], with the lookups brought up to date first.
+    pub fn take_stale_episodes(&mut self) -> Vec<EpisodeId> {
+        self.sync_lookups();
+        let mut lookups = std::mem::take(&mut self.lookups);
+        let ids = lookups.take_stale_episodes();
+        self.lookups = lookups;
+        ids
+    }
+
+    /// Positions of the items changed since the last call, per kind, for a store to write; the
+    /// lookups take the changes in first.
+    pub fn take_changes(&mut self) -> Changes {
+        self.sync_lookups();
+        self.lookups.seen = [0; 5];
+        Changes {
+            sessions: self.sessions.take_dirty(),
+            raw_turns: self.raw_turns.take_dirty(),
+            facts: self.facts.take_dirty(),
+            turn_log: self.turn_log.take_dirty(),
+            episodes: self.episodes.take_dirty(),
+            artifacts: self.artifacts.take_dirty(),
+        }
+    }
+}
+
+/// Items changed since a memory was last stored, by position.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Changes {
+    pub sessions: Vec<u32>,
+    pub raw_turns: Vec<u32>,
+    pub facts: Vec<u32>,
+    pub turn_log: Vec<u32>,
+    pub episodes: Vec<u32>,
+    pub artifacts: Vec<u32>,
+}
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        self.sessions.is_empty()
+            && self.raw_turns.is_empty()
+            && self.facts.is_empty()
+            && self.turn_log.is_empty()
+            && self.episodes.is_empty()
+            && self.artifacts.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.sessions.len()
+            + self.raw_turns.len()
+            + self.facts.len()
+            + self.turn_log.len()
+            + self.episodes.len()
+            + self.artifacts.len()
+    }
+}

@@ -1,0 +1,189 @@
+//! Token counting with tiktoken's vocabularies, through the compact counter in `bpe.rs`. Every
+//! memory item is counted once, when it is written, in both encodings engram serves (o200k for
+//! current OpenAI models, cl100k otherwise); the hot path only adds stored counts.
+//!
+//! Counts of memory lines add up exactly: every rendered item (or heading) is whole lines that
+//! end with a newline and start with a non-space character other than `/` (`- `, `## `; the
+//! indented lines of a multi-line text, see `shape`, are inside an item, never at its edge), and
+//! tiktoken's pre-tokenizer never joins a newline with such a character, so
+//! `tokens(a + b) == tokens(a) + tokens(b)` for rendered items.
+//! The property is checked by a test below and by the budget property tests.
+
+use std::sync::LazyLock;
+
+use serde::{Deserialize, Serialize};
+
+use super::bpe::Bpe;
+
+/// The BPE encoding of a request's model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Encoding {
+    O200k,
+    Cl100k,
+}
+
+impl Encoding {
+    /// o200k for gpt-4o, gpt-4.1, gpt-4.5, gpt-5, gpt-oss and the o-series; cl100k otherwise.
+    pub fn for_model(model: &str) -> Encoding {
+        // "ft:gpt-4o:org::id" and "openai/gpt-4o" name the same base model.
+        let base = model.strip_prefix("ft:").unwrap_or(model);
+        let base = base.rsplit('/').next().unwrap_or(base).to_ascii_lowercase();
+        const O200K_PREFIXES: &[&str] = &[
+            "gpt-4o",
+            "chatgpt-4o",
+            "gpt-4.1",
+            "gpt-4.5",
+            "gpt-5",
+            "gpt-oss",
+            "o1",
+            "o3",
+            "o4",
+            "codex-",
+        ];
+        if O200K_PREFIXES.iter().any(|prefix| base.starts_with(prefix)) {
+            Encoding::O200k
+        } else {
+            Encoding::Cl100k
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Encoding::O200k => "o200k_base",
+            Encoding::Cl100k => "cl100k_base",
+        }
+    }
+
+    pub(crate) fn bpe(self) -> &'static Bpe {
+        static O200K: LazyLock<Bpe> = LazyLock::new(|| {
+            Bpe::from_tables(
+                include_bytes!(concat!(env!("OUT_DIR"), "/o200k.bytes")),
+                include_bytes!(concat!(env!("OUT_DIR"), "/o200k.starts")),
+                O200K_PATTERN,
+            )
+        });
+        static CL100K: LazyLock<Bpe> = LazyLock::new(|| {
+            Bpe::from_tables(
+                include_bytes!(concat!(env!("OUT_DIR"), "/cl100k.bytes")),
+                include_bytes!(concat!(env!("OUT_DIR"), "/cl100k.starts")),
+                CL100K_PATTERN,
+            )
+        });
+        match self {
+            Encoding::O200k => &O200K,
+            Encoding::Cl100k => &CL100K,
+        }
+    }
+}
+
+/// The pre-tokenizers tiktoken-rs builds `o200k_base` and `cl100k_base` with (the second is
+/// not exported; a test checks the first against tiktoken-rs's).
+const O200K_PATTERN: &str = "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+const CL100K_PATTERN: &str = "'(?i:[sdmt]|ll|ve|re)|[^\\r\\n\\p{L}\\p{N}]?+\\p{L}++|\\p{N}{1,3}+| ?[^\\s\\p{L}\\p{N}]++[\\r\\n]*+|\\s++$|\\s*[\\r\\n]|\\s+(?!\\S)|\\s";
+
+/// A text's token count in both encodings, stored next to the text (serialised as `[o200k,
+/// cl100k]`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenCount(pub u32, pub u32);
+
+impl TokenCount {
+    /// Counts `text` in both encodings. Costs a tokenizer pass: call it on the write path only.
+    pub fn of(text: &str) -> TokenCount {
+        TokenCount(
+            count_in(Encoding::O200k, text),
+            count_in(Encoding::Cl100k, text),
+        )
+    }
+
+    pub fn get(self, encoding: Encoding) -> u32 {
+        match encoding {
+            Encoding::O200k => self.0,
+            Encoding::Cl100k => self.1,
+        }
+    }
+}
+
+impl std::ops::Add for TokenCount {
+    type Output = TokenCount;
+    fn add(self, other: TokenCount) -> TokenCount {
+        TokenCount(
+            self.0.saturating_add(other.0),
+            self.1.saturating_add(other.1),
+        )
+    }
+}
+
+/// Tokens of `text` in one encoding (special-token text is counted as ordinary text).
+pub fn count_in(encoding: Encoding, text: &str) -> u32 {
+    if text.is_empty() {
+        return 0;
+    }
+    u32::try_from(encoding.bpe().count(text)).unwrap_or(u32::MAX)
+}
+
+/// Loads both encodings (a few hundred milliseconds, once per process) and the counts of
+/// engram's fixed block text, so the first request does not pay for them. Call at start-up.
+pub fn warm_up() {
+    for encoding in [Encoding::O200k, Encoding::Cl100k] {
+        let _ = count_in(encoding, "warm up");
+    }
+    crate::render::warm_up_fixed();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn o200k_splits_text_as_tiktoken_does() {
+        assert_eq!(O200K_PATTERN, tiktoken_rs::O200K_BASE_PAT_STR);
+    }
+
+    #[test]
+    fn models_map_to_their_encoding() {
+        for model in [
+            "gpt-4o",
+            "gpt-4o-mini-2024-07-18",
+            "gpt-4.1",
+            "o3-mini",
+            "o1",
+            "gpt-5",
+            "ft:gpt-4o:org::abc",
+            "openai/gpt-4o",
+        ] {
+            assert_eq!(Encoding::for_model(model), Encoding::O200k, "{model}");
+        }
+        for model in ["gpt-4", "gpt-3.5-turbo", "llama-3-70b", "mistral-large", ""] {
+            assert_eq!(Encoding::for_model(model), Encoding::Cl100k, "{model}");
+        }
+    }
+
+    #[test]
+    fn counts_are_real_tokenizer_counts() {
+        let count = TokenCount::of("hello world");
+        assert_eq!(count, TokenCount(2, 2));
+        assert_eq!(TokenCount::of(""), TokenCount(0, 0));
+        assert_eq!(count.get(Encoding::Cl100k), 2);
+    }
+
+    #[test]
+    fn rendered_lines_add_up() {
+        let lines = [
+            "- allergy: peanuts [2023-05-08]\n",
+            "- [8 May, 2023] user: I can't eat nuts!! | assistant: Noted.\n",
+            "## Known facts\n",
+            "- a3 (rust code from turn t5):\n```rust\n    fn main() {}\n```\n",
+            "- 東京に住んでいます。\n",
+            "- ends with punctuation ...\n",
+            "- [2024-01-02] user: Fix this:\n  ```rust\n  fn main() {\n      let _ = \"/\";\n  }\n  ```\n\n  assistant: Done.\n",
+            "- artifact 3 (code):\n  ````\n  ```\n  ````\n",
+            "- Rules:\n  - be brief\n\n  [… 4 lines left out …]\n",
+        ];
+        for encoding in [Encoding::O200k, Encoding::Cl100k] {
+            let joined: String = lines.concat();
+            let sum: u32 = lines.iter().map(|line| count_in(encoding, line)).sum();
+            assert_eq!(count_in(encoding, &joined), sum, "{encoding:?}");
+        }
+    }
+}

@@ -1,0 +1,424 @@
+//! Tier maintenance after each recorded turn (seed 000, 002): items the conversation touches
+//! are refreshed; NEW items older than the TTL are demoted to CURRENT; CURRENT is packed by score
+//! into the working-set capacity and what falls out is demoted to OLD and folded into an episode
+//! manifest; an OLD episode the conversation returns to is rehydrated into NEW. Demotion never
+//! deletes anything: items keep their text and provenance, manifests keep their links.
+
+use std::collections::{BTreeSet, HashSet};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::manifest::{build_manifest, episode_facts, remembered_match_terms};
+use crate::config::MemoryConfig;
+use crate::model::{
+    EpisodeId, EpisodeManifest, FactId, ItemRef, MemoryState, Tier, TierState, TurnSeq,
+};
+use crate::score::{fact_score, summary_score};
+use crate::text::remembered_terms;
+use crate::tokens::Encoding;
+use crate::yielding;
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TierReport {
+    /// Items the exchange came back to (frequency and recency refreshed).
+    pub touched: Vec<ItemRef>,
+    pub demoted_to_current: Vec<ItemRef>,
+    pub demoted_to_old: Vec<ItemRef>,
+    pub episodes_created: Vec<EpisodeId>,
+    pub episodes_extended: Vec<EpisodeId>,
+    pub rehydrated: Vec<EpisodeId>,
+}
+
+/// Refreshes active (NEW/CURRENT) facts and summaries the user's message comes back to: they
+/// share at least two of its terms (all, for a one-term item) and at least 30 % of their own.
+/// Items created by the exchange itself (`turn`) are skipped.
+pub fn touch_related(
+    state: &mut MemoryState,
+    user_terms: &HashSet<String>,
+    turn: TurnSeq,
+) -> Vec<ItemRef> {
+    let mut touched = Vec::new();
+    let related = |text: &str| {
+        // Distinct terms, remembered per text: this runs over every working-set item per
+        // recorded turn (a quarter of the worker's time when computed afresh each turn).
+        let item_terms = remembered_terms(text);
+        let shared = item_terms
+            .iter()
+            .filter(|term| user_terms.contains(*term))
+            .count();
+        !item_terms.is_empty()
+            && shared >= item_terms.len().min(2)
+            && shared as f32 >= 0.3 * item_terms.len() as f32
+    };
+    // The working set only: OLD items are never touched (an episode's rehydration brings them
+    // back), so a turn's cost does not grow with the history.
+    state.sync_lookups();
+    let facts: Vec<FactId> = state.lookups.working_facts().iter().copied().collect();
+    let summaries: Vec<TurnSeq> = state.lookups.working_summaries().iter().copied().collect();
+    for id in facts {
+        yielding::checkpoint();
+        let related_fact = state.fact(id).is_some_and(|fact| {
+            fact.active
+                && !matches!(fact.tier.tier, Tier::Old)
+                && fact.tier.last_touched_turn != turn
+                && related(&fact.text())
+        });
+        if related_fact && let Some(fact) = state.facts.get_mut(id as usize) {
+            fact.tier.last_touched_turn = turn;
+            fact.tier.frequency += 1;
+            touched.push(ItemRef::Fact(fact.id));
+        }
+    }
+    for seq in summaries {
+        yielding::checkpoint();
+        let Some(entry) = state.turn_log.get(seq as usize) else {
+            continue;
+        };
+        if matches!(entry.tier.tier, Tier::Old) || entry.turn == turn {
+            continue;
+        }
+        let (user, assistant) = entry.texts(state.raw_turns.get(seq as usize));
+        let text = format!("{user} {assistant}");
+        if related(&text)
+            && let Some(entry) = state.turn_log.get_mut(seq as usize)
+        {
+            entry.tier.last_touched_turn = turn;
+            entry.tier.frequency += 1;
+            touched.push(ItemRef::Summary(entry.turn));
+        }
+    }
+    touched
+}
+
+/// Brings back the OLD episodes the new user message returns to: their turn summaries and
+/// facts re-enter NEW. At most `MAX_REHYDRATED` per turn, those sharing the most salient terms.
+pub fn rehydrate(
+    state: &mut MemoryState,
+    user_terms: &HashSet<String>,
+    turn: TurnSeq,
+    config: &MemoryConfig,
+) -> Vec<EpisodeId> {
+    const MAX_REHYDRATED: usize = 3;
+    let mut matching: Vec<(usize, EpisodeId)> = Vec::new();
+    if config.episodes.rehydrate_min_matches == 0 {
+        for episode in &state.episodes {
+            if dormant(state, episode.id).is_some() {
+                let matches = remembered_match_terms(episode)
+                    .intersection(user_terms)
+                    .count();
+                matching.push((matches, episode.id));
+            }
+        }
+    } else {
+        // Candidates from the term lists, best bound first: once three episodes are found, one
+        // whose bound is below the third's count cannot place, so the walk stops there rather
+        // than going through every episode that shares a word with the message.
+        state.sync_lookups();
+        let candidates = state
+            .lookups
+            .episodes_with_terms(user_terms.iter(), config.episodes.rehydrate_min_matches);
+        for (bound, id) in candidates {
+            if matching.len() >= MAX_REHYDRATED {
+                matching.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
+                matching.truncate(MAX_REHYDRATED);
+                if matching.last().is_some_and(|third| bound < third.0) {
+                    break;
+                }
+            }
+            let Some(episode) = dormant(state, id) else {
+                continue;
+            };
+            let matches = remembered_match_terms(episode)
+                .intersection(user_terms)
+                .count();
+            if matches >= config.episodes.rehydrate_min_matches {
+                matching.push((matches, episode.id));
+            }
+        }
+    }
+    matching.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
+    matching.truncate(MAX_REHYDRATED);
+    let mut rehydrated = Vec::new();
+    for (_, id) in matching {
+        let Some(episode) = state.episode_mut(id) else {
+            continue;
+        };
+        episode.rehydrated_at.push(turn);
+        let links = episode.links.clone();
+        let facts = episode.facts.clone();
+        let revive = |tier: &mut TierState| {
+            *tier = TierState {
+                frequency: tier.frequency + 1,
+                ..TierState::fresh(turn)
+            };
+        };
+        for seq in links {
+            if let Some(entry) = state.turn_log.get_mut(seq as usize) {
+                revive(&mut entry.tier);
+            }
+        }
+        for fact_id in facts {
+            if let Some(fact) = state.facts.get_mut(fact_id as usize)
+                && fact.active
+                && fact.tier.tier == Tier::Old
+            {
+                revive(&mut fact.tier);
+            }
+        }
+        rehydrated.push(id);
+    }
+    if !rehydrated.is_empty() {
+        state.episodes_version += 1;
+    }
+    rehydrated.sort_unstable();
+    rehydrated
+}
+
+/// The episode, if any of its turns is in OLD (it can be rehydrated).
+fn dormant(state: &MemoryState, id: EpisodeId) -> Option<&EpisodeManifest> {
+    state.episode(id).filter(|episode| {
+        episode.links.iter().any(|seq| {
+            state
+                .turn_log
+                .get(*seq as usize)
+                .is_some_and(|entry| entry.tier.tier == Tier::Old)
+        })
+    })
+}
+
+/// Ages NEW into CURRENT; demotes to OLD the turn summaries the conversation has not come back
+/// to within the CURRENT TTL and whatever does not fit the working-set capacity by score; folds
+/// demoted turn summaries into episodes.
+pub fn maintain(state: &mut MemoryState, config: &MemoryConfig, report: &mut TierReport) {
+    let now = state.now();
+    let ttl = config.new_ttl_turns;
+    // Only the working set can age or be packed: OLD items stay where they are.
+    state.sync_lookups();
+    let facts: Vec<FactId> = state.lookups.working_facts().iter().copied().collect();
+    let summaries: Vec<TurnSeq> = state.lookups.working_summaries().iter().copied().collect();
+    for id in &facts {
+        let ages = state.fact(*id).is_some_and(|fact| {
+            fact.active
+                && fact.tier.tier == Tier::New
+                && now.saturating_sub(fact.tier.since_turn) >= ttl
+        });
+        if ages && let Some(fact) = state.facts.get_mut(*id as usize) {
+            fact.tier.tier = Tier::Current;
+            fact.tier.since_turn = now;
+            report.demoted_to_current.push(ItemRef::Fact(fact.id));
+        }
+    }
+    for seq in &summaries {
+        let ages = state.turn_log.get(*seq as usize).is_some_and(|entry| {
+            entry.tier.tier == Tier::New && now.saturating_sub(entry.tier.since_turn) >= ttl
+        });
+        if ages && let Some(entry) = state.turn_log.get_mut(*seq as usize) {
+            entry.tier.tier = Tier::Current;
+            entry.tier.since_turn = now;
+            report.demoted_to_current.push(ItemRef::Summary(entry.turn));
+        }
+    }
+
+    // Pack CURRENT by score. Hard constraints are never demoted (they are always injected).
+    let mut working: Vec<(f32, u32, ItemRef)> = Vec::new();
+    for id in &facts {
+        let Some(fact) = state.fact(*id) else {
+            continue;
+        };
+        if fact.active && fact.tier.tier == Tier::Current && !fact.is_hard_constraint() {
+            let score = fact_score(state, &config.weights, *id as usize);
+            working.push((
+                score,
+                fact.tokens.get(Encoding::O200k),
+                ItemRef::Fact(fact.id),
+            ));
+        }
+    }
+    let mut expired = Vec::new();
+    for seq in &summaries {
+        let Some(entry) = state.turn_log.get(*seq as usize) else {
+            continue;
+        };
+        if entry.tier.tier != Tier::Current {
+            continue;
+        }
+        if now.saturating_sub(entry.tier.last_touched_turn) > config.current_ttl_turns {
+            expired.push(ItemRef::Summary(entry.turn));
+        } else {
+            let score = summary_score(state, &config.weights, entry);
+            working.push((
+                score,
+                entry.tokens.get(Encoding::O200k),
+                ItemRef::Summary(entry.turn),
+            ));
+        }
+    }
+    working.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.2.cmp(&b.2)));
+    let mut used = 0u32;
+    let mut evicted = expired;
+    for (_, tokens, item) in working {
+        if used.saturating_add(tokens) <= config.working_set_tokens {
+            used += tokens;
+        } else {
+            evicted.push(item);
+        }
+    }
+    evicted.sort();
+    let mut evicted_turns = Vec::new();
+    for item in &evicted {
+        match *item {
+            ItemRef::Fact(id) => {
+                if let Some(fact) = state.facts.get_mut(id as usize) {
+                    fact.tier.tier = Tier::Old;
+                    fact.tier.since_turn = now;
+                }
+            }
+            ItemRef::Summary(seq) => {
+                if let Some(entry) = state.turn_log.get_mut(seq as usize) {
+                    entry.tier.tier = Tier::Old;
+                    entry.tier.since_turn = now;
+                    evicted_turns.push(seq);
+                }
+            }
+            _ => {}
+        }
+    }
+    report.demoted_to_old.extend(evicted);
+    fold_into_episodes(state, &evicted_turns, config, report);
+}
+
+/// Puts each demoted turn into an episode: back into its own if it was rehydrated from one,
+/// else into its session's latest episode when it continues it (close in turns, on topic, not
+/// full), else into a new episode. Touched manifests are rebuilt.
+fn fold_into_episodes(
+    state: &mut MemoryState,
+    turns: &[TurnSeq],
+    config: &MemoryConfig,
+    report: &mut TierReport,
+) {
+    let mut dirty: BTreeSet<EpisodeId> = BTreeSet::new();
+    for seq in turns {
+        let Some(entry) = state.turn_log.get(*seq as usize) else {
+            continue;
+        };
+        if let Some(id) = entry.episode {
+            dirty.insert(id);
+            continue;
+        }
+        let session = state
+            .raw_turns
+            .get(*seq as usize)
+            .map_or(0, |turn| turn.session);
+        let (user, assistant) = entry.texts(state.raw_turns.get(*seq as usize));
+        // Distinct already: its length is its set's size.
+        let entry_terms = remembered_terms(&format!("{user} {assistant}"));
+        let open = state
+            .episodes
+            .iter()
+            .rev()
+            .find(|episode| episode.session == session && !episode.erased);
+        let joins = open.filter(|episode| {
+            let last = episode.links.last().copied().unwrap_or(0);
+            let close = *seq > last && seq - last <= config.episodes.max_gap_turns;
+            let room = episode.links.len() < config.episodes.max_turns;
+            let on_topic = episode.links.len() < 3 || {
+                let episode_terms = episode_terms(state, &episode.links);
+                let shared = entry_terms
+                    .iter()
+                    .filter(|term| episode_terms.contains(term.as_str()))
+                    .count();
+                !entry_terms.is_empty()
+                    && shared as f32 / entry_terms.len() as f32 >= config.episodes.min_topic_overlap
+            };
+            close && room && on_topic
+        });
+        let id = match joins {
+            Some(episode) => {
+                let id = episode.id;
+                if !report.episodes_created.contains(&id) && !report.episodes_extended.contains(&id)
+                {
+                    report.episodes_extended.push(id);
+                }
+                id
+            }
+            None => {
+                let id = EpisodeId::try_from(state.episodes.len()).unwrap_or(EpisodeId::MAX);
+                state.episodes.push(Arc::new(build_manifest(
+                    state,
+                    id,
+                    session,
+                    &[],
+                    Vec::new(),
+                )));
+                report.episodes_created.push(id);
+                id
+            }
+        };
+        if let Some(episode) = state.episode_mut(id) {
+            episode.links.push(*seq);
+        }
+        if let Some(entry) = state.turn_log.get_mut(*seq as usize) {
+            entry.episode = Some(id);
+        }
+        // Rebuild now so the next turn's topic check sees this one's terms.
+        refresh_episode(state, id);
+        dirty.remove(&id);
+    }
+    for id in dirty {
+        refresh_episode(state, id);
+    }
+    if !turns.is_empty() {
+        state.episodes_version += 1;
+    }
+}
+
+/// Terms of an episode's turn summaries (broader than its tags, for the topic check).
+fn episode_terms(state: &MemoryState, links: &[TurnSeq]) -> HashSet<String> {
+    let mut terms = HashSet::new();
+    for seq in links {
+        let (user, assistant) = state.summary_texts(*seq);
+        terms.extend(
+            remembered_terms(&format!("{user} {assistant}"))
+                .iter()
+                .cloned(),
+        );
+    }
+    terms
+}
+
+/// Brings an episode's list of facts up to date (after facts of its turns changed); the rest
+/// of a manifest comes from its turns' text, which a fact change leaves as it was.
+pub fn refresh_episode_facts(state: &mut MemoryState, id: EpisodeId) {
+    state.sync_lookups();
+    let Some(episode) = state.episodes.get(id as usize).filter(|e| !e.erased) else {
+        return;
+    };
+    let facts = episode_facts(state, &episode.links);
+    // Unchanged lists leave the episode unwritten.
+    if facts != episode.facts
+        && let Some(slot) = state.episode_mut(id)
+    {
+        slot.facts = facts;
+    }
+}
+
+/// Rebuilds an episode's manifest from its links.
+pub fn refresh_episode(state: &mut MemoryState, id: EpisodeId) {
+    // A deleted episode stays empty.
+    state.sync_lookups();
+    let Some(episode) = state.episodes.get(id as usize).filter(|e| !e.erased) else {
+        return;
+    };
+    let rebuilt = build_manifest(
+        state,
+        id,
+        episode.session,
+        &episode.links,
+        episode.rehydrated_at.clone(),
+    );
+    // Replaced, not changed in place: the old manifest is not copied first.
+    if let Some(slot) = state.episodes.get_mut(id as usize) {
+        *slot = Arc::new(rebuilt);
+    }
+}
