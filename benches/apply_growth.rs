@@ -22,8 +22,8 @@ mod text;
 use std::time::{Duration, Instant};
 
 use engram::cache::CachedMemory;
-use engram_memory::{ExchangeInput, HeuristicExtractor, MemoryConfig, record_exchange, warm_up};
 use engram::store::EncodedState;
+use engram_memory::{ExchangeInput, HeuristicExtractor, MemoryConfig, record_exchange, warm_up};
 
 const SESSION: &str = "solo-session";
 

@@ -23,6 +23,19 @@ pub enum Command {
     /// Call a running proxy's management API (token from ENGRAM_ADMIN_TOKEN); prints the JSON
     /// answer.
     Admin(AdminArgs),
+    /// Moved to the `engram-eval` binary; says so instead of clap's unknown-command error.
+    #[command(hide = true, disable_help_flag = true)]
+    Eval(MovedArgs),
+    /// Moved to the `engram-mock` binary; says so.
+    #[command(name = "mock-upstream", hide = true, disable_help_flag = true)]
+    MockUpstream(MovedArgs),
+}
+
+/// Whatever followed a command that moved to another binary.
+#[derive(Debug, Args)]
+pub struct MovedArgs {
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pub args: Vec<String>,
 }
 
 #[derive(Debug, Args)]

@@ -22,6 +22,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => serve(args),
         Command::Admin(args) => return admin(args),
+        Command::Eval(_) => return moved("eval", "engram-eval"),
+        Command::MockUpstream(_) => return moved("mock-upstream", "engram-mock"),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -30,6 +32,17 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// A command that left the sidecar's binary: where it went, as a usage error.
+fn moved(command: &str, binary: &str) -> ExitCode {
+    let _ = writeln!(
+        std::io::stderr(),
+        "engram: `engram {command}` is a development tool of its own now, outside the sidecar: \
+         run `{binary}` with the same arguments (from the repository: `cargo run --release -p \
+         {binary} -- ARGS`)"
+    );
+    ExitCode::from(2)
 }
 
 fn runtime(worker_threads: usize) -> Result<tokio::runtime::Runtime, Error> {

@@ -48,6 +48,25 @@ fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
+#[test]
+fn the_dev_tools_that_left_the_binary_say_where_they_went() {
+    for (args, binary) in [
+        (&["eval", "locomo", "--data", "x.json"][..], "engram-eval"),
+        (
+            &["mock-upstream", "--listen", "127.0.0.1:0"][..],
+            "engram-mock",
+        ),
+    ] {
+        let output = run(args, &[]);
+        assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
+        assert!(
+            stderr(&output).contains(&format!("cargo run --release -p {binary} --")),
+            "{}",
+            stderr(&output)
+        );
+    }
+}
+
 #[tokio::test]
 async fn admin_commands_call_the_api_and_print_its_json() {
     let upstream = mock(&[]);

@@ -1074,13 +1074,15 @@ mod tests {
         let mut state = recorded(&["The sourdough starter smells odd."]);
         state.turn_log[0].tier.tier = Tier::Old;
         state.turn_log[0].episode = Some(0);
-        state.episodes.push(std::sync::Arc::new(crate::manifest::build_manifest(
-            &state,
-            0,
-            0,
-            &[0],
-            Vec::new(),
-        )));
+        state
+            .episodes
+            .push(std::sync::Arc::new(crate::manifest::build_manifest(
+                &state,
+                0,
+                0,
+                &[0],
+                Vec::new(),
+            )));
         assert!(view(&state, ItemRef::Episode(0)).is_some());
         let deleted = delete(&mut state, ItemRef::Summary(0)).unwrap();
         assert_eq!(deleted, [ItemRef::Summary(0), ItemRef::Episode(0)]);
