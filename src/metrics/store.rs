@@ -13,7 +13,7 @@ use crate::memory::{CandidateId, ExchangeInput, MemoryState};
 use crate::runtime::BoxFuture;
 use crate::store::{
     Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobQueue,
-    JobState, MemoryRecords, Published, RawEntry, Store, UserKey,
+    JobState, MemoryRecords, Placement, Published, RawEntry, Store, UserKey,
 };
 
 /// The `operation` label, one per method of the store traits (`MemoryRecords`, `JobQueue`,
@@ -243,6 +243,36 @@ impl JobQueue for MeteredStore {
         fn fail(job: &'a JobId, reason: &'a str) -> bool = timed(Fail);
         fn job_state(job: &'a JobId) -> Option<JobState> = timed(JobState);
         fn queue_depth() -> u64 = timed(QueueDepth);
+    }
+
+    /// Timed as an enqueue, from the placement to the answer.
+    fn place(&self, job: Job) -> Placement {
+        let series = &self.series[Operation::Enqueue as usize];
+        let bytes = exchange_bytes(&job.exchange);
+        let started = Instant::now();
+        match self.inner.place(job) {
+            Placement::Placed(answer) => {
+                self.wrote(Operation::Enqueue, bytes);
+                let latency = series.latency.clone();
+                let errors = series.errors.clone();
+                Placement::Placed(Box::pin(async move {
+                    let _timer = Timer {
+                        latency: &latency,
+                        started,
+                    };
+                    let result = answer.await;
+                    if result.is_err() {
+                        errors.inc();
+                    }
+                    result
+                }))
+            }
+            other => other,
+        }
+    }
+
+    fn resume_placing(&self) {
+        self.inner.resume_placing();
     }
 }
 

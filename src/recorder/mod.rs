@@ -211,8 +211,8 @@ impl Recorder {
             };
             let _span = telemetry.child("engram.memory.record");
             let key = plan.job.key.clone();
-            // Released (dropped) only after the enqueue, so the session's next recording
-            // queues after this one.
+            // Released once the job has its place in the store's queue, so the session's next
+            // recording queues after this one.
             let ticket = plan.ticket.take();
             let arrival = plan.arrival.take();
             let answered = &exchange.capture.message;
@@ -258,7 +258,15 @@ impl Recorder {
             if let Some(arrival) = &arrival {
                 arrival.recorded();
             }
-            let submit = outbox.submit(job);
+            // With the session's ticket, the session's next recording is placed behind this
+            // one as soon as this one's place in the store's queue is fixed (see
+            // `Outbox::submit_in_order`).
+            let submit = async {
+                match ticket {
+                    Some(ticket) => outbox.submit_in_order(job, ticket).await,
+                    None => outbox.submit(job).await,
+                }
+            };
             tokio::pin!(submit);
             let recorded = tokio::select! {
                 recorded = &mut submit => recorded,
@@ -267,9 +275,7 @@ impl Recorder {
                     submit.await
                 }
             };
-            // The session's next recording may go now; then the client may have the end of
-            // the answer.
-            drop(ticket);
+            // Durable (or spooled, or lost): the client may have the end of the answer.
             answer.send(&key, recorded);
         })
     }
@@ -367,6 +373,9 @@ mod tests {
 
     use tokio::sync::Notify;
 
+    use std::sync::atomic::Ordering;
+
+    use super::order::Ticket;
     use super::outbox::Spool;
     use super::*;
     use crate::memory::history::{CHAIN_ORIGIN, link, pair, request_shape};
@@ -495,5 +504,117 @@ mod tests {
         let last_round = exchange(tool_loop(), answer, "t2");
         assert_eq!(recorded(&recorder, last_round).await, Receipt::Queued);
         assert_eq!(store.queue_depth().await.unwrap(), 1);
+    }
+
+    /// One recording of session `s` with its ticket, started at once; says its receipt.
+    fn record_turn(
+        recorder: &Arc<Recorder>,
+        ticket: Ticket,
+        turn: usize,
+    ) -> impl std::future::Future<Output = (usize, Receipt)> + Send + 'static {
+        let answer = AssistantMessage {
+            content: format!("noted, turn {turn}"),
+            ..AssistantMessage::default()
+        };
+        let text = format!("turn {turn}: remember the number {turn}");
+        let mut exchange = exchange(
+            vec![ChatMessage::new("user", &text)],
+            answer,
+            &format!("t{turn:03}"),
+        );
+        if let Some(plan) = exchange.record.as_mut() {
+            plan.ticket = Some(Arc::new(ticket));
+        }
+        let (receipt, told) = tokio::sync::oneshot::channel();
+        exchange.receipt = Some(receipt);
+        let recording = recorder.record(exchange);
+        async move {
+            recording.await;
+            (turn, told.await.unwrap_or(Receipt::Lost))
+        }
+    }
+
+    /// A session's recordings share commits (each is placed behind the one before without
+    /// waiting for it to be durable), and still reach the queue in the order their requests
+    /// arrived when the store fails a commit in the middle: the jobs placed behind the failed
+    /// one are held back and follow it through the spool, so none is queued ahead of an
+    /// earlier one. (Placed without holding back, the jobs behind a failed one were queued
+    /// before it came back from the spool.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_sessions_jobs_keep_their_order_through_a_failed_commit() {
+        const BEFORE: usize = 20;
+        const TURNS: usize = 80;
+        let embedded = Arc::new(EmbeddedStore::in_memory().unwrap());
+        let store: Arc<dyn Store> = embedded.clone();
+        let spool = Spool::Memory {
+            store: Arc::new(EmbeddedStore::in_memory().unwrap()),
+            capacity: 1_000,
+        };
+        let outbox =
+            Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::new(Notify::new())).await);
+        let recorder = Arc::new(Recorder::new(Arc::clone(&outbox), Duration::from_secs(10)));
+        let order = order::SessionOrder::new();
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let mut forwarder = tokio::task::JoinSet::new();
+        forwarder.spawn(Arc::clone(&outbox).forward(cancel.clone()));
+
+        // The requests arrive in order (their tickets); their answers end newest first.
+        let tickets: Vec<Ticket> = (0..TURNS).map(|_| order.ticket("s".into())).collect();
+        let mut tickets = tickets.into_iter().enumerate().collect::<Vec<_>>();
+        let later = tickets.split_off(BEFORE);
+        let mut receipts = Vec::new();
+        let mut recordings = tokio::task::JoinSet::new();
+        for (turn, ticket) in tickets.into_iter().rev() {
+            recordings.spawn(record_turn(&recorder, ticket, turn));
+        }
+        while let Some(done) = recordings.join_next().await {
+            receipts.push(done.unwrap());
+        }
+        // Answers that ended while an earlier one of the session was going say `pending`.
+        assert_eq!(store.queue_depth().await.unwrap(), BEFORE as u64);
+        // The disk fails the next round's shared commit and its first write alone.
+        embedded.fail_next_enqueue_commits(2);
+        for (turn, ticket) in later.into_iter().rev() {
+            recordings.spawn(record_turn(&recorder, ticket, turn));
+        }
+        while let Some(done) = recordings.join_next().await {
+            receipts.push(done.unwrap());
+        }
+        assert!(
+            outbox.stats().spooled.load(Ordering::Relaxed) >= 1,
+            "no commit failed"
+        );
+        assert_eq!(outbox.stats().lost.load(Ordering::Relaxed), 0);
+        // A job spooled in memory is not durable yet: its receipt says so.
+        assert!(
+            receipts
+                .iter()
+                .all(|(_, receipt)| matches!(receipt, Receipt::Queued | Receipt::Pending)),
+            "{receipts:?}"
+        );
+        tokio::time::timeout(Duration::from_secs(20), async {
+            while outbox.spooled() > 0 || store.queue_depth().await.unwrap() < TURNS as u64 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the spool was not forwarded");
+        cancel.cancel();
+        while forwarder.join_next().await.is_some() {}
+
+        // The queue, in the order a worker takes it: the order the requests arrived.
+        let mut applied = Vec::new();
+        while let Some(claimed) = store.claim("test", Duration::from_secs(60)).await.unwrap() {
+            applied.push(claimed.job.exchange.turn_id.clone());
+            store.ack(&claimed.job.id).await.unwrap();
+        }
+        let arrived: Vec<String> = (0..TURNS).map(|turn| format!("t{turn:03}")).collect();
+        assert_eq!(applied, arrived);
+
+        // Placing resumed: the session's next recording is queued directly.
+        let queued = outbox.stats().queued.load(Ordering::Relaxed);
+        let (_, receipt) = record_turn(&recorder, order.ticket("s".into()), TURNS).await;
+        assert_eq!(receipt, Receipt::Queued);
+        assert_eq!(outbox.stats().queued.load(Ordering::Relaxed), queued + 1);
     }
 }

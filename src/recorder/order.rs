@@ -129,6 +129,13 @@ impl Ticket {
         self.order.is_turn(&self.session, self.number)
     }
 
+    /// A ticket of a second order of the session, taken now: taken by each recording while it
+    /// holds its turn, such tickets follow the session's order too, after this one has been
+    /// released (the outbox settles placed jobs' failures in it).
+    pub fn follower(&self) -> Ticket {
+        self.order.ticket(format!("{}\u{0}settle", self.session))
+    }
+
     /// Waits until every earlier ticket of the session was released. False if it gave up
     /// after the longest wait.
     pub async fn wait_turn(&self) -> bool {

@@ -4,6 +4,12 @@
 //! back. While anything is spooled, new jobs go to the spool too, so a session's jobs reach
 //! the store in the order they were recorded.
 //!
+//! A session's recordings are placed in the store's queue one after another without waiting for
+//! each to be durable ([`Outbox::submit_in_order`]), so they share commits. A failure keeps
+//! their order: the store holds back every job placed behind a failed one, those jobs go to
+//! the spool in the order they were placed (the failed one first), and placing resumes once
+//! each of them has been dealt with, while the spool then takes new jobs until it is empty.
+//!
 //! With Redis the spool is a file in the data directory. With the embedded store the spool
 //! would be on the very disk that is failing, so it is in memory, bounded by
 //! [`MEMORY_SPOOL_JOBS`]: a recording survives a full or failing disk, not a crash during it.
@@ -17,8 +23,10 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::Receipt;
+use super::order::Ticket;
 use crate::error::Result;
-use crate::store::{ForgetReport, Job, JobId, Store, UserKey};
+use crate::runtime::BoxFuture;
+use crate::store::{Enqueued, ForgetReport, Job, JobId, Placement, Store, UserKey};
 
 /// Enqueue attempts before a job goes to the spool.
 const ATTEMPTS: u32 = 3;
@@ -67,6 +75,9 @@ pub struct Outbox {
     stats: OutboxStats,
     /// The jobs of the recordings in flight.
     recording: Mutex<HashSet<JobId>>,
+    /// Jobs placed in the store's queue whose outcome is not yet dealt with (durable, or
+    /// spooled after a failure); placing resumes after a failure once it is 0.
+    unsettled: Mutex<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -95,6 +106,7 @@ impl Outbox {
             spooled_signal: Notify::new(),
             stats: OutboxStats::default(),
             recording: Mutex::default(),
+            unsettled: Mutex::new(0),
         }
     }
 
@@ -148,10 +160,98 @@ impl Outbox {
     /// panics) if neither takes it.
     pub async fn submit(&self, job: Job) -> Receipt {
         if self.spooled() == 0 && !self.backlogged() && self.enqueue_with_retry(&job).await {
-            self.stats.queued.fetch_add(1, Ordering::Relaxed);
-            self.queued.notify_one();
-            return Receipt::Queued;
+            return self.queued();
         }
+        self.spool(job).await
+    }
+
+    /// [`Outbox::submit`] for the recording that holds its session's `ticket` (its turn has
+    /// come): the ticket is released as soon as the job's place in the store's queue is fixed,
+    /// so the session's next recording is placed behind it, in the same commit or the next,
+    /// rather than one durable commit later; the receipt still waits for the job to be durable.
+    /// If a placed job fails, the store holds back the jobs placed behind it; each goes to the
+    /// spool in its session's order (`settle`, the ticket's follower). A store that cannot
+    /// place (Redis) is submitted to one job at a time, the ticket held until it is durable.
+    pub async fn submit_in_order(&self, job: Job, ticket: Arc<Ticket>) -> Receipt {
+        // Taken while the session's turn is held, so followers go in the session's order.
+        let settle = ticket.follower();
+        let placement = {
+            let mut unsettled = self
+                .unsettled
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if self.spooled() > 0 || self.backlogged() {
+                Placed::Spool(job)
+            } else {
+                match self.store.place(job.clone()) {
+                    Placement::Placed(answer) => {
+                        *unsettled += 1;
+                        Placed::Store(answer, job)
+                    }
+                    Placement::Held(job) => Placed::Spool(job),
+                    Placement::Unsupported(job) => Placed::OneAtATime(job),
+                }
+            }
+        };
+        match placement {
+            Placed::OneAtATime(job) => {
+                let recorded = self.submit(job).await;
+                drop(ticket);
+                recorded
+            }
+            Placed::Spool(job) => {
+                // After the session's earlier jobs that failed, and before its next recording.
+                if !settle.wait_turn().await {
+                    tracing::warn!(
+                        "an earlier failed recording of this session is stuck; spooling anyway"
+                    );
+                }
+                let recorded = self.spool(job).await;
+                drop(ticket);
+                recorded
+            }
+            Placed::Store(answer, job) => {
+                drop(ticket);
+                let recorded = match answer.await {
+                    Ok(_) => self.queued(),
+                    Err(error) => {
+                        tracing::debug!(%error, job = %job.id.key, "a placed enqueue failed; spooling it in order");
+                        if !settle.wait_turn().await {
+                            tracing::warn!(
+                                "an earlier failed recording of this session is stuck; spooling anyway"
+                            );
+                        }
+                        self.spool(job).await
+                    }
+                };
+                self.settled();
+                recorded
+            }
+        }
+    }
+
+    /// A placed job's outcome was dealt with; with none left, placing resumes (a no-op unless
+    /// a failure held it: the jobs it held are in the spool now, which takes new jobs until
+    /// it is empty).
+    fn settled(&self) {
+        let mut unsettled = self
+            .unsettled
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        *unsettled = unsettled.saturating_sub(1);
+        if *unsettled == 0 {
+            self.store.resume_placing();
+        }
+    }
+
+    fn queued(&self) -> Receipt {
+        self.stats.queued.fetch_add(1, Ordering::Relaxed);
+        self.queued.notify_one();
+        Receipt::Queued
+    }
+
+    /// Keeps the job in the spool, if it has room.
+    async fn spool(&self, job: Job) -> Receipt {
         if let Spool::Memory { capacity, .. } = &self.spool
             && self.spooled() >= *capacity
         {
@@ -257,6 +357,18 @@ impl Outbox {
             }
         }
     }
+}
+
+/// Where [`Outbox::submit_in_order`] put a job.
+enum Placed {
+    /// In the store's queue; the answer says when it is durable. The job is kept for the
+    /// spool, should it fail.
+    Store(BoxFuture<'static, Result<Enqueued>>, Job),
+    /// Bound for the spool (it holds jobs already, the backlog is full, or the store held the
+    /// job back after a failure).
+    Spool(Job),
+    /// The store does not place: submitted one job at a time.
+    OneAtATime(Job),
 }
 
 /// A recording in flight; see [`Outbox::recording`].

@@ -23,8 +23,8 @@ use super::group_commit::{Committed, GroupCommit};
 use super::layout::{self, Change, Delta, ItemKey, ItemKind, MemoryUpdate, Stored};
 use super::{
     Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobQueue,
-    JobState, MemoryRecords, Published, RawEntry, Store, UNAPPLIED_BYTES, UNAPPLIED_TURNS, UserKey,
-    commit_owner, decode, now_ms,
+    JobState, MemoryRecords, Placement, Published, RawEntry, Store, UNAPPLIED_BYTES,
+    UNAPPLIED_TURNS, UserKey, commit_owner, decode, now_ms,
 };
 use crate::error::{Error, Result};
 use crate::memory::{CandidateId, ExchangeInput, MemoryState};
@@ -215,6 +215,12 @@ impl EmbeddedStore {
     /// The database file; `None` in memory.
     pub fn path(&self) -> Option<&Path> {
         self.db.path()
+    }
+
+    /// Makes the next `commits` enqueue transactions fail (tests: a disk error mid-stream).
+    #[cfg(test)]
+    pub fn fail_next_enqueue_commits(&self, commits: u32) {
+        self.enqueues.fail_next_commits(commits);
     }
 
     /// Runs a blocking redb operation on tokio's blocking pool.
@@ -856,6 +862,17 @@ impl MemoryRecords for EmbeddedStore {
 impl JobQueue for EmbeddedStore {
     fn enqueue<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Enqueued>> {
         Box::pin(self.enqueues.submit(&self.db, job.clone()))
+    }
+
+    fn place(&self, job: Job) -> Placement {
+        match self.enqueues.place(&self.db, job) {
+            Ok(answer) => Placement::Placed(answer),
+            Err((job, _)) => Placement::Held(job),
+        }
+    }
+
+    fn resume_placing(&self) {
+        self.enqueues.resume();
     }
 
     fn claim<'a>(

@@ -12,6 +12,12 @@
 //! Each caller still gets its own result. An operation may fail cleanly (it wrote nothing, e.g.
 //! a version conflict) without affecting the others; any other failure aborts the batch, and
 //! its operations are then retried one transaction each, so one bad write never fails another.
+//!
+//! *Ordered* operations (`GroupCommit::place`: a session's recorded jobs, placed one after
+//! another without waiting for each to be durable) keep their order through a failure: once
+//! one fails, every ordered operation behind it (in its batch, still pending, or placed later)
+//! is refused without being written until the caller, having dealt with the failed ones,
+//! calls `GroupCommit::resume`. So no ordered operation commits after one before it failed.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -21,6 +27,7 @@ use tokio::sync::oneshot;
 
 use super::db_handle::DbHandle;
 use crate::error::{Error, Result};
+use crate::runtime::BoxFuture;
 use crate::runtime::priority::{self, RecorderPriority, WorkerRuntime};
 
 /// Applies one operation inside a transaction; a clean failure must have written nothing.
@@ -39,13 +46,29 @@ pub struct GroupCommit<Op, Out> {
     linger: Duration,
     /// Where rounds run; `None`: the submitting runtime's blocking pool.
     pool: Option<WorkerRuntime>,
+    /// Transactions left to fail (`fail_next_commits`).
+    #[cfg(test)]
+    faults: std::sync::atomic::AtomicU32,
+}
+
+/// An operation waiting for its round, with its caller's answer.
+struct Entry<Op, Out> {
+    op: Op,
+    /// Placed in order (`GroupCommit::place`): refused while the ordered operations are held.
+    ordered: bool,
+    answer: oneshot::Sender<Result<Out>>,
 }
 
 struct Pending<Op, Out> {
-    queue: Vec<(Op, oneshot::Sender<Result<Out>>)>,
+    queue: Vec<Entry<Op, Out>>,
     /// A blocking task is committing; new operations wait for its next round.
     running: bool,
+    /// An ordered operation failed: ordered ones are refused until `resume`.
+    held: bool,
 }
+
+/// An operation's result once its round has run.
+pub type Answer<Out> = BoxFuture<'static, Result<Out>>;
 
 impl<Op, Out> GroupCommit<Op, Out>
 where
@@ -78,19 +101,62 @@ where
             state: Mutex::new(Pending {
                 queue: Vec::new(),
                 running: false,
+                held: false,
             }),
             apply,
             linger,
             pool,
+            #[cfg(test)]
+            faults: std::sync::atomic::AtomicU32::new(0),
         }
     }
 
     /// Queues `op` for the next commit and waits for its result.
     pub async fn submit(self: &Arc<Self>, db: &Arc<DbHandle>, op: Op) -> Result<Out> {
-        let (sender, receiver) = oneshot::channel();
+        let receiver = self.queue(db, op, false).map_err(|(_, error)| error)?;
+        answered(receiver).await
+    }
+
+    /// Queues `op` behind every operation queued before it and returns at once with what
+    /// will say its result, so a caller can queue its next one meanwhile: operations placed
+    /// one after another commit in that order, in one round or in successive ones. Once a
+    /// placed operation has failed, the placed ones behind it are answered with an error
+    /// without being written, and `place` gives `op` back with that error, until
+    /// [`GroupCommit::resume`].
+    pub fn place(self: &Arc<Self>, db: &Arc<DbHandle>, op: Op) -> Result<Answer<Out>, (Op, Error)> {
+        let receiver = self.queue(db, op, true)?;
+        Ok(Box::pin(answered(receiver)))
+    }
+
+    /// Lets placed operations through again after a failure held them.
+    pub fn resume(&self) {
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .held = false;
+    }
+
+    #[allow(
+        clippy::type_complexity,
+        reason = "the operation comes back with its refusal"
+    )]
+    fn queue(
+        self: &Arc<Self>,
+        db: &Arc<DbHandle>,
+        op: Op,
+        ordered: bool,
+    ) -> Result<oneshot::Receiver<Result<Out>>, (Op, Error)> {
+        let (answer, receiver) = oneshot::channel();
         let lead = {
             let mut pending = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-            pending.queue.push((op, sender));
+            if ordered && pending.held {
+                return Err((op, held()));
+            }
+            pending.queue.push(Entry {
+                op,
+                ordered,
+                answer,
+            });
             !std::mem::replace(&mut pending.running, true)
         };
         if lead {
@@ -102,9 +168,7 @@ where
                 None => drop(tokio::task::spawn_blocking(round)),
             }
         }
-        receiver
-            .await
-            .map_err(|_| Error::Store("the store's writer stopped".to_owned()))?
+        Ok(receiver)
     }
 
     /// Commits rounds until nothing is pending. The last round's results are sent only after
@@ -117,10 +181,10 @@ where
             std::thread::sleep(self.linger);
         }
         let mut batch = self.take_or_stop();
-        while let (Some(ops), Some(open)) = (batch, handle.as_ref()) {
+        while let (Some(entries), Some(open)) = (batch, handle.as_ref()) {
             let answers = match open.get_or_reopen() {
                 Ok(db) => {
-                    let answers = self.commit(&db, ops);
+                    let answers = self.commit(&db, entries);
                     if answers
                         .iter()
                         .any(|(_, result)| matches!(result, Err(Error::Store(_))))
@@ -130,23 +194,28 @@ where
                     }
                     answers
                 }
-                Err(error) => ops
-                    .into_iter()
-                    .map(|(_, sender)| (sender, Err(Error::Store(error.to_string()))))
-                    .collect(),
+                Err(error) => {
+                    if entries.iter().any(|entry| entry.ordered) {
+                        self.hold();
+                    }
+                    entries
+                        .into_iter()
+                        .map(|entry| (entry.answer, Err(Error::Store(error.to_string()))))
+                        .collect()
+                }
             };
             batch = self.take_or_stop();
             if batch.is_none() {
                 handle = None;
             }
-            for (sender, result) in answers {
-                let _ = sender.send(result);
+            for (answer, result) in answers {
+                let _ = answer.send(result);
             }
         }
     }
 
     /// The pending operations, or `None` (and no longer running) when there are none.
-    fn take_or_stop(&self) -> Option<Vec<(Op, oneshot::Sender<Result<Out>>)>> {
+    fn take_or_stop(&self) -> Option<Vec<Entry<Op, Out>>> {
         let mut pending = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         if pending.queue.is_empty() {
             pending.running = false;
@@ -156,23 +225,37 @@ where
         }
     }
 
+    fn hold(&self) {
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .held = true;
+    }
+
+    fn is_held(&self) -> bool {
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .held
+    }
+
     #[allow(clippy::type_complexity, reason = "pairs each caller with its result")]
     fn commit(
         &self,
         db: &Database,
-        batch: Vec<(Op, oneshot::Sender<Result<Out>>)>,
+        batch: Vec<Entry<Op, Out>>,
     ) -> Vec<(oneshot::Sender<Result<Out>>, Result<Out>)> {
-        if batch.len() > 1 {
+        if batch.len() > 1 && !(self.is_held() && batch.iter().any(|entry| entry.ordered)) {
             match self.commit_together(db, &batch) {
                 Ok(results) => {
                     return batch
                         .into_iter()
                         .zip(results)
-                        .map(|((op, sender), result)| {
+                        .map(|(entry, result)| {
                             if result.is_ok() {
-                                op.committed();
+                                entry.op.committed();
                             }
-                            (sender, result)
+                            (entry.answer, result)
                         })
                         .collect();
                 }
@@ -181,30 +264,38 @@ where
                 }
             }
         }
+        // One by one, in order; an ordered operation that fails holds the ordered ones behind
+        // it (see the module's comment).
+        let mut held = self.is_held();
         batch
             .into_iter()
-            .map(|(op, sender)| {
-                let result = self.commit_one(db, &op);
-                if result.is_ok() {
-                    op.committed();
+            .map(|entry| {
+                if entry.ordered && held {
+                    return (entry.answer, Err(self::held()));
                 }
-                (sender, result)
+                let result = self.commit_one(db, &entry.op);
+                match &result {
+                    Ok(_) => entry.op.committed(),
+                    Err(_) if entry.ordered => {
+                        held = true;
+                        self.hold();
+                    }
+                    Err(_) => {}
+                }
+                (entry.answer, result)
             })
             .collect()
     }
 
-    /// One transaction for the whole batch; `Err` when it had to be aborted.
-    fn commit_together(
-        &self,
-        db: &Database,
-        batch: &[(Op, oneshot::Sender<Result<Out>>)],
-    ) -> Result<Vec<Result<Out>>> {
+    /// One transaction for the whole batch; `Err` when it had to be aborted (also when an
+    /// ordered operation failed, even cleanly: those behind it must not commit).
+    fn commit_together(&self, db: &Database, batch: &[Entry<Op, Out>]) -> Result<Vec<Result<Out>>> {
         let txn = db.begin_write().map_err(db_error)?;
         let mut results = Vec::with_capacity(batch.len());
-        for (op, _) in batch {
-            let result = (self.apply)(&txn, op);
+        for entry in batch {
+            let result = (self.apply)(&txn, &entry.op);
             if let Err(error) = &result
-                && !is_clean(error)
+                && (entry.ordered || !is_clean(error))
             {
                 // Dropping the transaction aborts it.
                 return Err(Error::Store(error.to_string()));
@@ -217,6 +308,7 @@ where
         // before the sync (`YieldingFile`), but inside each write and the sync a kernel built
         // without preemption (as this VM's) lets no request in.
         priority::yield_to_requests();
+        self.fault()?;
         txn.commit().map_err(db_error)?;
         Ok(results)
     }
@@ -225,9 +317,46 @@ where
         let txn = db.begin_write().map_err(db_error)?;
         let out = (self.apply)(&txn, op)?;
         priority::yield_to_requests();
+        self.fault()?;
         txn.commit().map_err(db_error)?;
         Ok(out)
     }
+
+    /// Makes the next `commits` transactions fail before they commit (tests: a disk error).
+    #[cfg(test)]
+    pub fn fail_next_commits(&self, commits: u32) {
+        self.faults
+            .store(commits, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// A failure injected by `fail_next_commits`, aborting the transaction.
+    fn fault(&self) -> Result<()> {
+        #[cfg(test)]
+        if self
+            .faults
+            .fetch_update(
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+                |left| left.checked_sub(1),
+            )
+            .is_ok()
+        {
+            return Err(Error::Store("injected commit failure".to_owned()));
+        }
+        Ok(())
+    }
+}
+
+/// What a held operation is answered.
+fn held() -> Error {
+    Error::Store("held back: an enqueue placed before it failed".to_owned())
+}
+
+/// Waits for a queued operation's answer.
+async fn answered<Out>(receiver: oneshot::Receiver<Result<Out>>) -> Result<Out> {
+    receiver
+        .await
+        .map_err(|_| Error::Store("the store's writer stopped".to_owned()))?
 }
 
 /// Failures that wrote nothing, so the rest of the batch may commit.
@@ -245,7 +374,7 @@ mod tests {
 
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    use redb::{ReadableDatabase, ReadableTableMetadata, TableDefinition};
+    use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
 
     use super::*;
 
@@ -302,5 +431,58 @@ mod tests {
         let txn = db.begin_read().unwrap();
         let rows = txn.open_table(ROWS).unwrap();
         assert_eq!(rows.len().unwrap(), 2);
+    }
+
+    /// Placed writes commit in order; once one fails, the placed ones behind it (in its
+    /// round, or placed later) are refused without being written until `resume`, while a
+    /// write submitted the ordinary way still commits.
+    #[tokio::test]
+    async fn a_failed_placed_write_holds_back_the_placed_ones_behind_it() {
+        let db = Arc::new(DbHandle::in_memory(|_| Ok(())).unwrap());
+        let group = Arc::new(GroupCommit::with(write, Duration::from_millis(100), None));
+        let published = Arc::new(AtomicUsize::new(0));
+        let op = |key| Write {
+            key,
+            conflict: false,
+            published: Arc::clone(&published),
+        };
+        // The round's shared commit fails, then its first write alone.
+        group.fail_next_commits(2);
+        let placed: Vec<Answer<()>> = (1..=3)
+            .map(|key| {
+                group
+                    .place(&db, op(key))
+                    .map_err(|(_, error)| error)
+                    .unwrap()
+            })
+            .collect();
+        let mut results = Vec::new();
+        for answer in placed {
+            results.push(answer.await);
+        }
+        assert!(results.iter().all(Result::is_err), "{results:?}");
+        // Placed later: refused at once, given back.
+        let (refused, _) = group.place(&db, op(4)).err().unwrap();
+        assert_eq!(refused.key, 4);
+        // Not placed: commits.
+        group.submit(&db, op(5)).await.unwrap();
+        group.resume();
+        group
+            .place(&db, op(6))
+            .map_err(|(_, error)| error)
+            .unwrap()
+            .await
+            .unwrap();
+
+        let db = db.get_or_reopen().unwrap();
+        let txn = db.begin_read().unwrap();
+        let rows = txn.open_table(ROWS).unwrap();
+        let keys: Vec<u64> = rows
+            .iter()
+            .unwrap()
+            .map(|row| row.unwrap().0.value())
+            .collect();
+        assert_eq!(keys, vec![5, 6]);
+        assert_eq!(published.load(Ordering::SeqCst), 2);
     }
 }

@@ -170,6 +170,18 @@ pub enum Enqueued {
     Duplicate(JobState),
 }
 
+/// Where [`JobQueue::place`] put a job.
+pub enum Placement {
+    /// In the queue's order, behind every job placed before it; the future says when it is
+    /// durable, or that it failed or was held back (then nothing of it was written).
+    Placed(BoxFuture<'static, Result<Enqueued>>),
+    /// Held back without being written: a job placed before it failed, and
+    /// [`JobQueue::resume_placing`] was not called since.
+    Held(Job),
+    /// The store cannot fix a job's place before it is durable: enqueue one at a time.
+    Unsupported(Job),
+}
+
 /// Records deleted by [`Store::forget_user`], per kind.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct ForgetReport {
@@ -282,6 +294,22 @@ pub trait MemoryRecords: Send + Sync + 'static {
 pub trait JobQueue: Send + Sync + 'static {
     /// Queues a job, once per job id.
     fn enqueue<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Enqueued>>;
+
+    /// [`Self::enqueue`] in two steps, for a caller that keeps jobs in order (the recorder, a
+    /// session's recordings) without waiting for each to be durable before placing the next:
+    /// when `place` returns, the job's place is fixed behind every job placed before it, and
+    /// jobs placed one after another share commits. Once a placed job fails, every job placed
+    /// behind it fails too (held back, nothing written), and later ones come back
+    /// [`Placement::Held`], until [`Self::resume_placing`]: no placed job is queued after an
+    /// earlier one failed. The embedded store places in its group commit's queue; the default
+    /// (Redis, which orders a session's jobs by their arrival itself) does not place.
+    fn place(&self, job: Job) -> Placement {
+        Placement::Unsupported(job)
+    }
+
+    /// Lets placed jobs through again after a failure held them back; the caller has dealt
+    /// with every job placed before (made them durable elsewhere, in their order).
+    fn resume_placing(&self) {}
 
     /// Leases the oldest queued job that no live lease holds, for `lease`, skipping jobs of a
     /// session whose earlier job is leased (a session's jobs apply in order). A consumer that
