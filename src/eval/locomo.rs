@@ -92,8 +92,7 @@ pub struct Missed {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Loss {
-    /// The turn's exchange was injected, but clipped to its first words (per side, or on the
-    /// side that did not match the question).
+    /// The turn's exchange was injected, but clipped to its first words.
     Clipped,
     /// Only a summary, fact or episode built from the exchange was injected.
     Summarised,
@@ -904,12 +903,7 @@ impl Credits {
                 .filter_map(|id| id.as_str().map(str::to_owned))
                 .collect();
             if item["item"]["kind"] == "raw_turn" {
-                // Cut to its first words per side, or one side shown whole and the other cut.
-                let cut = matches!(
-                    item["form"].as_str(),
-                    Some("clipped" | "user_side" | "assistant_side")
-                );
-                let target = if cut {
+                let target = if item["form"] == "clipped" {
                     &mut credits.clipped
                 } else {
                     &mut credits.whole

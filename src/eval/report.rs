@@ -374,9 +374,7 @@ pub fn loss_name(loss: Loss) -> &'static str {
 
 fn loss_meaning(name: &str) -> &'static str {
     match name {
-        "clipped" => {
-            "the exchange was injected, clipped to its first words (per side, or the side that did not match)"
-        }
+        "clipped" => "the exchange was injected, clipped to its first words per side",
         "summarised" => "only a summary, fact or episode built from the exchange was injected",
         "no_room" => "retrieved and ranked, but it did not fit the budget",
         "not_retrieved" => "not among the retrieved candidates",

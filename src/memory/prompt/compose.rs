@@ -37,7 +37,7 @@ use crate::memory::model::{
     TurnSeq,
 };
 use crate::memory::record::ExchangeInput;
-use crate::memory::retrieve::{Side, retrieve};
+use crate::memory::retrieve::retrieve;
 use crate::memory::score::{fact_score, summary_score};
 use crate::memory::text::{date_key, excerpt};
 use crate::memory::tokens::Encoding;
@@ -293,7 +293,6 @@ fn cutoff_kind(item: ItemRef) -> usize {
 fn pack_recall<'a>(
     state: &'a MemoryState,
     ranked: &[(f32, f32, ItemRef, Reason)],
-    sides: &[(ItemRef, Side)],
     recall: &mut BlockPlan<'a>,
     packer: &mut Packer,
     encoding: Encoding,
@@ -303,11 +302,7 @@ fn pack_recall<'a>(
         if matches!(item, ItemRef::Episode(_)) || shows(state, recall, item) {
             continue;
         }
-        let side = sides
-            .iter()
-            .find(|(hit, _)| *hit == item)
-            .map(|(_, side)| *side);
-        for (shown, section, order, form, tokens) in render_options(state, item, side, encoding) {
+        for (shown, section, order, form, tokens) in render_options(state, item, encoding) {
             let line = Line {
                 section,
                 order,
@@ -422,10 +417,8 @@ fn holds(state: &MemoryState, line: &Line<'_>, artifact: ArtifactId) -> bool {
         .artifacts
         .get(artifact as usize)
         .is_some_and(|artifact| {
-            // A side shown whole may hold any of the turn's artifacts: counted as the full
-            // line's, so a turn's text is never shown twice.
             artifact.turn == seq
-                && (line.form != Form::Clipped || artifact.kind == ArtifactKind::Draft)
+                && (line.form == Form::Full || artifact.kind == ArtifactKind::Draft)
         })
 }
 
@@ -853,15 +846,9 @@ pub fn compose(
             .saturating_add(new_left)
             .saturating_add(budgets.old),
     );
-    let sides: Vec<(ItemRef, Side)> = retrieval
-        .hits
-        .iter()
-        .filter_map(|hit| Some((hit.item, hit.side?)))
-        .collect();
     pack_recall(
         state,
         &ranked,
-        &sides,
         &mut recall,
         &mut packer,
         encoding,
@@ -1005,7 +992,6 @@ const QUERY_MAX_BYTES: usize = 4096;
 fn render_options(
     state: &MemoryState,
     item: ItemRef,
-    side: Option<Side>,
     encoding: Encoding,
 ) -> Vec<(ItemRef, Section, u64, Form, u32)> {
     match item {
@@ -1040,25 +1026,6 @@ fn render_options(
                 }
                 _ => true,
             };
-            // A hit whose match is on one side shows that side whole and the other cut short,
-            // when that is shorter (a turn counted before these lines existed has 0: not
-            // offered).
-            let one_side = match (item, side) {
-                (ItemRef::RawTurn(_), Some(Side::User)) => {
-                    Some((Form::UserSide, turn.tokens.user_side_line.get(encoding)))
-                }
-                (ItemRef::RawTurn(_), Some(Side::Assistant)) => Some((
-                    Form::AssistantSide,
-                    turn.tokens.assistant_side_line.get(encoding),
-                )),
-                _ => None,
-            };
-            if let Some((form, tokens)) = one_side
-                && tokens > 0
-                && tokens < full
-            {
-                options.push((raw, Section::Conversation, order, form, tokens));
-            }
             if affordable(full) {
                 options.push((raw, Section::Conversation, order, Form::Full, full));
             }
@@ -1217,7 +1184,7 @@ fn line_text(state: &MemoryState, line: &Line<'_>) -> String {
         ItemRef::RawTurn(seq) => state
             .raw_turns
             .get(seq as usize)
-            .map(|turn| raw_turn_line(turn, line.form))
+            .map(|turn| raw_turn_line(turn, line.form == Form::Clipped))
             .unwrap_or_default(),
         ItemRef::Episode(id) => state
             .episodes
@@ -2291,54 +2258,6 @@ mod tests {
             .expect(&recall);
         assert!(undated < first_day && first_day < second_day, "{recall}");
         assert_eq!(recall.matches("[2024-03-01]").count(), 1, "{recall}");
-        assert_eq!(
-            injected_tokens(&state, &composition, &config, Encoding::O200k),
-            composition.tokens.total
-        );
-    }
-
-    #[test]
-    fn a_hit_on_one_side_shows_that_side_whole_and_the_other_cut() {
-        let reply = "That sounds like a wonderful way to spend quiet days, I hope you get a ride \
-                     on the back of one of them soon enough.";
-        let mut turns: Vec<(String, String)> = (0..20)
-            .map(|n| (format!("Filler chat number {n}."), "Sure.".to_string()))
-            .collect();
-        turns[3] = (
-            "My neighbour Tomas restores old motorbikes in his garage.".into(),
-            reply.into(),
-        );
-        turns[8] = (
-            "Does Tomas ever sell the motorbikes he restores?".into(),
-            reply.into(),
-        );
-        let pairs: Vec<(&str, &str)> = turns
-            .iter()
-            .map(|(user, assistant)| (user.as_str(), assistant.as_str()))
-            .collect();
-        let state = recorded(&pairs);
-        let config = MemoryConfig::default();
-        let messages = vec![ChatMessage::new("user", "What does Tomas restore?")];
-        let composition = compose_for(&state, &messages, &config);
-        let form = |seq| {
-            composition
-                .explain
-                .items
-                .iter()
-                .find(|item| item.item == ItemRef::RawTurn(seq) && item.block == Block::Recall)
-                .map(|item| item.form)
-        };
-        assert_eq!(form(3), Some(Form::UserSide));
-        // A side that asks is shown with the reply that answers it.
-        assert_eq!(form(8), Some(Form::Full));
-        let recall = recall_text(&composition, &messages);
-        assert!(
-            recall.contains(
-                "- “My neighbour Tomas restores old motorbikes in his garage.” \
-                 | “That sounds like a wonderful way to spend …”\n"
-            ),
-            "{recall}"
-        );
         assert_eq!(
             injected_tokens(&state, &composition, &config, Encoding::O200k),
             composition.tokens.total

@@ -41,11 +41,6 @@ pub enum Form {
     Full,
     /// A long raw turn cut to its first words per side.
     Clipped,
-    /// A raw turn whose user side matched: that side whole, the assistant's cut to its first
-    /// words.
-    UserSide,
-    /// A raw turn whose assistant side matched: that side whole, the user's cut.
-    AssistantSide,
     /// An artifact too long to include, named so the model knows it exists.
     Reference,
 }

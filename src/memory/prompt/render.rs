@@ -14,7 +14,6 @@ use std::borrow::Cow;
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
-use super::explain::Form;
 use super::fence::neutralise_fences;
 use super::shape::{
     Clipped, INDENT, clipped, fenced, push_continuation, push_quoted, quoted, shaped, split_lines,
@@ -35,10 +34,6 @@ pub const FENCE_CLOSE: &str = "</engram-memory>";
 /// Words per side kept by the clipped recall line of a long raw turn (whole lines of a
 /// multi-line side, see `shape::clipped`).
 pub const RAW_CLIP_WORDS: usize = 48;
-
-/// Words kept of the side that did not match, in a recall line showing the side of a raw turn
-/// that did ([`Form::UserSide`], [`Form::AssistantSide`]): who spoke and how the reply began.
-pub const SIDE_CLIP_WORDS: usize = 8;
 
 /// What a block says it is. Everything in it that came from a text (what the user or the
 /// assistant said, what was extracted from it or set for the user) is quoted, so the quotes
@@ -207,24 +202,16 @@ const ASSISTANT_SIDE: &str = "|";
 /// each side keeps its lines, and the assistant's starts a line of its own with `| `. A clipped
 /// side's note of the lines left out follows its quote. Its date is its group's
 /// [`date_heading`].
-pub fn raw_turn_line(turn: &RawTurn, form: Form) -> String {
-    let (user_words, assistant_words) = match form {
-        Form::Clipped => (Some(RAW_CLIP_WORDS), Some(RAW_CLIP_WORDS)),
-        Form::UserSide => (None, Some(SIDE_CLIP_WORDS)),
-        Form::AssistantSide => (Some(SIDE_CLIP_WORDS), None),
-        Form::Full | Form::Reference => (None, None),
-    };
-    let side = |text: &str, words: Option<usize>| {
+pub fn raw_turn_line(turn: &RawTurn, clip: bool) -> String {
+    let side = |text: &str| {
         let lines = shaped(text);
-        match words {
-            Some(words) => clipped(&lines, words),
-            None => Clipped { lines, note: None },
+        if clip {
+            clipped(&lines, RAW_CLIP_WORDS)
+        } else {
+            Clipped { lines, note: None }
         }
     };
-    let (user, assistant) = (
-        side(&turn.user, user_words),
-        side(&turn.assistant, assistant_words),
-    );
+    let (user, assistant) = (side(&turn.user), side(&turn.assistant));
     let mut out = String::from("- ");
     push_quoted(&mut out, "", &user.lines, false);
     if let Some(note) = &user.note {
@@ -340,23 +327,11 @@ pub fn recount_pinned(item: &mut PinnedItem) {
     item.tokens = TokenCount::of(&pinned_line(item));
 }
 
-/// Whether `text` asks something (holds a question mark, ASCII or fullwidth).
-fn asks(text: &str) -> bool {
-    text.contains(['?', '？'])
-}
-
 pub fn recount_raw_turn(turn: &mut RawTurn) {
     turn.tokens.user = TokenCount::of(&turn.user);
     turn.tokens.assistant = TokenCount::of(&turn.assistant);
-    turn.tokens.line = TokenCount::of(&raw_turn_line(turn, Form::Full));
-    turn.tokens.clipped_line = TokenCount::of(&raw_turn_line(turn, Form::Clipped));
-    // A user side that asks a question is not shown without the reply that answers it.
-    turn.tokens.user_side_line = if asks(&turn.user) {
-        TokenCount::default()
-    } else {
-        TokenCount::of(&raw_turn_line(turn, Form::UserSide))
-    };
-    turn.tokens.assistant_side_line = TokenCount::of(&raw_turn_line(turn, Form::AssistantSide));
+    turn.tokens.line = TokenCount::of(&raw_turn_line(turn, false));
+    turn.tokens.clipped_line = TokenCount::of(&raw_turn_line(turn, true));
     turn.tokens.date = TokenCount::of(&date_heading(turn.event_time.as_deref()));
 }
 
@@ -443,10 +418,10 @@ mod tests {
     fn one_line_texts_are_quoted_on_one_line() {
         assert_eq!(identity_lines("  I am  Ana. \n"), "- “I am Ana.”\n");
         assert_eq!(identity_lines(" \n"), "");
-        let line = raw_turn_line(&turn("one  line\t text ", "reply"), Form::Full);
+        let line = raw_turn_line(&turn("one  line\t text ", "reply"), false);
         assert_eq!(line, "- “one line text” | “reply”\n");
         assert_eq!(
-            raw_turn_line(&turn("a question", ""), Form::Full),
+            raw_turn_line(&turn("a question", ""), false),
             "- “a question”\n"
         );
     }
@@ -469,7 +444,7 @@ mod tests {
     fn a_forty_line_script_keeps_its_shape_in_the_raw_line() {
         assert_eq!(INVOICE_SCRIPT.lines().count(), 40);
         let user = format!("Here is my invoice script:\n```python\n{INVOICE_SCRIPT}\n```\n");
-        let line = raw_turn_line(&turn(&user, "Line 7 opens the file."), Form::Full);
+        let line = raw_turn_line(&turn(&user, "Line 7 opens the file."), false);
         assert_one_item(&line);
         assert_eq!(
             line,
@@ -493,7 +468,7 @@ mod tests {
             .map(|n| format!("    step {n}: one two three four five six"))
             .collect();
         let user = format!("Plan:\n{}", steps.join("\n"));
-        let line = raw_turn_line(&turn(&user, "ok"), Form::Clipped);
+        let line = raw_turn_line(&turn(&user, "ok"), true);
         assert_one_item(&line);
         // 48 words are the first line and five whole lines of eight; the note is engram's,
         // after the quote.
@@ -506,7 +481,7 @@ mod tests {
         // Code is never begun: it is its turn's artifact.
         let user = format!("Here is my invoice script:\n```python\n{INVOICE_SCRIPT}\n```");
         assert_eq!(
-            raw_turn_line(&turn(&user, "ok"), Form::Clipped),
+            raw_turn_line(&turn(&user, "ok"), true),
             "- “Here is my invoice script:”\n  [… 40 lines left out …]\n  \
              | “ok”\n"
         );
@@ -693,12 +668,7 @@ mod tests {
         fn text_never_leaves_its_quote(
             a in hostile_text(),
             b in hostile_text(),
-            form in proptest::sample::select(vec![
-                Form::Full,
-                Form::Clipped,
-                Form::UserSide,
-                Form::AssistantSide,
-            ]),
+            clip in proptest::bool::ANY,
         ) {
             let as_quoted = |text: &str| {
                 let lines: Vec<String> = shaped(text)
@@ -715,7 +685,7 @@ mod tests {
             proptest::prop_assert_eq!(inside_quotes(&line), vec![as_quoted(&a)]);
             let line = identity_lines(&a);
             proptest::prop_assert!(line.is_empty() || outside_quotes(&line) == "- “”\n", "{}", line);
-            let line = raw_turn_line(&turn(&a, &b), form);
+            let line = raw_turn_line(&turn(&a, &b), clip);
             let skeleton = digits_as_n(&outside_quotes(&line));
             let note = "\n  [… N line left out …]";
             let notes = ["", note, &note.replace("line", "lines")];
@@ -729,7 +699,7 @@ mod tests {
                 }
             }
             proptest::prop_assert!(allowed.contains(&skeleton), "{}", line);
-            if matches!(form, Form::Full | Form::UserSide) {
+            if !clip {
                 proptest::prop_assert_eq!(inside_quotes(&line)[0].clone(), as_quoted(&a));
             }
             let entry = TurnLogEntry {

@@ -74,52 +74,13 @@ struct Part {
     /// Each document's distinct context terms that are not among its said terms (a raw turn's
     /// date words): with `doc_terms`, every term the document is posted under.
     doc_context: Vec<Box<[TermId]>>,
-    /// For a document said in two sides (a raw turn's user and assistant text), which sides
-    /// each of its `doc_terms` occurs in: two bits a term ([`FIRST_SIDE`], [`SECOND_SIDE`]),
-    /// packed 32 to a word; empty for an undivided document. Lets the hot path tell which
-    /// side of a hit the query matched without reading its text.
-    doc_sides: Vec<Box<[u64]>>,
     /// Approximate heap size, kept as documents are added.
     bytes: usize,
 }
 
 /// Approximate heap bytes of one document's entry in a part (keys, length, forward index).
 fn doc_bytes(terms: usize) -> usize {
-    8 + 48 + terms * 4
-}
-
-/// Heap bytes of a document's side marks.
-fn side_bytes(sides: &[u64]) -> usize {
-    sides.len() * 8
-}
-
-/// A term's side mark: it occurs in the document's first side (a raw turn's user text).
-pub const FIRST_SIDE: u8 = 1;
-/// A term's side mark: it occurs in the document's second side (the assistant's text).
-pub const SECOND_SIDE: u8 = 2;
-
-/// A document's text as term ids: what was said, split into two sides or not, and context
-/// words (a raw turn's date) that are searchable but belong to neither side.
-#[derive(Debug, Clone, Default)]
-pub struct DocText {
-    pub said: Vec<TermId>,
-    /// `said[..first]` is the first side, the rest the second; `None`: one undivided text.
-    pub first: Option<usize>,
-    pub context: Vec<TermId>,
-}
-
-/// Side marks of `distinct` (ascending) for a text whose first side is `said[..first]`.
-fn side_marks(distinct: &[TermId], said: &[TermId], first: usize) -> Box<[u64]> {
-    let mut marks = vec![0u64; distinct.len().div_ceil(32)];
-    for (at, term) in said.iter().enumerate() {
-        let side = if at < first { FIRST_SIDE } else { SECOND_SIDE };
-        if let Ok(index) = distinct.binary_search(term)
-            && let Some(word) = marks.get_mut(index / 32)
-        {
-            *word |= u64::from(side) << ((index % 32) * 2);
-        }
-    }
-    marks.into_boxed_slice()
+    8 + 32 + terms * 4
 }
 
 const POSTING_BYTES: usize = 8;
@@ -131,12 +92,7 @@ impl Part {
     }
 
     /// Adds a document; returns its number in this part.
-    fn add(&mut self, key: u32, text: DocText) -> u32 {
-        let DocText {
-            said,
-            first,
-            context,
-        } = text;
+    fn add(&mut self, key: u32, said: Vec<TermId>, context: Vec<TermId>) -> u32 {
         let mut distinct = said.clone();
         distinct.sort_unstable();
         distinct.dedup();
@@ -144,9 +100,7 @@ impl Part {
         context_only.sort_unstable();
         context_only.dedup();
         context_only.retain(|term| distinct.binary_search(term).is_err());
-        let sides = first.map_or_else(Box::default, |first| side_marks(&distinct, &said, first));
-        self.bytes += doc_bytes(distinct.len() + context_only.len()) + side_bytes(&sides);
-        self.doc_sides.push(sides);
+        self.bytes += doc_bytes(distinct.len() + context_only.len());
         self.doc_terms.push(distinct.into_boxed_slice());
         self.doc_context.push(context_only.into_boxed_slice());
         let mut term_ids = said;
@@ -182,19 +136,6 @@ impl Part {
         let said = self.doc_terms.get(doc).map_or(&[][..], |terms| terms);
         let context = self.doc_context.get(doc).map_or(&[][..], |terms| terms);
         said.iter().chain(context).copied()
-    }
-
-    /// The side marks of `term` in `doc` (0: not said there, or the document is undivided).
-    fn side_of(&self, doc: usize, term: TermId) -> u8 {
-        let (Some(terms), Some(sides)) = (self.doc_terms.get(doc), self.doc_sides.get(doc)) else {
-            return 0;
-        };
-        let Ok(index) = terms.binary_search(&term) else {
-            return 0;
-        };
-        sides
-            .get(index / 32)
-            .map_or(0, |word| ((word >> ((index % 32) * 2)) & 3) as u8)
     }
 
     fn has(&self, doc: u32, term: TermId) -> bool {
@@ -549,29 +490,6 @@ impl Segment {
             .map_or(&[], |terms| terms)
     }
 
-    /// How much of `query` (term, weight) the document with `key` says on each side: the
-    /// summed weights of the query terms its first side holds, and of those its second side
-    /// holds (a term in both counts for both). `None` when the document is absent or was not
-    /// indexed in two sides. Binary searches in the forward index; no text is read.
-    pub fn side_weights(&self, key: u32, query: &[(TermId, f32)]) -> Option<[f32; 2]> {
-        let (part, doc) = self.locate(key)?;
-        let doc = doc as usize;
-        if part.doc_sides.get(doc).is_none_or(|sides| sides.is_empty()) {
-            return None;
-        }
-        let mut weights = [0.0f32; 2];
-        for (term, weight) in query {
-            let side = part.side_of(doc, *term);
-            if side & FIRST_SIDE != 0 {
-                weights[0] += weight;
-            }
-            if side & SECOND_SIDE != 0 {
-                weights[1] += weight;
-            }
-        }
-        Some(weights)
-    }
-
     /// Whether the document with `key` contains `term`.
     pub fn contains(&self, key: u32, term: TermId) -> bool {
         self.locate(key)
@@ -588,7 +506,7 @@ impl Segment {
 
     /// Indexes `key`, replacing its earlier document, if any (callers skip a key whose text is
     /// unchanged, see [`Segment::holds`]). `text` is `None` for a key without a document.
-    fn put(&mut self, key: u32, text: Option<DocText>, fingerprint: u64) {
+    fn put(&mut self, key: u32, text: Option<(Vec<TermId>, Vec<TermId>)>, fingerprint: u64) {
         let current = self.live.get(key as usize).copied();
         if current.is_none_or(|loc| loc.part == ABSENT) && text.is_none() {
             self.set_live(key, DocLoc::NONE);
@@ -598,9 +516,9 @@ impl Segment {
             self.retire(current);
         }
         let loc = match text {
-            Some(text) => {
-                let len = (text.said.len() + text.context.len()) as u64;
-                let doc = self.head.add(key, text);
+            Some((said, context)) => {
+                let len = (said.len() + context.len()) as u64;
+                let doc = self.head.add(key, said, context);
                 self.docs += 1;
                 self.total_len += len;
                 DocLoc {
@@ -712,9 +630,7 @@ impl Segment {
                 let at = u32::try_from(merged.doc_keys.len()).unwrap_or(u32::MAX);
                 merged.doc_keys.push(key);
                 merged.doc_len.push(part.doc_len[doc]);
-                merged.bytes += doc_bytes(part.doc_terms[doc].len() + part.doc_context[doc].len())
-                    + side_bytes(&part.doc_sides[doc]);
-                merged.doc_sides.push(part.doc_sides[doc].clone());
+                merged.bytes += doc_bytes(part.doc_terms[doc].len() + part.doc_context[doc].len());
                 merged.doc_terms.push(part.doc_terms[doc].clone());
                 merged.doc_context.push(part.doc_context[doc].clone());
                 if let Some(slot) = self.live.get_mut(key as usize) {
@@ -1035,15 +951,7 @@ impl MemoryIndex {
             if self.raw.holds(seq, print) {
                 continue;
             }
-            // Each side's terms, user first: the same terms as `said`'s, in its order.
-            let mut terms = self.term_ids(&turn.user);
-            let first = terms.len();
-            terms.extend(self.term_ids(&turn.assistant));
-            let text = DocText {
-                said: terms,
-                first: Some(first),
-                context: self.term_ids(&date),
-            };
+            let text = (self.term_ids(&said), self.term_ids(&date));
             self.raw.put(seq, Some(text), print);
             self.raw.set_vector(seq, embed_text(&said));
             self.chains.insert(turn.chain, seq);
@@ -1111,10 +1019,7 @@ impl MemoryIndex {
         if text.is_some() && self.segment(kind).holds(key, print) {
             return;
         }
-        let terms = text.map(|text| DocText {
-            said: self.term_ids(text),
-            ..DocText::default()
-        });
+        let terms = text.map(|text| (self.term_ids(text), Vec::new()));
         let vector = text.and_then(embed_text);
         let segment = self.segment_mut(kind);
         segment.put(key, terms, print);
@@ -1253,14 +1158,7 @@ mod tests {
         let mut segment = Segment::default();
         for (key, doc) in docs.iter().enumerate() {
             let ids = index.term_ids(doc);
-            segment.put(
-                key as u32,
-                Some(DocText {
-                    said: ids,
-                    ..DocText::default()
-                }),
-                fingerprint(&[doc]),
-            );
+            segment.put(key as u32, Some((ids, Vec::new())), fingerprint(&[doc]));
         }
         (index, segment)
     }
@@ -1301,33 +1199,6 @@ mod tests {
     }
 
     #[test]
-    fn a_raw_turn_knows_which_side_said_each_word() {
-        let mut state = MemoryState::default();
-        crate::memory::record::test_support::record_turn(
-            &mut state,
-            (
-                "My neighbour restores motorbikes.",
-                "Motorbikes need patience and spare parts.",
-            ),
-            "s".into(),
-            None,
-        );
-        let index = MemoryIndex::build(&state);
-        let term = |word: &str| index.query_terms(word).0[0];
-        let query = [
-            (term("neighbour"), 1.0),
-            (term("motorbikes"), 2.0),
-            (term("patience"), 4.0),
-        ];
-        // "motorbikes" is said on both sides; the others on one each.
-        assert_eq!(index.raw.side_weights(0, &query), Some([3.0, 6.0]));
-        assert_eq!(index.raw.side_weights(0, &query[..1]), Some([1.0, 0.0]));
-        assert_eq!(index.raw.side_weights(1, &query), None);
-        // Undivided documents have no sides.
-        assert_eq!(index.summaries.side_weights(0, &query), None);
-    }
-
-    #[test]
     fn bm25_ranks_rare_terms_higher() {
         let (index, segment) = segment(&[
             "the cat sat on the mat",
@@ -1360,14 +1231,9 @@ mod tests {
         .enumerate()
         {
             let ids = index.term_ids(doc);
-            index.raw.put(
-                key as u32,
-                Some(DocText {
-                    said: ids,
-                    ..DocText::default()
-                }),
-                fingerprint(&[doc]),
-            );
+            index
+                .raw
+                .put(key as u32, Some((ids, Vec::new())), fingerprint(&[doc]));
         }
         // Documents holding each: kettle 4, walrus 2, banjo 1, zither 1.
         let (all, _) = index.query_terms("kettle walrus banjo zither");
@@ -1471,10 +1337,7 @@ mod tests {
                 let text: Vec<String> = words.iter().map(|n| word(*n)).collect();
                 let text = text.join(" ");
                 let ids = index.term_ids(&text);
-                segment.put(*key, Some(DocText {
-                    said: ids,
-                    ..DocText::default()
-                }), fingerprint(&[&text]));
+                segment.put(*key, Some((ids, Vec::new())), fingerprint(&[&text]));
             }
             let query: Vec<(TermId, f32)> = query
                 .iter()

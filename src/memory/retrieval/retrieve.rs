@@ -36,32 +36,6 @@ pub struct Hit {
     /// About `0..1`: BM25 normalised by the query's ceiling, plus the prefetch context bonus.
     pub relevance: f32,
     pub source: HitSource,
-    /// For a raw turn found by searching the message's words: the one side of the exchange
-    /// that holds them, when the other holds (almost) none ([`matched_side`]).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub side: Option<Side>,
-}
-
-/// One side of an exchange: the user's message or the assistant's reply.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Side {
-    User,
-    Assistant,
-}
-
-/// Which side of a raw turn alone holds the query's words, from the idf-weighted sums of the
-/// query terms each side holds: the side with weight, when the other holds none of them.
-/// (Also counting a side holding under a fifth or a third of the other's weight as not
-/// matching measured worse: evidence is often in the side that shares fewer words.)
-fn matched_side([user, assistant]: [f32; 2]) -> Option<Side> {
-    if user > 0.0 && assistant <= 0.0 {
-        Some(Side::User)
-    } else if assistant > 0.0 && user <= 0.0 {
-        Some(Side::Assistant)
-    } else {
-        None
-    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -239,25 +213,12 @@ pub fn retrieve(
 
     expand_to_neighbours(state, &mut best, config.neighbour_weight);
 
-    // Which side of each raw turn found by the message's words holds them: the forward
-    // index's side marks, weighted by each word's rarity among raw turns.
-    let weighted: Vec<(TermId, f32)> = terms
-        .iter()
-        .map(|term| (*term, index.raw.idf(*term)))
-        .collect();
     let mut hits: Vec<Hit> = best
         .into_iter()
         .map(|(item, (relevance, source))| Hit {
             item,
             relevance,
             source,
-            side: match (item, source) {
-                (ItemRef::RawTurn(seq), HitSource::Search) => index
-                    .raw
-                    .side_weights(seq, &weighted)
-                    .and_then(matched_side),
-                _ => None,
-            },
         })
         .collect();
     hits.sort_by(|a, b| {

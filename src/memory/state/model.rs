@@ -474,13 +474,6 @@ pub struct RawTurnTokens {
     pub line: TokenCount,
     #[serde(rename = "c")]
     pub clipped_line: TokenCount,
-    /// The recall line with the user's side whole and the assistant's cut to its first words,
-    /// and the other way round, for a hit whose match is on one side (0 in turns counted
-    /// before these lines existed: not offered).
-    #[serde(rename = "s", default)]
-    pub user_side_line: TokenCount,
-    #[serde(rename = "t", default)]
-    pub assistant_side_line: TokenCount,
     /// The [`date_heading`](super::render::date_heading) above the turn's group of recall
     /// lines, paid once per group (0 in turns counted before lines left their date out, whose
     /// stored lines counted it).
