@@ -617,4 +617,54 @@ mod tests {
         assert_eq!(receipt, Receipt::Queued);
         assert_eq!(outbox.stats().queued.load(Ordering::Relaxed), queued + 1);
     }
+
+    /// A recording dropped after its job was placed and before the commit answered (recordings
+    /// run to completion, so this is a guard, not a path) does not hold placing back for good
+    /// when that commit then fails: the session's later recordings are queued directly again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_recording_dropped_while_placed_does_not_stop_placing() {
+        let embedded = Arc::new(EmbeddedStore::in_memory().unwrap());
+        let store: Arc<dyn Store> = embedded.clone();
+        let spool = Spool::Memory {
+            store: Arc::new(EmbeddedStore::in_memory().unwrap()),
+            capacity: 1_000,
+        };
+        let outbox =
+            Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::new(Notify::new())).await);
+        let recorder = Arc::new(Recorder::new(Arc::clone(&outbox), Duration::from_secs(10)));
+        let order = order::SessionOrder::new();
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let mut forwarder = tokio::task::JoinSet::new();
+        forwarder.spawn(Arc::clone(&outbox).forward(cancel.clone()));
+
+        // Polled once: the job is placed, then the recording is dropped. When the failed
+        // commit answers within that first poll, the recording deals with it; try again.
+        let mut dropped = false;
+        for turn in 0..100 {
+            embedded.fail_next_enqueue_commits(1);
+            let recording = record_turn(&recorder, order.ticket("s".into()), turn);
+            if tokio::time::timeout(Duration::ZERO, recording)
+                .await
+                .is_err()
+            {
+                dropped = true;
+                break;
+            }
+        }
+        assert!(dropped, "every recording ended at its first poll");
+        let placed_again = tokio::time::timeout(Duration::from_secs(15), async {
+            for turn in 100.. {
+                let (_, receipt) = record_turn(&recorder, order.ticket("s".into()), turn).await;
+                if receipt == Receipt::Queued {
+                    return turn;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            0
+        })
+        .await;
+        cancel.cancel();
+        while forwarder.join_next().await.is_some() {}
+        assert!(placed_again.is_ok(), "placing never resumed");
+    }
 }

@@ -63,6 +63,17 @@ impl Spool {
     }
 }
 
+/// A placed job whose outcome is not yet dealt with; settled when dropped, so a recording
+/// dropped halfway (it should not be: recordings run to completion) cannot hold placing back
+/// for good after a failure.
+struct Unsettled<'a>(&'a Outbox);
+
+impl Drop for Unsettled<'_> {
+    fn drop(&mut self) {
+        self.0.settled();
+    }
+}
+
 pub struct Outbox {
     store: Arc<dyn Store>,
     spool: Spool,
@@ -211,8 +222,9 @@ impl Outbox {
                 recorded
             }
             Placed::Store(answer, job) => {
+                let _unsettled = Unsettled(self);
                 drop(ticket);
-                let recorded = match answer.await {
+                match answer.await {
                     Ok(_) => self.queued(),
                     Err(error) => {
                         tracing::debug!(%error, job = %job.id.key, "a placed enqueue failed; spooling it in order");
@@ -223,9 +235,7 @@ impl Outbox {
                         }
                         self.spool(job).await
                     }
-                };
-                self.settled();
-                recorded
+                }
             }
         }
     }
@@ -234,11 +244,24 @@ impl Outbox {
     /// a failure held it: the jobs it held are in the spool now, which takes new jobs until
     /// it is empty).
     fn settled(&self) {
-        let mut unsettled = self
+        {
+            let mut unsettled = self
+                .unsettled
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            *unsettled = unsettled.saturating_sub(1);
+        }
+        self.resume_if_settled();
+    }
+
+    /// Resumes placing if no placed job is in doubt. `settled` does it for the last one; the
+    /// forwarder does it again when the spool is idle, for a failure that came after every
+    /// recording of its jobs had settled (one dropped before its outcome).
+    fn resume_if_settled(&self) {
+        let unsettled = self
             .unsettled
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        *unsettled = unsettled.saturating_sub(1);
         if *unsettled == 0 {
             self.store.resume_placing();
         }
@@ -321,6 +344,7 @@ impl Outbox {
                 }
             };
             let Some(claimed) = claimed else {
+                self.resume_if_settled();
                 tokio::select! {
                     () = self.spooled_signal.notified() => {}
                     () = tokio::time::sleep(Duration::from_secs(5)) => {}
