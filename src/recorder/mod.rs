@@ -534,6 +534,40 @@ mod tests {
         }
     }
 
+    /// A recorder over an in-memory embedded store, with an in-memory spool and its forwarder
+    /// running.
+    struct Forwarding {
+        embedded: Arc<EmbeddedStore>,
+        store: Arc<dyn Store>,
+        outbox: Arc<Outbox>,
+        recorder: Arc<Recorder>,
+        cancel: tokio_util::sync::CancellationToken,
+        forwarder: tokio::task::JoinSet<()>,
+    }
+
+    async fn forwarding() -> Forwarding {
+        let embedded = Arc::new(EmbeddedStore::in_memory().unwrap());
+        let store: Arc<dyn Store> = embedded.clone();
+        let spool = Spool::Memory {
+            store: Arc::new(EmbeddedStore::in_memory().unwrap()),
+            capacity: 1_000,
+        };
+        let outbox =
+            Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::new(Notify::new())).await);
+        let recorder = Arc::new(Recorder::new(Arc::clone(&outbox), Duration::from_secs(10)));
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let mut forwarder = tokio::task::JoinSet::new();
+        forwarder.spawn(Arc::clone(&outbox).forward(cancel.clone()));
+        Forwarding {
+            embedded,
+            store,
+            outbox,
+            recorder,
+            cancel,
+            forwarder,
+        }
+    }
+
     /// A session's recordings share commits (each is placed behind the one before without
     /// waiting for it to be durable), and still reach the queue in the order their requests
     /// arrived when the store fails a commit in the middle: the jobs placed behind the failed
@@ -544,19 +578,15 @@ mod tests {
     async fn a_sessions_jobs_keep_their_order_through_a_failed_commit() {
         const BEFORE: usize = 20;
         const TURNS: usize = 80;
-        let embedded = Arc::new(EmbeddedStore::in_memory().unwrap());
-        let store: Arc<dyn Store> = embedded.clone();
-        let spool = Spool::Memory {
-            store: Arc::new(EmbeddedStore::in_memory().unwrap()),
-            capacity: 1_000,
-        };
-        let outbox =
-            Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::new(Notify::new())).await);
-        let recorder = Arc::new(Recorder::new(Arc::clone(&outbox), Duration::from_secs(10)));
+        let Forwarding {
+            embedded,
+            store,
+            outbox,
+            recorder,
+            cancel,
+            mut forwarder,
+        } = forwarding().await;
         let order = order::SessionOrder::new();
-        let cancel = tokio_util::sync::CancellationToken::new();
-        let mut forwarder = tokio::task::JoinSet::new();
-        forwarder.spawn(Arc::clone(&outbox).forward(cancel.clone()));
 
         // The requests arrive in order (their tickets); their answers end newest first.
         let tickets: Vec<Ticket> = (0..TURNS).map(|_| order.ticket("s".into())).collect();
@@ -623,19 +653,14 @@ mod tests {
     /// when that commit then fails: the session's later recordings are queued directly again.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_recording_dropped_while_placed_does_not_stop_placing() {
-        let embedded = Arc::new(EmbeddedStore::in_memory().unwrap());
-        let store: Arc<dyn Store> = embedded.clone();
-        let spool = Spool::Memory {
-            store: Arc::new(EmbeddedStore::in_memory().unwrap()),
-            capacity: 1_000,
-        };
-        let outbox =
-            Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::new(Notify::new())).await);
-        let recorder = Arc::new(Recorder::new(Arc::clone(&outbox), Duration::from_secs(10)));
+        let Forwarding {
+            embedded,
+            recorder,
+            cancel,
+            mut forwarder,
+            ..
+        } = forwarding().await;
         let order = order::SessionOrder::new();
-        let cancel = tokio_util::sync::CancellationToken::new();
-        let mut forwarder = tokio::task::JoinSet::new();
-        forwarder.spawn(Arc::clone(&outbox).forward(cancel.clone()));
 
         // Polled once: the job is placed, then the recording is dropped. When the failed
         // commit answers within that first poll, the recording deals with it; try again.
