@@ -211,13 +211,8 @@ impl Outbox {
                 recorded
             }
             Placed::Spool(job) => {
-                // After the session's earlier jobs that failed, and before its next recording.
-                if !settle.wait_turn().await {
-                    tracing::warn!(
-                        "an earlier failed recording of this session is stuck; spooling anyway"
-                    );
-                }
-                let recorded = self.spool(job).await;
+                // Before the session's next recording.
+                let recorded = self.spool_in_order(&settle, job).await;
                 drop(ticket);
                 recorded
             }
@@ -228,12 +223,7 @@ impl Outbox {
                     Ok(_) => self.queued(),
                     Err(error) => {
                         tracing::debug!(%error, job = %job.id.key, "a placed enqueue failed; spooling it in order");
-                        if !settle.wait_turn().await {
-                            tracing::warn!(
-                                "an earlier failed recording of this session is stuck; spooling anyway"
-                            );
-                        }
-                        self.spool(job).await
+                        self.spool_in_order(&settle, job).await
                     }
                 }
             }
@@ -271,6 +261,15 @@ impl Outbox {
         self.stats.queued.fetch_add(1, Ordering::Relaxed);
         self.queued.notify_one();
         Receipt::Queued
+    }
+
+    /// Spools the job after the session's earlier jobs that failed (`settle`, the recording's
+    /// follower ticket).
+    async fn spool_in_order(&self, settle: &Ticket, job: Job) -> Receipt {
+        if !settle.wait_turn().await {
+            tracing::warn!("an earlier failed recording of this session is stuck; spooling anyway");
+        }
+        self.spool(job).await
     }
 
     /// Keeps the job in the spool, if it has room.
