@@ -8,6 +8,8 @@
 //! and the maximum per window of 1,000 turns at 1,000, 10,000 and every further 10,000, so
 //! growth with history shows apart from the store's commit and from CPU shared with requests
 //! (issue 26's target: apply p99 ≤ 5 ms at every size, measured by `benches/history.sh`).
+//! Beside it, the hot path's side: after each turn, one `compose` for the next request (the
+//! history benchmark's short message, with the prefetch just made), timed on its own.
 //!
 //! Not a test: it prints numbers and asserts nothing.
 
@@ -23,9 +25,15 @@ use std::time::{Duration, Instant};
 
 use engram::cache::CachedMemory;
 use engram::store::EncodedState;
-use engram_memory::{ExchangeInput, HeuristicExtractor, MemoryConfig, record_exchange, warm_up};
+use engram_memory::openai::ChatMessage;
+use engram_memory::{
+    ComposeRequest, ExchangeInput, HeuristicExtractor, MemoryConfig, compose, record_exchange,
+    warm_up,
+};
 
 const SESSION: &str = "solo-session";
+/// Seeds the requests' messages apart from the recorded turns' (as `benches/history.rs` does).
+const REQUEST_SEED: u64 = 1 << 41;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -43,14 +51,15 @@ fn main() {
     let mut window: Vec<Duration> = Vec::with_capacity(1_000);
     // Per job: record, index refresh, prefetch, encode.
     let mut phases: Vec<[Duration; 4]> = Vec::with_capacity(1_000);
+    let mut composes: Vec<Duration> = Vec::with_capacity(1_000);
     let started = Instant::now();
     println!(
         "apply per job (copy + record_exchange + index refresh + prefetch + encode), one user, single thread"
     );
     println!(
-        "| turns | p50 (ms) | p99 (ms) | max (ms) | mean (ms) | p99 of record / index / prefetch / encode (ms) |"
+        "| turns | p50 (ms) | p99 (ms) | max (ms) | mean (ms) | p99 of record / index / prefetch / encode (ms) | compose p50 / p99 (ms) |"
     );
-    println!("|--:|--:|--:|--:|--:|--|");
+    println!("|--:|--:|--:|--:|--:|--|--|");
     for n in 0..turns {
         let exchange = ExchangeInput {
             session_id: SESSION.to_owned(),
@@ -81,22 +90,45 @@ fn main() {
             fetched - indexed,
             end - fetched,
         ]);
-        std::hint::black_box((prefetched, encoded.is_ok()));
+        std::hint::black_box(encoded.is_ok());
+        // The next request's compose, on the memory just written (as a warm request finds it).
+        let messages = [ChatMessage::new("user", text::user_text(REQUEST_SEED + n))];
+        let request = ComposeRequest {
+            session_id: SESSION,
+            messages: &messages,
+            model: "gpt-4o",
+            unapplied: &[],
+        };
+        let start = Instant::now();
+        std::hint::black_box(compose(
+            &next.state,
+            &next.index,
+            &prefetched,
+            &request,
+            &config,
+        ));
+        composes.push(start.elapsed());
         memory = next;
 
         let done = n + 1;
         if window.len() == 1_000 {
             if done == 1_000 || done % 10_000 == 0 || done == turns {
-                report(done, &mut window, &phases);
+                report(done, &mut window, &phases, &mut composes);
             }
             window.clear();
             phases.clear();
+            composes.clear();
         }
     }
     println!("{turns} turns in {:.1} s", started.elapsed().as_secs_f64());
 }
 
-fn report(turns: u64, window: &mut [Duration], phases: &[[Duration; 4]]) {
+fn report(
+    turns: u64,
+    window: &mut [Duration],
+    phases: &[[Duration; 4]],
+    composes: &mut [Duration],
+) {
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let p99 = |mut samples: Vec<Duration>| {
         samples.sort_unstable();
@@ -108,12 +140,16 @@ fn report(turns: u64, window: &mut [Duration], phases: &[[Duration; 4]]) {
     window.sort_unstable();
     let at = |q: f64| window[((window.len() as f64 - 1.0) * q).round() as usize];
     let mean = window.iter().sum::<Duration>() / window.len() as u32;
+    composes.sort_unstable();
+    let compose_at = |q: f64| composes[((composes.len() as f64 - 1.0) * q).round() as usize];
     println!(
-        "| {turns} | {:.3} | {:.3} | {:.3} | {:.3} | {} |",
+        "| {turns} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {:.3} / {:.3} |",
         ms(at(0.5)),
         ms(at(0.99)),
         ms(at(1.0)),
         ms(mean),
-        by_phase.join(" / ")
+        by_phase.join(" / "),
+        ms(compose_at(0.5)),
+        ms(compose_at(0.99)),
     );
 }
