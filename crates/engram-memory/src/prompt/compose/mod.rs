@@ -288,49 +288,54 @@ fn cutoff_kind(item: ItemRef) -> usize {
     }
 }
 
+/// A retrieval hit that passed the cutoffs, and how it ranks for recall.
+#[derive(Debug, Clone, Copy)]
+struct RankedHit {
+    item: ItemRef,
+    ranking: Ranking,
+}
+
+/// How an item ranked and why it was chosen, as its explanation states them.
+#[derive(Debug, Clone, Copy)]
+struct Ranking {
+    score: f32,
+    /// Retrieval's relevance, for a recall hit.
+    relevance: Option<f32>,
+    reason: Reason,
+}
+
 /// Packs ranked recall candidates (episodes excepted) that are not shown yet, each in the first
 /// of its forms that fits.
 fn pack_recall<'a>(
     state: &'a MemoryState,
-    ranked: &[(f32, f32, ItemRef, Reason)],
+    ranked: &[RankedHit],
     recall: &mut BlockPlan<'a>,
     packer: &mut Packer,
     encoding: Encoding,
     explain_items: &mut Vec<ExplainedItem>,
 ) {
-    for (score, relevance, item, reason) in ranked.iter().copied() {
-        if matches!(item, ItemRef::Episode(_)) || shows(state, recall, item) {
+    for hit in ranked {
+        if matches!(hit.item, ItemRef::Episode(_)) || shows(state, recall, hit.item) {
             continue;
         }
-        for (shown, section, order, form, tokens) in render_options(state, item, encoding) {
-            let line = Line {
-                section,
-                order,
-                item: shown,
-                form,
-                date: match section {
-                    Section::Conversation => dated(state, shown, encoding),
-                    _ => None,
-                },
-            };
-            if recall.contains(shown) || overlaps(state, recall, &line) {
+        for option in render_options(state, hit.item, encoding) {
+            let line = option.line(state, encoding);
+            if recall.contains(line.item) || overlaps(state, recall, &line) {
                 continue;
             }
             // A turn already shown as its summary (the recent context) is shown once: its raw
             // line takes the summary's place when the difference fits.
-            if let ItemRef::RawTurn(seq) = shown
+            if let ItemRef::RawTurn(seq) = line.item
                 && recall.contains(ItemRef::Summary(seq))
             {
-                if recall.replace(packer, ItemRef::Summary(seq), line, tokens) {
+                if recall.replace(packer, ItemRef::Summary(seq), line, option.tokens) {
                     let upgraded = explained(
                         state,
-                        shown,
+                        line.item,
+                        line.form,
                         Block::Recall,
-                        score,
-                        Some(relevance),
-                        tokens,
-                        reason,
-                        form,
+                        option.tokens,
+                        hit.ranking,
                     );
                     match explain_items
                         .iter_mut()
@@ -343,16 +348,14 @@ fn pack_recall<'a>(
                 }
                 continue;
             }
-            if recall.try_add(packer, line, tokens, encoding) {
+            if recall.try_add(packer, line, option.tokens, encoding) {
                 explain_items.push(explained(
                     state,
-                    shown,
+                    line.item,
+                    line.form,
                     Block::Recall,
-                    score,
-                    Some(relevance),
-                    tokens,
-                    reason,
-                    form,
+                    option.tokens,
+                    hit.ranking,
                 ));
                 break;
             }
@@ -445,6 +448,21 @@ fn shows(state: &MemoryState, block: &BlockPlan<'_>, item: ItemRef) -> bool {
             if block.lines.iter().any(|shown| holds(state, shown, id)))
 }
 
+/// A reserved item's line, before it is placed.
+struct ReservedLine {
+    section: Section,
+    item: ItemRef,
+    tokens: u32,
+    reason: Reason,
+}
+
+/// A working-set fact and its tier score.
+struct ScoredFact {
+    score: f32,
+    /// Its position in `MemoryState::facts`.
+    index: usize,
+}
+
 /// Rewrites `request.messages` with memory from `state`. `index` should be built from the same
 /// state (a stale one only finds less); `prefetched` are the candidates `prefetch` computed
 /// after the previous turn.
@@ -474,7 +492,7 @@ pub fn compose(
     let mut core = BlockPlan::new(core_fixed);
     let mut reserved_over_budget = false;
     let mut order = 0u64;
-    let mut reserved: Vec<(Section, ItemRef, u32, Reason)> = Vec::new();
+    let mut reserved: Vec<ReservedLine> = Vec::new();
     // Through the lookups when they are current (a cached memory's are), so that a request's
     // cost does not grow with the user's facts; each fact is checked either way.
     let lookups = state.lookups.is_current(state).then_some(&state.lookups);
@@ -491,12 +509,12 @@ pub fn compose(
         .collect();
     constraints.sort_by(|a, b| b.importance.total_cmp(&a.importance).then(a.id.cmp(&b.id)));
     for fact in constraints {
-        reserved.push((
-            Section::Constraints,
-            ItemRef::Fact(fact.id),
-            fact.tokens.get(encoding),
-            Reason::HardConstraint,
-        ));
+        reserved.push(ReservedLine {
+            section: Section::Constraints,
+            item: ItemRef::Fact(fact.id),
+            tokens: fact.tokens.get(encoding),
+            reason: Reason::HardConstraint,
+        });
     }
     // A pin of a fact shows the fact's current revision, once: not again for a second pin of
     // it, nor beside its hard-constraint line, nor among the other facts.
@@ -512,40 +530,43 @@ pub fn compose(
             }
             PinContent::Nothing => continue,
         }
-        reserved.push((
-            Section::Pinned,
-            ItemRef::Pinned(pin.id),
-            content.tokens().get(encoding),
-            Reason::Pinned,
-        ));
+        reserved.push(ReservedLine {
+            section: Section::Pinned,
+            item: ItemRef::Pinned(pin.id),
+            tokens: content.tokens().get(encoding),
+            reason: Reason::Pinned,
+        });
     }
     if let Some(identity) = &state.identity {
-        reserved.push((
-            Section::Identity,
-            ItemRef::Identity,
-            identity.tokens.get(encoding),
-            Reason::Identity,
-        ));
+        reserved.push(ReservedLine {
+            section: Section::Identity,
+            item: ItemRef::Identity,
+            tokens: identity.tokens.get(encoding),
+            reason: Reason::Identity,
+        });
     }
-    for (section, item, tokens, reason) in reserved {
+    for reserved in reserved {
         order += 1;
         let line = Line {
-            section,
+            section: reserved.section,
             order,
-            item,
+            item: reserved.item,
             form: Form::Full,
             date: None,
         };
-        if core.try_add(&mut packer, line, tokens, encoding) {
+        if core.try_add(&mut packer, line, reserved.tokens, encoding) {
+            let ranking = Ranking {
+                score: 1.0,
+                relevance: None,
+                reason: reserved.reason,
+            };
             explain_items.push(explained(
                 state,
-                item,
-                Block::Core,
-                1.0,
-                None,
-                tokens,
-                reason,
+                reserved.item,
                 Form::Full,
+                Block::Core,
+                reserved.tokens,
+                ranking,
             ));
         } else {
             reserved_over_budget = true;
@@ -562,7 +583,7 @@ pub fn compose(
     let core_fact_limit = (budgets.current as f32 * config.core_fact_share.clamp(0.0, 1.0)) as u32;
     packer.stage(core_fact_limit);
     let core_fact_room = packer.stage_left;
-    let mut working: Vec<(f32, usize)> = listed(lookups.map(Lookups::working_facts))
+    let mut working: Vec<ScoredFact> = listed(lookups.map(Lookups::working_facts))
         .into_iter()
         .filter_map(|index| Some((index, state.facts.get(index)?)))
         .filter(|(_, fact)| {
@@ -571,10 +592,13 @@ pub fn compose(
                 && fact.tier.tier != Tier::Old
                 && !pinned_sources.contains(&ItemRef::Fact(fact.id))
         })
-        .map(|(index, _)| (fact_score(state, &config.weights, index), index))
+        .map(|(index, _)| ScoredFact {
+            score: fact_score(state, &config.weights, index),
+            index,
+        })
         .collect();
-    working.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-    for (score, index) in working {
+    working.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.index.cmp(&b.index)));
+    for ScoredFact { score, index } in working {
         let fact = &state.facts[index];
         let tokens = fact.tokens.get(encoding);
         let line = Line {
@@ -585,15 +609,18 @@ pub fn compose(
             date: None,
         };
         if core.try_add(&mut packer, line, tokens, encoding) {
+            let ranking = Ranking {
+                score,
+                relevance: None,
+                reason: Reason::WorkingSet,
+            };
             explain_items.push(explained(
                 state,
                 line.item,
-                Block::Core,
-                score,
-                None,
-                tokens,
-                Reason::WorkingSet,
                 Form::Full,
+                Block::Core,
+                tokens,
+                ranking,
             ));
         }
     }
@@ -690,15 +717,18 @@ pub fn compose(
                     window.push(candidate);
                     window_tokens += cost;
                     in_prompt.extend(carried_items(state, seq, true));
+                    let ranking = Ranking {
+                        score: 1.0,
+                        relevance: None,
+                        reason: Reason::RawWindow,
+                    };
                     explain_items.push(explained(
                         state,
                         ItemRef::RawTurn(seq),
-                        Block::Window,
-                        1.0,
-                        None,
-                        cost,
-                        Reason::RawWindow,
                         Form::Full,
+                        Block::Window,
+                        cost,
+                        ranking,
                     ));
                 } else {
                     // NEW is trimmed aggressively: this turn and older ones fall back to summaries.
@@ -770,16 +800,18 @@ pub fn compose(
         };
         if recall.try_add(&mut packer, line, tokens, encoding) {
             in_prompt.insert(item);
-            let score = 1.0 - age as f32 / (recent_context.len() as f32 + 1.0);
+            let ranking = Ranking {
+                score: 1.0 - age as f32 / (recent_context.len() as f32 + 1.0),
+                relevance: None,
+                reason: Reason::RecentContext,
+            };
             explain_items.push(explained(
                 state,
                 item,
-                Block::Recall,
-                score,
-                None,
-                tokens,
-                Reason::RecentContext,
                 Form::Full,
+                Block::Recall,
+                tokens,
+                ranking,
             ));
         }
     }
@@ -814,7 +846,7 @@ pub fn compose(
             shown_pairs.entry(pair).or_default().push(seq);
         }
     }
-    let mut ranked: Vec<(f32, f32, ItemRef, Reason)> = retrieval
+    let mut ranked: Vec<RankedHit> = retrieval
         .hits
         .iter()
         .filter(|hit| {
@@ -828,15 +860,22 @@ pub fn compose(
         })
         .map(|hit| {
             let tier = item_tier_score(state, config, hit.item);
-            (
-                hit.relevance + config.retrieval.tier_score_blend * tier,
-                hit.relevance,
-                hit.item,
-                Reason::Retrieved { source: hit.source },
-            )
+            RankedHit {
+                item: hit.item,
+                ranking: Ranking {
+                    score: hit.relevance + config.retrieval.tier_score_blend * tier,
+                    relevance: Some(hit.relevance),
+                    reason: Reason::Retrieved { source: hit.source },
+                },
+            }
         })
         .collect();
-    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.2.cmp(&b.2)));
+    ranked.sort_by(|a, b| {
+        b.ranking
+            .score
+            .total_cmp(&a.ranking.score)
+            .then(a.item.cmp(&b.item))
+    });
     // The OLD share pays for OLD-tier content too: the raw turns recall finds there (most of
     // an old conversation's evidence) come before the manifests that index them.
     packer.stage(
@@ -857,7 +896,8 @@ pub fn compose(
 
     // ---- OLD: episode manifests, in what recall left ----
     packer.stage(packer.total_left);
-    for (score, relevance, item, reason) in ranked.iter().copied() {
+    for hit in &ranked {
+        let item = hit.item;
         let ItemRef::Episode(id) = item else {
             continue;
         };
@@ -876,19 +916,17 @@ pub fn compose(
             explain_items.push(explained(
                 state,
                 item,
-                Block::Recall,
-                score,
-                Some(relevance),
-                tokens,
-                reason,
                 Form::Full,
+                Block::Recall,
+                tokens,
+                hit.ranking,
             ));
         }
     }
 
     let left_out: Vec<ItemRef> = ranked
         .iter()
-        .map(|(_, _, item, _)| *item)
+        .map(|hit| hit.item)
         .filter(|item| !shows(state, &recall, *item))
         .take(16)
         .collect();
@@ -985,26 +1023,47 @@ const RAW_FOR_HIT_COST: u32 = 2;
 /// The latest user message is searched by at most this much of it (head and tail).
 const QUERY_MAX_BYTES: usize = 4096;
 
-/// The ways an item can be shown in the recall block, preferred first:
-/// `(item shown, section, order, form, tokens)`. A turn is shown once, in the fullest form that
-/// fits: its raw line, the raw line clipped, or its summary. An artifact is shown as its turn's
-/// raw line (which holds it), whole, or as a reference.
-fn render_options(
-    state: &MemoryState,
-    item: ItemRef,
-    encoding: Encoding,
-) -> Vec<(ItemRef, Section, u64, Form, u32)> {
+/// One way to show a hit in the recall block.
+#[derive(Debug, Clone, Copy)]
+struct RenderOption {
+    /// What the line shows: the hit itself, or the raw turn that holds it.
+    shown: ItemRef,
+    section: Section,
+    order: u64,
+    form: Form,
+    tokens: u32,
+}
+
+impl RenderOption {
+    fn line(self, state: &MemoryState, encoding: Encoding) -> Line<'_> {
+        Line {
+            section: self.section,
+            order: self.order,
+            item: self.shown,
+            form: self.form,
+            date: match self.section {
+                Section::Conversation => dated(state, self.shown, encoding),
+                _ => None,
+            },
+        }
+    }
+}
+
+/// The ways an item can be shown in the recall block, preferred first. A turn is shown once, in
+/// the fullest form that fits: its raw line, the raw line clipped, or its summary. An artifact
+/// is shown as its turn's raw line (which holds it), whole, or as a reference.
+fn render_options(state: &MemoryState, item: ItemRef, encoding: Encoding) -> Vec<RenderOption> {
     match item {
         ItemRef::Fact(id) => state
             .fact(id)
             .map(|fact| {
-                vec![(
-                    item,
-                    Section::RelevantFacts,
-                    u64::from(id),
-                    Form::Full,
-                    fact.tokens.get(encoding),
-                )]
+                vec![RenderOption {
+                    shown: item,
+                    section: Section::RelevantFacts,
+                    order: u64::from(id),
+                    form: Form::Full,
+                    tokens: fact.tokens.get(encoding),
+                }]
             })
             .unwrap_or_default(),
         ItemRef::RawTurn(seq) | ItemRef::Summary(seq) => {
@@ -1019,6 +1078,13 @@ fn render_options(
                 .get(seq as usize)
                 .map(|entry| entry.tokens.get(encoding));
             let order = u64::from(seq) * 2;
+            let conversation = |shown, order, form, tokens| RenderOption {
+                shown,
+                section: Section::Conversation,
+                order,
+                form,
+                tokens,
+            };
             let mut options = Vec::new();
             let affordable = |tokens: u32| match (item, summary) {
                 (ItemRef::Summary(_), Some(summary)) => {
@@ -1027,15 +1093,14 @@ fn render_options(
                 _ => true,
             };
             if affordable(full) {
-                options.push((raw, Section::Conversation, order, Form::Full, full));
+                options.push(conversation(raw, order, Form::Full, full));
             }
             if clipped < full && affordable(clipped) {
-                options.push((raw, Section::Conversation, order, Form::Clipped, clipped));
+                options.push(conversation(raw, order, Form::Clipped, clipped));
             }
             if let Some(summary) = summary {
-                options.push((
+                options.push(conversation(
                     ItemRef::Summary(seq),
-                    Section::Conversation,
                     order + 1,
                     Form::Full,
                     summary,
@@ -1048,24 +1113,28 @@ fn render_options(
                 return Vec::new();
             };
             let full = artifact.tokens.get(encoding);
+            let shown_as_itself = |form, tokens| RenderOption {
+                shown: item,
+                section: Section::Artifacts,
+                order: u64::from(id),
+                form,
+                tokens,
+            };
             let mut options = Vec::new();
             if let Some(turn) = state.raw_turns.get(artifact.turn as usize) {
                 let raw = turn.tokens.line.get(encoding);
                 if raw <= full.saturating_mul(RAW_FOR_HIT_COST) {
-                    options.push((
-                        ItemRef::RawTurn(artifact.turn),
-                        Section::Conversation,
-                        u64::from(artifact.turn) * 2,
-                        Form::Full,
-                        raw,
-                    ));
+                    options.push(RenderOption {
+                        shown: ItemRef::RawTurn(artifact.turn),
+                        section: Section::Conversation,
+                        order: u64::from(artifact.turn) * 2,
+                        form: Form::Full,
+                        tokens: raw,
+                    });
                 }
             }
-            options.push((item, Section::Artifacts, u64::from(id), Form::Full, full));
-            options.push((
-                item,
-                Section::Artifacts,
-                u64::from(id),
+            options.push(shown_as_itself(Form::Full, full));
+            options.push(shown_as_itself(
                 Form::Reference,
                 artifact.reference_tokens.get(encoding),
             ));
@@ -1127,26 +1196,23 @@ fn provenance(state: &MemoryState, item: ItemRef) -> (Vec<TurnSeq>, Option<Strin
     }
 }
 
-#[expect(clippy::too_many_arguments, reason = "one row of the explain table")]
 fn explained(
     state: &MemoryState,
     item: ItemRef,
-    block: Block,
-    score: f32,
-    relevance: Option<f32>,
-    tokens: u32,
-    reason: Reason,
     form: Form,
+    block: Block,
+    tokens: u32,
+    ranking: Ranking,
 ) -> ExplainedItem {
     let (turns, date) = provenance(state, item);
     ExplainedItem {
         item,
         block,
         tier: item_tier(state, item),
-        score,
-        relevance,
+        score: ranking.score,
+        relevance: ranking.relevance,
         tokens,
-        reason,
+        reason: ranking.reason,
         form,
         provenance: turns
             .iter()
