@@ -3,9 +3,11 @@
 use super::*;
 use crate::config::RetrievalMode;
 use crate::diff::{FactDiff, FactEdit, apply_diff};
+use crate::explain::ClientMode;
+use crate::fence::has_fence_like;
 use crate::record::test_support::{record_turn, recorded_with};
 use crate::record::{consolidate, pin, pin_fact, set_identity};
-use crate::render::CORE_OPEN as CORE_OPEN_TEXT;
+use crate::render::{CORE_OPEN as CORE_OPEN_TEXT, FENCE_CLOSE};
 use crate::shape::test_support::{INVOICE_SCRIPT, indented_script};
 use crate::tokens::count_in;
 
