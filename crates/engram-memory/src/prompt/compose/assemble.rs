@@ -3,7 +3,8 @@
 use serde_json::Value;
 
 use super::block::{BlockPlan, Line};
-use super::{ComposeRequest, WindowTurn, core_is_prefix};
+use super::window::WindowTurn;
+use super::{ComposeRequest, Packing, core_is_prefix};
 use crate::config::{MemoryConfig, Placement};
 use crate::model::{ItemRef, MemoryState, TurnSeq};
 use crate::openai::{ChatMessage, OutgoingMessage};
@@ -189,20 +190,20 @@ fn prefixed(message: &ChatMessage, prefix: &str) -> ChatMessage {
     message
 }
 
-#[expect(
-    clippy::too_many_arguments,
-    reason = "the parts of the prompt, in layout order"
-)]
+/// The prompt's messages, in layout order: the client's system messages, the core block, the
+/// raw window, the client's kept messages, the recall block and the latest user message (and
+/// what the client sent after it).
 pub(super) fn assemble(
-    state: &MemoryState,
+    packing: &Packing<'_>,
     request: &ComposeRequest<'_>,
     shape: &RequestShape,
     keep_from: usize,
-    core: &BlockPlan<'_>,
-    window: &[WindowTurn],
-    recall: &BlockPlan<'_>,
     config: &MemoryConfig,
 ) -> Vec<OutgoingMessage> {
+    let state = packing.state;
+    let core = &packing.core;
+    let window = &packing.window.turns;
+    let recall = &packing.recall;
     let source = request.messages;
     let mut out = Vec::with_capacity(source.len() + window.len() * 2 + 2);
     // A blank instruction says nothing, and some providers reject an empty message.

@@ -45,6 +45,19 @@ pub(super) struct Line<'a> {
     pub(super) date: Option<Dated<'a>>,
 }
 
+impl Line<'_> {
+    /// A line shown whole and undated: a core line, a fact or an episode.
+    pub(super) fn undated(section: Section, order: u64, item: ItemRef) -> Line<'static> {
+        Line {
+            section,
+            order,
+            item,
+            form: Form::Full,
+            date: None,
+        }
+    }
+}
+
 /// A conversation line's day: the lines of one day are shown together under one
 /// [`date_heading`](crate::prompt::render::date_heading), which the first of them pays for.
 #[derive(Debug, Clone, Copy)]
@@ -76,10 +89,10 @@ pub(super) struct BlockPlan<'a> {
     fixed: u32,
     headings: Vec<Section>,
     /// The days whose heading is paid for.
-    pub(super) dates: Vec<&'a str>,
+    dates: Vec<&'a str>,
     pub(super) lines: Vec<Line<'a>>,
     /// Each line's own tokens, by position in `lines`.
-    pub(super) line_tokens: Vec<u32>,
+    line_tokens: Vec<u32>,
     pub(super) tokens: u32,
 }
 
@@ -159,18 +172,46 @@ impl<'a> BlockPlan<'a> {
         true
     }
 
+    /// Drops every line (the final guard's last resort): the block is then not rendered.
+    pub(super) fn clear(&mut self) {
+        self.headings.clear();
+        self.dates.clear();
+        self.lines.clear();
+        self.line_tokens.clear();
+        self.tokens = 0;
+    }
+
     pub(super) fn contains(&self, item: ItemRef) -> bool {
         self.lines.iter().any(|line| line.item == item)
     }
 
     /// Whether the block already shows what `item` would add: a summary is covered by its raw
-    /// turn too (a raw hit still adds the raw text to a turn shown as a summary).
-    pub(super) fn shows(&self, item: ItemRef) -> bool {
+    /// turn too (a raw hit still adds the raw text to a turn shown as a summary), an artifact by
+    /// its turn's raw line when that holds it.
+    pub(super) fn shows(&self, state: &MemoryState, item: ItemRef) -> bool {
         match item {
             ItemRef::Summary(seq) => {
                 self.contains(ItemRef::RawTurn(seq)) || self.contains(ItemRef::Summary(seq))
             }
+            ItemRef::Artifact(id) => {
+                self.contains(item) || self.lines.iter().any(|shown| holds(state, shown, id))
+            }
             _ => self.contains(item),
+        }
+    }
+
+    /// Whether `line` would show text that the block shows already: a turn's text is shown
+    /// once, as its raw line or beside it as its artifacts, never both.
+    pub(super) fn overlaps(&self, state: &MemoryState, line: &Line<'_>) -> bool {
+        match line.item {
+            ItemRef::Artifact(id) => self.lines.iter().any(|shown| holds(state, shown, id)),
+            ItemRef::RawTurn(seq) => state.turn_log.get(seq as usize).is_some_and(|entry| {
+                entry
+                    .artifacts
+                    .iter()
+                    .any(|id| self.contains(ItemRef::Artifact(*id)) && holds(state, line, *id))
+            }),
+            _ => false,
         }
     }
 }
@@ -188,27 +229,4 @@ fn holds(state: &MemoryState, line: &Line<'_>, artifact: ArtifactId) -> bool {
             artifact.turn == seq
                 && (line.form == Form::Full || artifact.kind == ArtifactKind::Draft)
         })
-}
-
-/// Whether `line` would show text that `block` shows already: a turn's text is shown once, as
-/// its raw line or beside it as its artifacts, never both.
-pub(super) fn overlaps(state: &MemoryState, block: &BlockPlan<'_>, line: &Line<'_>) -> bool {
-    match line.item {
-        ItemRef::Artifact(id) => block.lines.iter().any(|shown| holds(state, shown, id)),
-        ItemRef::RawTurn(seq) => state.turn_log.get(seq as usize).is_some_and(|entry| {
-            entry
-                .artifacts
-                .iter()
-                .any(|id| block.contains(ItemRef::Artifact(*id)) && holds(state, line, *id))
-        }),
-        _ => false,
-    }
-}
-
-/// Whether `block` already shows what `item` would add: [`BlockPlan::shows`], or an artifact
-/// its turn's raw line holds.
-pub(super) fn shows(state: &MemoryState, block: &BlockPlan<'_>, item: ItemRef) -> bool {
-    block.shows(item)
-        || matches!(item, ItemRef::Artifact(id)
-            if block.lines.iter().any(|shown| holds(state, shown, id)))
 }
