@@ -15,7 +15,7 @@
 //! content), each turn once in the fullest form that fits; episode manifests take what recall
 //! left. Only stored token counts are added here; nothing is tokenized.
 //!
-//! One packer per block, in that order, each adding to the shared [`Packing`]: `reserved`,
+//! One packer per block, in that order, each adding to the shared `Packing`: `reserved`,
 //! `core_facts`, `window` (with the recent context's summaries), `recall`, `episodes`; then
 //! `guard` checks the total and `assemble` writes the messages.
 
