@@ -524,12 +524,22 @@ fn report_nearest() {
             ))
         })
         .collect();
-    let pool = MemoryConfig::default().retrieval.semantic_candidates;
-    for (label, pool) in [("prefilter", pool), ("every vector", ITEMS as usize)] {
+    let retrieval = MemoryConfig::default().retrieval;
+    let pool = retrieval.semantic_candidates;
+    let every = ITEMS as usize;
+    for (label, pool, scan) in [
+        (
+            "prefilter, the newest semantic_scan_items",
+            pool,
+            retrieval.semantic_scan_items,
+        ),
+        ("prefilter, every item", pool, every),
+        ("every vector", every, every),
+    ] {
         let mut samples = Vec::with_capacity(500);
         for round in 0..500 {
             let started = Instant::now();
-            black_box(segment.nearest(&queries[round % queries.len()], pool, 24));
+            black_box(segment.nearest(&queries[round % queries.len()], pool, scan, 24));
             samples.push(started.elapsed());
         }
         let (p50, p99, max) = percentiles(samples);
@@ -541,14 +551,14 @@ fn report_nearest() {
     let mut kept = 0;
     for query in &queries {
         let exact: Vec<u32> = segment
-            .nearest(query, ITEMS as usize, 24)
+            .nearest(query, every, every, 24)
             .best
             .iter()
             .take(24)
             .map(|hit| hit.0)
             .collect();
         let pre: Vec<u32> = segment
-            .nearest(query, pool, 24)
+            .nearest(query, pool, every, 24)
             .best
             .iter()
             .take(24)

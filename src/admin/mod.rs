@@ -111,6 +111,7 @@ impl AdminApi {
                 k1: config.memory.retrieval.bm25_k1,
                 b: config.memory.retrieval.bm25_b,
                 postings_per_term: usize::MAX,
+                postings_per_query: usize::MAX,
             },
         }
     }

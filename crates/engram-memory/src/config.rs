@@ -124,6 +124,12 @@ impl MemoryConfig {
         if self.retrieval.semantic_candidates == 0 {
             return fail("retrieval.semantic_candidates", "must be greater than 0");
         }
+        if self.retrieval.semantic_scan_items == 0 {
+            return fail("retrieval.semantic_scan_items", "must be greater than 0");
+        }
+        if self.retrieval.postings_per_query == 0 {
+            return fail("retrieval.postings_per_query", "must be greater than 0");
+        }
         if self.retrieval.postings_per_term == 0 {
             return fail("retrieval.postings_per_term", "must be greater than 0");
         }
@@ -219,12 +225,20 @@ pub struct RetrievalConfig {
     /// Hybrid: a segment with more vectors than this is compared by 256-bit sign codes first,
     /// and only this many nearest are scored in full.
     pub semantic_candidates: usize,
+    /// Hybrid: a query is compared by meaning with at most this many of a segment's items, the
+    /// newest: bounds a request's semantic pass whatever the history (older items are found
+    /// by their words, as `postings_per_term` bounds the lexical pass).
+    pub semantic_scan_items: usize,
     pub bm25_k1: f32,
     pub bm25_b: f32,
     /// A query word finds and scores documents in at most this many of its postings per
     /// segment, the newest: bounds a request's search whatever the history (a word said in
     /// more turns than this counts in its newest mentions only).
     pub postings_per_term: usize,
+    /// A query's words together find and score documents in at most this many postings per
+    /// segment, shared out rarest first (rare words are walked whole, common ones in their
+    /// newest mentions): bounds a request's search however many common words it has.
+    pub postings_per_query: usize,
     /// Hits taken from each part of the index per query.
     pub top_raw_turns: usize,
     pub top_summaries: usize,
@@ -262,9 +276,11 @@ impl Default for RetrievalConfig {
             mode: RetrievalMode::Hybrid,
             lexical_weight: 0.6,
             semantic_candidates: 512,
+            semantic_scan_items: 8_192,
             bm25_k1: 1.2,
             bm25_b: 0.75,
             postings_per_term: 1_024,
+            postings_per_query: 4_096,
             top_raw_turns: 24,
             top_summaries: 12,
             top_facts: 16,

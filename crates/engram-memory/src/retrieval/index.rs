@@ -157,6 +157,9 @@ pub struct Bm25 {
     /// more documents than this counts in its newest mentions only (its rarity, the idf, still
     /// counts all of them).
     pub postings_per_term: usize,
+    /// A query's terms together walk at most this many postings (`usize::MAX`: no bound),
+    /// shared out rarest first (see `Segment::allowances`).
+    pub postings_per_query: usize,
 }
 
 impl Bm25 {
@@ -165,6 +168,7 @@ impl Bm25 {
         k1: 1.2,
         b: 0.75,
         postings_per_term: usize::MAX,
+        postings_per_query: usize::MAX,
     };
 }
 
@@ -294,14 +298,16 @@ impl Segment {
             return Vec::new();
         }
         let average = self.average_len();
-        // (term, weight, idf), largest bound first; the sort is stable, so ties keep the
-        // query's order.
-        let mut terms: Vec<(TermId, f32, f32)> = query
+        // (term, weight, idf, postings it may use), largest bound first; the sort is stable,
+        // so ties keep the query's order.
+        let mut terms: Vec<(TermId, f32, f32, usize)> = query
             .iter()
-            .map(|(term, weight)| (*term, *weight, self.idf(*term)))
-            .filter(|(_, weight, idf)| *weight > 0.0 && *idf > 0.0)
+            .zip(self.allowances(query, bm25))
+            .map(|((term, weight), allowed)| (*term, *weight, self.idf(*term), allowed))
+            .filter(|(_, weight, idf, _)| *weight > 0.0 && *idf > 0.0)
             .collect();
-        let bound = |(_, weight, idf): &(TermId, f32, f32)| weight * idf * (bm25.k1 + 1.0);
+        let bound =
+            |(_, weight, idf, _): &(TermId, f32, f32, usize)| weight * idf * (bm25.k1 + 1.0);
         terms.sort_by(|a, b| bound(b).total_cmp(&bound(a)));
         // rest[i]: the most terms i.. can add to one document (BM25's tf part stays below
         // k1 + 1).
@@ -318,7 +324,7 @@ impl Segment {
         // Postings each term may still use: parts are taken newest first, and each part's
         // postings from its newest (a posting list is in document order). Stale copies count
         // too, so past the cap what is searched depends on when parts were merged.
-        let mut left = vec![bm25.postings_per_term; terms.len()];
+        let mut left: Vec<usize> = terms.iter().map(|term| term.3).collect();
         let mut parts: Vec<&Part> = self.all_parts().collect();
         parts.reverse();
         for part in parts {
@@ -335,7 +341,7 @@ impl Segment {
                 weight * Segment::term_score(idf, posting.tf, len, average, bm25)
             };
             let mut walked = terms.len();
-            for (i, (_, weight, idf)) in terms.iter().enumerate() {
+            for (i, (_, weight, idf, _)) in terms.iter().enumerate() {
                 let Some(postings) = postings_of(i, &left) else {
                     continue;
                 };
@@ -369,7 +375,7 @@ impl Segment {
                     }
                     stays
                 });
-                for (i, (_, weight, idf)) in terms.iter().enumerate().skip(walked) {
+                for (i, (_, weight, idf, _)) in terms.iter().enumerate().skip(walked) {
                     let Some(postings) = postings_of(i, &left) else {
                         continue;
                     };
@@ -411,6 +417,40 @@ impl Segment {
         }
         hits.sort_by(order);
         hits
+    }
+
+    /// Postings each entry of `query` may use, in its order: its newest `postings_per_term`
+    /// and, when the entries together have more than `postings_per_query`, that many shared
+    /// out rarest first: an entry with fewer than an even share of what is left keeps all of
+    /// its own, the commoner ones split the rest evenly (their newest). So a query's walk is
+    /// bounded however many common words it has and however long the history, while the rare
+    /// words, which decide the ranking, are walked whole. An entry of weight 0 gets none.
+    fn allowances(&self, query: &[(TermId, f32)], bm25: Bm25) -> Vec<usize> {
+        let posted: Vec<usize> = query
+            .iter()
+            .map(|(term, weight)| {
+                if *weight > 0.0 {
+                    let all: usize = self.all_parts().map(|part| part.doc_freq(*term)).sum();
+                    all.min(bm25.postings_per_term)
+                } else {
+                    0
+                }
+            })
+            .collect();
+        let total = posted.iter().fold(0usize, |sum, n| sum.saturating_add(*n));
+        if total <= bm25.postings_per_query {
+            return posted;
+        }
+        let mut rarest_first: Vec<usize> = (0..posted.len()).collect();
+        rarest_first.sort_by_key(|at| (posted[*at], *at));
+        let mut allowed = vec![0; posted.len()];
+        let mut budget = bm25.postings_per_query;
+        for (taken, at) in rarest_first.iter().enumerate() {
+            let share = budget / (rarest_first.len() - taken);
+            allowed[*at] = posted[*at].min(share);
+            budget -= allowed[*at];
+        }
+        allowed
     }
 
     /// The score a document must reach to be among the `top` best: the `top`-th best of the
@@ -696,17 +736,18 @@ impl Segment {
             .map(|vector| vector.cosine(query))
     }
 
-    /// The `top` items nearest to `query`, among every item
+    /// The `top` items nearest to `query` among the newest `scan` keys: every one of them
     /// with a vector when there are at most `pool`, else the `pool` whose sign codes differ from
     /// the query's in the fewest dimensions (ties: the newest), rescored by their int8 dot
-    /// product. So a 50,000-turn history costs one popcount pass over 32-byte codes and `pool`
-    /// dot products, not 50,000 of them.
-    pub fn nearest(&self, query: &Vector, pool: usize, top: usize) -> Nearest {
+    /// product. So a query costs at most one popcount pass over `scan` 32-byte codes and `pool`
+    /// dot products, whatever the history; older items are found by their words.
+    pub fn nearest(&self, query: &Vector, pool: usize, scan: usize, top: usize) -> Nearest {
         let mut scored: Vec<(u32, f32)> = Vec::new();
         let keyed = |key: usize| u32::try_from(key).unwrap_or(u32::MAX);
+        let from = self.vectors.len().saturating_sub(scan);
         if self.vector_count as usize <= pool {
             scored.reserve(self.vector_count as usize);
-            for (key, vector) in self.vectors.iter().enumerate() {
+            for (key, vector) in self.vectors.iter_from(from) {
                 if let Some(vector) = vector {
                     scored.push((keyed(key), vector.cosine(query)));
                 }
@@ -716,8 +757,8 @@ impl Segment {
             // distance to find the one below which fewer than `pool` items lie.
             const NONE: u16 = u16::MAX;
             let mut histogram = [0usize; embed::DIMS + 1];
-            let mut distances: Vec<u16> = Vec::with_capacity(self.vectors.len());
-            for vector in self.vectors.iter() {
+            let mut distances: Vec<u16> = Vec::with_capacity(self.vectors.len() - from);
+            for (_, vector) in self.vectors.iter_from(from) {
                 let distance = vector.as_ref().map_or(NONE, |vector| {
                     u16::try_from(query.hamming(&vector.code)).unwrap_or(NONE)
                 });
@@ -737,13 +778,14 @@ impl Segment {
             }
             // Everything nearer than `limit`, then the newest at `limit` up to `pool`.
             let limit = u16::try_from(limit).unwrap_or(NONE);
-            let mut at_limit = pool - below;
+            let mut at_limit = pool.saturating_sub(below);
             scored.reserve(pool);
-            for (key, distance) in distances.iter().enumerate().rev() {
+            for (offset, distance) in distances.iter().enumerate().rev() {
                 if *distance < limit || (*distance == limit && at_limit > 0) {
                     if *distance == limit {
                         at_limit -= 1;
                     }
+                    let key = from + offset;
                     if let Some(Some(vector)) = self.vectors.get(key) {
                         scored.push((keyed(key), vector.cosine(query)));
                     }
@@ -1181,9 +1223,9 @@ mod tests {
             segment.set_vector(key, embed_text(&text));
         }
         let query = embed_text("I love shaping clay on the pottery wheel").unwrap();
-        let exact = segment.nearest(&query, 1_000, usize::MAX).best;
+        let exact = segment.nearest(&query, 1_000, usize::MAX, usize::MAX).best;
         assert_eq!(exact.len(), 400);
-        let pre = segment.nearest(&query, 64, usize::MAX).best;
+        let pre = segment.nearest(&query, 64, usize::MAX, usize::MAX).best;
         assert_eq!(pre.len(), 64);
         // Every one of the prefilter's picks is a pottery turn, as are the exact top 64.
         assert!(pre.iter().all(|(key, _)| key % 4 == 0), "{pre:?}");
@@ -1191,11 +1233,17 @@ mod tests {
         assert_eq!(pre[0], exact[0]);
         segment.set_vector(0, None);
         assert_eq!(segment.cosine(0, &query), None);
-        let all = segment.nearest(&query, 1_000, usize::MAX).best;
+        let all = segment.nearest(&query, 1_000, usize::MAX, usize::MAX).best;
         assert_eq!(all.len(), 399);
-        let top = segment.nearest(&query, 1_000, 5);
+        let top = segment.nearest(&query, 1_000, usize::MAX, 5);
         assert_eq!(top.best[..], all[..5]);
         assert_eq!(top.lowest, all[398].1);
+        // A scan bound compares the newest keys only, exactly or through the prefilter.
+        for pool in [1_000, 16] {
+            let newest = segment.nearest(&query, pool, 100, usize::MAX).best;
+            assert_eq!(newest.len(), pool.min(100));
+            assert!(newest.iter().all(|(key, _)| *key >= 300), "{newest:?}");
+        }
     }
 
     #[test]
@@ -1249,6 +1297,34 @@ mod tests {
         }
     }
 
+    /// Past the query's budget, the rare word keeps all its postings and the common words
+    /// split the rest; within it, every word keeps its own.
+    #[test]
+    fn a_query_budget_is_shared_out_rarest_first() {
+        let mut docs: Vec<String> = (0..100)
+            .map(|n| format!("apple banana filler{n}"))
+            .collect();
+        docs.extend((0..3).map(|n| format!("quince apple note{n}")));
+        let docs: Vec<&str> = docs.iter().map(String::as_str).collect();
+        let (index, segment) = segment(&docs);
+        let (terms, _) = index.query_terms("apple banana quince");
+        let query: Vec<(TermId, f32)> = terms.iter().map(|term| (*term, 1.0)).collect();
+        let budget = |postings_per_query| Bm25 {
+            postings_per_query,
+            ..BM25
+        };
+        assert_eq!(
+            segment.allowances(&query, budget(usize::MAX)),
+            [103, 100, 3]
+        );
+        assert_eq!(segment.allowances(&query, budget(50)), [24, 23, 3]);
+        let zero_weight = [(terms[0], 0.0), (terms[1], 1.0), (terms[2], 1.0)];
+        assert_eq!(segment.allowances(&zero_weight, budget(50)), [0, 47, 3]);
+        // The rare word's documents still rank first.
+        let hits = segment.search(&terms, budget(50), 3);
+        assert!(hits.iter().all(|(key, _)| *key >= 100), "{hits:?}");
+    }
+
     #[test]
     fn stemming_matches_inflections() {
         let (index, segment) = segment(&["we went hiking in the alps", "taxes are due"]);
@@ -1267,15 +1343,16 @@ mod tests {
     ) -> Vec<(u32, f32)> {
         let average = segment.average_len();
         let parts: Vec<&Part> = segment.all_parts().collect();
-        // (term, part id, document) of the postings each term may use.
+        // (query entry, part id, document) of the postings each entry may use.
         let mut usable = std::collections::HashSet::new();
-        for (term, _) in query {
+        let allowed = segment.allowances(query, bm25);
+        for (entry, (term, _)) in query.iter().enumerate() {
             let newest_first = parts.iter().rev().flat_map(|part| {
                 let postings = part.postings.get(term).map_or(&[][..], Vec::as_slice);
                 postings.iter().rev().map(|p| (part.id, p.doc))
             });
-            for (part, doc) in newest_first.take(bm25.postings_per_term) {
-                usable.insert((*term, part, doc));
+            for (part, doc) in newest_first.take(allowed[entry]) {
+                usable.insert((entry, part, doc));
             }
         }
         let mut hits = Vec::new();
@@ -1286,12 +1363,12 @@ mod tests {
                 }
                 let mut total = 0.0;
                 let mut found = false;
-                for (term, weight) in query {
+                for (entry, (term, weight)) in query.iter().enumerate() {
                     let posted = part
                         .postings
                         .get(term)
                         .and_then(|postings| postings.iter().find(|p| p.doc == doc))
-                        .filter(|_| usable.contains(&(*term, part.id, doc)));
+                        .filter(|_| usable.contains(&(entry, part.id, doc)));
                     if let Some(posting) = posted {
                         let len = part.doc_len[doc as usize];
                         let idf = segment.idf(*term);
@@ -1314,7 +1391,7 @@ mod tests {
 
         /// The pruned search finds the same best documents with the same scores as scoring
         /// every document, over several parts, replaced documents and skewed word counts,
-        /// with and without a cap on each term's postings.
+        /// with and without a cap on each term's postings and on the query's.
         #[test]
         fn pruned_search_equals_scoring_every_document(
             docs in proptest::collection::vec(
@@ -1324,9 +1401,11 @@ mod tests {
             query in proptest::collection::vec((0usize..1_600, 1u32..8), 1..24),
             top in 1usize..30,
             cap in proptest::prop_oneof![proptest::strategy::Just(usize::MAX), 1usize..60],
+            budget in proptest::prop_oneof![proptest::strategy::Just(usize::MAX), 1usize..200],
         ) {
             let bm25 = Bm25 {
                 postings_per_term: cap,
+                postings_per_query: budget,
                 ..BM25
             };
             // Squaring skews the vocabulary: low words are common, high ones rare.

@@ -77,6 +77,7 @@ fn bm25(config: &RetrievalConfig) -> Bm25 {
         k1: config.bm25_k1,
         b: config.bm25_b,
         postings_per_term: config.postings_per_term,
+        postings_per_query: config.postings_per_query,
     }
 }
 
@@ -262,7 +263,12 @@ fn hybrid(
     let Some(query) = query else {
         return lexical;
     };
-    let nearest = segment.nearest(query, config.semantic_candidates, top);
+    let nearest = segment.nearest(
+        query,
+        config.semantic_candidates,
+        config.semantic_scan_items,
+        top,
+    );
     let Some(best) = nearest.best.first() else {
         return lexical;
     };
@@ -544,25 +550,31 @@ pub fn prefetch(
     }
     expand_to_neighbours(state, &mut best, config.neighbour_weight);
     // The working set rides along at a small weight, so a terse follow-up still has context.
-    let active = |tier: Tier| matches!(tier, Tier::New | Tier::Current);
-    for fact in state
-        .facts
-        .iter()
-        .filter(|fact| fact.active && active(fact.tier.tier))
-    {
-        offer(&mut best, ItemRef::Fact(fact.id), 0.01, HitSource::Prefetch);
-    }
-    for entry in state
-        .turn_log
-        .iter()
-        .filter(|entry| active(entry.tier.tier))
-    {
-        offer(
-            &mut best,
-            ItemRef::Summary(entry.turn),
-            0.01,
-            HitSource::Prefetch,
-        );
+    // From the lookups' working-set lists when they have seen every change (the worker's
+    // memory has), so a job's prefetch does not walk the whole history; else by a scan.
+    let working: Vec<ItemRef> = if state.lookups.is_current(state) {
+        let facts = state.lookups.working_facts().iter().copied();
+        let summaries = state.lookups.working_summaries().iter().copied();
+        facts
+            .map(ItemRef::Fact)
+            .chain(summaries.map(ItemRef::Summary))
+            .collect()
+    } else {
+        let active = |tier: Tier| matches!(tier, Tier::New | Tier::Current);
+        let facts = state
+            .facts
+            .iter()
+            .filter(|fact| fact.active && active(fact.tier.tier))
+            .map(|fact| ItemRef::Fact(fact.id));
+        let summaries = state
+            .turn_log
+            .iter()
+            .filter(|entry| active(entry.tier.tier))
+            .map(|entry| ItemRef::Summary(entry.turn));
+        facts.chain(summaries).collect()
+    };
+    for item in working {
+        offer(&mut best, item, 0.01, HitSource::Prefetch);
     }
     let mut ranked: Vec<(ItemRef, f32)> = best
         .into_iter()
@@ -591,6 +603,45 @@ mod tests {
             .iter()
             .filter(|hit| matches!(hit.item, ItemRef::RawTurn(_)))
             .position(|hit| hit.item == ItemRef::RawTurn(seq))
+    }
+
+    /// The worker's prefetch takes the working set from the lookups' lists instead of walking
+    /// the whole history: the same candidates as the walk, once part of the history is OLD.
+    #[test]
+    fn prefetch_takes_the_working_set_from_the_lookups() {
+        let turns: Vec<(String, String)> = (0..240)
+            .map(|n| {
+                (
+                    format!(
+                        "Day {n}: I repaired bicycle number {n} with a blue chain{}.",
+                        n % 7
+                    ),
+                    format!("Noted: bicycle {n} fixed, chain{} fitted.", n % 7),
+                )
+            })
+            .collect();
+        let pairs: Vec<(&str, &str)> = turns
+            .iter()
+            .map(|(user, assistant)| (user.as_str(), assistant.as_str()))
+            .collect();
+        let mut state = recorded_with(&pairs, |n| format!("s{}", n / 40), |_| None);
+        state.sync_lookups();
+        assert!(state.lookups.is_current(&state));
+        assert!(
+            state
+                .turn_log
+                .iter()
+                .any(|entry| entry.tier.tier == Tier::Old),
+            "part of the history must be OLD for the lists to matter"
+        );
+        let index = MemoryIndex::build(&state);
+        let config = MemoryConfig::default().retrieval;
+        let listed = prefetch(&state, &index, "s5", &config);
+        let mut walked = state.clone();
+        walked.lookups = Default::default();
+        assert!(!walked.lookups.is_current(&walked));
+        assert_eq!(prefetch(&walked, &index, "s5", &config), listed);
+        assert!(!listed.is_empty());
     }
 
     /// A query with more known terms than `MAX_QUERY_TERMS` is searched by its rarest: the

@@ -85,6 +85,22 @@ impl<T: Clone> Segmented<T> {
         self.chunks.iter().flat_map(|chunk| chunk.iter())
     }
 
+    /// The items from position `start` on, with their positions; the ones before are not
+    /// walked.
+    pub fn iter_from(&self, start: usize) -> impl Iterator<Item = (usize, &T)> + '_ {
+        self.chunks
+            .iter()
+            .enumerate()
+            .skip(start / CHUNK)
+            .flat_map(|(chunk_at, chunk)| {
+                chunk
+                    .iter()
+                    .enumerate()
+                    .map(move |(at, item)| (chunk_at * CHUNK + at, item))
+            })
+            .skip(start % CHUNK)
+    }
+
     /// Every item for changing: copies every shared chunk and notes every position. For bulk
     /// edits (a management deletion), never for a turn's work.
     pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut T> + '_ {
@@ -244,6 +260,13 @@ mod tests {
         assert_eq!(segmented[130], 130);
         assert_eq!(segmented.get(200), None);
         assert_eq!(segmented.last(), Some(&199));
+        for start in [0, 1, 63, 64, 65, 130, 199, 200, 500] {
+            let from: Vec<(usize, u32)> =
+                segmented.iter_from(start).map(|(at, n)| (at, *n)).collect();
+            let expected: Vec<(usize, u32)> =
+                (start.min(200)..200).map(|n| (n, n as u32)).collect();
+            assert_eq!(from, expected, "from {start}");
+        }
         assert_eq!(segmented.iter().next_back(), Some(&199));
     }
 
