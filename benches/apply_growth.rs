@@ -57,9 +57,9 @@ fn main() {
         "apply per job (copy + record_exchange + index refresh + prefetch + encode), one user, single thread"
     );
     println!(
-        "| turns | p50 (ms) | p99 (ms) | max (ms) | mean (ms) | p99 of record / index / prefetch / encode (ms) | compose p50 / p99 (ms) |"
+        "| turns | p50 (ms) | p99 (ms) | max (ms) | mean (ms) | p99 of record / index / prefetch / encode (ms) | compose p50 / p99 (ms) | working set (facts / summaries) |"
     );
-    println!("|--:|--:|--:|--:|--:|--|--|");
+    println!("|--:|--:|--:|--:|--:|--|--|--|");
     for n in 0..turns {
         let exchange = ExchangeInput {
             session_id: SESSION.to_owned(),
@@ -113,7 +113,12 @@ fn main() {
         let done = n + 1;
         if window.len() == 1_000 {
             if done == 1_000 || done % 10_000 == 0 || done == turns {
-                report(done, &mut window, &phases, &mut composes);
+                let lookups = &memory.state.lookups;
+                let working = (
+                    lookups.working_facts().len(),
+                    lookups.working_summaries().len(),
+                );
+                report(done, &mut window, &phases, &mut composes, working);
             }
             window.clear();
             phases.clear();
@@ -128,6 +133,7 @@ fn report(
     window: &mut [Duration],
     phases: &[[Duration; 4]],
     composes: &mut [Duration],
+    (working_facts, working_summaries): (usize, usize),
 ) {
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let p99 = |mut samples: Vec<Duration>| {
@@ -143,7 +149,7 @@ fn report(
     composes.sort_unstable();
     let compose_at = |q: f64| composes[((composes.len() as f64 - 1.0) * q).round() as usize];
     println!(
-        "| {turns} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {:.3} / {:.3} |",
+        "| {turns} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {:.3} / {:.3} | {working_facts} / {working_summaries} |",
         ms(at(0.5)),
         ms(at(0.99)),
         ms(at(1.0)),
