@@ -9,7 +9,7 @@ use std::rc::Rc;
 use crate::memo::{TextMemo, memoised};
 use crate::model::{EpisodeId, EpisodeManifest, FactId, MemoryState, TurnSeq};
 use crate::render::recount_episode;
-use crate::text::{clip_chars, is_stop_word, stem, terms, words};
+use crate::text::{TermSet, clip_chars, is_stop_word, stem, terms, words};
 use crate::tokens::Encoding;
 
 pub const SUMMARY_CHARS: usize = 256;
@@ -208,12 +208,12 @@ fn capitalised_words(text: &str) -> Vec<String> {
 }
 
 thread_local! {
-    static MATCH_TERMS: RefCell<TextMemo<HashSet<String>>> = RefCell::default();
+    static MATCH_TERMS: RefCell<TextMemo<TermSet>> = RefCell::default();
 }
 
 /// [`match_terms`], remembered per thread: each turn weighs the same candidate episodes for
 /// rehydration.
-pub fn remembered_match_terms(manifest: &EpisodeManifest) -> Rc<HashSet<String>> {
+pub fn remembered_match_terms(manifest: &EpisodeManifest) -> Rc<TermSet> {
     // The terms are those of every tag and hint together, and a newline separates terms
     // anyway: however the key splits into tags and hints, it names one answer.
     let mut key = manifest.salience_tags.join("\n");
@@ -223,8 +223,8 @@ pub fn remembered_match_terms(manifest: &EpisodeManifest) -> Rc<HashSet<String>>
 }
 
 /// The stems an incoming message must share with the episode for it to be rehydrated.
-pub fn match_terms(manifest: &EpisodeManifest) -> HashSet<String> {
-    let mut out = HashSet::new();
+pub fn match_terms(manifest: &EpisodeManifest) -> TermSet {
+    let mut out = TermSet::default();
     for text in manifest
         .salience_tags
         .iter()

@@ -3,7 +3,6 @@
 //! exchange, its time and id, and persists the state afterwards.
 
 use std::borrow::Cow;
-use std::collections::HashSet;
 
 use serde::{Deserialize, Serialize};
 
@@ -23,7 +22,7 @@ use crate::render::{
     counted_artifact, recount_fact, recount_identity, recount_pinned, recount_raw_turn,
     recount_summary,
 };
-use crate::text::{clip_words, excerpt, terms, word_count};
+use crate::text::{TermSet, clip_words, excerpt, terms, word_count};
 
 /// One exchange to record, as the proxy saw it.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -197,7 +196,7 @@ pub fn record_exchange(
     state.turn_log.push(entry);
 
     let mut tiers = TierReport::default();
-    let user_terms: HashSet<String> = terms(&user).collect();
+    let user_terms: TermSet = terms(&user).collect();
     tiers.touched = touch_related(state, &user_terms, seq);
     tiers.rehydrated = rehydrate(state, &user_terms, seq, config);
     maintain(state, config, &mut tiers);

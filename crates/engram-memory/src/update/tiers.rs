@@ -4,7 +4,7 @@
 //! manifest; an OLD episode the conversation returns to is rehydrated into NEW. Demotion never
 //! deletes anything: items keep their text and provenance, manifests keep their links.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -15,7 +15,7 @@ use crate::model::{
     EpisodeId, EpisodeManifest, FactId, ItemRef, MemoryState, Tier, TierState, TurnSeq,
 };
 use crate::score::{fact_score, summary_score};
-use crate::text::remembered_terms;
+use crate::text::{TermSet, remembered_terms};
 use crate::tokens::Encoding;
 use crate::yielding;
 
@@ -33,11 +33,7 @@ pub struct TierReport {
 /// Refreshes active (NEW/CURRENT) facts and summaries the user's message comes back to: they
 /// share at least two of its terms (all, for a one-term item) and at least 30 % of their own.
 /// Items created by the exchange itself (`turn`) are skipped.
-pub fn touch_related(
-    state: &mut MemoryState,
-    user_terms: &HashSet<String>,
-    turn: TurnSeq,
-) -> Vec<ItemRef> {
+pub fn touch_related(state: &mut MemoryState, user_terms: &TermSet, turn: TurnSeq) -> Vec<ItemRef> {
     let mut touched = Vec::new();
     let related = |text: &str| {
         // Distinct terms, remembered per text: this runs over every working-set item per
@@ -95,7 +91,7 @@ pub fn touch_related(
 /// facts re-enter NEW. At most `MAX_REHYDRATED` per turn, those sharing the most salient terms.
 pub fn rehydrate(
     state: &mut MemoryState,
-    user_terms: &HashSet<String>,
+    user_terms: &TermSet,
     turn: TurnSeq,
     config: &MemoryConfig,
 ) -> Vec<EpisodeId> {
@@ -374,8 +370,8 @@ fn fold_into_episodes(
 }
 
 /// Terms of an episode's turn summaries (broader than its tags, for the topic check).
-fn episode_terms(state: &MemoryState, links: &[TurnSeq]) -> HashSet<String> {
-    let mut terms = HashSet::new();
+fn episode_terms(state: &MemoryState, links: &[TurnSeq]) -> TermSet {
+    let mut terms = TermSet::default();
     for seq in links {
         let (user, assistant) = state.summary_texts(*seq);
         terms.extend(
