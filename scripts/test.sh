@@ -30,6 +30,9 @@ cargo fmt --all -- --check
 log "cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
+log "cargo doc (broken intra-doc links fail)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet
+
 log "cargo test"
 # Every crate of the workspace: the engine, the sidecar, the mock and the evaluation
 # (tests/layers.rs checks their order and dependency trees). Doc tests are left out (the crates

@@ -7,7 +7,7 @@
 //! Hot path: every labelled series a request touches is resolved once, here, at start-up, and
 //! kept as a plain handle (an `Arc` around atomics); a request only adds to atomics — no label
 //! lookup, no allocation. Counts the rest of engram already keeps (the worker's and the outbox's
-//! stats) are read when scraped instead of being counted twice (see [`queue`]).
+//! stats) are read when scraped instead of being counted twice (see `queue.rs`).
 //!
 //! Each part of engram gets only its own handles: [`HttpMetrics`] and [`MemoryMetrics`] the
 //! server, [`WorkerMetrics`] the worker, [`SummarizerMetrics`] the summarizer, [`MeteredStore`]

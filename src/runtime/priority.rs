@@ -68,7 +68,7 @@ pub fn worker_runtime(idle: bool) -> Result<WorkerRuntime> {
     Ok(WorkerRuntime(Some(builder.build()?)))
 }
 
-/// The catch-up's runtime (see [`super::lag`]): one async thread and one blocking thread at
+/// The catch-up's runtime (see `worker::lag`): one async thread and one blocking thread at
 /// normal priority, so it takes a core at most, both passing [`checkpoint`]s as background
 /// threads so a waiting request gets the core within a slice. Normal priority because an
 /// unprivileged thread cannot leave `SCHED_IDLE` once the worker's threads are in it.

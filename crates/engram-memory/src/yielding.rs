@@ -1,7 +1,7 @@
 //! Yield points of the update path: the engine's long loops call [`checkpoint`], and on a
 //! thread the sidecar marked as background work (its worker and recorder threads, see its
 //! `runtime::priority`) a checkpoint gives the core to a waiting request thread once the
-//! thread has run a slice ([`BACKGROUND_SLICE`]); on any other thread it does nothing. Only a
+//! thread has run a slice (`BACKGROUND_SLICE`); on any other thread it does nothing. Only a
 //! thread-local slice and `std::thread::yield_now`: the scheduling policies and the runtimes
 //! that start those threads stay in the sidecar.
 
@@ -60,7 +60,7 @@ thread_local! {
 }
 
 /// A point inside a long loop of background work where it may give way: on a worker or
-/// recorder thread that has run [`BACKGROUND_SLICE`] since it last yielded, yields to a waiting
+/// recorder thread that has run `BACKGROUND_SLICE` since it last yielded, yields to a waiting
 /// request thread; elsewhere, or sooner, returns at once. The engine's long loops (token
 /// counting, the extractor's sentences, relating items to a new turn) call it, so a request
 /// waits for a slice at most, not for a whole step.

@@ -94,7 +94,7 @@ pub fn shaped(text: &str) -> Vec<String> {
     out
 }
 
-/// The lines of `text`, split at every line break (see [`OTHER_BREAKS`]).
+/// The lines of `text`, split at every line break (see `OTHER_BREAKS`).
 pub fn split_lines(text: &str) -> impl Iterator<Item = &str> {
     text.split('\n')
         .flat_map(|line| line.strip_suffix('\r').unwrap_or(line).split(OTHER_BREAKS))

@@ -487,7 +487,7 @@ pub struct RawTurnTokens {
     pub line: TokenCount,
     #[serde(rename = "c")]
     pub clipped_line: TokenCount,
-    /// The [`date_heading`](super::render::date_heading) above the turn's group of recall
+    /// The [`date_heading`](crate::render::date_heading) above the turn's group of recall
     /// lines, paid once per group (0 in turns counted before lines left their date out, whose
     /// stored lines counted it).
     #[serde(rename = "d", default)]
