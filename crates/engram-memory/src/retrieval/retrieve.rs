@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use super::embed::{self, Vector};
 use super::index::{Bm25, MemoryIndex, Segment, SegmentKind, TermId, segment_of};
 use crate::config::{RetrievalConfig, RetrievalMode};
-use crate::model::{CandidateId, ItemRef, MemoryState, Tier, TurnSeq};
+use crate::model::{CandidateId, ItemRef, MemoryState, TurnSeq};
 
 /// Why an item was retrieved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
@@ -550,30 +550,8 @@ pub fn prefetch(
     }
     expand_to_neighbours(state, &mut best, config.neighbour_weight);
     // The working set rides along at a small weight, so a terse follow-up still has context.
-    // From the lookups' working-set lists when they have seen every change (the worker's
-    // memory has), so a job's prefetch does not walk the whole history; else by a scan.
-    let working: Vec<ItemRef> = if state.lookups.is_current(state) {
-        let facts = state.lookups.working_facts().iter().copied();
-        let summaries = state.lookups.working_summaries().iter().copied();
-        facts
-            .map(ItemRef::Fact)
-            .chain(summaries.map(ItemRef::Summary))
-            .collect()
-    } else {
-        let active = |tier: Tier| matches!(tier, Tier::New | Tier::Current);
-        let facts = state
-            .facts
-            .iter()
-            .filter(|fact| fact.active && active(fact.tier.tier))
-            .map(|fact| ItemRef::Fact(fact.id));
-        let summaries = state
-            .turn_log
-            .iter()
-            .filter(|entry| active(entry.tier.tier))
-            .map(|entry| ItemRef::Summary(entry.turn));
-        facts.chain(summaries).collect()
-    };
-    for item in working {
+    // (The worker's memory has current lookups, so a job does not walk the whole history.)
+    for item in state.working_set() {
         offer(&mut best, item, 0.01, HitSource::Prefetch);
     }
     let mut ranked: Vec<(ItemRef, f32)> = best
@@ -589,6 +567,7 @@ pub fn prefetch(
 mod tests {
     use super::*;
     use crate::config::MemoryConfig;
+    use crate::model::Tier;
     use crate::record::test_support::recorded_with;
 
     /// Each turn in a session of its own, so no turn is another's neighbour.

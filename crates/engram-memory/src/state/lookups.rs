@@ -16,7 +16,7 @@ use std::hash::{Hash, Hasher};
 use rustc_hash::{FxBuildHasher, FxHasher};
 
 use super::layered::LayeredMap;
-use super::model::{EpisodeId, Fact, FactId, MemoryState, Tier, TurnSeq};
+use super::model::{EpisodeId, Fact, FactId, ItemRef, MemoryState, Tier, TurnLogEntry, TurnSeq};
 use crate::diff::normalise;
 use crate::manifest::match_terms;
 use crate::text::terms;
@@ -389,7 +389,7 @@ impl Lookups {
                 .extend(membership.1.iter().filter_map(episode_of));
             self.fact_membership.insert(fact.id, membership);
         }
-        if fact.active && fact.tier.tier != Tier::Old {
+        if in_working_set(fact) {
             self.working_facts.insert(fact.id);
         } else {
             self.working_facts.remove(&fact.id);
@@ -405,7 +405,7 @@ impl Lookups {
         let Some(entry) = state.turn_log.get(seq) else {
             return;
         };
-        if entry.tier.tier != Tier::Old {
+        if summary_in_working_set(entry) {
             self.working_summaries.insert(entry.turn);
         } else {
             self.working_summaries.remove(&entry.turn);
@@ -422,7 +422,44 @@ impl Lookups {
     }
 }
 
+/// A fact of the working set: active, in NEW or CURRENT.
+fn in_working_set(fact: &Fact) -> bool {
+    fact.active && fact.tier.tier != Tier::Old
+}
+
+/// A turn summary of the working set: in NEW or CURRENT.
+fn summary_in_working_set(entry: &TurnLogEntry) -> bool {
+    entry.tier.tier != Tier::Old
+}
+
 impl MemoryState {
+    /// The working set (facts, then turn summaries, each ascending) for a reader that holds
+    /// the memory shared: from the lookups' lists when they have seen every change (a cached
+    /// memory's have), so the cost is the working set's and not the history's; else by a
+    /// walk of the memory.
+    pub fn working_set(&self) -> Vec<ItemRef> {
+        if self.lookups.is_current(self) {
+            let facts = self
+                .lookups
+                .working_facts
+                .iter()
+                .copied()
+                .map(ItemRef::Fact);
+            let summaries = self.lookups.working_summaries.iter().copied();
+            facts.chain(summaries.map(ItemRef::Summary)).collect()
+        } else {
+            let facts = self.facts.iter().filter(|fact| in_working_set(fact));
+            let summaries = self
+                .turn_log
+                .iter()
+                .filter(|entry| summary_in_working_set(entry));
+            facts
+                .map(|fact| ItemRef::Fact(fact.id))
+                .chain(summaries.map(|entry| ItemRef::Summary(entry.turn)))
+                .collect()
+        }
+    }
+
     /// Brings [`MemoryState::lookups`] up to every change made so far; call before reading
     /// them.
     pub fn sync_lookups(&mut self) {
