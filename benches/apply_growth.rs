@@ -27,13 +27,10 @@ use engram::cache::CachedMemory;
 use engram::store::EncodedState;
 use engram_memory::openai::ChatMessage;
 use engram_memory::{
-    ComposeRequest, ExchangeInput, HeuristicExtractor, MemoryConfig, compose, record_exchange,
-    warm_up,
+    ComposeRequest, HeuristicExtractor, MemoryConfig, compose, record_exchange, warm_up,
 };
 
 const SESSION: &str = "solo-session";
-/// Seeds the requests' messages apart from the recorded turns' (as `benches/history.rs` does).
-const REQUEST_SEED: u64 = 1 << 41;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -61,16 +58,7 @@ fn main() {
     );
     println!("|--:|--:|--:|--:|--:|--|--|--|");
     for n in 0..turns {
-        let exchange = ExchangeInput {
-            session_id: SESSION.to_owned(),
-            turn_id: format!("turn-{n:08}"),
-            user_text: text::user_text(n),
-            assistant_text: text::assistant_text(n),
-            event_time: None,
-            prior_chain: None,
-            incomplete: false,
-            arrival: None,
-        };
+        let exchange = text::exchange(n, SESSION, format!("turn-{n:08}"));
         let start = Instant::now();
         let mut state = memory.state.clone();
         record_exchange(&mut state, &exchange, &HeuristicExtractor, &config);
@@ -92,7 +80,10 @@ fn main() {
         ]);
         std::hint::black_box(encoded.is_ok());
         // The next request's compose, on the memory just written (as a warm request finds it).
-        let messages = [ChatMessage::new("user", text::user_text(REQUEST_SEED + n))];
+        let messages = [ChatMessage::new(
+            "user",
+            text::user_text(text::REQUEST_SEED + n),
+        )];
         let request = ComposeRequest {
             session_id: SESSION,
             messages: &messages,

@@ -77,13 +77,13 @@ use systems::{Cores, Mock, RssSampler};
 const WARM_UP: u64 = 20;
 /// oha's connections for an open-loop run, as in the overhead benchmark.
 const CONNECTIONS: usize = 64;
+/// Seeds the warm-up's messages apart from the preloaded turns' and the measured requests'
+/// (`text::REQUEST_SEED`).
+const WARM_UP_SEED: u64 = 1 << 40;
 /// Longest wait for the warm-up's jobs to be applied.
 const WARM_UP_DRAIN: Duration = Duration::from_secs(60);
 /// Distinct request bodies in a run's body file (oha picks a line per request).
 const MAX_BODIES: u64 = 20_000;
-/// Seeds of the texts, so preloaded turns, warm-up and measured requests all differ.
-const WARM_UP_SEED: u64 = 1 << 40;
-const REQUEST_SEED: u64 = 1 << 41;
 /// Store operations on the hot path (counted per chat request); the rest are the worker's
 /// (counted per applied job).
 const REQUEST_OPERATIONS: [&str; 4] = [
@@ -598,7 +598,7 @@ fn chat_body(text: &str) -> String {
 fn write_bodies(path: &Path, count: u64) -> Result<(), String> {
     let mut lines = String::new();
     for i in 0..count {
-        lines.push_str(&chat_body(&text::user_text(REQUEST_SEED + i)));
+        lines.push_str(&chat_body(&text::user_text(text::REQUEST_SEED + i)));
         lines.push('\n');
     }
     std::fs::write(path, lines).map_err(|e| format!("writing {}: {e}", path.display()))

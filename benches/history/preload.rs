@@ -15,7 +15,7 @@ use engram::config::WorkerConfig;
 use engram::store::{EmbeddedStore, Job, JobId, JobQueue, Store, UserKey};
 use engram::summarizer::Summarizer;
 use engram::worker::Worker;
-use engram_memory::{ExchangeInput, MemoryConfig};
+use engram_memory::MemoryConfig;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -60,16 +60,7 @@ fn job(user: &UserKey, n: u64) -> Job {
             user: user.clone(),
             key: format!("{:016x}{n:016x}", 0x6869_7374_6f72_7900_u64),
         },
-        exchange: ExchangeInput {
-            session_id: SESSION.to_owned(),
-            turn_id,
-            user_text: text::user_text(n),
-            assistant_text: text::assistant_text(n),
-            event_time: None,
-            prior_chain: None,
-            incomplete: false,
-            arrival: None,
-        },
+        exchange: text::exchange(n, SESSION, turn_id),
         trace: None,
     }
 }

@@ -127,6 +127,24 @@ impl Rng {
     }
 }
 
+/// Seeds the measured requests' messages (`user_text(REQUEST_SEED + n)`) apart from the
+/// recorded turns' (`n`), so a request never repeats a turn of the history.
+pub const REQUEST_SEED: u64 = 1 << 41;
+
+/// Turn `n` as the proxy records it, in `session` under `turn_id`.
+pub fn exchange(n: u64, session: &str, turn_id: String) -> engram_memory::ExchangeInput {
+    engram_memory::ExchangeInput {
+        session_id: session.to_owned(),
+        turn_id,
+        user_text: user_text(n),
+        assistant_text: assistant_text(n),
+        event_time: None,
+        prior_chain: None,
+        incomplete: false,
+        arrival: None,
+    }
+}
+
 /// The user message of turn `n` (about 60-140 bytes).
 pub fn user_text(n: u64) -> String {
     let mut r = Rng::seeded(n);
