@@ -261,7 +261,7 @@ impl Engram {
         }
         // The tokenizers load lazily (a few hundred ms, more in a debug build); loaded now, the
         // first requests do not wait for them.
-        background.spawn_blocking(crate::memory::warm_up);
+        background.spawn_blocking(engram_memory::warm_up);
         background.spawn(Arc::clone(&outbox).forward(cancel.clone()));
         background.spawn(prune_limits(server.state(), token_budget, cancel.clone()));
         let drain = server.state().config.drain_timeout();

@@ -14,9 +14,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::error::{Error, Result};
-use crate::memory::tokens::TokenCount;
-use crate::memory::{MemoryIndex, MemoryState};
 use crate::store::{MemoryUpdate, UserKey};
+use engram_memory::tokens::TokenCount;
+use engram_memory::{MemoryIndex, MemoryState};
 
 /// One user's memory at one version, with its index.
 #[derive(Debug)]
@@ -310,8 +310,8 @@ mod tests {
 
     #[test]
     fn history_tokens_are_every_recorded_message_and_follow_new_versions() {
-        use crate::memory::tokens::count_in;
-        use crate::memory::{Encoding, ExchangeInput, HeuristicExtractor, MemoryConfig};
+        use engram_memory::tokens::count_in;
+        use engram_memory::{Encoding, ExchangeInput, HeuristicExtractor, MemoryConfig};
 
         let exchanges = [
             ("My sister lives in Lisbon.", "Lovely city!"),
@@ -328,7 +328,7 @@ mod tests {
                 assistant_text: (*assistant).into(),
                 ..ExchangeInput::default()
             };
-            crate::memory::record_exchange(
+            engram_memory::record_exchange(
                 &mut state,
                 &exchange,
                 &HeuristicExtractor,

@@ -4,11 +4,6 @@
 //! OpenAI wire types), and the development tools (`engram-mock`, `engram-eval`) stand on it;
 //! docs/architecture.md has the map.
 
-// The engine crate under the names its modules had inside this crate, so `crate::memory::…`
-// and `crate::openai::…` read as before (not re-exported: users name `engram_memory`).
-use engram_memory as memory;
-use engram_memory::openai;
-
 pub mod admin;
 pub mod app;
 pub mod cache;

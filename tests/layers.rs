@@ -79,7 +79,7 @@ const CRATES: &[Crate] = &[
             &["server"],
             &["app"],
         ],
-        aliases: &[("memory", "engram-memory"), ("openai", "engram-memory")],
+        aliases: &[],
     },
     // Development tools, outside the sidecar.
     Crate {

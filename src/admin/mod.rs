@@ -10,7 +10,7 @@
 //!   the raw log, and the items view;
 //! - `GET users/{user}/items` (`q`, `kind`, `tier`, `limit`), `GET|PATCH|DELETE
 //!   users/{user}/items/{item}`: list, search, read, edit and delete items (see
-//!   [`crate::memory::manage`] for what an edit or a deletion does);
+//!   [`engram_memory::manage`] for what an edit or a deletion does);
 //! - `PUT users/{user}/identity`, `POST users/{user}/pins`, `DELETE users/{user}/pins/{id}`;
 //! - `GET users/{user}/turns/{turn}/explain`: what a turn's prompt was given, while this
 //!   process keeps it;
@@ -37,14 +37,14 @@ use serde_json::{Value, json};
 use crate::cache::{CachedMemory, MemoryCache};
 use crate::config::Config;
 use crate::error::{Error, ProxyBody};
-use crate::memory::index::Bm25;
-use crate::memory::manage::{self, ItemFilter, ItemKind, ManageError};
-use crate::memory::{self, ItemRef, Tier};
 use crate::pipeline::explain_log::ExplainLog;
 use crate::pipeline::identity::{self, IdentityConfig};
 use crate::recorder::outbox::Outbox;
 use crate::store::{JobId, JobState, Store, UserKey};
 use crate::worker::{Worker, edit_memory};
+use engram_memory::index::Bm25;
+use engram_memory::manage::{self, ItemFilter, ItemKind, ManageError};
+use engram_memory::{self as memory, ItemRef, Tier};
 
 use auth::Access;
 pub use auth::{AdminAuth, TENANT_TOKENS_ENV, TENANT_TOKENS_FILE_ENV, TOKEN_ENV};

@@ -12,7 +12,6 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use crate::error::Error;
-use crate::memory::MemoryConfig;
 use crate::pipeline::identity::IdentityConfig;
 use crate::pipeline::trust::Trust;
 use crate::ratelimit::RateLimitConfig;
@@ -21,6 +20,7 @@ use crate::summarizer::SummarizerConfig;
 use crate::telemetry::TelemetryConfig;
 pub use crate::upstream::UpstreamConfig;
 pub use crate::worker::WorkerConfig;
+use engram_memory::MemoryConfig;
 
 const ENV_PREFIX: &str = "ENGRAM_";
 const ENV_SEPARATOR: &str = "__";

@@ -120,8 +120,8 @@ fn index_of(known: &[&str], reason: Option<&str>) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::BlockTokens;
     use crate::pipeline::MemoryMeasures;
+    use engram_memory::BlockTokens;
 
     #[test]
     fn an_injected_request_counts_its_blocks_history_and_retrieval() {

@@ -9,12 +9,12 @@ use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, Registry};
 
 use super::{STORE_BUCKETS, child, counter_vec, histogram_vec, try_array};
 use crate::error::{Error, Result};
-use crate::memory::{CandidateId, ExchangeInput, MemoryState};
 use crate::runtime::BoxFuture;
 use crate::store::{
     Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobQueue,
     JobState, MemoryRecords, Placement, Published, RawEntry, Store, UserKey,
 };
+use engram_memory::{CandidateId, ExchangeInput, MemoryState};
 
 /// The `operation` label, one per method of the store traits (`MemoryRecords`, `JobQueue`,
 /// `Store`).

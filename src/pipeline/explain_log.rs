@@ -5,8 +5,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::memory::Explain;
 use crate::store::UserKey;
+use engram_memory::Explain;
 
 type TurnKey = (UserKey, String);
 

@@ -12,8 +12,8 @@ use serde::Deserialize;
 
 use super::trust::{Trust, Vouched};
 use crate::error::Error;
-use crate::openai::ChatRequest;
 pub use crate::store::{MAX_ID_LEN, checked_id};
+use engram_memory::openai::ChatRequest;
 
 pub const USER_HEADER: &str = "x-engram-user";
 pub const SESSION_HEADER: &str = "x-engram-session";

@@ -15,11 +15,11 @@ use http::HeaderMap;
 use serde::Serialize;
 
 use crate::error::Error;
-use crate::memory::BlockTokens;
-use crate::openai::{ChatRequest, OutgoingMessage};
 pub use crate::recorder::{Capture, Exchange, Incomplete, Receipt, RecordPlan, log_capture};
 pub use crate::runtime::BoxFuture;
 use crate::telemetry::MemorySpan;
+use engram_memory::BlockTokens;
+use engram_memory::openai::{ChatRequest, OutgoingMessage};
 use trust::Vouched;
 
 /// What the memory phase did to a request; rendered as `x-engram-*` response headers.

@@ -21,14 +21,14 @@ use super::trust::Vouched;
 use super::{BoxFuture, Exchange, MemoryLayer, MemoryMeasures, MemoryOutcome, RecordPlan, Rewrite};
 use crate::cache::{CachedMemory, MemoryCache};
 use crate::error::Error;
-use crate::memory::{self, ComposeRequest, MemoryConfig, MemoryState};
-use crate::openai::ChatRequest;
 use crate::recorder::Recorder;
 use crate::recorder::ids::{TurnIds, job_key};
 use crate::recorder::order::{Arrival, SessionOrder};
 use crate::runtime::now_micros;
 use crate::store::{JobId, MemoryUpdate, Store, UserKey};
 use crate::telemetry::Telemetry;
+use engram_memory::openai::ChatRequest;
+use engram_memory::{self as memory, ComposeRequest, MemoryConfig, MemoryState};
 
 pub struct StoreMemory {
     store: Arc<dyn Store>,

@@ -31,9 +31,9 @@ use serde::Serialize;
 use self::journal::Journal;
 use self::order::{Arrival, Ticket};
 use self::outbox::Outbox;
-use crate::memory::ExchangeInput;
-use crate::memory::history::AnswerText;
-use crate::openai::{AssistantMessage, ChatRequest};
+use engram_memory::ExchangeInput;
+use engram_memory::history::AnswerText;
+use engram_memory::openai::{AssistantMessage, ChatRequest};
 use crate::runtime::BoxFuture;
 use crate::store::{Job, JobId};
 use crate::telemetry::Telemetry;
@@ -45,7 +45,7 @@ pub struct RecordPlan {
     /// The exchange's id, returned to the client as `x-engram-turn-id`.
     pub turn_id: String,
     /// When the request arrived (µs since the epoch); orders the session's jobs across
-    /// replicas ([`crate::memory::ExchangeInput::arrival`]).
+    /// replicas ([`engram_memory::ExchangeInput::arrival`]).
     pub arrival_us: u64,
     /// The job the exchange becomes (with the user it belongs to); its key hashes the
     /// exchange's identity, so a replayed exchange maps to the same job and applies once.
@@ -378,8 +378,8 @@ mod tests {
     use super::order::Ticket;
     use super::outbox::Spool;
     use super::*;
-    use crate::memory::history::{CHAIN_ORIGIN, link, pair, request_shape};
-    use crate::openai::{ChatMessage, ToolCall};
+    use engram_memory::history::{CHAIN_ORIGIN, link, pair, request_shape};
+    use engram_memory::openai::{ChatMessage, ToolCall};
     use crate::store::{EmbeddedStore, Store, UserKey};
 
     fn message(value: serde_json::Value) -> ChatMessage {
@@ -426,7 +426,7 @@ mod tests {
         assert_eq!(lines[5], "It is 12 °C in Paris.");
         // The raw window leaves the calls out whole, keeping the words.
         assert_eq!(
-            crate::memory::history::answer_words(&answer),
+            engram_memory::history::answer_words(&answer),
             "It is 12 °C in Paris."
         );
 

@@ -414,8 +414,8 @@ impl Drop for InFlight {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::ExchangeInput;
     use crate::store::{EmbeddedStore, JobId, JobQueue};
+    use engram_memory::ExchangeInput;
 
     fn job(user: &UserKey, key: &str) -> Job {
         Job {

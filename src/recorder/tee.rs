@@ -17,8 +17,8 @@ use tokio::time::{Instant, Sleep};
 
 use super::{Capture, Incomplete, Receipt};
 use crate::error::BodyError;
-use crate::openai::sse::UsageStripper;
-use crate::openai::{AssistantMessage, StreamAccumulator};
+use engram_memory::openai::sse::UsageStripper;
+use engram_memory::openai::{AssistantMessage, StreamAccumulator};
 
 /// The first reason the capture became incomplete, shared by the tee and the recorder.
 #[derive(Debug, Default)]

@@ -19,12 +19,12 @@ use tokio::sync::oneshot;
 use super::AppState;
 use crate::error::{BodyError, Error, ProxyBody, full_body};
 use crate::metrics::{Route, Timing};
-use crate::openai::ChatRequest;
 use crate::pipeline::trust::Vouched;
 use crate::pipeline::{Exchange, Incomplete, Receipt, Rewrite};
 use crate::recorder::tee::{self, FirstFrame, PrefixedBody, ReceiptWait, TeeBody, TeeOptions};
 use crate::telemetry::{self, RequestTrace};
 use crate::upstream::without_hop_by_hop;
+use engram_memory::openai::ChatRequest;
 
 pub async fn handle(
     state: Arc<AppState>,

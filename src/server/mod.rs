@@ -24,12 +24,12 @@ use crate::admin::AdminApi;
 use crate::config::Config;
 use crate::error::Error;
 use crate::metrics::{Metrics, RateLimitKind};
-use crate::openai::ChatRequest;
 use crate::pipeline::trust::{Gate, Vouched};
 use crate::pipeline::{MemoryLayer, identity};
 use crate::ratelimit::RequestLimits;
 use crate::telemetry::Telemetry;
 use crate::upstream::Upstream;
+use engram_memory::openai::ChatRequest;
 
 /// Everything a request handler needs, shared behind one `Arc`.
 pub struct AppState {

@@ -27,9 +27,9 @@ use super::{
     UNAPPLIED_TURNS, UserKey, commit_owner, decode, now_ms,
 };
 use crate::error::{Error, Result};
-use crate::memory::{CandidateId, ExchangeInput, MemoryState};
 use crate::runtime::BoxFuture;
 use crate::telemetry::TraceParent;
+use engram_memory::{CandidateId, ExchangeInput, MemoryState};
 
 /// The file name inside the data directory.
 pub const FILE_NAME: &str = "engram.redb";
@@ -1575,7 +1575,7 @@ mod tests {
         assert!(record.lease.is_some() && record.exchange.is_none());
         assert!(exchange.is_some());
 
-        let state = crate::memory::MemoryState {
+        let state = engram_memory::MemoryState {
             version: 1,
             ..Default::default()
         };
@@ -1608,7 +1608,7 @@ mod tests {
         for job in [&alice, &bob] {
             store.enqueue(job).await.unwrap();
         }
-        let state = crate::memory::MemoryState {
+        let state = engram_memory::MemoryState {
             version: 1,
             ..Default::default()
         };

@@ -21,10 +21,10 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::memory::MemoryState;
-use crate::memory::lookups::Changes;
-use crate::memory::model::{Identity, PinnedItem};
-use crate::memory::segmented::Segmented;
+use engram_memory::MemoryState;
+use engram_memory::lookups::Changes;
+use engram_memory::model::{Identity, PinnedItem};
+use engram_memory::segmented::Segmented;
 
 /// The layout version written into every [`Meta`]; a stored value without it is a legacy state.
 pub const LAYOUT: u32 = 2;
@@ -460,7 +460,7 @@ fn check_counts(state: &MemoryState, counts: [u32; 6]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::{ExchangeInput, HeuristicExtractor, MemoryConfig, record_exchange};
+    use engram_memory::{ExchangeInput, HeuristicExtractor, MemoryConfig, record_exchange};
 
     /// The ring as decoded changes after a write: the model the stored text must follow.
     fn push_change(ring: &mut Vec<Change>, change: Change) {

@@ -27,9 +27,9 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::memory::{CandidateId, ExchangeInput, MemoryState};
 use crate::runtime::BoxFuture;
 use crate::telemetry::TraceParent;
+use engram_memory::{CandidateId, ExchangeInput, MemoryState};
 
 pub use self::redis::{RedisOptions, RedisStore};
 pub use embedded::EmbeddedStore;

@@ -43,10 +43,10 @@ use super::{
     commit_owner, decode, now_ms,
 };
 use crate::error::{Error, Result};
-use crate::memory::{CandidateId, ExchangeInput, MemoryState};
 use crate::runtime::BoxFuture;
 use crate::runtime::priority::{self, RecorderPriority, WorkerRuntime};
 use crate::telemetry::TraceParent;
+use engram_memory::{CandidateId, ExchangeInput, MemoryState};
 
 pub use self::connection::{queue_tag, slot};
 

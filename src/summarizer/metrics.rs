@@ -6,7 +6,7 @@ use std::time::Duration;
 use prometheus::{Histogram, IntCounter};
 
 use super::SummaryFailure;
-use crate::openai::Usage;
+use engram_memory::openai::Usage;
 
 /// Every reason a summarizer extraction can fail (`SummaryFailure::as_str`), in the order of
 /// [`SummarizerMetrics::new`]'s `failures`.

@@ -19,12 +19,12 @@ use serde::{Serialize, Serializer};
 use tokio::time::{Instant, timeout_at};
 
 use crate::error::Error;
-use crate::memory::config::DepthConfig;
-use crate::memory::depth::classify;
-use crate::memory::diff::retain_grounded;
-use crate::memory::extract::{ExchangeView, Extraction, Extractor, HeuristicExtractor};
-use crate::memory::fence::memory_text;
-use crate::memory::model::Depth;
+use engram_memory::config::DepthConfig;
+use engram_memory::depth::classify;
+use engram_memory::diff::retain_grounded;
+use engram_memory::extract::{ExchangeView, Extraction, Extractor, HeuristicExtractor};
+use engram_memory::fence::memory_text;
+use engram_memory::model::Depth;
 
 use client::ChatClient;
 pub use config::SummarizerConfig;

@@ -4,11 +4,11 @@
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::memory::diff::{FactDiff, FactEdit};
-use crate::memory::extract::{ASSISTANT_SUMMARY_WORDS, Extraction, USER_SUMMARY_WORDS};
-use crate::memory::model::Depth;
-use crate::memory::text::clip_words;
-use crate::openai::Usage;
+use engram_memory::diff::{FactDiff, FactEdit};
+use engram_memory::extract::{ASSISTANT_SUMMARY_WORDS, Extraction, USER_SUMMARY_WORDS};
+use engram_memory::model::Depth;
+use engram_memory::openai::Usage;
+use engram_memory::text::clip_words;
 
 pub const SYSTEM_PROMPT: &str = "\
 You maintain the long-term memory of a chat assistant. You receive one exchange as a JSON object \

@@ -12,7 +12,7 @@ use serde_json::json;
 
 use super::{Telemetry, Tracing, propagation};
 use crate::error::Error;
-use crate::openai::{AssistantMessage, ChatRequest};
+use engram_memory::openai::{AssistantMessage, ChatRequest};
 
 /// Attribute names: the OpenTelemetry semantic conventions' (GenAI, HTTP, error) and engram's.
 pub mod attributes {

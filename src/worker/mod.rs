@@ -35,7 +35,6 @@ use tokio_util::task::TaskTracker;
 
 use crate::cache::{CachedMemory, MemoryCache, first_version};
 use crate::error::{Error, Result};
-use crate::memory::{self, CandidateId, ExchangeInput, MemoryConfig, MemoryState, Precomputed};
 use crate::ratelimit::TokenBudget;
 use crate::runtime::priority;
 use crate::store::{
@@ -43,6 +42,9 @@ use crate::store::{
 };
 use crate::summarizer::{Summarizer, SummaryFailure, SummarySource};
 use crate::telemetry::{Telemetry, attributes};
+use engram_memory::{
+    self as memory, CandidateId, ExchangeInput, MemoryConfig, MemoryState, Precomputed,
+};
 
 use lag::{Claimer, LagGate, Progress};
 
