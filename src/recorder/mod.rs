@@ -31,12 +31,12 @@ use serde::Serialize;
 use self::journal::Journal;
 use self::order::{Arrival, Ticket};
 use self::outbox::Outbox;
-use engram_memory::ExchangeInput;
-use engram_memory::history::AnswerText;
-use engram_memory::openai::{AssistantMessage, ChatRequest};
 use crate::runtime::BoxFuture;
 use crate::store::{Job, JobId};
 use crate::telemetry::Telemetry;
+use engram_memory::ExchangeInput;
+use engram_memory::history::AnswerText;
+use engram_memory::openai::{AssistantMessage, ChatRequest};
 
 /// Everything the recorder needs that the hot path already resolved.
 #[derive(Debug, Clone, PartialEq)]
@@ -268,6 +268,11 @@ impl Recorder {
                 }
             };
             tokio::pin!(submit);
+            if answer.deadline <= tokio::time::Instant::now() {
+                // No wait configured (`receipt_wait_ms: 0`): a timer would still hold the
+                // answer to the next millisecond tick.
+                answer.release_pending(&key);
+            }
             let recorded = tokio::select! {
                 recorded = &mut submit => recorded,
                 () = tokio::time::sleep_until(answer.deadline), if answer.waiting() => {
@@ -378,9 +383,9 @@ mod tests {
     use super::order::Ticket;
     use super::outbox::Spool;
     use super::*;
+    use crate::store::{EmbeddedStore, Store, UserKey};
     use engram_memory::history::{CHAIN_ORIGIN, link, pair, request_shape};
     use engram_memory::openai::{ChatMessage, ToolCall};
-    use crate::store::{EmbeddedStore, Store, UserKey};
 
     fn message(value: serde_json::Value) -> ChatMessage {
         serde_json::from_value(value).unwrap()
@@ -503,6 +508,36 @@ mod tests {
         };
         let last_round = exchange(tool_loop(), answer, "t2");
         assert_eq!(recorded(&recorder, last_round).await, Receipt::Queued);
+        assert_eq!(store.queue_depth().await.unwrap(), 1);
+    }
+
+    /// `capture.receipt_wait_ms: 0`: the answer ends with `pending` at once, not when a timer
+    /// next fires, and the turn is still queued.
+    #[tokio::test]
+    async fn a_zero_receipt_wait_releases_the_answer_before_the_enqueue() {
+        let store: Arc<dyn Store> = Arc::new(EmbeddedStore::in_memory().unwrap());
+        let spool = Spool::Memory {
+            store: Arc::new(EmbeddedStore::in_memory().unwrap()),
+            capacity: 16,
+        };
+        let outbox =
+            Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::new(Notify::new())).await);
+        let recorder = Recorder::new(outbox, Duration::ZERO);
+        let answer = AssistantMessage {
+            content: "Noted.".into(),
+            ..AssistantMessage::default()
+        };
+        let (receipt, mut told) = tokio::sync::oneshot::channel();
+        let mut turn = exchange(vec![ChatMessage::new("user", "I like tea.")], answer, "t1");
+        turn.receipt = Some(receipt);
+        let mut recording = recorder.record(turn);
+        // One poll, which no timer can have fired in: the receipt is there already.
+        let _ = std::future::poll_fn(|context| {
+            std::task::Poll::Ready(recording.as_mut().poll(context))
+        })
+        .await;
+        assert_eq!(told.try_recv().unwrap(), Receipt::Pending);
+        recording.await;
         assert_eq!(store.queue_depth().await.unwrap(), 1);
     }
 
