@@ -32,6 +32,11 @@ use engram_memory::{
 
 const SESSION: &str = "solo-session";
 
+// The sidecar's allocator (src/main.rs): glibc's malloc made a fifth of this benchmark's
+// samples and grows with the heap, which the worker in `engram` does not pay.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     // `cargo test --all-targets` runs harness-less benches with `--test`: nothing to do here.
