@@ -122,15 +122,12 @@ pub fn count_in(encoding: Encoding, text: &str) -> u32 {
     u32::try_from(encoding.bpe().count(text)).unwrap_or(u32::MAX)
 }
 
-/// Loads both encodings (a few hundred milliseconds, once per process), the counts of
-/// engram's fixed block text and the extractor's tables, so the first request does not pay
-/// for them (and a table that does not parse is logged at start-up). Call at start-up.
+/// Loads both encodings (a few hundred milliseconds, once per process); [`crate::warm_up`]
+/// warms the rest of the engine too.
 pub fn warm_up() {
     for encoding in [Encoding::O200k, Encoding::Cl100k] {
         let _ = count_in(encoding, "warm up");
     }
-    crate::render::warm_up_fixed();
-    crate::update::patterns::patterns();
 }
 
 #[cfg(test)]

@@ -4,9 +4,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::depth::without_code;
 use super::diff::{FactDiff, FactEdit};
 use super::patterns::{Table, patterns};
+use crate::code::without_code;
 use crate::model::{Depth, FactCategory};
 use crate::text::{clip_words, excerpt, one_line, word_count};
 use crate::yielding;
