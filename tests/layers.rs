@@ -402,15 +402,18 @@ fn dependency_tree(package: &str) -> BTreeSet<String> {
 fn finds_paths_groups_and_skips_comments_and_tests() {
     let code = "use crate::store::{Job, UserKey};\n\
                 use crate::{memory::{self, MemoryState}, openai};\n\
+                use crate::{pipeline, worker};\n\
                 // crate::admin in a comment\n\
                 fn f() { crate::runtime::now_micros(); }\n\
                 #[cfg(test)]\nmod tests {\n    use crate::app::Engram;\n    fn g() { let _ = (\"{\", '{', '\\'', \"\\\"{\"); }\n}\n\
                 fn after() { crate::cache::first_version(); }\n";
     let found = imported_modules(code);
-    let expected: BTreeSet<String> = ["store", "memory", "openai", "runtime", "cache"]
-        .into_iter()
-        .map(String::from)
-        .collect();
+    let expected: BTreeSet<String> = [
+        "store", "memory", "openai", "pipeline", "worker", "runtime", "cache",
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect();
     assert_eq!(found, expected);
 }
 
@@ -513,7 +516,12 @@ fn group_heads(group: &str) -> Vec<String> {
             '{' => depth += 1,
             '}' if depth == 0 => break,
             '}' => depth -= 1,
-            ',' if depth == 0 => at_start = true,
+            ',' if depth == 0 => {
+                if !name.is_empty() {
+                    heads.push(std::mem::take(&mut name));
+                }
+                at_start = true;
+            }
             c if at_start && (c.is_alphanumeric() || c == '_') => name.push(c),
             c if at_start && (!c.is_whitespace() || !name.is_empty()) => {
                 if !name.is_empty() {
