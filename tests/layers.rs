@@ -423,14 +423,21 @@ fn finds_paths_groups_and_skips_comments_and_tests() {
 fn reads_reexports_and_finds_test_module_files() {
     let modules: BTreeSet<String> = ["state", "prompt"].into_iter().map(String::from).collect();
     let lib = "pub mod state;\n// pub use prompt::hidden;\n\
-               pub use state::{memo, model, MemoryState};\npub use prompt::render;\n\
-               pub use serde::Deserialize;\n";
+               pub use render::{Fixed, warm_up_fixed};\n\
+               pub use state::{memo, model};\npub use prompt::render;\n\
+               pub use model::MemoryState;\npub use serde::Deserialize;\n";
     let found = reexported_modules(lib, &modules);
-    let expected: BTreeMap<String, String> =
-        [("memo", "state"), ("model", "state"), ("render", "prompt")]
-            .into_iter()
-            .map(|(name, module)| (name.to_owned(), module.to_owned()))
-            .collect();
+    let expected: BTreeMap<String, String> = [
+        ("memo", "state"),
+        ("model", "state"),
+        ("MemoryState", "state"),
+        ("render", "prompt"),
+        ("Fixed", "prompt"),
+        ("warm_up_fixed", "prompt"),
+    ]
+    .into_iter()
+    .map(|(name, module)| (name.to_owned(), module.to_owned()))
+    .collect();
     assert_eq!(found, expected);
 
     let dir = std::env::temp_dir().join(format!("engram-layers-{}", std::process::id()));
@@ -507,27 +514,40 @@ fn top_level_imports(
 }
 
 /// The names `lib` re-exports from a top-level module, and that module: `pub use state::{model,
-/// memo};` gives `model` and `memo` → `state`. Only lowercase names (modules and functions) count.
+/// memo};` gives `model` and `memo` → `state`, and then `pub use model::MemoryState;` gives
+/// `MemoryState` → `state` too, so `crate::MemoryState` counts as an import of `state`.
 fn reexported_modules(lib: &str, modules: &BTreeSet<String>) -> BTreeMap<String, String> {
-    let mut found = BTreeMap::new();
-    for statement in without_comments(lib).split(';') {
-        let Some(path) = statement.trim().strip_prefix("pub use ") else {
-            continue;
-        };
-        let Some((module, names)) = path.split_once("::") else {
-            continue;
-        };
-        if !modules.contains(module.trim()) {
-            continue;
-        }
-        let names = names.trim();
-        let names = match names.strip_prefix('{') {
-            Some(group) => group_heads(group),
-            None => vec![names.to_owned()],
-        };
-        for name in names {
-            if name.starts_with(|c: char| c.is_ascii_lowercase()) {
-                found.insert(name, module.trim().to_owned());
+    let code = without_comments(lib);
+    let mut found: BTreeMap<String, String> = BTreeMap::new();
+    // Twice, so a name re-exported from a re-exported module resolves wherever its line is.
+    for _ in 0..2 {
+        for statement in code.split(';') {
+            let Some(path) = statement.trim().strip_prefix("pub use ") else {
+                continue;
+            };
+            let Some((head, names)) = path.split_once("::") else {
+                continue;
+            };
+            let head = head.trim();
+            let module = if modules.contains(head) {
+                head.to_owned()
+            } else if let Some(module) = found.get(head) {
+                module.clone()
+            } else {
+                continue;
+            };
+            let names = names.trim();
+            let names = match names.strip_prefix('{') {
+                Some(group) => group_heads(group),
+                None => names
+                    .rsplit("::")
+                    .next()
+                    .map(str::to_owned)
+                    .into_iter()
+                    .collect(),
+            };
+            for name in names {
+                found.insert(name, module.clone());
             }
         }
     }
