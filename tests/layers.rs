@@ -37,16 +37,17 @@ const CRATES: &[Crate] = &[
             &["yielding"],
             // Wire types with no memory in them.
             &["openai"],
-            // The engine's folders, one layer (they import each other).
-            &[
-                "config",
-                "tokenize",
-                "state",
-                "retrieval",
-                "update",
-                "prompt",
-                "manage",
-            ],
+            // The engine's folders: its settings; words, tokens and fences in text; the
+            // memory's data; the lexical index and scores; composing the prompt; recording an
+            // exchange (which renders and links what it records as the prompt would); the
+            // admin views.
+            &["config"],
+            &["tokenize"],
+            &["state"],
+            &["retrieval"],
+            &["prompt"],
+            &["update"],
+            &["manage"],
         ],
         aliases: &[],
     },
@@ -402,16 +403,59 @@ fn dependency_tree(package: &str) -> BTreeSet<String> {
 fn finds_paths_groups_and_skips_comments_and_tests() {
     let code = "use crate::store::{Job, UserKey};\n\
                 use crate::{memory::{self, MemoryState}, openai};\n\
+                use crate::{pipeline, worker};\n\
                 // crate::admin in a comment\n\
                 fn f() { crate::runtime::now_micros(); }\n\
                 #[cfg(test)]\nmod tests {\n    use crate::app::Engram;\n    fn g() { let _ = (\"{\", '{', '\\'', \"\\\"{\"); }\n}\n\
                 fn after() { crate::cache::first_version(); }\n";
     let found = imported_modules(code);
-    let expected: BTreeSet<String> = ["store", "memory", "openai", "runtime", "cache"]
-        .into_iter()
-        .map(String::from)
-        .collect();
+    let expected: BTreeSet<String> = [
+        "store", "memory", "openai", "pipeline", "worker", "runtime", "cache",
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect();
     assert_eq!(found, expected);
+}
+
+/// The checker's reading of `lib.rs` re-exports and of test modules kept in files of their own.
+#[test]
+fn reads_reexports_and_finds_test_module_files() {
+    let modules: BTreeSet<String> = ["state", "prompt"].into_iter().map(String::from).collect();
+    let lib = "pub mod state;\n// pub use prompt::hidden;\n\
+               pub use render::{Fixed, warm_up_fixed};\n\
+               pub use state::{memo, model};\npub use prompt::render;\n\
+               pub use model::MemoryState;\npub use serde::Deserialize;\n";
+    let found = reexported_modules(lib, &modules);
+    let expected: BTreeMap<String, String> = [
+        ("memo", "state"),
+        ("model", "state"),
+        ("MemoryState", "state"),
+        ("render", "prompt"),
+        ("Fixed", "prompt"),
+        ("warm_up_fixed", "prompt"),
+    ]
+    .into_iter()
+    .map(|(name, module)| (name.to_owned(), module.to_owned()))
+    .collect();
+    assert_eq!(found, expected);
+
+    let dir = std::env::temp_dir().join(format!("engram-layers-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("compose")).unwrap();
+    let parent = dir.join("compose").join("mod.rs");
+    std::fs::write(
+        &parent,
+        "mod window;\n#[cfg(test)]\nmod tests;\n#[cfg(test)]\nmod inline {}\n",
+    )
+    .unwrap();
+    let leaf = dir.join("render.rs");
+    std::fs::write(&leaf, "#[cfg(test)]\nmod tests;\n").unwrap();
+    let tests = test_module_files(&[parent, leaf]);
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(tests.contains(&dir.join("compose").join("tests.rs")));
+    assert!(tests.contains(&dir.join("render").join("tests.rs")));
+    assert!(!tests.contains(&dir.join("compose").join("window.rs")));
+    assert!(!tests.contains(&dir.join("compose").join("inline.rs")));
 }
 
 /// The crate's top-level modules: the files and folders of its `src/` but `lib.rs` and
@@ -426,14 +470,20 @@ fn top_level_modules(src: &Path) -> BTreeSet<String> {
         .collect()
 }
 
-/// Top-level module → (module of the crate it imports → the files that do).
+/// Top-level module → (module of the crate it imports → the files that do). A name `lib.rs`
+/// re-exports from a top-level module (`pub use state::{model, memo}`) counts as that module;
+/// files that are test modules (`#[cfg(test)] mod tests;`) are not read.
 fn top_level_imports(
     src: &Path,
     modules: &BTreeSet<String>,
 ) -> BTreeMap<String, BTreeMap<String, BTreeSet<String>>> {
+    let lib = std::fs::read_to_string(src.join("lib.rs")).unwrap_or_default();
+    let reexported = reexported_modules(&lib, modules);
+    let files = rust_files(src);
+    let tests = test_module_files(&files);
     let mut imports: BTreeMap<String, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
-    for file in rust_files(src) {
-        let relative = file.strip_prefix(src).unwrap_or(&file).to_path_buf();
+    for file in files.iter().filter(|file| !tests.contains(*file)) {
+        let relative = file.strip_prefix(src).unwrap_or(file).to_path_buf();
         let first = relative
             .components()
             .next()
@@ -443,7 +493,7 @@ fn top_level_imports(
         if module == "lib" || module == "main" {
             continue;
         }
-        let mut code = std::fs::read_to_string(&file).unwrap();
+        let mut code = std::fs::read_to_string(file).unwrap();
         // In `src/x.rs` and `src/x/mod.rs`, `super::` is the crate root.
         let top_file = relative.components().count() == 1
             || relative.ends_with("mod.rs") && relative.components().count() == 2;
@@ -452,6 +502,7 @@ fn top_level_imports(
         }
         let uses = imports.entry(module.clone()).or_default();
         for used in imported_modules(&code) {
+            let used = reexported.get(&used).cloned().unwrap_or(used);
             if used != module && modules.contains(&used) {
                 uses.entry(used)
                     .or_default()
@@ -460,6 +511,83 @@ fn top_level_imports(
         }
     }
     imports
+}
+
+/// The names `lib` re-exports from a top-level module, and that module: `pub use state::{model,
+/// memo};` gives `model` and `memo` → `state`, and then `pub use model::MemoryState;` gives
+/// `MemoryState` → `state` too, so `crate::MemoryState` counts as an import of `state`.
+fn reexported_modules(lib: &str, modules: &BTreeSet<String>) -> BTreeMap<String, String> {
+    let code = without_comments(lib);
+    let mut found: BTreeMap<String, String> = BTreeMap::new();
+    // Twice, so a name re-exported from a re-exported module resolves wherever its line is.
+    for _ in 0..2 {
+        for statement in code.split(';') {
+            let Some(path) = statement.trim().strip_prefix("pub use ") else {
+                continue;
+            };
+            let Some((head, names)) = path.split_once("::") else {
+                continue;
+            };
+            let head = head.trim();
+            let module = if modules.contains(head) {
+                head.to_owned()
+            } else if let Some(module) = found.get(head) {
+                module.clone()
+            } else {
+                continue;
+            };
+            let names = names.trim();
+            let names = match names.strip_prefix('{') {
+                Some(group) => group_heads(group),
+                None => names
+                    .rsplit("::")
+                    .next()
+                    .map(str::to_owned)
+                    .into_iter()
+                    .collect(),
+            };
+            for name in names {
+                found.insert(name, module.clone());
+            }
+        }
+    }
+    found
+}
+
+/// The files among `files` that some file declares as a test module (`#[cfg(test)]` then
+/// `mod name;`): `name.rs` or `name/mod.rs` beside a `mod.rs` or `lib.rs`, under a folder named
+/// after any other file.
+fn test_module_files(files: &[PathBuf]) -> BTreeSet<PathBuf> {
+    let mut tests = BTreeSet::new();
+    for file in files {
+        let code = without_comments(&std::fs::read_to_string(file).unwrap());
+        let mut rest = code.as_str();
+        while let Some(at) = rest.find("#[cfg(test)]") {
+            rest = &rest[at + "#[cfg(test)]".len()..];
+            let item = rest.trim_start();
+            let item = item.strip_prefix("pub(crate) ").unwrap_or(item);
+            let Some(declared) = item.strip_prefix("mod ") else {
+                continue;
+            };
+            let name: String = declared
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            if name.is_empty() || !declared[name.len()..].trim_start().starts_with(';') {
+                continue;
+            }
+            let dir = file.parent().unwrap_or(Path::new(""));
+            let stem = file.file_stem().unwrap_or_default();
+            let base = if stem == "mod" || stem == "lib" || stem == "main" {
+                dir.to_path_buf()
+            } else {
+                dir.join(stem)
+            };
+            tests.insert(base.join(format!("{name}.rs")));
+            tests.insert(base.join(name).join("mod.rs"));
+        }
+    }
+    tests
 }
 
 fn rust_files(dir: &Path) -> Vec<PathBuf> {
@@ -513,7 +641,12 @@ fn group_heads(group: &str) -> Vec<String> {
             '{' => depth += 1,
             '}' if depth == 0 => break,
             '}' => depth -= 1,
-            ',' if depth == 0 => at_start = true,
+            ',' if depth == 0 => {
+                if !name.is_empty() {
+                    heads.push(std::mem::take(&mut name));
+                }
+                at_start = true;
+            }
             c if at_start && (c.is_alphanumeric() || c == '_') => name.push(c),
             c if at_start && (!c.is_whitespace() || !name.is_empty()) => {
                 if !name.is_empty() {

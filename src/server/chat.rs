@@ -1,8 +1,9 @@
 //! `POST /v1/chat/completions`, the interception point, as named phases in request order, in
-//! the spirit of Pingora's `ProxyHttp`: [`identify`], [`admit`], [`load_memory`], [`forward`],
-//! [`filter_response`], [`tee_and_record`]. [`handle`] runs them; what applies to every phase
-//! (refusing work while draining, the request's span, its metrics) is around them, and what
-//! the span and the metrics see of each phase passes through one [`Observed`].
+//! the spirit of Pingora's `ProxyHttp`: [`identify`], admit, [`load_memory`], [`forward`],
+//! [`filter_response`], [`tee_and_record`]. [`handle`] builds the stack that runs them: what
+//! applies around the phases (the request's span and metrics, refusing work while draining,
+//! admission under the rate limits) is a layer of its own (`super::layers`), and what the span
+//! and the metrics see of each phase passes through one [`Observed`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,9 +15,13 @@ use http::response;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
+use opentelemetry::Context;
 use tokio::sync::oneshot;
 
 use super::AppState;
+use super::layers::{
+    Admission, Answered, Handler, Identified, Observe, Observer, RefuseWhileDraining,
+};
 use crate::error::{BodyError, Error, ProxyBody, full_body};
 use crate::metrics::{Route, Timing};
 use crate::pipeline::trust::Vouched;
@@ -26,45 +31,58 @@ use crate::telemetry::{self, RequestTrace};
 use crate::upstream::without_hop_by_hop;
 use engram_memory::openai::ChatRequest;
 
+/// The chat route's stack, outermost first: the request's span and metrics ([`Observed`]),
+/// refusing work while draining, [`identify`] (phase 1), admission under the rate limits
+/// (phase 2, which needs the identified user), then phases 3 to 6 ([`Phases`]).
 pub async fn handle(
     state: Arc<AppState>,
     request: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, Error> {
-    let mut observed = Observed::start(&state, request.headers());
-    let cx = observed.trace.context();
-    let result = telemetry::traced(cx, proxy(&state, request, &mut observed)).await;
-    if let Err(error) = &result {
-        observed.trace.fail(error);
-    }
-    result
+    let stack = Observe::<Observed<'_>, _>::new(RefuseWhileDraining(Identify(Admission(Phases))));
+    stack.serve(&state, request).await
 }
 
-/// The phases in order; a phase's error ends the request with that error.
-async fn proxy(
-    state: &AppState,
-    request: Request<Incoming>,
-    observed: &mut Observed<'_>,
-) -> Result<Response<ProxyBody>, Error> {
-    if state.is_draining() {
-        return Err(Error::ShuttingDown);
+/// Phase 1 as a layer: the request identified, then given to `H`.
+struct Identify<H>(H);
+
+impl<'s, H: Handler<Chat, Observed<'s>>> Handler<Request<Incoming>, Observed<'s>> for Identify<H> {
+    async fn call(
+        &self,
+        state: &AppState,
+        request: Request<Incoming>,
+        observed: &mut Observed<'s>,
+    ) -> Answered {
+        let chat = identify(state, request).await?;
+        observed.identified(&chat.request);
+        self.0.call(state, chat, observed).await
     }
-    let mut chat = identify(state, request).await?;
-    observed.identified(&chat.request);
-    admit(state, &chat)?;
-    let mut rewrite = load_memory(state, &chat).await?;
-    observed.memory_loaded(&rewrite);
-    let strip_usage = chat.request.is_stream() && !chat.request.client_wants_usage();
-    let response = forward(state, &mut chat, &mut rewrite, strip_usage, observed).await?;
-    let answer = match filter_response(state, response, &rewrite, strip_usage) {
-        Filtered::UpstreamError(response) => {
-            observed.answered_with_error(response.status());
-            return Ok(response);
-        }
-        Filtered::Answer(answer) => answer,
-    };
-    let response = tee_and_record(state, chat, rewrite, answer, observed).await?;
-    observed.answered();
-    Ok(response)
+}
+
+/// The phases after admission, in order; a phase's error ends the request with that error.
+struct Phases;
+
+impl<'s> Handler<Chat, Observed<'s>> for Phases {
+    async fn call(
+        &self,
+        state: &AppState,
+        mut chat: Chat,
+        observed: &mut Observed<'s>,
+    ) -> Answered {
+        let mut rewrite = load_memory(state, &chat).await?;
+        observed.memory_loaded(&rewrite);
+        let strip_usage = chat.request.is_stream() && !chat.request.client_wants_usage();
+        let response = forward(state, &mut chat, &mut rewrite, strip_usage, observed).await?;
+        let answer = match filter_response(state, response, &rewrite, strip_usage) {
+            Filtered::UpstreamError(response) => {
+                observed.answered_with_error(response.status());
+                return Ok(response);
+            }
+            Filtered::Answer(answer) => answer,
+        };
+        let response = tee_and_record(state, chat, rewrite, answer, observed).await?;
+        observed.answered();
+        Ok(response)
+    }
 }
 
 /// A chat request that passed [`identify`].
@@ -93,9 +111,20 @@ async fn identify(state: &AppState, request: Request<Incoming>) -> Result<Chat, 
     })
 }
 
-/// Phase 2, admit: the tenant's and the user's rate limits (a 429 with `retry-after`).
-fn admit(state: &AppState, chat: &Chat) -> Result<(), Error> {
-    state.admit(&chat.parts.headers, &chat.vouched, Some(&chat.request))
+/// Phase 2, admit: the tenant's and the user's rate limits (a 429 with `retry-after`), by the
+/// [`Admission`] layer, which reads who is asking from here.
+impl Identified for Chat {
+    fn headers(&self) -> &HeaderMap {
+        &self.parts.headers
+    }
+
+    fn vouched(&self) -> &Vouched {
+        &self.vouched
+    }
+
+    fn chat(&self) -> Option<&ChatRequest> {
+        Some(&self.request)
+    }
 }
 
 /// Phase 3, load memory: identity, the bounded store read, the cached memory and the
@@ -301,9 +330,9 @@ struct Observed<'a> {
     state: &'a AppState,
 }
 
-impl<'a> Observed<'a> {
-    fn start(state: &'a AppState, headers: &HeaderMap) -> Observed<'a> {
-        let trace = state.telemetry.chat_request(headers);
+impl<'a> Observer<'a> for Observed<'a> {
+    fn start<B>(state: &'a AppState, request: &Request<B>) -> Observed<'a> {
+        let trace = state.telemetry.chat_request(request.headers());
         Observed {
             trace,
             timing: Timing::start(),
@@ -311,6 +340,19 @@ impl<'a> Observed<'a> {
         }
     }
 
+    fn context(&self) -> Option<Context> {
+        self.trace.context()
+    }
+
+    /// A failed request's spans end with its error.
+    fn finish(&mut self, answered: &Answered) {
+        if let Err(error) = answered {
+            self.trace.fail(error);
+        }
+    }
+}
+
+impl Observed<'_> {
     fn identified(&mut self, request: &ChatRequest) {
         self.trace.chat(request);
     }

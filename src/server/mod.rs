@@ -3,6 +3,7 @@
 
 mod chat;
 mod idle;
+mod layers;
 mod passthrough;
 mod router;
 
@@ -23,13 +24,12 @@ use tokio_util::task::TaskTracker;
 use crate::admin::AdminApi;
 use crate::config::Config;
 use crate::error::Error;
-use crate::metrics::{Metrics, RateLimitKind};
+use crate::metrics::Metrics;
+use crate::pipeline::MemoryLayer;
 use crate::pipeline::trust::{Gate, Vouched};
-use crate::pipeline::{MemoryLayer, identity};
 use crate::ratelimit::RequestLimits;
 use crate::telemetry::Telemetry;
 use crate::upstream::Upstream;
-use engram_memory::openai::ChatRequest;
 
 /// Everything a request handler needs, shared behind one `Arc`.
 pub struct AppState {
@@ -90,27 +90,6 @@ impl AppState {
     /// the first thing a proxied request goes through, before its body is read.
     fn authenticate(&self, headers: &HeaderMap) -> Result<Vouched, Error> {
         self.gate.check(headers, crate::pipeline::trust::unix_now())
-    }
-
-    /// Admits a request under the tenant's (and, for a chat request naming one, the user's)
-    /// rate limit, or turns it away with a 429 and `retry-after`.
-    fn admit(
-        &self,
-        headers: &HeaderMap,
-        vouched: &Vouched,
-        chat: Option<&ChatRequest>,
-    ) -> Result<(), Error> {
-        let Some(limits) = &self.limits else {
-            return Ok(());
-        };
-        let (tenant, user) =
-            identity::tenant_and_user(headers, vouched, chat, &self.config.identity)?;
-        limits
-            .check(&tenant, user.as_deref())
-            .map_err(|(_scope, error)| {
-                self.metrics.rate_limited(RateLimitKind::Requests);
-                error
-            })
     }
 }
 

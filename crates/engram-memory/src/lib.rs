@@ -23,10 +23,10 @@ pub mod yielding;
 
 // Each module also at its path from before the folders, so `memory::compose` and the like
 // still name it.
-pub use prompt::{budget, compose, explain, fence, history, render, shape};
+pub use prompt::{budget, compose, explain, history, render, shape};
 pub use retrieval::{embed, index, retrieve, score};
-pub use state::{layered, lookups, memo, model, segmented};
-pub use tokenize::{bpe, text, tokens};
+pub use state::{chain, layered, lookups, model, segmented};
+pub use tokenize::{bpe, code, fence, memo, text, tokens};
 pub use update::{depth, diff, extract, manifest, record, tiers};
 
 pub use budget::{Budgets, budgets_from_total};
@@ -38,11 +38,20 @@ pub use explain::{Block, BlockTokens, ClientMode, Explain, ExplainedItem, Reason
 pub use extract::{Extraction, Extractor, HeuristicExtractor, Precomputed};
 pub use fence::strip_fences;
 pub use index::MemoryIndex;
-pub use model::{CandidateId, ItemRef, MemoryState, Tier};
+pub use model::{CandidateId, ExchangeInput, ItemRef, MemoryState, Tier};
 pub use record::{
-    ConsolidationReport, ExchangeInput, RecordOutcome, consolidate, pin, pin_fact, record_exchange,
-    set_identity, unpin,
+    ConsolidationReport, RecordOutcome, consolidate, pin, pin_fact, record_exchange, set_identity,
+    unpin,
 };
 pub use retrieve::prefetch;
 pub use tiers::TierReport;
-pub use tokens::{Encoding, warm_up};
+pub use tokens::Encoding;
+
+/// Loads both encodings (a few hundred milliseconds, once per process), the counts of
+/// engram's fixed block text and the extractor's tables, so the first request does not pay
+/// for them (and a table that does not parse is logged at start-up). Call at start-up.
+pub fn warm_up() {
+    tokens::warm_up();
+    render::warm_up_fixed();
+    update::patterns::patterns();
+}

@@ -23,7 +23,7 @@ use std::collections::{BTreeSet, HashSet};
 
 use serde::Serialize;
 
-use super::diff::{normalise, split_key_value};
+use super::diff::split_key_value;
 use super::fence::memory_text;
 use super::index::{Bm25, MemoryIndex, SegmentKind};
 use super::model::{
@@ -33,7 +33,7 @@ use super::model::{
 use super::record::set_identity;
 use super::render::{recount_fact, recount_pinned};
 use super::retrieve::exists;
-use super::text::{one_line, terms};
+use super::text::{normalise, one_line, terms};
 use super::tiers::refresh_episode;
 use super::tokens::{Encoding, TokenCount};
 
@@ -780,8 +780,9 @@ mod tests {
     use crate::diff::{FactDiff, FactEdit, apply_diff};
     use crate::extract::HeuristicExtractor;
     use crate::index::MemoryIndex;
+    use crate::model::ExchangeInput;
     use crate::record::test_support::record_turn;
-    use crate::record::{ExchangeInput, consolidate, pin, pin_fact, record_exchange};
+    use crate::record::{consolidate, pin, pin_fact, record_exchange};
 
     const BM25: Bm25 = Bm25::STANDARD;
 

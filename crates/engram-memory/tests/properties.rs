@@ -2,11 +2,12 @@
 
 use std::collections::BTreeMap;
 
-use engram_memory::diff::{normalise, split_key_value};
+use engram_memory::diff::split_key_value;
 use engram_memory::openai::ChatMessage;
 use engram_memory::render::{
     CORE_OPEN, FENCE_CLOSE, FIXED, Fixed, RECALL_OPEN, fact_line, identity_lines, pinned_line,
 };
+use engram_memory::text::normalise;
 use engram_memory::tokens::count_in;
 use engram_memory::{
     ComposeRequest, Composition, Encoding, ExchangeInput, FactDiff, FactEdit, HeuristicExtractor,

@@ -1,5 +1,5 @@
-//! Recognising a full-history client's turns. Two hashes over normalised exchanges (whitespace
-//! collapsed, engram fences removed):
+//! Recognising a full-history client's turns by the two hashes of [`crate::chain`] over
+//! normalised exchanges (whitespace collapsed, engram fences removed):
 //! - a chain: each link hashes the previous link with the exchange's user and answer text, so a
 //!   client's k-th exchange matches a recorded turn only if the whole conversation up to it
 //!   matches too;
@@ -17,39 +17,9 @@ use serde_json::Value;
 
 use crate::openai::{ChatMessage, ToolCall};
 
-use super::fence::{has_fence_marker, strip_fences};
-use crate::depth::fence_info;
-use crate::text::{fnv1a, fnv1a_one_line};
-
-/// The link before the first exchange of a conversation.
-pub const CHAIN_ORIGIN: u64 = 0x9e37_79b9_7f4a_7c15;
-
-/// `fnv1a(seed, one_line(strip_fences(text)))`, copying the text only when it holds a fence.
-fn hash_normalised(seed: u64, text: &str) -> u64 {
-    if has_fence_marker(text) {
-        fnv1a_one_line(seed, &strip_fences(text))
-    } else {
-        fnv1a_one_line(seed, text)
-    }
-}
-
-/// The chain link after an exchange.
-pub fn link(previous: u64, user: &str, assistant: &str) -> u64 {
-    let hash = fnv1a(0, &previous.to_le_bytes());
-    let hash = fnv1a(hash, b"u:");
-    let hash = hash_normalised(hash, user);
-    let hash = fnv1a(hash, b"\0a:");
-    hash_normalised(hash, assistant)
-}
-
-/// The link before the first exchange of a pair hash ([`pair`]); any constant other than
-/// [`CHAIN_ORIGIN`] keeps pairs and first links apart.
-const PAIR_ORIGIN: u64 = 0x5851_f42d_4c95_7f2d;
-
-/// The hash of one exchange's texts alone, wherever it sits in a conversation.
-pub fn pair(user: &str, assistant: &str) -> u64 {
-    link(PAIR_ORIGIN, user, assistant)
-}
+// Also at their path from before they moved to `chain`, which the sidecar's tests name.
+pub use crate::chain::{CHAIN_ORIGIN, link, pair};
+use crate::code::fence_info;
 
 /// Tool results and arguments up to this size, on one line, stay inline; longer ones are fenced
 /// so the memory keeps them whole as artifacts.
@@ -331,43 +301,6 @@ mod tests {
     }
 
     #[test]
-    fn chain_ignores_whitespace_and_fences_but_not_order() {
-        let a = link(CHAIN_ORIGIN, "hi  there\n", "hello");
-        let b = link(
-            CHAIN_ORIGIN,
-            "<engram-memory kind=\"recall\">x</engram-memory>\n\nhi there",
-            " hello ",
-        );
-        assert_eq!(a, b);
-        let ab = link(link(CHAIN_ORIGIN, "a", "1"), "b", "2");
-        let ba = link(link(CHAIN_ORIGIN, "b", "2"), "a", "1");
-        assert_ne!(ab, ba);
-    }
-
-    #[test]
-    fn links_are_the_hash_of_the_normalised_texts_that_stored_chains_were_made_with() {
-        use crate::text::one_line;
-        // Chains are stored with each turn: how a link is computed must not change its value.
-        for (user, assistant) in [
-            ("hi  there\n", "hello"),
-            ("<engram-memory kind=\"core\">x</engram-memory> q", " a\tb "),
-            ("", ""),
-        ] {
-            let expected = fnv1a(
-                fnv1a(
-                    fnv1a(
-                        fnv1a(fnv1a(0, &CHAIN_ORIGIN.to_le_bytes()), b"u:"),
-                        one_line(&strip_fences(user)).as_bytes(),
-                    ),
-                    b"\0a:",
-                ),
-                one_line(&strip_fences(assistant)).as_bytes(),
-            );
-            assert_eq!(link(CHAIN_ORIGIN, user, assistant), expected);
-        }
-    }
-
-    #[test]
     fn a_tool_result_with_code_fences_of_its_own_stays_whole() {
         let readme = "# Usage\n```sh\ncargo run\n```\nThat is all.";
         let mut answer = AnswerText::default();
@@ -375,7 +308,7 @@ mod tests {
         answer.reply("The README says to run it with cargo.", &[]);
         let text = answer.finish();
         // Its own code block is still one block, and the wrapper is not read as code.
-        let blocks = crate::depth::code_blocks(&text);
+        let blocks = crate::code::code_blocks(&text);
         assert_eq!(
             blocks,
             vec![(Some("sh".to_owned()), "cargo run".to_owned())]

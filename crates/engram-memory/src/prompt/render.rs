@@ -14,10 +14,10 @@ use std::borrow::Cow;
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
-use super::fence::neutralise_fences;
 use super::shape::{
     Clipped, INDENT, clipped, fenced, push_continuation, push_quoted, quoted, shaped, split_lines,
 };
+use crate::fence::neutralise_fences;
 use crate::memo::{TextMemo, memoised};
 use crate::model::{
     Artifact, ArtifactKind, EpisodeManifest, Fact, Identity, PinContent, PinnedItem, RawTurn,

@@ -14,7 +14,7 @@
 
 use std::borrow::Cow;
 
-use crate::depth::fence_info;
+use crate::code::fence_info;
 use crate::text::{clip_words, one_line, word_count};
 
 /// What every line of an item after its first starts with (a blank line is left empty).

@@ -1145,7 +1145,7 @@ impl MemoryIndex {
         self.chains.get(&chain).copied()
     }
 
-    /// The latest raw turn with this exchange [`pair`](crate::history::pair) hash.
+    /// The latest raw turn with this exchange [`pair`](crate::chain::pair) hash.
     pub fn turn_for_pair(&self, pair: u64) -> Option<TurnSeq> {
         self.pairs.get(&pair).copied()
     }
@@ -1462,7 +1462,7 @@ mod tests {
         {
             crate::record::record_exchange(
                 &mut state,
-                &crate::record::ExchangeInput {
+                &crate::model::ExchangeInput {
                     session_id: "s".into(),
                     turn_id: format!("t{n}"),
                     user_text: "We went to the lake.".into(),

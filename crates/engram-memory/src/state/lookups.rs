@@ -16,10 +16,10 @@ use std::hash::{Hash, Hasher};
 use rustc_hash::{FxBuildHasher, FxHasher};
 
 use super::layered::LayeredMap;
-use super::model::{EpisodeId, Fact, FactId, ItemRef, MemoryState, Tier, TurnLogEntry, TurnSeq};
-use crate::diff::normalise;
-use crate::manifest::match_terms;
-use crate::text::terms;
+use super::model::{
+    EpisodeId, EpisodeManifest, Fact, FactId, ItemRef, MemoryState, Tier, TurnLogEntry, TurnSeq,
+};
+use crate::text::{TermSet, normalise, terms};
 
 type Strings<V> = LayeredMap<String, V, foldhash::fast::RandomState>;
 
@@ -531,4 +531,17 @@ impl Changes {
             + self.episodes.len()
             + self.artifacts.len()
     }
+}
+
+/// The stems an incoming message must share with the episode for it to be rehydrated.
+pub fn match_terms(manifest: &EpisodeManifest) -> TermSet {
+    let mut out = TermSet::default();
+    for text in manifest
+        .salience_tags
+        .iter()
+        .chain(&manifest.rehydration_hints)
+    {
+        out.extend(terms(text));
+    }
+    out
 }

@@ -442,7 +442,7 @@ pub struct RawTurn {
     pub event_time: Option<String>,
     /// Hash chain link over the normalised conversation up to and including this exchange.
     pub chain: u64,
-    /// [`pair`](crate::history::pair) of the exchange as sent (before any excerpt); 0 in turns
+    /// [`pair`](crate::chain::pair) of the exchange as sent (before any excerpt); 0 in turns
     /// recorded before it was kept, whose pair is taken from the stored texts.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub pair: u64,
@@ -458,10 +458,10 @@ fn is_zero(value: &u64) -> bool {
 }
 
 impl RawTurn {
-    /// The exchange's [`pair`](crate::history::pair) hash.
+    /// The exchange's [`pair`](crate::chain::pair) hash.
     pub fn pair(&self) -> u64 {
         match self.pair {
-            0 => crate::history::pair(&self.user, &self.assistant),
+            0 => crate::chain::pair(&self.user, &self.assistant),
             pair => pair,
         }
     }
@@ -658,6 +658,31 @@ pub struct SessionState {
 
 /// Raw turns a session keeps the positions of (see [`SessionState::recent`]).
 pub const SESSION_TAIL: usize = 64;
+
+/// One exchange to record, as the proxy saw it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ExchangeInput {
+    pub session_id: String,
+    /// Stable id of the exchange (re-recording the same id is a no-op).
+    pub turn_id: String,
+    pub user_text: String,
+    pub assistant_text: String,
+    /// RFC 3339 or a preformatted date; None for "unknown".
+    #[serde(default)]
+    pub event_time: Option<String>,
+    /// `Composition::prior_chain` of the request that produced this exchange; None continues
+    /// the session's own chain.
+    #[serde(default)]
+    pub prior_chain: Option<u64>,
+    /// The answer did not finish streaming.
+    #[serde(default)]
+    pub incomplete: bool,
+    /// When the request arrived (µs since the epoch, the recording process's clock). The
+    /// memory engine does not read it; the Redis store orders a session's jobs by it, so
+    /// turns recorded by different replicas apply in the order they happened.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arrival: Option<u64>,
+}
 
 #[cfg(test)]
 mod tests {

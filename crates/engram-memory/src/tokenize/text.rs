@@ -578,6 +578,14 @@ fn fnv1a_feed(hash: &mut u64, bytes: &[u8]) {
     }
 }
 
+/// The matching form of a key or value: lower-case, single spaces, no trailing punctuation.
+pub fn normalise(text: &str) -> String {
+    one_line(text)
+        .to_lowercase()
+        .trim_end_matches(['.', '!', '?', ',', ';'])
+        .to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -122,13 +122,12 @@ pub fn count_in(encoding: Encoding, text: &str) -> u32 {
     u32::try_from(encoding.bpe().count(text)).unwrap_or(u32::MAX)
 }
 
-/// Loads both encodings (a few hundred milliseconds, once per process) and the counts of
-/// engram's fixed block text, so the first request does not pay for them. Call at start-up.
+/// Loads both encodings (a few hundred milliseconds, once per process); [`crate::warm_up`]
+/// warms the rest of the engine too.
 pub fn warm_up() {
     for encoding in [Encoding::O200k, Encoding::Cl100k] {
         let _ = count_in(encoding, "warm up");
     }
-    crate::render::warm_up_fixed();
 }
 
 #[cfg(test)]

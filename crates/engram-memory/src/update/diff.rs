@@ -16,7 +16,7 @@ use crate::model::{
 };
 use crate::render::recount_fact;
 use crate::score::default_importance;
-use crate::text::{one_line, terms};
+use crate::text::{normalise, one_line, terms};
 
 /// One diff entry: a string (what an LLM summarizer returns) or an object with a category.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -96,14 +96,6 @@ pub fn split_key_value(text: &str) -> (String, String) {
         }
         _ => (text.trim().to_string(), String::new()),
     }
-}
-
-/// The matching form of a key or value: lower-case, single spaces, no trailing punctuation.
-pub fn normalise(text: &str) -> String {
-    one_line(text)
-        .to_lowercase()
-        .trim_end_matches(['.', '!', '?', ',', ';'])
-        .to_string()
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -4,8 +4,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::depth::without_code;
 use super::diff::{FactDiff, FactEdit};
+use super::patterns::{Table, patterns};
+use crate::code::without_code;
 use crate::model::{Depth, FactCategory};
 use crate::text::{clip_words, excerpt, one_line, word_count};
 use crate::yielding;
@@ -111,39 +112,15 @@ fn push_sentence(out: &mut Vec<String>, current: &mut String) {
     current.clear();
 }
 
-const FILLER: &[&str] = &[
-    "hi",
-    "hey",
-    "hello",
-    "thanks",
-    "thank you",
-    "ok",
-    "okay",
-    "sure",
-    "great",
-    "cool",
-    "yes",
-    "no",
-    "well",
-    "so",
-    "hmm",
-    "wow",
-    "nice",
-    "awesome",
-    "got it",
-    "of course",
-    "absolutely",
-    "certainly",
-    "great question",
-];
-
 fn is_filler(sentence: &str) -> bool {
     let bare = sentence
         .trim_matches(|c: char| !c.is_alphanumeric())
         .to_lowercase();
     word_count(&bare) <= 3
         && (bare.is_empty()
-            || FILLER
+            || patterns()
+                .words
+                .filler
                 .iter()
                 .any(|filler| bare == *filler || bare.starts_with(&format!("{filler} "))))
 }
@@ -191,79 +168,8 @@ pub fn summarise(text: &str, max_words: usize) -> String {
 
 // ---- fact patterns ----
 
-/// Words that end a noun phrase ("I moved to Berlin last year" -> "Berlin").
-const BOUNDARY: &[&str] = &[
-    "after",
-    "ago",
-    "also",
-    "although",
-    "and",
-    "anymore",
-    "as",
-    "because",
-    "before",
-    "but",
-    "by",
-    "for",
-    "from",
-    "if",
-    "last",
-    "next",
-    "now",
-    "or",
-    "since",
-    "so",
-    "that",
-    "this",
-    "though",
-    "today",
-    "tomorrow",
-    "too",
-    "until",
-    "when",
-    "where",
-    "which",
-    "while",
-    "who",
-    "with",
-    "yesterday",
-    "recently",
-    "lately",
-    "soon",
-];
-
-/// Like `BOUNDARY` but lists stay whole ("peanuts, shellfish and eggs").
-const LIST_BOUNDARY: &[&str] = &[
-    "after",
-    "ago",
-    "also",
-    "although",
-    "anymore",
-    "as",
-    "because",
-    "but",
-    "if",
-    "now",
-    "since",
-    "so",
-    "though",
-    "today",
-    "too",
-    "when",
-    "which",
-    "while",
-    "who",
-    "with",
-    "yesterday",
-];
-
-/// Like `BOUNDARY` but time words stay in (plans: "visit Japan next month").
-const PLAN_BOUNDARY: &[&str] = &[
-    "although", "and", "because", "but", "if", "or", "so", "though", "which", "while",
-];
-
 /// Up to `max_words` words of `rest`, stopping at a boundary word or clause punctuation.
-fn phrase(rest: &str, max_words: usize, boundary: &[&str]) -> String {
+fn phrase(rest: &str, max_words: usize, boundary: &Table) -> String {
     let mut words: Vec<&str> = Vec::new();
     for raw in rest.split_whitespace() {
         if words.len() == max_words {
@@ -271,7 +177,7 @@ fn phrase(rest: &str, max_words: usize, boundary: &[&str]) -> String {
         }
         let word = raw.trim_end_matches(|c: char| ",;:.!?)\"".contains(c));
         let lower = word.to_ascii_lowercase();
-        if boundary.contains(&lower.as_str()) && !words.is_empty() {
+        if boundary.has(&lower) && !words.is_empty() {
             break;
         }
         if !word.is_empty() {
@@ -304,10 +210,10 @@ fn after<'a>(sentence: &'a str, lower: &str, trigger: &str) -> Option<&'a str> {
     None
 }
 
-fn after_any<'a>(sentence: &'a str, lower: &str, triggers: &[&str]) -> Option<&'a str> {
+fn after_any<'a>(sentence: &'a str, lower: &str, triggers: &[impl AsRef<str>]) -> Option<&'a str> {
     triggers
         .iter()
-        .find_map(|trigger| after(sentence, lower, trigger))
+        .find_map(|trigger| after(sentence, lower, trigger.as_ref()))
 }
 
 /// A statement is worth keeping if it has a key, and a value when it has a colon.
@@ -349,128 +255,16 @@ fn list_items(phrase: &str) -> Vec<String> {
         .collect()
 }
 
-const JOB_SUFFIXES: &[&str] = &["er", "or", "ist", "ian", "ant", "ent", "eon", "ect"];
-const NOT_JOBS: &[&str] = &[
-    "bit",
-    "little",
-    "lot",
-    "fan",
-    "big",
-    "huge",
-    "member",
-    "person",
-    "number",
-    "beginner",
-    "mother",
-    "father",
-    "brother",
-    "sister",
-    "parent",
-    "lover",
-    "newcomer",
-    "foreigner",
-    "winner",
-    "loser",
-    "other",
-    "under",
-];
-
 fn looks_like_job(noun: &str) -> bool {
+    let words = &patterns().words;
     let noun = noun.to_ascii_lowercase();
-    !NOT_JOBS.contains(&noun.as_str())
-        && (JOB_SUFFIXES.iter().any(|suffix| noun.ends_with(suffix))
-            || [
-                "nurse", "chef", "cook", "student", "dentist", "lawyer", "pilot", "vet",
-            ]
-            .contains(&noun.as_str()))
+    !words.not_jobs.has(&noun)
+        && (words
+            .job_suffixes
+            .iter()
+            .any(|suffix| noun.ends_with(suffix.as_str()))
+            || words.jobs.has(&noun))
 }
-
-const SINGLE_RELATIONS: &[&str] = &[
-    "wife",
-    "husband",
-    "partner",
-    "girlfriend",
-    "boyfriend",
-    "fiance",
-    "fiancee",
-    "mom",
-    "mother",
-    "dad",
-    "father",
-    "boss",
-    "manager",
-];
-const MULTI_RELATIONS: &[&str] = &[
-    "son",
-    "daughter",
-    "kid",
-    "child",
-    "brother",
-    "sister",
-    "friend",
-    "best friend",
-    "coworker",
-    "colleague",
-    "roommate",
-    "dog",
-    "cat",
-    "puppy",
-    "kitten",
-    "pet",
-    "grandmother",
-    "grandfather",
-    "cousin",
-    "aunt",
-    "uncle",
-];
-
-const NOT_POSSESSIONS: &[&str] = &[
-    "question", "problem", "idea", "lot", "feeling", "meeting", "call", "minute", "second", "bit",
-    "few", "couple", "good", "great", "chance", "doubt", "quick", "hard", "tough", "busy", "long",
-    "fun", "nice", "look", "go", "try", "sense", "way", "point", "thought",
-];
-
-const EVENT_VERBS: &[&str] = &[
-    "went to",
-    "visited",
-    "attended",
-    "joined",
-    "graduated from",
-    "adopted",
-    "signed up for",
-    "took up",
-    "ran a",
-    "won",
-    "travelled to",
-    "traveled to",
-    "celebrated",
-    "started",
-    "finished",
-    "volunteered at",
-    "volunteered for",
-    "performed at",
-    "applied to",
-    "applied for",
-    "met",
-];
-
-const SCHEDULED: &[&str] = &[
-    "exam",
-    "interview",
-    "flight",
-    "appointment",
-    "wedding",
-    "surgery",
-    "trip",
-    "meeting",
-    "party",
-    "anniversary",
-    "test",
-    "presentation",
-    "birthday",
-    "vacation",
-    "holiday",
-];
 
 fn extract_sentence(sentence: &str, diff: &mut FactDiff) {
     let lower = sentence.to_ascii_lowercase();
@@ -484,22 +278,15 @@ fn extract_sentence(sentence: &str, diff: &mut FactDiff) {
 }
 
 fn identity_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
-    if let Some(rest) = after_any(sentence, lower, &["my name is ", "my name's "]) {
+    let p = patterns();
+    if let Some(rest) = after_any(sentence, lower, &p.triggers.name) {
         let name = name_words(rest, false);
         update(diff, format!("name: {name}"), FactCategory::Identity);
-    } else if let Some(rest) = after_any(
-        sentence,
-        lower,
-        &["call me ", "i'm called ", "i am called "],
-    ) {
+    } else if let Some(rest) = after_any(sentence, lower, &p.triggers.called) {
         let name = name_words(rest, true);
         update(diff, format!("name: {name}"), FactCategory::Identity);
     }
-    if let Some(rest) = after_any(
-        sentence,
-        lower,
-        &["i am ", "i'm ", "i just turned ", "i turned "],
-    ) {
+    if let Some(rest) = after_any(sentence, lower, &p.triggers.age) {
         let mut words = rest.split_whitespace();
         if let (Some(number), Some(unit)) = (words.next(), words.next())
             && number.chars().all(|c| c.is_ascii_digit())
@@ -508,91 +295,43 @@ fn identity_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
             update(diff, format!("age: {number}"), FactCategory::Identity);
         }
     }
-    if let Some(rest) = after_any(sentence, lower, &["i moved from ", "we moved from "]) {
+    if let Some(rest) = after_any(sentence, lower, &p.triggers.moved_from) {
         let rest_lower = rest.to_ascii_lowercase();
         match after(rest, &rest_lower, "to ") {
             Some(destination) => {
-                let place = phrase(destination, 4, BOUNDARY);
+                let place = phrase(destination, 4, &p.words.boundary);
                 update(diff, format!("lives in: {place}"), FactCategory::Identity);
             }
-            None => remove(diff, format!("lives in: {}", phrase(rest, 4, BOUNDARY))),
+            None => remove(
+                diff,
+                format!("lives in: {}", phrase(rest, 4, &p.words.boundary)),
+            ),
         }
-    } else if let Some(rest) = after_any(
-        sentence,
-        lower,
-        &[
-            "i live in ",
-            "i'm living in ",
-            "i am living in ",
-            "i currently live in ",
-            "i moved to ",
-            "i've moved to ",
-            "i just moved to ",
-            "i relocated to ",
-            "we moved to ",
-            "we live in ",
-        ],
-    ) {
-        let place = phrase(rest, 4, BOUNDARY);
+    } else if let Some(rest) = after_any(sentence, lower, &p.triggers.lives_in) {
+        let place = phrase(rest, 4, &p.words.boundary);
         update(diff, format!("lives in: {place}"), FactCategory::Identity);
     }
-    if let Some(rest) = after_any(
-        sentence,
-        lower,
-        &["i'm from ", "i am from ", "i come from ", "i grew up in "],
-    ) {
-        let place = phrase(rest, 4, BOUNDARY);
+    if let Some(rest) = after_any(sentence, lower, &p.triggers.from) {
+        let place = phrase(rest, 4, &p.words.boundary);
         update(diff, format!("from: {place}"), FactCategory::Identity);
     }
-    if let Some(rest) = after_any(
-        sentence,
-        lower,
-        &[
-            "i work at ",
-            "i work for ",
-            "i'm working at ",
-            "i am working at ",
-            "i got a job at ",
-            "i started working at ",
-            "i just started at ",
-        ],
-    ) {
-        let employer = phrase(rest, 5, BOUNDARY);
+    if let Some(rest) = after_any(sentence, lower, &p.triggers.works_at) {
+        let employer = phrase(rest, 5, &p.words.boundary);
         update(
             diff,
             format!("works at: {employer}"),
             FactCategory::Identity,
         );
     }
-    if after_any(
-        sentence,
-        lower,
-        &[
-            "i quit my job",
-            "i left my job",
-            "i got fired",
-            "i was laid off",
-            "i lost my job",
-        ],
-    )
-    .is_some()
-    {
+    if after_any(sentence, lower, &p.triggers.lost_job).is_some() {
         remove(diff, "works at".to_string());
     }
-    if let Some(rest) = after_any(
-        sentence,
-        lower,
-        &["i work as a ", "i work as an ", "my job is "],
-    ) {
-        let job = phrase(rest, 4, BOUNDARY);
+    if let Some(rest) = after_any(sentence, lower, &p.triggers.job) {
+        let job = phrase(rest, 4, &p.words.boundary);
         update(diff, format!("job: {job}"), FactCategory::Identity);
-    } else if let Some(rest) = after_any(
-        sentence,
-        lower,
-        &["i'm a ", "i am a ", "i'm an ", "i am an "],
-    ) {
+    } else if let Some(rest) = after_any(sentence, lower, &p.triggers.job_if_noun) {
         // "I'm a nurse", "I'm a software engineer": the head noun must look like a job.
-        let candidate = phrase(rest, 3, BOUNDARY);
+        let candidate = phrase(rest, 3, &p.words.boundary);
         if candidate
             .split_whitespace()
             .last()
@@ -601,35 +340,15 @@ fn identity_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
             update(diff, format!("job: {candidate}"), FactCategory::Identity);
         }
     }
-    if let Some(rest) = after_any(
-        sentence,
-        lower,
-        &[
-            "i'm studying ",
-            "i am studying ",
-            "i study ",
-            "i'm majoring in ",
-            "i major in ",
-        ],
-    ) {
-        let subject = phrase(rest, 4, BOUNDARY);
+    if let Some(rest) = after_any(sentence, lower, &p.triggers.studies) {
+        let subject = phrase(rest, 4, &p.words.boundary);
         update(diff, format!("studies: {subject}"), FactCategory::Identity);
     }
-    if let Some(rest) = after_any(sentence, lower, &["i was born on ", "i was born in "]) {
-        let when = phrase(rest, 4, PLAN_BOUNDARY);
+    if let Some(rest) = after_any(sentence, lower, &p.triggers.born) {
+        let when = phrase(rest, 4, &p.words.plan_boundary);
         update(diff, format!("born: {when}"), FactCategory::Identity);
     }
-    for (trigger, status) in [
-        ("i'm married", "married"),
-        ("i am married", "married"),
-        ("i got married", "married"),
-        ("i'm single", "single"),
-        ("i am single", "single"),
-        ("i'm divorced", "divorced"),
-        ("i got divorced", "divorced"),
-        ("i got engaged", "engaged"),
-        ("i'm engaged", "engaged"),
-    ] {
+    for (trigger, status) in p.relationship_statuses.iter() {
         if after(sentence, lower, trigger).is_some() {
             update(
                 diff,
@@ -664,31 +383,22 @@ fn name_words(rest: &str, capitalised_only: bool) -> String {
 /// form, an auxiliary or a word that is no verb. A hard constraint is shown in every prompt,
 /// so a statement taken for one costs every request its tokens.
 fn instruction_verb(word: &str) -> bool {
-    const STATEMENT: &[&str] = &[
-        "been", "had", "has", "was", "were", "is", "am", "are", "did", "got", "saw", "thought",
-        "knew", "felt", "heard", "went", "came", "made", "said", "told", "took", "found", "here",
-        "there", "so", "too", "such", "really", "just", "a", "an", "the", "my", "our", "his",
-        "her", "their", "its", "this", "that", "what", "when",
-    ];
     let word = word.trim_matches(|c: char| !c.is_alphanumeric() && c != '\'');
     let past = word.len() > 4 && word.ends_with("ed") && !word.ends_with("eed") && word != "embed";
-    !word.is_empty() && !past && !STATEMENT.contains(&word)
+    !word.is_empty() && !past && !patterns().words.statement_words.has(word)
 }
 
 fn constraint_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
-    let negated_allergy = after_any(
-        sentence,
-        lower,
-        &["no longer allergic to ", "not allergic to "],
-    );
+    let p = patterns();
+    let negated_allergy = after_any(sentence, lower, &p.triggers.not_allergic);
     if let Some(rest) = negated_allergy {
-        for item in list_items(&phrase(rest, 6, LIST_BOUNDARY)) {
+        for item in list_items(&phrase(rest, 6, &p.words.list_boundary)) {
             remove(diff, format!("allergic to {item}"));
         }
     } else if let Some(start) = lower.find("allergic to ") {
         let rest = sentence.get(start + "allergic to ".len()..).unwrap_or("");
         let subject = allergy_subject(&lower[..start]);
-        for item in list_items(&phrase(rest, 6, LIST_BOUNDARY)) {
+        for item in list_items(&phrase(rest, 6, &p.words.list_boundary)) {
             let text = match &subject {
                 None => format!("allergic to {item}"),
                 Some(subject) => format!("{subject} is allergic to {item}"),
@@ -699,7 +409,7 @@ fn constraint_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
         // "I have a severe peanut allergy": the word before "allergy".
         let before = &sentence[..start];
         if let Some(item) = before.split_whitespace().last()
-            && !["an", "a", "my", "the", "severe", "mild", "food"].contains(&item)
+            && !p.words.not_allergens.has(item)
         {
             add(
                 diff,
@@ -708,20 +418,8 @@ fn constraint_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
             );
         }
     }
-    if let Some(rest) = after_any(
-        sentence,
-        lower,
-        &[
-            "i can't eat ",
-            "i cannot eat ",
-            "i can not eat ",
-            "i don't eat ",
-            "i do not eat ",
-            "i can't have ",
-            "i cannot have ",
-        ],
-    ) {
-        for item in list_items(&phrase(rest, 5, LIST_BOUNDARY)) {
+    if let Some(rest) = after_any(sentence, lower, &p.triggers.cannot_eat) {
+        for item in list_items(&phrase(rest, 5, &p.words.list_boundary)) {
             add(
                 diff,
                 format!("does not eat {item}"),
@@ -729,15 +427,7 @@ fn constraint_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
             );
         }
     }
-    for diet in [
-        "vegetarian",
-        "vegan",
-        "pescatarian",
-        "gluten-free",
-        "lactose intolerant",
-        "kosher",
-        "halal",
-    ] {
+    for diet in p.words.diets.iter() {
         let stated = [
             format!("i'm {diet}"),
             format!("i am {diet}"),
@@ -757,45 +447,29 @@ fn constraint_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
     let bare = lower
         .trim_start_matches("please ")
         .trim_start_matches("and ");
-    let instruction = ["never ", "always ", "don't ever ", "do not ever "]
+    let instruction = p
+        .triggers
+        .instruction_openings
         .iter()
-        .filter_map(|start| bare.strip_prefix(start))
+        .filter_map(|start| bare.strip_prefix(start.as_str()))
         .any(|rest| rest.split_whitespace().next().is_some_and(instruction_verb))
-        || [
-            "you should never ",
-            "you must never ",
-            "must never ",
-            "you must always ",
-            "i never eat ",
-            "i never drink ",
-        ]
-        .iter()
-        .any(|trigger| after(sentence, lower, trigger).is_some());
-    if instruction {
-        let from = ["never ", "always ", "don't ever ", "do not ever "]
+        || p.triggers
+            .instructions
             .iter()
-            .filter_map(|word| lower.find(word))
+            .any(|trigger| after(sentence, lower, trigger).is_some());
+    if instruction {
+        let from = p
+            .triggers
+            .instruction_openings
+            .iter()
+            .filter_map(|word| lower.find(word.as_str()))
             .min()
             .unwrap_or(0);
         let rule = clip_words(sentence[from..].trim_end_matches(['.', '!']), 20);
         add(diff, rule, FactCategory::HardConstraint);
     }
-    if let Some(rest) = after_any(
-        sentence,
-        lower,
-        &[
-            "don't suggest ",
-            "do not suggest ",
-            "don't recommend ",
-            "do not recommend ",
-            "don't book ",
-            "do not book ",
-            "don't schedule ",
-            "do not schedule ",
-            "don't call me ",
-            "do not call me ",
-        ],
-    ) && !instruction
+    if let Some(rest) = after_any(sentence, lower, &p.triggers.do_not)
+        && !instruction
     {
         let start = sentence.len() - rest.len();
         let verb = sentence[..start]
@@ -803,7 +477,7 @@ fn constraint_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
             .rsplit(|c: char| c.is_whitespace())
             .next()
             .unwrap_or("");
-        let object = phrase(rest, 8, PLAN_BOUNDARY);
+        let object = phrase(rest, 8, &p.words.plan_boundary);
         add(
             diff,
             format!("do not {} {object}", verb.to_ascii_lowercase()),
@@ -815,6 +489,7 @@ fn constraint_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
 
 /// "The deadline for the grant is March 3", "the report is due by Friday".
 fn deadline_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
+    let p = patterns();
     if let Some(start) = lower.find("deadline")
         && let Some(is_at) = lower[start..].find(" is ")
     {
@@ -824,7 +499,7 @@ fn deadline_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
             .trim_start_matches("for ")
             .trim_start_matches("the ")
             .trim();
-        let when = phrase(&sentence[start + is_at + 4..], 5, PLAN_BOUNDARY);
+        let when = phrase(&sentence[start + is_at + 4..], 5, &p.words.plan_boundary);
         let text = if topic.is_empty() {
             format!("deadline: {when}")
         } else {
@@ -842,13 +517,11 @@ fn deadline_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
         let subject: Vec<&str> = sentence[..at]
             .split_whitespace()
             .rev()
-            .take_while(|word| {
-                !["my", "the", "our", "a"].contains(&word.to_ascii_lowercase().as_str())
-            })
+            .take_while(|word| !p.words.due_subject_stops.has(&word.to_ascii_lowercase()))
             .take(3)
             .collect();
         let subject: Vec<&str> = subject.into_iter().rev().collect();
-        let when = phrase(rest, 5, PLAN_BOUNDARY);
+        let when = phrase(rest, 5, &p.words.plan_boundary);
         if !subject.is_empty() {
             update(
                 diff,
@@ -871,23 +544,8 @@ fn allergy_subject(before: &str) -> Option<String> {
 }
 
 fn explicit_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
-    if let Some(rest) = after_any(
-        sentence,
-        lower,
-        &[
-            "please remember that ",
-            "remember that ",
-            "please remember ",
-            "remember: ",
-            "don't forget that ",
-            "do not forget that ",
-            "don't forget ",
-            "keep in mind that ",
-            "keep in mind ",
-            "note that ",
-            "for the record, ",
-        ],
-    ) {
+    let p = patterns();
+    if let Some(rest) = after_any(sentence, lower, &p.triggers.remember) {
         let note = clip_words(rest.trim_end_matches(['.', '!']), USER_SUMMARY_WORDS - 1);
         // Keep the colon out so the whole statement is the key.
         let note = note.replace(':', " -");
@@ -900,59 +558,32 @@ fn explicit_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
 }
 
 fn preference_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
-    const NOT_OBJECTS: &[&str] = &[
-        "it", "that", "this", "them", "you", "how", "the idea", "when",
-    ];
-    if let Some(rest) = after_any(
-        sentence,
-        lower,
-        &[
-            "i really love ",
-            "i love ",
-            "i really like ",
-            "i like ",
-            "i enjoy ",
-            "i'm into ",
-            "i am into ",
-            "i'm a big fan of ",
-            "i'm a huge fan of ",
-            "i adore ",
-        ],
-    ) {
-        let object = phrase(rest, 6, BOUNDARY);
+    let p = patterns();
+    if let Some(rest) = after_any(sentence, lower, &p.triggers.likes) {
+        let object = phrase(rest, 6, &p.words.boundary);
         let lower_object = object.to_ascii_lowercase();
-        if !object.is_empty() && !NOT_OBJECTS.contains(&lower_object.as_str()) {
+        if !object.is_empty() && !p.words.not_objects.has(&lower_object) {
             add(diff, format!("likes {object}"), FactCategory::Preference);
             remove(diff, format!("dislikes {object}"));
         }
     }
-    if let Some(rest) = after_any(
-        sentence,
-        lower,
-        &[
-            "i hate ",
-            "i don't like ",
-            "i do not like ",
-            "i dislike ",
-            "i can't stand ",
-        ],
-    ) {
-        let object = phrase(rest, 6, BOUNDARY);
+    if let Some(rest) = after_any(sentence, lower, &p.triggers.dislikes) {
+        let object = phrase(rest, 6, &p.words.boundary);
         let lower_object = object.to_ascii_lowercase();
-        if !object.is_empty() && !NOT_OBJECTS.contains(&lower_object.as_str()) {
+        if !object.is_empty() && !p.words.not_objects.has(&lower_object) {
             add(diff, format!("dislikes {object}"), FactCategory::Preference);
             remove(diff, format!("likes {object}"));
         }
     }
-    if let Some(rest) = after_any(sentence, lower, &["i prefer ", "i'd rather "]) {
-        let object = phrase(rest, 8, PLAN_BOUNDARY);
+    if let Some(rest) = after_any(sentence, lower, &p.triggers.prefers) {
+        let object = phrase(rest, 8, &p.words.plan_boundary);
         add(diff, format!("prefers {object}"), FactCategory::Preference);
     }
-    if let Some(rest) = after_any(sentence, lower, &["my favorite ", "my favourite "]) {
+    if let Some(rest) = after_any(sentence, lower, &p.triggers.favorite) {
         let rest_lower = rest.to_ascii_lowercase();
         if let Some(split) = rest_lower.find(" is ") {
             let what = rest[..split].trim();
-            let value = phrase(&rest[split + 4..], 6, BOUNDARY);
+            let value = phrase(&rest[split + 4..], 6, &p.words.boundary);
             if !what.is_empty() && word_count(what) <= 3 {
                 update(
                     diff,
@@ -965,7 +596,13 @@ fn preference_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
 }
 
 fn relation_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
-    for relation in SINGLE_RELATIONS.iter().chain(MULTI_RELATIONS) {
+    let p = patterns();
+    for relation in p
+        .words
+        .single_relations
+        .iter()
+        .chain(p.words.multi_relations.iter())
+    {
         let Some(rest) = after_any(
             sentence,
             lower,
@@ -982,7 +619,7 @@ fn relation_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
         if name.is_empty() {
             continue;
         }
-        if SINGLE_RELATIONS.contains(relation) {
+        if p.words.single_relations.has(relation) {
             update(diff, format!("{relation}: {name}"), FactCategory::Relation);
         } else {
             add(
@@ -992,7 +629,7 @@ fn relation_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
             );
         }
     }
-    if let Some(rest) = after_any(sentence, lower, &["i have a ", "we have a "]) {
+    if let Some(rest) = after_any(sentence, lower, &p.triggers.has_named) {
         let rest_lower = rest.to_ascii_lowercase();
         if let Some(split) = rest_lower
             .find(" named ")
@@ -1009,28 +646,13 @@ fn relation_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
             }
         }
     }
-    if let Some(rest) = after_any(sentence, lower, &["i have ", "we have "]) {
+    if let Some(rest) = after_any(sentence, lower, &p.triggers.has_count) {
         let mut words = rest.split_whitespace();
         if let (Some(count), Some(what)) = (words.next(), words.next()) {
-            let counted = [
-                "two", "three", "four", "five", "six", "2", "3", "4", "5", "6",
-            ];
-            let kinds = [
-                "kids",
-                "children",
-                "sons",
-                "daughters",
-                "dogs",
-                "cats",
-                "pets",
-                "siblings",
-            ];
             let what = what
                 .trim_end_matches(|c: char| !c.is_alphanumeric())
                 .to_ascii_lowercase();
-            if counted.contains(&count.to_ascii_lowercase().as_str())
-                && kinds.contains(&what.as_str())
-            {
+            if p.words.counts.has(&count.to_ascii_lowercase()) && p.words.counted.has(&what) {
                 update(
                     diff,
                     format!("number of {what}: {count}"),
@@ -1042,24 +664,11 @@ fn relation_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
 }
 
 fn possession_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
-    let Some(rest) = after_any(
-        sentence,
-        lower,
-        &[
-            "i have a ",
-            "i have an ",
-            "i own a ",
-            "i own an ",
-            "i bought a ",
-            "i bought an ",
-            "i just bought a ",
-            "i got a new ",
-            "i just got a new ",
-        ],
-    ) else {
+    let p = patterns();
+    let Some(rest) = after_any(sentence, lower, &p.triggers.owns) else {
         return;
     };
-    let object = phrase(rest, 5, BOUNDARY);
+    let object = phrase(rest, 5, &p.words.boundary);
     let first = object
         .split_whitespace()
         .next()
@@ -1068,7 +677,7 @@ fn possession_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
     let rest_lower = rest.to_ascii_lowercase();
     // "I have a dog named Rex" is a relation; "I have a question" is not a possession.
     if object.is_empty()
-        || NOT_POSSESSIONS.contains(&first.as_str())
+        || p.words.not_possessions.has(&first)
         || rest_lower.contains(" named ")
         || rest_lower.contains(" called ")
         || object.to_ascii_lowercase().ends_with("allergy")
@@ -1079,38 +688,19 @@ fn possession_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
 }
 
 fn plan_and_event_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
-    const NOT_PLANS: &[&str] = &[
-        "be", "say", "tell", "ask", "need", "have", "try", "go", "make",
-    ];
-    if let Some(rest) = after_any(
-        sentence,
-        lower,
-        &[
-            "i'm planning to ",
-            "i am planning to ",
-            "i plan to ",
-            "i'm going to ",
-            "i am going to ",
-            "we're going to ",
-            "we are going to ",
-            "we're planning to ",
-            "i'm planning a ",
-            "i'm about to ",
-            "i will ",
-            "i'll ",
-        ],
-    ) {
-        let plan = phrase(rest, 10, PLAN_BOUNDARY);
+    let p = patterns();
+    if let Some(rest) = after_any(sentence, lower, &p.triggers.plans) {
+        let plan = phrase(rest, 10, &p.words.plan_boundary);
         let first = plan
             .split_whitespace()
             .next()
             .unwrap_or("")
             .to_ascii_lowercase();
-        if word_count(&plan) >= 2 && !NOT_PLANS.contains(&first.as_str()) {
+        if word_count(&plan) >= 2 && !p.words.not_plans.has(&first) {
             add(diff, format!("plans to {plan}"), FactCategory::Plan);
         }
     }
-    for thing in SCHEDULED {
+    for thing in p.words.scheduled.iter() {
         let Some(rest) = after_any(
             sentence,
             lower,
@@ -1123,12 +713,12 @@ fn plan_and_event_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
         ) else {
             continue;
         };
-        let when = phrase(rest, 5, PLAN_BOUNDARY);
+        let when = phrase(rest, 5, &p.words.plan_boundary);
         if !when.is_empty() {
             update(diff, format!("{thing}: {when}"), FactCategory::Plan);
         }
     }
-    for verb in EVENT_VERBS {
+    for verb in p.words.event_verbs.iter() {
         let Some(rest) = after_any(
             sentence,
             lower,
@@ -1140,7 +730,7 @@ fn plan_and_event_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
         ) else {
             continue;
         };
-        let object = phrase(rest, 8, BOUNDARY);
+        let object = phrase(rest, 8, &p.words.boundary);
         if word_count(&object) >= 1 {
             add(diff, format!("{verb} {object}"), FactCategory::General);
         }

@@ -6,10 +6,11 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, HashSet};
 use std::rc::Rc;
 
+use crate::lookups::match_terms;
 use crate::memo::{TextMemo, memoised};
 use crate::model::{EpisodeId, EpisodeManifest, FactId, MemoryState, TurnSeq};
 use crate::render::recount_episode;
-use crate::text::{TermSet, clip_chars, is_stop_word, stem, terms, words};
+use crate::text::{TermSet, clip_chars, is_stop_word, stem, words};
 use crate::tokens::Encoding;
 
 pub const SUMMARY_CHARS: usize = 256;
@@ -220,19 +221,6 @@ pub fn remembered_match_terms(manifest: &EpisodeManifest) -> Rc<TermSet> {
     key.push_str("\n\n");
     key.push_str(&manifest.rehydration_hints.join("\n"));
     memoised(&MATCH_TERMS, &key, || match_terms(manifest))
-}
-
-/// The stems an incoming message must share with the episode for it to be rehydrated.
-pub fn match_terms(manifest: &EpisodeManifest) -> TermSet {
-    let mut out = TermSet::default();
-    for text in manifest
-        .salience_tags
-        .iter()
-        .chain(&manifest.rehydration_hints)
-    {
-        out.extend(terms(text));
-    }
-    out
 }
 
 #[cfg(test)]

@@ -5,5 +5,6 @@ pub mod depth;
 pub mod diff;
 pub mod extract;
 pub mod manifest;
+pub mod patterns;
 pub mod record;
 pub mod tiers;

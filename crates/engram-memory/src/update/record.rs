@@ -7,47 +7,22 @@ use std::borrow::Cow;
 use serde::{Deserialize, Serialize};
 
 use super::depth::{FoundArtifact, classify, find_artifacts};
-use super::diff::{DiffReport, apply_diff, normalise, retain_grounded};
+use super::diff::{DiffReport, apply_diff, retain_grounded};
 use super::extract::{ASSISTANT_SUMMARY_WORDS, ExchangeView, Extractor, USER_SUMMARY_WORDS};
 use super::tiers::{TierReport, maintain, refresh_episode_facts, rehydrate, touch_related};
+use crate::chain::link;
 use crate::config::MemoryConfig;
 use crate::fence::memory_text;
-use crate::history::link;
 use crate::model::{
-    Artifact, ArtifactId, ArtifactKind, Depth, FactCategory, FactId, Identity, ItemRef,
-    MemoryState, PinId, PinnedItem, RawTurn, RevisionEnd, SESSION_TAIL, SessionState, SummaryText,
-    TierState, TurnLogEntry, TurnSeq,
+    Artifact, ArtifactId, ArtifactKind, Depth, ExchangeInput, FactCategory, FactId, Identity,
+    ItemRef, MemoryState, PinId, PinnedItem, RawTurn, RevisionEnd, SESSION_TAIL, SessionState,
+    SummaryText, TierState, TurnLogEntry, TurnSeq,
 };
 use crate::render::{
     counted_artifact, recount_fact, recount_identity, recount_pinned, recount_raw_turn,
     recount_summary,
 };
-use crate::text::{TermSet, clip_words, excerpt, terms, word_count};
-
-/// One exchange to record, as the proxy saw it.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct ExchangeInput {
-    pub session_id: String,
-    /// Stable id of the exchange (re-recording the same id is a no-op).
-    pub turn_id: String,
-    pub user_text: String,
-    pub assistant_text: String,
-    /// RFC 3339 or a preformatted date; None for "unknown".
-    #[serde(default)]
-    pub event_time: Option<String>,
-    /// `Composition::prior_chain` of the request that produced this exchange; None continues
-    /// the session's own chain.
-    #[serde(default)]
-    pub prior_chain: Option<u64>,
-    /// The answer did not finish streaming.
-    #[serde(default)]
-    pub incomplete: bool,
-    /// When the request arrived (µs since the epoch, the recording process's clock). The
-    /// memory engine does not read it; the Redis store orders a session's jobs by it, so
-    /// turns recorded by different replicas apply in the order they happened.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub arrival: Option<u64>,
-}
+use crate::text::{TermSet, clip_words, excerpt, normalise, terms, word_count};
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RecordOutcome {
@@ -94,7 +69,7 @@ pub fn record_exchange(
         None => {
             state.sessions.push(SessionState {
                 id: exchange.session_id.clone(),
-                last_chain: crate::history::CHAIN_ORIGIN,
+                last_chain: crate::chain::CHAIN_ORIGIN,
                 recent: Vec::new(),
             });
             u32::try_from(state.sessions.len() - 1).unwrap_or(u32::MAX)
@@ -104,7 +79,7 @@ pub fn record_exchange(
         state
             .sessions
             .get(session as usize)
-            .map_or(crate::history::CHAIN_ORIGIN, |session| session.last_chain)
+            .map_or(crate::chain::CHAIN_ORIGIN, |session| session.last_chain)
     });
     let chain = link(prior, &exchange.user_text, &exchange.assistant_text);
     if let Some(slot) = state.sessions.get_mut(session as usize) {
@@ -120,7 +95,7 @@ pub fn record_exchange(
         assistant: assistant.clone(),
         event_time: exchange.event_time.clone(),
         chain,
-        pair: crate::history::pair(&exchange.user_text, &exchange.assistant_text),
+        pair: crate::chain::pair(&exchange.user_text, &exchange.assistant_text),
         depth,
         incomplete: exchange.incomplete,
         tokens: Default::default(),
@@ -512,7 +487,7 @@ mod tests {
         // The history chain is of the message as sent, so a client resending it is recognised.
         assert_eq!(
             state.sessions[0].last_chain,
-            link(crate::history::CHAIN_ORIGIN, &user, "Done.")
+            link(crate::chain::CHAIN_ORIGIN, &user, "Done.")
         );
         // A message within the limit is kept as it is.
         let short = exchange(1, "I live in Oslo.", "Nice.");

@@ -6,10 +6,10 @@ use super::block::{BlockPlan, Line};
 use super::window::WindowTurn;
 use super::{ComposeRequest, Packing, core_is_prefix};
 use crate::config::{MemoryConfig, Placement};
+use crate::fence::{has_fence_like, memory_text, neutralise_fences};
 use crate::model::{ItemRef, MemoryState, TurnSeq};
 use crate::openai::{ChatMessage, OutgoingMessage};
 use crate::prompt::explain::Form;
-use crate::prompt::fence::{has_fence_like, memory_text, neutralise_fences};
 use crate::prompt::history::{RequestShape, answer_words};
 use crate::prompt::render::{
     FENCE_CLOSE, Fixed, artifact_full, artifact_reference, date_heading, episode_line, fact_line,

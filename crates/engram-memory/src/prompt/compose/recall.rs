@@ -40,7 +40,7 @@ fn cutoff_kind(item: ItemRef) -> usize {
     }
 }
 
-/// The [`pair`](crate::history::pair) hash of the exchange a raw turn or its summary
+/// The [`pair`](crate::chain::pair) hash of the exchange a raw turn or its summary
 /// shows, and the turn.
 fn turn_pair(state: &MemoryState, item: ItemRef) -> Option<(u64, TurnSeq)> {
     let (ItemRef::RawTurn(seq) | ItemRef::Summary(seq)) = item else {

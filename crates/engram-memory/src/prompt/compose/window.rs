@@ -5,8 +5,8 @@ use std::collections::HashSet;
 
 use super::block::{Line, Section, dated};
 use super::{Fenced, Packing, Ranking};
+use crate::code::code_blocks;
 use crate::config::MemoryConfig;
-use crate::depth::code_blocks;
 use crate::index::MemoryIndex;
 use crate::model::{ArtifactKind, Depth, ItemRef, MemoryState, RawTurn, TurnSeq};
 use crate::prompt::compose::ComposeRequest;

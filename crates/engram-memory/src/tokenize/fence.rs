@@ -327,7 +327,7 @@ mod tests {
 
     #[test]
     fn genuine_fences_are_stripped_as_before_and_look_alikes_are_not() {
-        // `history::link` hashes stripped texts: what `strip_fences` removes must not change.
+        // `chain::link` hashes stripped texts: what `strip_fences` removes must not change.
         let genuine = "<engram-memory kind=\"core\">\n- x\n</engram-memory>\n\nhello";
         assert_eq!(strip_fences(genuine), "hello");
         assert_eq!(memory_text(genuine), "hello");
