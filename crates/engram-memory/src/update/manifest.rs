@@ -29,10 +29,9 @@ pub fn build_manifest(
     links.sort_unstable();
     links.dedup();
 
-    // Salient terms: stem -> (count, first position, first surface form).
-    let mut counts: BTreeMap<String, (u32, usize, String)> = BTreeMap::new();
-    let mut position = 0usize;
-    let mut entities: BTreeMap<String, (u32, usize)> = BTreeMap::new();
+    // Each turn's words first, so the counts below borrow their strings instead of copying
+    // every salient word of the episode on every rebuild.
+    let mut turns = Vec::with_capacity(links.len());
     let mut summaries = Vec::new();
     let mut size = 0u32;
     for seq in &links {
@@ -41,32 +40,38 @@ pub fn build_manifest(
         };
         let raw = state.raw_turns.get(*seq as usize);
         let (user_summary, assistant_summary) = entry.texts(raw);
-        summaries.push(user_summary.clone().into_owned());
         let raw_user = raw.map_or("", |turn| turn.user.as_str());
-        let turn_words = turn_words(&user_summary, &assistant_summary, raw_user);
-        for (offset, term, word) in &turn_words.salient {
-            let slot = counts
-                .entry(term.clone())
-                .or_insert((0, position + offset, word.clone()));
-            slot.0 += 1;
-        }
-        position += turn_words.count;
-        for entity in &turn_words.entities {
-            let slot = entities.entry(entity.clone()).or_insert((0, position));
-            slot.0 += 1;
-        }
+        turns.push(turn_words(&user_summary, &assistant_summary, raw_user));
+        summaries.push(user_summary.into_owned());
         if let Some(turn) = raw {
             size = size
                 .saturating_add(turn.tokens.user.get(Encoding::O200k))
                 .saturating_add(turn.tokens.assistant.get(Encoding::O200k));
         }
     }
-    let mut ranked: Vec<(u32, usize, String)> = counts.into_values().collect();
+    // Salient terms: stem -> (count, first position, first surface form).
+    let mut counts: BTreeMap<&str, (u32, usize, &str)> = BTreeMap::new();
+    let mut position = 0usize;
+    let mut entities: BTreeMap<&str, (u32, usize)> = BTreeMap::new();
+    for turn_words in &turns {
+        for (offset, term, word) in &turn_words.salient {
+            let slot = counts
+                .entry(term.as_str())
+                .or_insert((0, position + offset, word.as_str()));
+            slot.0 += 1;
+        }
+        position += turn_words.count;
+        for entity in &turn_words.entities {
+            let slot = entities.entry(entity.as_str()).or_insert((0, position));
+            slot.0 += 1;
+        }
+    }
+    let mut ranked: Vec<(u32, usize, &str)> = counts.into_values().collect();
     ranked.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
     let salience_tags: Vec<String> = ranked
         .into_iter()
         .take(TAGS)
-        .map(|(_, _, word)| word)
+        .map(|(_, _, word)| word.to_owned())
         .collect();
     let topic = salience_tags
         .iter()
@@ -75,14 +80,14 @@ pub fn build_manifest(
         .collect::<Vec<_>>()
         .join(", ");
 
-    let mut ranked_entities: Vec<(String, u32, usize)> = entities
+    let mut ranked_entities: Vec<(&str, u32, usize)> = entities
         .into_iter()
         .map(|(entity, (count, first))| (entity, count, first))
         .collect();
     ranked_entities.sort_by(|a, b| b.1.cmp(&a.1).then(a.2.cmp(&b.2)));
     let mut rehydration_hints: Vec<String> = Vec::new();
     for (entity, _, _) in ranked_entities.into_iter().take(ENTITY_HINTS) {
-        push_unique(&mut rehydration_hints, entity);
+        push_unique(&mut rehydration_hints, entity.to_owned());
     }
     for tag in salience_tags
         .iter()
