@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::runtime::BoxFuture;
 use crate::store::{
     Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobQueue,
-    JobState, MemoryRecords, Placement, Published, RawEntry, Store, UserKey,
+    JobState, MemoryRecords, Placement, RawEntry, Store, UserKey,
 };
 use engram_memory::{CandidateId, ExchangeInput, MemoryState};
 
@@ -283,13 +283,6 @@ impl Store for MeteredStore {
             state: &'a EncodedState,
             expected_version: u64,
             prefetched: &'a [CandidateId]
-        ) -> () = timed(CommitJobs), wrote state.size() + jobs_bytes(jobs);
-        fn commit_jobs_then(
-            jobs: &'a [Job],
-            state: &'a EncodedState,
-            expected_version: u64,
-            prefetched: &'a [CandidateId],
-            published: Published
         ) -> () = timed(CommitJobs), wrote state.size() + jobs_bytes(jobs);
         fn forget_user(user: &'a UserKey) -> ForgetReport = timed(ForgetUser);
     }

@@ -34,7 +34,7 @@ use crate::runtime::priority::{self, RecorderPriority, WorkerRuntime};
 pub type Apply<Op, Out> = fn(&WriteTransaction, &Op) -> Result<Out>;
 
 /// What an operation does once its transaction has committed, on the committing thread and
-/// before its caller is answered (the worker publishes the state it wrote there).
+/// before its caller is answered (a job commit tells the store's `CommitListener` there).
 pub trait Committed {
     fn committed(self);
 }

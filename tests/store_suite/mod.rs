@@ -15,14 +15,11 @@
     reason = "test suite: a failure should fail the test loudly"
 )]
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use engram::error::Error;
 use engram::store::{
-    EncodedState, Enqueued, ForgetReport, Job, JobId, JobState, MemoryUpdate, Published, Store,
-    UserKey,
+    EncodedState, Enqueued, ForgetReport, Job, JobId, JobState, MemoryUpdate, Store, UserKey,
 };
 use engram::telemetry::TraceParent;
 use engram_memory::{
@@ -453,38 +450,23 @@ pub async fn concurrent_job_commits_of_one_user_let_one_win(store: &dyn Store) {
         commits.push((job, EncodedState::of(&state).unwrap()));
     }
     let ((left_job, left_state), (right_job, right_state)) = (&commits[0], &commits[1]);
-    // Each commit says when it has published; only the winner may.
-    let published = [
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicBool::new(false)),
-    ];
-    let flag = |index: usize| -> Published {
-        let flag = Arc::clone(&published[index]);
-        Box::new(move || flag.store(true, Ordering::SeqCst))
-    };
     let (left, right) = tokio::join!(
-        store.commit_jobs_then(
+        store.commit_jobs(
             std::slice::from_ref(left_job),
             left_state,
             base.version,
-            &[],
-            flag(0)
+            &[]
         ),
-        store.commit_jobs_then(
+        store.commit_jobs(
             std::slice::from_ref(right_job),
             right_state,
             base.version,
-            &[],
-            flag(1)
+            &[]
         )
     );
     assert!(
         left.is_ok() != right.is_ok(),
         "one commit wins: {left:?} {right:?}"
-    );
-    assert_eq!(
-        published.each_ref().map(|flag| flag.load(Ordering::SeqCst)),
-        [left.is_ok(), right.is_ok()]
     );
     let (won, lost) = if left.is_ok() {
         (left_job, right_job)
