@@ -24,13 +24,13 @@ use crate::ratelimit::{PRUNE_INTERVAL, TokenBudget};
 use crate::recorder::Recorder;
 use crate::recorder::journal::{self, Journal};
 use crate::recorder::outbox::{MEMORY_SPOOL_JOBS, Outbox, Spool};
-use crate::runtime::priority;
 use crate::server::{AppState, Server};
-use crate::store::{CommitListener, EmbeddedStore, RedisStore, Store};
 use crate::summarizer::Summarizer;
 use crate::telemetry::Telemetry;
 use crate::upstream::Upstream;
 use crate::worker::Worker;
+use engram_runtime::priority;
+use engram_store::{CommitListener, EmbeddedStore, RedisStore, Store};
 
 /// Turns whose explanation this process keeps for the management API. Estimated, not measured:
 /// a full 2,048-token block explains ~57 items at ~200 bytes each, so about 10 MB at most.

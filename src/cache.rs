@@ -17,9 +17,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::error::{Error, Result};
-use crate::store::{CommitListener, EncodedState, MemoryUpdate, UserKey};
 use engram_memory::tokens::TokenCount;
 use engram_memory::{MemoryIndex, MemoryState};
+use engram_store::{CommitListener, EncodedState, MemoryUpdate, UserKey};
 
 /// One user's memory at one version, with its index.
 #[derive(Debug)]
@@ -397,7 +397,7 @@ impl Entries {
 /// then grow by one per change, so a memory created after a `forget` never reuses a version of
 /// the forgotten one (which would let a cache serve forgotten memory).
 pub fn first_version() -> u64 {
-    crate::runtime::now_micros()
+    engram_runtime::now_micros()
 }
 
 #[cfg(test)]
@@ -592,7 +592,7 @@ mod tests {
     /// version finds its memory cached.
     #[tokio::test]
     async fn the_embedded_store_caches_a_staged_memory_before_its_commit_returns() {
-        use crate::store::{EmbeddedStore, Job, JobId, JobQueue, Store};
+        use engram_store::{EmbeddedStore, Job, JobId, JobQueue, Store};
 
         let cache = Arc::new(MemoryCache::new(8, usize::MAX));
         let store = EmbeddedStore::in_memory()

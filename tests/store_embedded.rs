@@ -14,11 +14,11 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use engram::store::{
+use engram_memory::{HeuristicExtractor, MemoryConfig, record_exchange};
+use engram_store::{
     CommitListener, EmbeddedStore, EncodedState, Enqueued, JobQueue, JobState, MemoryRecords,
     Store, UserKey,
 };
-use engram_memory::{HeuristicExtractor, MemoryConfig, record_exchange};
 use tempfile::TempDir;
 
 use store_suite::{exchange, job, job_in, state_with};
@@ -53,7 +53,7 @@ async fn assert_turn_survived(store: &EmbeddedStore, user: &UserKey) {
     let expected = state_with(&["I'm allergic to peanuts."]);
     let hot = store.hot_record(user, "s1", None).await.unwrap();
     assert_eq!(hot.version, expected.version);
-    let Some(engram::store::MemoryUpdate::Whole(state)) = hot.update else {
+    let Some(engram_store::MemoryUpdate::Whole(state)) = hot.update else {
         panic!("a cold read did not bring the whole memory");
     };
     assert_eq!(*state, expected);
@@ -101,7 +101,7 @@ async fn a_warm_hot_record_is_read_in_place_and_a_stale_one_brings_the_state() {
         .unwrap();
     assert_eq!(stale.version, version);
     // A version the change ring does not lead from reads the whole memory.
-    let Some(engram::store::MemoryUpdate::Whole(state)) = stale.update else {
+    let Some(engram_store::MemoryUpdate::Whole(state)) = stale.update else {
         panic!("a stale read did not bring the whole memory");
     };
     assert_eq!(*state, state_with(&["I'm allergic to peanuts."]));
@@ -279,8 +279,8 @@ async fn a_store_written_by_the_earlier_layout_is_converted_on_open() {
     let dir = tempfile::tempdir().unwrap();
     let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/store-0.1");
     std::fs::copy(
-        fixture.join(engram::store::embedded::FILE_NAME),
-        dir.path().join(engram::store::embedded::FILE_NAME),
+        fixture.join(engram_store::embedded::FILE_NAME),
+        dir.path().join(engram_store::embedded::FILE_NAME),
     )
     .unwrap();
     let store = EmbeddedStore::open(dir.path()).unwrap();
@@ -328,7 +328,7 @@ async fn a_store_written_by_the_earlier_layout_is_converted_on_open() {
         &engram_memory::MemoryConfig::default(),
     );
     let changes = state.take_changes();
-    let encoded = engram::store::EncodedState::changes(&state, &changes).unwrap();
+    let encoded = engram_store::EncodedState::changes(&state, &changes).unwrap();
     store
         .save_encoded_state(&user, &encoded, before)
         .await
@@ -336,7 +336,7 @@ async fn a_store_written_by_the_earlier_layout_is_converted_on_open() {
     let hot = store.hot_record(&user, "s1", Some(before)).await.unwrap();
     assert!(matches!(
         hot.update,
-        Some(engram::store::MemoryUpdate::Delta(_))
+        Some(engram_store::MemoryUpdate::Delta(_))
     ));
     let mut loaded = store.load_state(&user).await.unwrap().unwrap();
     loaded.take_changes();

@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 
 use engram::cache::MemoryCache;
 use engram::config::WorkerConfig;
-use engram::store::{CommitListener, EmbeddedStore, Job, JobId, JobQueue, Store, UserKey};
 use engram::summarizer::Summarizer;
 use engram::worker::Worker;
 use engram_memory::MemoryConfig;
+use engram_store::{CommitListener, EmbeddedStore, Job, JobId, JobQueue, Store, UserKey};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;

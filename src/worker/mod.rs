@@ -10,7 +10,7 @@
 //! memory meanwhile) re-runs the job on the newer state. The applied memory goes into the
 //! process's cache, so the next request of the user does not decode it again: staged there
 //! before the commit, it is cached on the store's commit thread when the store tells the cache
-//! of the commit (`store::CommitListener`), else once the commit returns.
+//! of the commit (`engram_store::CommitListener`), else once the commit returns.
 //!
 //! Exactly once: the raw log is idempotent by job key and the state by turn id, so a job
 //! re-claimed after a worker died (before or after its commit) applies once.
@@ -38,13 +38,13 @@ use tokio_util::task::TaskTracker;
 use crate::cache::{CachedMemory, MemoryCache, first_version};
 use crate::error::{Error, Result};
 use crate::ratelimit::TokenBudget;
-use crate::runtime::priority;
-use crate::store::{ClaimedJob, EncodedState, Job, MemoryRecords, MemoryUpdate, Store, UserKey};
 use crate::summarizer::{Summarizer, SummaryFailure, SummarySource};
 use crate::telemetry::{Telemetry, attributes};
 use engram_memory::{
     self as memory, CandidateId, ExchangeInput, MemoryConfig, MemoryState, Precomputed,
 };
+use engram_runtime::priority;
+use engram_store::{ClaimedJob, EncodedState, Job, MemoryRecords, MemoryUpdate, Store, UserKey};
 
 use lag::{Claimer, LagGate, Progress};
 

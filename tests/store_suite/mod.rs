@@ -18,12 +18,12 @@
 use std::time::Duration;
 
 use engram::error::Error;
-use engram::store::{
-    EncodedState, Enqueued, ForgetReport, Job, JobId, JobState, MemoryUpdate, Store, UserKey,
-};
-use engram::telemetry::TraceParent;
 use engram_memory::{
     ExchangeInput, HeuristicExtractor, ItemRef, MemoryConfig, MemoryState, record_exchange,
+};
+use engram_store::TraceParent;
+use engram_store::{
+    EncodedState, Enqueued, ForgetReport, Job, JobId, JobState, MemoryUpdate, Store, UserKey,
 };
 
 /// Generates one `#[tokio::test]` per suite case against `$fresh().await`.
@@ -134,7 +134,7 @@ pub fn state_with(lines: &[&str]) -> MemoryState {
 pub async fn hot_record_lists_the_sessions_unapplied_exchanges(store: &dyn Store) {
     let alice = UserKey::new("acme", "alice");
     let bob = UserKey::new("acme", "bob");
-    let turns = |record: &engram::store::HotRecord| -> Vec<String> {
+    let turns = |record: &engram_store::HotRecord| -> Vec<String> {
         record
             .unapplied
             .iter()
@@ -592,7 +592,7 @@ pub async fn a_forgotten_users_job_commits_nothing(store: &dyn Store) {
 }
 
 /// Polls every future together (a tiny `join_all`, to keep dependencies few).
-async fn futures_join_all<T>(futures: Vec<engram::runtime::BoxFuture<'_, T>>) -> Vec<T> {
+async fn futures_join_all<T>(futures: Vec<engram_runtime::BoxFuture<'_, T>>) -> Vec<T> {
     let mut futures: Vec<_> = futures.into_iter().map(Some).collect();
     let mut results: Vec<Option<T>> = futures.iter().map(|_| None).collect();
     std::future::poll_fn(|cx| {

@@ -26,10 +26,10 @@ use super::{
     JobId, JobQueue, JobState, MemoryRecords, Placement, RawEntry, Store, UNAPPLIED_BYTES,
     UNAPPLIED_TURNS, UserKey, commit_owner, decode, now_ms,
 };
-use crate::error::{Error, Result};
-use crate::runtime::BoxFuture;
-use crate::telemetry::TraceParent;
+use crate::TraceParent;
 use engram_memory::{CandidateId, ExchangeInput, MemoryState};
+use engram_runtime::BoxFuture;
+use engram_runtime::error::{Error, Result};
 
 /// The file name inside the data directory.
 pub const FILE_NAME: &str = "engram.redb";
@@ -228,8 +228,9 @@ impl EmbeddedStore {
         self.db.path()
     }
 
-    /// Makes the next `commits` enqueue transactions fail (tests: a disk error mid-stream).
-    #[cfg(test)]
+    /// Makes the next `commits` enqueue transactions fail (tests: a disk error mid-stream; the
+    /// `faults` feature).
+    #[cfg(any(test, feature = "faults"))]
     pub fn fail_next_enqueue_commits(&self, commits: u32) {
         self.enqueues.fail_next_commits(commits);
     }

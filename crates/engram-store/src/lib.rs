@@ -14,26 +14,27 @@
 //! - the jobs that recorded exchanges became (queued, applied or failed).
 //!
 //! Backends: [`embedded::EmbeddedStore`] (redb, the default) and [`redis::RedisStore`]; both
-//! pass the same suite (`tests/store_suite/`).
+//! pass the same suite (the workspace root's `tests/store_suite/`).
 
 mod db_handle;
 pub mod embedded;
 mod group_commit;
 pub mod layout;
 pub mod redis;
+mod trace;
 
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
-use crate::runtime::BoxFuture;
-use crate::telemetry::TraceParent;
 use engram_memory::{CandidateId, ExchangeInput, MemoryState};
+use engram_runtime::BoxFuture;
+use engram_runtime::error::{Error, Result};
 
 pub use self::redis::{RedisOptions, RedisStore};
 pub use embedded::EmbeddedStore;
 pub use layout::{EncodedState, MemoryUpdate};
+pub use trace::TraceParent;
 
 /// Whose memory a record belongs to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
