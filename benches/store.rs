@@ -13,10 +13,10 @@
 
 use std::time::{Duration, Instant};
 
-use engram::store::{EmbeddedStore, Job, JobId, JobQueue, MemoryRecords, UserKey};
 use engram_memory::{
     ExchangeInput, HeuristicExtractor, ItemRef, MemoryConfig, MemoryState, record_exchange,
 };
+use engram_store::{EmbeddedStore, Job, JobId, JobQueue, MemoryRecords, UserKey};
 
 const TURNS: usize = 2_000;
 

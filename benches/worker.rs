@@ -24,10 +24,10 @@ use std::time::{Duration, Instant};
 
 use engram::cache::MemoryCache;
 use engram::config::WorkerConfig;
-use engram::store::{EmbeddedStore, Job, JobId, RedisStore, Store, UserKey};
 use engram::summarizer::Summarizer;
 use engram::worker::Worker;
 use engram_memory::{ExchangeInput, MemoryConfig};
+use engram_store::{CommitListener, EmbeddedStore, Job, JobId, RedisStore, Store, UserKey};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -75,7 +75,15 @@ fn arg(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-async fn run(label: &str, store: Arc<dyn Store>, users: usize, turns: usize, concurrency: usize) {
+/// `cache` is the worker's, and the embedded store's commit listener.
+async fn run(
+    label: &str,
+    store: Arc<dyn Store>,
+    cache: Arc<MemoryCache>,
+    users: usize,
+    turns: usize,
+    concurrency: usize,
+) {
     let total = users * turns;
     let started = Instant::now();
     for turn in 0..turns {
@@ -94,7 +102,7 @@ async fn run(label: &str, store: Arc<dyn Store>, users: usize, turns: usize, con
     };
     let worker = Arc::new(Worker::new(
         Arc::clone(&store),
-        Arc::new(MemoryCache::new(users.max(1), usize::MAX)),
+        cache,
         Arc::new(MemoryConfig::default()),
         config,
         Arc::new(Summarizer::heuristic()),
@@ -145,14 +153,20 @@ fn main() {
     );
     runtime.block_on(async {
         let dir = tempfile::tempdir().unwrap();
-        let embedded: Arc<dyn Store> = Arc::new(EmbeddedStore::open(dir.path()).unwrap());
-        run("embedded", embedded, users, turns, concurrency).await;
+        let cache = Arc::new(MemoryCache::new(users.max(1), usize::MAX));
+        let embedded: Arc<dyn Store> = Arc::new(
+            EmbeddedStore::open(dir.path())
+                .unwrap()
+                .with_commit_listener(Arc::clone(&cache) as Arc<dyn CommitListener>),
+        );
+        run("embedded", embedded, cache, users, turns, concurrency).await;
         match support::start_redis(&[]) {
             Some((mut child, port)) => {
                 let url = format!("redis://127.0.0.1:{port}");
                 let redis: Arc<dyn Store> =
                     Arc::new(RedisStore::connect(&url, "bench").await.unwrap());
-                run("redis", redis, users, turns, concurrency).await;
+                let cache = Arc::new(MemoryCache::new(users.max(1), usize::MAX));
+                run("redis", redis, cache, users, turns, concurrency).await;
                 let _ = child.kill();
                 let _ = child.wait();
             }

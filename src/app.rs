@@ -24,13 +24,13 @@ use crate::ratelimit::{PRUNE_INTERVAL, TokenBudget};
 use crate::recorder::Recorder;
 use crate::recorder::journal::{self, Journal};
 use crate::recorder::outbox::{MEMORY_SPOOL_JOBS, Outbox, Spool};
-use crate::runtime::priority;
 use crate::server::{AppState, Server};
-use crate::store::{EmbeddedStore, RedisStore, Store};
 use crate::summarizer::Summarizer;
 use crate::telemetry::Telemetry;
 use crate::upstream::Upstream;
 use crate::worker::Worker;
+use engram_runtime::priority;
+use engram_store::{CommitListener, EmbeddedStore, RedisStore, Store};
 
 /// Turns whose explanation this process keeps for the management API. Estimated, not measured:
 /// a full 2,048-token block explains ~57 items at ~200 bytes each, so about 10 MB at most.
@@ -124,7 +124,12 @@ impl Engram {
         // The tokenizers (~70 MB) load on the first request that names a user, not here: a
         // proxy whose requests never use memory stays small (the RSS budget).
         let metrics = Arc::new(Metrics::new()?);
-        let (store, spool) = open_store(&config.store).await?;
+        let cache = Arc::new(MemoryCache::new(
+            config.worker.cache_users,
+            config.worker.cache_bytes,
+        ));
+        let (store, spool) =
+            open_store(&config.store, Arc::clone(&cache) as Arc<dyn CommitListener>).await?;
         let backend = match config.store.backend {
             StoreBackend::Embedded => "embedded",
             StoreBackend::Redis => "redis",
@@ -137,10 +142,6 @@ impl Engram {
                 capacity,
             },
         };
-        let cache = Arc::new(MemoryCache::new(
-            config.worker.cache_users,
-            config.worker.cache_bytes,
-        ));
         let wake = Arc::new(Notify::new());
         let outbox = Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::clone(&wake)).await);
         let memory_config = Arc::new(config.memory.clone());
@@ -309,12 +310,18 @@ async fn prune_limits(
 }
 
 /// The configured store and the spool that keeps recorded exchanges while it refuses them: a
-/// local file for Redis, memory for the embedded store (whose disk is the one failing).
-pub async fn open_store(config: &StoreConfig) -> Result<(Arc<dyn Store>, Spool)> {
+/// local file for Redis, memory for the embedded store (whose disk is the one failing). The
+/// embedded store tells `commits` of each job commit on its committing thread.
+pub async fn open_store(
+    config: &StoreConfig,
+    commits: Arc<dyn CommitListener>,
+) -> Result<(Arc<dyn Store>, Spool)> {
     match config.backend {
         StoreBackend::Embedded => {
             let linger = Duration::from_millis(config.group_commit_ms);
-            let store = open_embedded(config.data_dir.clone(), "store.data_dir", linger).await?;
+            let store = open_embedded(config.data_dir.clone(), "store.data_dir", linger)
+                .await?
+                .with_commit_listener(commits);
             let spool = Spool::Memory {
                 store: Arc::new(EmbeddedStore::in_memory()?),
                 capacity: MEMORY_SPOOL_JOBS,

@@ -3,7 +3,10 @@
 //! hot path's store read returns the stored version, and only a different one brings the state.
 //!
 //! Shared by the hot path, which reads it, and the worker, which puts what it applied in it; it
-//! sits below both, so neither imports the other for it.
+//! sits below both, so neither imports the other for it. The worker leaves the memory it
+//! computed here before committing it ([`MemoryCache::stage`]), and the store's commit thread
+//! tells the cache when that write is durable ([`CommitListener`]): the memory is cached then,
+//! before the commit is answered, without the store carrying anything of the cache.
 //!
 //! Versions never repeat for a user (a new memory starts at its creation time in microseconds,
 //! see [`first_version`]), so an entry cached before a `forget` cannot match the memory that
@@ -14,9 +17,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::error::{Error, Result};
-use crate::store::{MemoryUpdate, UserKey};
 use engram_memory::tokens::TokenCount;
 use engram_memory::{MemoryIndex, MemoryState};
+use engram_store::{CommitListener, EncodedState, MemoryUpdate, UserKey};
 
 /// One user's memory at one version, with its index.
 #[derive(Debug)]
@@ -131,6 +134,9 @@ fn turn_tokens(state: &MemoryState, from: usize) -> TokenCount {
 #[derive(Debug)]
 pub struct MemoryCache {
     entries: Mutex<Entries>,
+    /// Memories the worker computed whose commits have not been answered yet, one per commit
+    /// in flight.
+    staged: Mutex<Vec<StagedMemory>>,
     capacity: usize,
     budget_bytes: usize,
     clock: AtomicU64,
@@ -154,6 +160,7 @@ impl MemoryCache {
     pub fn new(capacity: usize, budget_bytes: usize) -> MemoryCache {
         MemoryCache {
             entries: Mutex::new(Entries::default()),
+            staged: Mutex::new(Vec::new()),
             capacity: capacity.max(1),
             budget_bytes,
             clock: AtomicU64::new(0),
@@ -217,6 +224,44 @@ impl MemoryCache {
         drop(replaced);
     }
 
+    /// Leaves `memory` (the user's memory after a write from `expected_version` that encodes
+    /// to `state`) to be cached the moment the store tells of that write's commit
+    /// ([`CommitListener`]), on the committing thread, before the writer hears back. The writer
+    /// calls [`Staged::publish`] once its commit returned, which caches it if the store did not
+    /// (a store without a listener); dropping the guard instead (the commit failed) forgets it.
+    pub fn stage<'a>(
+        &'a self,
+        user: &'a UserKey,
+        expected_version: u64,
+        state: &EncodedState,
+        memory: Arc<CachedMemory>,
+    ) -> Staged<'a> {
+        self.staged
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(StagedMemory {
+                user: user.clone(),
+                expected_version,
+                state: state.clone(),
+                memory: Arc::clone(&memory),
+            });
+        Staged {
+            cache: self,
+            user,
+            memory,
+        }
+    }
+
+    /// Takes `memory` out of the staged ones; false when it is not there (cached on its
+    /// commit already, or never staged).
+    fn unstage(&self, memory: &Arc<CachedMemory>) -> bool {
+        let mut staged = self.staged.lock().unwrap_or_else(PoisonError::into_inner);
+        let found = staged
+            .iter()
+            .position(|staged| Arc::ptr_eq(&staged.memory, memory));
+        found.map(|at| staged.swap_remove(at)).is_some()
+    }
+
     pub fn remove(&self, user: &UserKey) {
         let removed = self
             .entries
@@ -244,6 +289,63 @@ impl MemoryCache {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .bytes
+    }
+}
+
+/// A memory staged for its commit (see [`MemoryCache::stage`]).
+#[derive(Debug)]
+struct StagedMemory {
+    user: UserKey,
+    expected_version: u64,
+    /// What the commit writes: with the user and the version it starts from, it names the
+    /// commit exactly (versions never repeat for a user, so the stored memory at
+    /// `expected_version` is one memory).
+    state: EncodedState,
+    memory: Arc<CachedMemory>,
+}
+
+/// The guard of a staged memory: [`Staged::publish`] once the commit returned; dropped
+/// without it, the memory is forgotten.
+#[must_use = "dropping the guard forgets the staged memory"]
+pub struct Staged<'a> {
+    cache: &'a MemoryCache,
+    user: &'a UserKey,
+    memory: Arc<CachedMemory>,
+}
+
+impl Staged<'_> {
+    /// After the commit returned: caches the memory unless the store did on its commit.
+    pub fn publish(self) {
+        if self.cache.unstage(&self.memory) {
+            self.cache.put(self.user, Arc::clone(&self.memory));
+        }
+    }
+}
+
+impl Drop for Staged<'_> {
+    fn drop(&mut self) {
+        self.cache.unstage(&self.memory);
+    }
+}
+
+/// The store's word that a write committed: the memory staged for exactly that write, if any,
+/// becomes the user's cached memory, here on the committing thread.
+impl CommitListener for MemoryCache {
+    fn committed(&self, user: &UserKey, expected_version: u64, state: &EncodedState) {
+        let committed = {
+            let mut staged = self.staged.lock().unwrap_or_else(PoisonError::into_inner);
+            staged
+                .iter()
+                .position(|staged| {
+                    staged.user == *user
+                        && staged.expected_version == expected_version
+                        && staged.state == *state
+                })
+                .map(|at| staged.swap_remove(at))
+        };
+        if let Some(staged) = committed {
+            self.put(user, staged.memory);
+        }
     }
 }
 
@@ -295,7 +397,7 @@ impl Entries {
 /// then grow by one per change, so a memory created after a `forget` never reuses a version of
 /// the forgotten one (which would let a cache serve forgotten memory).
 pub fn first_version() -> u64 {
-    crate::runtime::now_micros()
+    engram_runtime::now_micros()
 }
 
 #[cfg(test)]
@@ -408,6 +510,121 @@ mod tests {
         }
         assert!(cache.bytes() <= BUDGET);
         assert!(cache.len() <= BUDGET / 50_000);
+    }
+
+    /// A memory after one recorded exchange, and what its write encodes to.
+    fn written(version: u64, text: &str) -> (Arc<CachedMemory>, EncodedState) {
+        let mut state = MemoryState::new();
+        state.version = version;
+        let exchange = engram_memory::ExchangeInput {
+            session_id: "s".into(),
+            turn_id: "t0".into(),
+            user_text: text.into(),
+            assistant_text: "Noted.".into(),
+            ..engram_memory::ExchangeInput::default()
+        };
+        engram_memory::record_exchange(
+            &mut state,
+            &exchange,
+            &engram_memory::HeuristicExtractor,
+            &engram_memory::MemoryConfig::default(),
+        );
+        let encoded = EncodedState::of(&state).unwrap();
+        (Arc::new(CachedMemory::new(state)), encoded)
+    }
+
+    /// A staged memory is cached when the store tells of exactly its write (user, version it
+    /// started from, what it wrote), and not on another write that reached the same version;
+    /// its writer's `publish` then caches nothing more, and a dropped guard forgets it.
+    #[test]
+    fn a_staged_memory_is_cached_on_its_own_commit_only() {
+        let cache = MemoryCache::new(8, usize::MAX);
+        let user = UserKey::new("t", "u");
+        let (memory, encoded) = written(10, "I live in Lisbon.");
+        let (_, rival) = written(10, "I live in Madrid.");
+        assert_eq!(encoded.version, rival.version);
+
+        let staged = cache.stage(&user, 10, &encoded, Arc::clone(&memory));
+        cache.committed(&user, 10, &rival);
+        cache.committed(&user, 9, &encoded);
+        cache.committed(&UserKey::new("t", "other"), 10, &encoded);
+        assert!(cache.is_empty());
+        cache.committed(&user, 10, &encoded);
+        assert!(
+            cache
+                .get(&user)
+                .is_some_and(|cached| Arc::ptr_eq(&cached, &memory))
+        );
+        cache.remove(&user);
+        staged.publish();
+        assert!(cache.is_empty(), "published twice");
+
+        // A commit that failed: the guard is dropped and a later word of that write is ignored.
+        let staged = cache.stage(&user, 10, &encoded, Arc::clone(&memory));
+        drop(staged);
+        cache.committed(&user, 10, &encoded);
+        assert!(cache.is_empty());
+
+        // A store that tells nothing: the writer's `publish` caches it.
+        cache
+            .stage(&user, 10, &encoded, Arc::clone(&memory))
+            .publish();
+        assert!(
+            cache
+                .get(&user)
+                .is_some_and(|cached| Arc::ptr_eq(&cached, &memory))
+        );
+    }
+
+    /// The cache, told slowly: a store that answered a commit before telling its listener
+    /// would let the commit return before the memory is cached.
+    struct Slow(Arc<MemoryCache>);
+
+    impl CommitListener for Slow {
+        fn committed(&self, user: &UserKey, expected_version: u64, state: &EncodedState) {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            self.0.committed(user, expected_version, state);
+        }
+    }
+
+    /// With the cache as the embedded store's commit listener, a staged memory is in the cache
+    /// when its job commit returns, before its writer publishes it: a request that reads the new
+    /// version finds its memory cached.
+    #[tokio::test]
+    async fn the_embedded_store_caches_a_staged_memory_before_its_commit_returns() {
+        use engram_store::{EmbeddedStore, Job, JobId, JobQueue, Store};
+
+        let cache = Arc::new(MemoryCache::new(8, usize::MAX));
+        let store = EmbeddedStore::in_memory()
+            .unwrap()
+            .with_commit_listener(Arc::new(Slow(Arc::clone(&cache))));
+        let user = UserKey::new("t", "u");
+        let job = Job {
+            id: JobId {
+                user: user.clone(),
+                key: "k".into(),
+            },
+            exchange: engram_memory::ExchangeInput {
+                session_id: "s".into(),
+                turn_id: "t0".into(),
+                ..engram_memory::ExchangeInput::default()
+            },
+            trace: None,
+        };
+        store.enqueue(&job).await.unwrap();
+        let (memory, encoded) = written(10, "I live in Lisbon.");
+        let staged = cache.stage(&user, 0, &encoded, Arc::clone(&memory));
+        store
+            .commit_jobs(std::slice::from_ref(&job), &encoded, 0, &[])
+            .await
+            .unwrap();
+        assert!(
+            cache
+                .get(&user)
+                .is_some_and(|cached| Arc::ptr_eq(&cached, &memory))
+        );
+        staged.publish();
+        assert_eq!(cache.len(), 1);
     }
 
     #[test]

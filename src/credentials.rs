@@ -9,7 +9,7 @@
 use http::{HeaderMap, header};
 
 use crate::error::Error;
-use crate::store::checked_id;
+use engram_store::checked_id;
 
 /// `(tenant, token)` pairs, each tenant and each token once.
 #[derive(Clone, Default, PartialEq, Eq)]

@@ -1,8 +1,13 @@
 //! engram: an OpenAI-compatible sidecar proxy that gives LLM applications long-term memory.
 //!
-//! The sidecar crate of the workspace: it stands on `engram-memory` (the pure engine and the
+//! The sidecar crate of the workspace: it stands on `engram-store` (storage), `engram-runtime`
+//! (the one error type and the runtime helpers) and `engram-memory` (the pure engine and the
 //! OpenAI wire types), and the development tools (`engram-mock`, `engram-eval`) stand on it;
 //! docs/architecture.md has the map.
+
+// The one error type of the sidecar is the runtime crate's, where storage can use it too; it
+// stays `engram::error` here.
+pub use engram_runtime::error;
 
 pub mod admin;
 pub mod app;
@@ -10,14 +15,11 @@ pub mod cache;
 pub mod cli;
 pub mod config;
 pub mod credentials;
-pub mod error;
 pub mod metrics;
 pub mod pipeline;
 pub mod ratelimit;
 pub mod recorder;
-pub mod runtime;
 pub mod server;
-pub mod store;
 pub mod summarizer;
 pub mod telemetry;
 pub mod upstream;

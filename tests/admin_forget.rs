@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use common::memory::{admin, admin_request, export, header, say, wait_applied};
 use common::redis::RedisServer;
 use common::{Process, mock, proxy};
-use engram::store::EmbeddedStore;
+use engram_store::EmbeddedStore;
 use serde_json::Value;
 
 const TENANT: &str = "acme";

@@ -5,7 +5,8 @@
 //! it. A cycle is then impossible (a dev-dependency may point up, to a development tool, but
 //! may not close a cycle), and a new crate or module must be given its place here. The
 //! sidecar's dependency tree is checked for the development tools and test frameworks, the
-//! engine's for an async runtime or I/O. docs/architecture.md describes the layers.
+//! engine's for an async runtime or I/O, the store's for HTTP, the telemetry SDK and metrics.
+//! docs/architecture.md describes the layers.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -51,19 +52,39 @@ const CRATES: &[Crate] = &[
         ],
         aliases: &[],
     },
+    // What every layer of the sidecar stands on: the one error type, then the runtime helpers
+    // (boxed future and clock in its root, the update path's runtimes and thread priorities).
+    Crate {
+        name: "engram-runtime",
+        dir: "crates/engram-runtime",
+        layers: &[&["error"], &["priority"]],
+        aliases: &[],
+    },
+    // Storage: the store traits (its root) and their backends.
+    Crate {
+        name: "engram-store",
+        dir: "crates/engram-store",
+        layers: &[
+            // What a job keeps of its request's trace; the stored layout of a memory.
+            &["trace"],
+            &["layout"],
+            // The embedded store's database handle and group commit.
+            &["db_handle"],
+            &["group_commit"],
+            // The backends.
+            &["embedded", "redis"],
+        ],
+        aliases: &[],
+    },
     // The sidecar: its library and the `engram` binary.
     Crate {
         name: "engram",
         dir: ".",
         layers: &[
-            // Runtime helpers every layer may use.
-            &["error"],
-            &["runtime"],
             // Clients with no memory in them.
             &["upstream"],
             &["telemetry"],
-            // Storage, and the hot path's cache of what it read.
-            &["store"],
+            // The hot path's cache of what it read from the store.
             &["cache"],
             // The proxy: identity, limits, the summarizer, recorder, hot path, worker.
             &["credentials"],
@@ -80,7 +101,10 @@ const CRATES: &[Crate] = &[
             &["server"],
             &["app"],
         ],
-        aliases: &[],
+        aliases: &[
+            // `pub use engram_runtime::error` in src/lib.rs: the sidecar's error type.
+            ("error", "engram-runtime"),
+        ],
     },
     // Development tools, outside the sidecar.
     Crate {
@@ -119,6 +143,10 @@ const NOT_IN_THE_ENGINE: &[&str] = &[
     "redis",
     "thread-priority",
 ];
+
+/// What the store's dependency tree must not hold: an HTTP client or server, the telemetry SDK
+/// (a job keeps its trace parent through OpenTelemetry's API only), the metrics registry.
+const NOT_IN_THE_STORE: &[&str] = &["hyper", "opentelemetry_sdk", "prometheus"];
 
 fn workspace_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -322,12 +350,13 @@ fn crate_problems(graph: &Graph) -> Vec<String> {
     problems
 }
 
-/// The sidecar's normal dependency tree holds no development tool or test framework, and
-/// the engine's no async runtime or I/O.
+/// The sidecar's normal dependency tree holds no development tool or test framework, the
+/// engine's no async runtime or I/O, the store's no HTTP, telemetry SDK or metrics.
 #[test]
-fn the_sidecar_and_the_engine_trees_hold_nothing_they_must_not() {
+fn the_sidecar_engine_and_store_trees_hold_nothing_they_must_not() {
     let sidecar = dependency_tree("engram");
     let engine = dependency_tree("engram-memory");
+    let store = dependency_tree("engram-store");
     assert!(sidecar.contains("engram-memory"), "{sidecar:?}");
     let mut problems = Vec::new();
     for name in NOT_IN_THE_SIDECAR {
@@ -339,6 +368,13 @@ fn the_sidecar_and_the_engine_trees_hold_nothing_they_must_not() {
         if engine.contains(*name) {
             problems.push(format!(
                 "`cargo tree -p engram-memory -e normal` holds {name}"
+            ));
+        }
+    }
+    for name in NOT_IN_THE_STORE {
+        if store.contains(*name) {
+            problems.push(format!(
+                "`cargo tree -p engram-store -e normal` holds {name}"
             ));
         }
     }

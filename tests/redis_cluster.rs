@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 use common::memory::{admin, export, header, memory_part, recorded, say, wait_applied};
 use common::redis_cluster::RedisCluster;
 use common::{Process, mock, proxy, temp_path};
-use engram::store::redis::{queue_tag, slot};
-use engram::store::{RedisOptions, RedisStore};
+use engram_store::redis::{queue_tag, slot};
+use engram_store::{RedisOptions, RedisStore};
 use serde_json::Value;
 use tokio::task::JoinSet;
 

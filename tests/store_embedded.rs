@@ -10,13 +10,18 @@
 mod store_suite;
 
 use std::process::Command;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use engram::store::{EmbeddedStore, Enqueued, JobQueue, JobState, MemoryRecords, UserKey};
+use engram_memory::{HeuristicExtractor, MemoryConfig, record_exchange};
+use engram_store::{
+    CommitListener, EmbeddedStore, EncodedState, Enqueued, JobQueue, JobState, MemoryRecords,
+    Store, UserKey,
+};
 use tempfile::TempDir;
 
-use store_suite::{exchange, job, state_with};
+use store_suite::{exchange, job, job_in, state_with};
 
 async fn fresh_store() -> (EmbeddedStore, TempDir) {
     let dir = tempfile::tempdir().unwrap();
@@ -48,7 +53,7 @@ async fn assert_turn_survived(store: &EmbeddedStore, user: &UserKey) {
     let expected = state_with(&["I'm allergic to peanuts."]);
     let hot = store.hot_record(user, "s1", None).await.unwrap();
     assert_eq!(hot.version, expected.version);
-    let Some(engram::store::MemoryUpdate::Whole(state)) = hot.update else {
+    let Some(engram_store::MemoryUpdate::Whole(state)) = hot.update else {
         panic!("a cold read did not bring the whole memory");
     };
     assert_eq!(*state, expected);
@@ -96,10 +101,84 @@ async fn a_warm_hot_record_is_read_in_place_and_a_stale_one_brings_the_state() {
         .unwrap();
     assert_eq!(stale.version, version);
     // A version the change ring does not lead from reads the whole memory.
-    let Some(engram::store::MemoryUpdate::Whole(state)) = stale.update else {
+    let Some(engram_store::MemoryUpdate::Whole(state)) = stale.update else {
         panic!("a stale read did not bring the whole memory");
     };
     assert_eq!(*state, state_with(&["I'm allergic to peanuts."]));
+}
+
+/// What a commit listener was told: (user, expected version, state written).
+#[derive(Default)]
+struct Heard(Mutex<Vec<(UserKey, u64, EncodedState)>>);
+
+impl CommitListener for Heard {
+    fn committed(&self, user: &UserKey, expected_version: u64, state: &EncodedState) {
+        // Slow on purpose: a store that answered the commit before telling the listener would
+        // let the commit return before this records it.
+        std::thread::sleep(Duration::from_millis(50));
+        self.0
+            .lock()
+            .unwrap()
+            .push((user.clone(), expected_version, state.clone()));
+    }
+}
+
+/// Two job commits of one user from the same version (one group commit, or two): the
+/// listener is told of the one that won, with what it wrote, before that commit is answered
+/// (so the hot path's cache holds a memory before the writer hears it committed), and never
+/// of the one that lost its version check, nor of a plain state save.
+#[tokio::test]
+async fn the_commit_listener_hears_the_winning_commit_before_it_is_answered() {
+    let dir = tempfile::tempdir().unwrap();
+    let heard = Arc::new(Heard::default());
+    let store = EmbeddedStore::open(dir.path())
+        .unwrap()
+        .with_commit_listener(Arc::clone(&heard) as Arc<dyn CommitListener>);
+    let alice = UserKey::new("acme", "alice");
+    let base = state_with(&["I live in Lisbon."]);
+    store.save_state(&alice, &base, 0).await.unwrap();
+    let mut commits = Vec::new();
+    for (session, text) in [("s1", "I moved to Berlin."), ("s2", "I moved to Madrid.")] {
+        let mut job = job_in(&alice, session, session);
+        job.exchange.user_text = text.to_owned();
+        store.enqueue(&job).await.unwrap();
+        let mut state = base.clone();
+        record_exchange(
+            &mut state,
+            &job.exchange,
+            &HeuristicExtractor,
+            &MemoryConfig::default(),
+        );
+        commits.push((job, EncodedState::of(&state).unwrap()));
+    }
+    let ((left_job, left_state), (right_job, right_state)) = (&commits[0], &commits[1]);
+    let (left, right) = tokio::join!(
+        store.commit_jobs(
+            std::slice::from_ref(left_job),
+            left_state,
+            base.version,
+            &[]
+        ),
+        store.commit_jobs(
+            std::slice::from_ref(right_job),
+            right_state,
+            base.version,
+            &[]
+        )
+    );
+    assert!(
+        left.is_ok() != right.is_ok(),
+        "one commit wins: {left:?} {right:?}"
+    );
+    let won = if left.is_ok() {
+        left_state
+    } else {
+        right_state
+    };
+    assert_eq!(
+        *heard.0.lock().unwrap(),
+        vec![(alice, base.version, won.clone())]
+    );
 }
 
 /// Set in the child process: the data directory to write into before aborting.
@@ -200,8 +279,8 @@ async fn a_store_written_by_the_earlier_layout_is_converted_on_open() {
     let dir = tempfile::tempdir().unwrap();
     let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/store-0.1");
     std::fs::copy(
-        fixture.join(engram::store::embedded::FILE_NAME),
-        dir.path().join(engram::store::embedded::FILE_NAME),
+        fixture.join(engram_store::embedded::FILE_NAME),
+        dir.path().join(engram_store::embedded::FILE_NAME),
     )
     .unwrap();
     let store = EmbeddedStore::open(dir.path()).unwrap();
@@ -249,7 +328,7 @@ async fn a_store_written_by_the_earlier_layout_is_converted_on_open() {
         &engram_memory::MemoryConfig::default(),
     );
     let changes = state.take_changes();
-    let encoded = engram::store::EncodedState::changes(&state, &changes).unwrap();
+    let encoded = engram_store::EncodedState::changes(&state, &changes).unwrap();
     store
         .save_encoded_state(&user, &encoded, before)
         .await
@@ -257,7 +336,7 @@ async fn a_store_written_by_the_earlier_layout_is_converted_on_open() {
     let hot = store.hot_record(&user, "s1", Some(before)).await.unwrap();
     assert!(matches!(
         hot.update,
-        Some(engram::store::MemoryUpdate::Delta(_))
+        Some(engram_store::MemoryUpdate::Delta(_))
     ));
     let mut loaded = store.load_state(&user).await.unwrap().unwrap();
     loaded.take_changes();

@@ -19,11 +19,11 @@ mod store_suite;
 use std::time::Duration;
 
 use common::redis::RedisServer;
-use engram::store::redis::{DEFAULT_FINISHED_JOB_TTL, LEASE_HORIZON_MS, queue_tag};
-use engram::store::{
+use engram_memory::ItemRef;
+use engram_store::redis::{DEFAULT_FINISHED_JOB_TTL, LEASE_HORIZON_MS, queue_tag};
+use engram_store::{
     Enqueued, Job, JobQueue, JobState, MemoryRecords, RedisOptions, RedisStore, Store, UserKey,
 };
-use engram_memory::ItemRef;
 use redis::AsyncCommands;
 use redis::aio::MultiplexedConnection;
 use store_suite::{exchange, job, job_in, large_job, state_with};
@@ -686,7 +686,7 @@ async fn large_values_move_by_rename_and_leave_no_staged_key() {
     let jobs: Vec<Job> = claimed.into_iter().map(|claimed| claimed.job).collect();
     assert_eq!(jobs, [long.clone(), short.clone()]);
     let state = large_state(&alice);
-    let encoded = engram::store::EncodedState::of(&state).unwrap();
+    let encoded = engram_store::EncodedState::of(&state).unwrap();
     store
         .commit_jobs(std::slice::from_ref(&long), &encoded, 0, &[])
         .await
@@ -807,14 +807,14 @@ async fn long_jobs_apply_whichever_way_their_exchange_is_stored() {
         .unwrap();
 
     let state = large_state(&alice);
-    let encoded = engram::store::EncodedState::of(&state).unwrap();
+    let encoded = engram_store::EncodedState::of(&state).unwrap();
     store
         .commit_jobs(std::slice::from_ref(&inline), &encoded, 0, &[])
         .await
         .unwrap();
     let mut next = state.clone();
     next.version += 1;
-    let encoded = engram::store::EncodedState::of(&next).unwrap();
+    let encoded = engram_store::EncodedState::of(&next).unwrap();
     store
         .commit_jobs(
             std::slice::from_ref(&vanished),
@@ -866,7 +866,7 @@ async fn a_memory_in_the_earlier_layout_is_converted_on_first_read() {
 
     let hot = store.hot_record(&user, "s1", None).await.unwrap();
     assert_eq!(hot.version, state.version);
-    let Some(engram::store::MemoryUpdate::Whole(read)) = hot.update else {
+    let Some(engram_store::MemoryUpdate::Whole(read)) = hot.update else {
         panic!("a legacy memory did not come whole");
     };
     assert_eq!(*read, state);

@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 
 use engram::cache::MemoryCache;
 use engram::config::WorkerConfig;
-use engram::store::{EmbeddedStore, Job, JobId, JobQueue, Store, UserKey};
 use engram::summarizer::Summarizer;
 use engram::worker::Worker;
 use engram_memory::MemoryConfig;
+use engram_store::{CommitListener, EmbeddedStore, Job, JobId, JobQueue, Store, UserKey};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -73,9 +73,13 @@ pub fn preload(
     turns: u64,
     timeout: Duration,
 ) -> Result<Preload, String> {
-    let store: Arc<dyn Store> =
-        Arc::new(EmbeddedStore::open(dir).map_err(|e| format!("opening the embedded store: {e}"))?);
-    let result = runtime.block_on(run(Arc::clone(&store), turns, timeout));
+    let cache = Arc::new(MemoryCache::new(16, usize::MAX));
+    let store: Arc<dyn Store> = Arc::new(
+        EmbeddedStore::open(dir)
+            .map_err(|e| format!("opening the embedded store: {e}"))?
+            .with_commit_listener(Arc::clone(&cache) as Arc<dyn CommitListener>),
+    );
+    let result = runtime.block_on(run(Arc::clone(&store), cache, turns, timeout));
     // The worker's tasks have stopped: this is the last handle, and dropping it closes the
     // file for `engram serve`.
     drop(store);
@@ -84,7 +88,13 @@ pub fn preload(
     Ok(preload)
 }
 
-async fn run(store: Arc<dyn Store>, turns: u64, timeout: Duration) -> Result<Preload, String> {
+/// `cache` is the worker's, and the store's commit listener.
+async fn run(
+    store: Arc<dyn Store>,
+    cache: Arc<MemoryCache>,
+    turns: u64,
+    timeout: Duration,
+) -> Result<Preload, String> {
     let user = UserKey::new(TENANT, USER);
     let tasks = TaskTracker::new();
     let cancel = CancellationToken::new();
@@ -95,7 +105,7 @@ async fn run(store: Arc<dyn Store>, turns: u64, timeout: Duration) -> Result<Pre
     };
     let worker = Arc::new(Worker::new(
         Arc::clone(&store),
-        Arc::new(MemoryCache::new(16, usize::MAX)),
+        cache,
         Arc::new(MemoryConfig::default()),
         config,
         Arc::new(Summarizer::heuristic()),

@@ -40,11 +40,11 @@ use crate::error::{Error, ProxyBody};
 use crate::pipeline::explain_log::ExplainLog;
 use crate::pipeline::identity::{self, IdentityConfig};
 use crate::recorder::outbox::Outbox;
-use crate::store::{JobId, JobState, Store, UserKey};
 use crate::worker::{Worker, edit_memory};
 use engram_memory::index::Bm25;
 use engram_memory::manage::{self, ItemFilter, ItemKind, ManageError};
 use engram_memory::{self as memory, ItemRef, Tier};
+use engram_store::{JobId, JobState, Store, UserKey};
 
 use auth::Access;
 pub use auth::{AdminAuth, TENANT_TOKENS_ENV, TENANT_TOKENS_FILE_ENV, TOKEN_ENV};

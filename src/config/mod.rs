@@ -15,12 +15,12 @@ use crate::error::Error;
 use crate::pipeline::identity::IdentityConfig;
 use crate::pipeline::trust::Trust;
 use crate::ratelimit::RateLimitConfig;
-use crate::store::redis::{self, RedisOptions};
 use crate::summarizer::SummarizerConfig;
 use crate::telemetry::TelemetryConfig;
 pub use crate::upstream::UpstreamConfig;
 pub use crate::worker::WorkerConfig;
 use engram_memory::MemoryConfig;
+use engram_store::redis::{self, RedisOptions};
 
 const ENV_PREFIX: &str = "ENGRAM_";
 const ENV_SEPARATOR: &str = "__";

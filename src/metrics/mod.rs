@@ -29,9 +29,9 @@ use prometheus::{
 use crate::error::{Error, Result};
 pub use crate::ratelimit::{RateLimitKind, RateLimitMetrics};
 use crate::recorder::outbox::Outbox;
-use crate::store::Store;
 use crate::summarizer;
 use crate::worker::Worker;
+use engram_store::Store;
 
 pub use crate::summarizer::SummarizerMetrics;
 pub use crate::worker::WorkerMetrics;

@@ -211,7 +211,7 @@ mod tests {
     use prometheus::Registry;
 
     use super::*;
-    use crate::store::{EmbeddedStore, Store};
+    use engram_store::{EmbeddedStore, Store};
 
     #[tokio::test]
     async fn outbox_counts_are_exported_as_they_are_when_scraped() {
@@ -230,8 +230,8 @@ mod tests {
             .unwrap();
         outbox.stats().queued.store(3, Ordering::Relaxed);
         outbox.stats().lost.store(1, Ordering::Relaxed);
-        let _recording = outbox.recording(&crate::store::JobId {
-            user: crate::store::UserKey::new("t", "u"),
+        let _recording = outbox.recording(&engram_store::JobId {
+            user: engram_store::UserKey::new("t", "u"),
             key: "k".into(),
         });
         outbox

@@ -9,12 +9,12 @@ use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, Registry};
 
 use super::{STORE_BUCKETS, child, counter_vec, histogram_vec, try_array};
 use crate::error::{Error, Result};
-use crate::runtime::BoxFuture;
-use crate::store::{
-    Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobQueue,
-    JobState, MemoryRecords, Placement, Published, RawEntry, Store, UserKey,
-};
 use engram_memory::{CandidateId, ExchangeInput, MemoryState};
+use engram_runtime::BoxFuture;
+use engram_store::{
+    Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobQueue,
+    JobState, MemoryRecords, Placement, RawEntry, Store, UserKey,
+};
 
 /// The `operation` label, one per method of the store traits (`MemoryRecords`, `JobQueue`,
 /// `Store`).
@@ -284,13 +284,6 @@ impl Store for MeteredStore {
             expected_version: u64,
             prefetched: &'a [CandidateId]
         ) -> () = timed(CommitJobs), wrote state.size() + jobs_bytes(jobs);
-        fn commit_jobs_then(
-            jobs: &'a [Job],
-            state: &'a EncodedState,
-            expected_version: u64,
-            prefetched: &'a [CandidateId],
-            published: Published
-        ) -> () = timed(CommitJobs), wrote state.size() + jobs_bytes(jobs);
         fn forget_user(user: &'a UserKey) -> ForgetReport = timed(ForgetUser);
     }
 }
@@ -303,7 +296,7 @@ fn jobs_bytes(jobs: &[Job]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::EmbeddedStore;
+    use engram_store::EmbeddedStore;
 
     #[test]
     fn operation_labels_follow_the_enum() {

@@ -5,8 +5,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::store::UserKey;
 use engram_memory::Explain;
+use engram_store::UserKey;
 
 type TurnKey = (UserKey, String);
 

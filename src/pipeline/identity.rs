@@ -12,8 +12,8 @@ use serde::Deserialize;
 
 use super::trust::{Trust, Vouched};
 use crate::error::Error;
-pub use crate::store::{MAX_ID_LEN, checked_id};
 use engram_memory::openai::ChatRequest;
+pub use engram_store::{MAX_ID_LEN, checked_id};
 
 pub const USER_HEADER: &str = "x-engram-user";
 pub const SESSION_HEADER: &str = "x-engram-session";
@@ -121,7 +121,7 @@ pub fn resolve(
     };
     let event_time = match header(headers, EVENT_TIME_HEADER)? {
         Some(time) => {
-            let now = i64::try_from(crate::runtime::now_micros() / 1_000_000).unwrap_or(i64::MAX);
+            let now = i64::try_from(engram_runtime::now_micros() / 1_000_000).unwrap_or(i64::MAX);
             Some(checked_event_time(time, now)?)
         }
         None => None,
@@ -193,7 +193,7 @@ pub fn body_user_id(value: &str) -> Option<String> {
         hex_of(value.as_bytes())
     } else {
         let hash =
-            crate::recorder::ids::job_key(&crate::store::UserKey::new("body-user", value), "", "");
+            crate::recorder::ids::job_key(&engram_store::UserKey::new("body-user", value), "", "");
         format!("h{hash}")
     };
     Some(format!("{ENCODED_USER_PREFIX}{encoded}"))

@@ -16,10 +16,10 @@ use serde::Serialize;
 
 use crate::error::Error;
 pub use crate::recorder::{Capture, Exchange, Incomplete, Receipt, RecordPlan, log_capture};
-pub use crate::runtime::BoxFuture;
 use crate::telemetry::MemorySpan;
 use engram_memory::BlockTokens;
 use engram_memory::openai::{ChatRequest, OutgoingMessage};
+pub use engram_runtime::BoxFuture;
 use trust::Vouched;
 
 /// What the memory phase did to a request; rendered as `x-engram-*` response headers.

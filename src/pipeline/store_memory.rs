@@ -24,11 +24,11 @@ use crate::error::Error;
 use crate::recorder::Recorder;
 use crate::recorder::ids::{TurnIds, job_key};
 use crate::recorder::order::{Arrival, SessionOrder};
-use crate::runtime::now_micros;
-use crate::store::{JobId, MemoryUpdate, Store, UserKey};
 use crate::telemetry::Telemetry;
 use engram_memory::openai::ChatRequest;
 use engram_memory::{self as memory, ComposeRequest, MemoryConfig, MemoryState};
+use engram_runtime::now_micros;
+use engram_store::{JobId, MemoryUpdate, Store, UserKey};
 
 pub struct StoreMemory {
     store: Arc<dyn Store>,

@@ -266,7 +266,7 @@ pub fn verify(secret: &hmac::Key, token: &str, now: u64) -> Result<(String, Stri
 
 /// Unix seconds now, for [`Gate::check`].
 pub fn unix_now() -> u64 {
-    crate::runtime::now_micros() / 1_000_000
+    engram_runtime::now_micros() / 1_000_000
 }
 
 #[cfg(test)]

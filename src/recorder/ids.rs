@@ -3,8 +3,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::runtime::now_micros;
-use crate::store::UserKey;
+use engram_runtime::now_micros;
+use engram_store::UserKey;
 
 /// The job key of an exchange: a hash of what identifies it (tenant, user, session, turn id),
 /// so recording the same exchange twice queues one job.

@@ -10,7 +10,7 @@
 //! - [`Recorder::record`]: captured exchange → job → outbox → receipt.
 //!
 //! The job a recording becomes is in the store's queue, which the hot path reads as the
-//! session's unapplied tail (`store::HotRecord::unapplied`): once the receipt says `queued`, the
+//! session's unapplied tail (`engram_store::HotRecord::unapplied`): once the receipt says `queued`, the
 //! session's next request carries the exchange, on any replica, whatever the worker's lag.
 //!
 //! Imports point down: the recorder uses the store, the memory engine's input type, the OpenAI
@@ -31,12 +31,12 @@ use serde::Serialize;
 use self::journal::Journal;
 use self::order::{Arrival, Ticket};
 use self::outbox::Outbox;
-use crate::runtime::BoxFuture;
-use crate::store::{Job, JobId};
 use crate::telemetry::Telemetry;
 use engram_memory::ExchangeInput;
 use engram_memory::history::AnswerText;
 use engram_memory::openai::{AssistantMessage, ChatRequest};
+use engram_runtime::BoxFuture;
+use engram_store::{Job, JobId};
 
 /// Everything the recorder needs that the hot path already resolved.
 #[derive(Debug, Clone, PartialEq)]
@@ -383,9 +383,9 @@ mod tests {
     use super::order::Ticket;
     use super::outbox::Spool;
     use super::*;
-    use crate::store::{EmbeddedStore, Store, UserKey};
     use engram_memory::history::{CHAIN_ORIGIN, link, pair, request_shape};
     use engram_memory::openai::{ChatMessage, ToolCall};
+    use engram_store::{EmbeddedStore, Store, UserKey};
 
     fn message(value: serde_json::Value) -> ChatMessage {
         serde_json::from_value(value).unwrap()

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::store::{MemoryRecords, UserKey};
+use engram_store::{MemoryRecords, UserKey};
 
 /// Longest a recorder waits for an earlier one of its session; past it, it goes ahead (and
 /// says so), rather than hold a recording back forever.

@@ -25,8 +25,8 @@ use tokio_util::sync::CancellationToken;
 use super::Receipt;
 use super::order::Ticket;
 use crate::error::Result;
-use crate::runtime::BoxFuture;
-use crate::store::{Enqueued, ForgetReport, Job, JobId, Placement, Store, UserKey};
+use engram_runtime::BoxFuture;
+use engram_store::{Enqueued, ForgetReport, Job, JobId, Placement, Store, UserKey};
 
 /// Enqueue attempts before a job goes to the spool.
 const ATTEMPTS: u32 = 3;
@@ -414,8 +414,8 @@ impl Drop for InFlight {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{EmbeddedStore, JobId, JobQueue};
     use engram_memory::ExchangeInput;
+    use engram_store::{EmbeddedStore, JobId, JobQueue};
 
     fn job(user: &UserKey, key: &str) -> Job {
         Job {

@@ -15,6 +15,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use engram_store::TraceParent;
 use opentelemetry::context::FutureExt as _;
 use opentelemetry::trace::{Link, SpanKind, TraceContextExt, Tracer as _, TracerProvider as _};
 use opentelemetry::{Context, InstrumentationScope, KeyValue, StringValue};
@@ -26,7 +27,7 @@ use opentelemetry_sdk::trace::{Sampler, SdkTracer, SdkTracerProvider};
 use crate::error::Error;
 
 pub use config::{ENDPOINT_ENV, TRACES_ENDPOINT_ENV, TelemetryConfig};
-pub use propagation::{TRACEPARENT, TRACESTATE, TraceParent};
+pub use propagation::{TRACEPARENT, TRACESTATE};
 pub use spans::{MemorySpan, RequestTrace, SpanGuard, attributes};
 
 /// How long one export to the collector may take.

@@ -4,7 +4,7 @@
 use prometheus::Histogram;
 
 use crate::recorder::ids::turn_time_micros;
-use crate::runtime::now_micros;
+use engram_runtime::now_micros;
 
 /// The worker's own observations.
 #[derive(Clone)]

@@ -8,7 +8,9 @@
 //! the session's next-turn candidates → one `Store::commit_jobs` (raw log, state with its version
 //! check, prefetched, job applied). A version conflict (another worker changed the user's
 //! memory meanwhile) re-runs the job on the newer state. The applied memory goes into the
-//! process's cache, so the next request of the user does not decode it again.
+//! process's cache, so the next request of the user does not decode it again: staged there
+//! before the commit, it is cached on the store's commit thread when the store tells the cache
+//! of the commit (`engram_store::CommitListener`), else once the commit returns.
 //!
 //! Exactly once: the raw log is idempotent by job key and the state by turn id, so a job
 //! re-claimed after a worker died (before or after its commit) applies once.
@@ -36,15 +38,13 @@ use tokio_util::task::TaskTracker;
 use crate::cache::{CachedMemory, MemoryCache, first_version};
 use crate::error::{Error, Result};
 use crate::ratelimit::TokenBudget;
-use crate::runtime::priority;
-use crate::store::{
-    ClaimedJob, EncodedState, Job, MemoryRecords, MemoryUpdate, Published, Store, UserKey,
-};
 use crate::summarizer::{Summarizer, SummaryFailure, SummarySource};
 use crate::telemetry::{Telemetry, attributes};
 use engram_memory::{
     self as memory, CandidateId, ExchangeInput, MemoryConfig, MemoryState, Precomputed,
 };
+use engram_runtime::priority;
+use engram_store::{ClaimedJob, EncodedState, Job, MemoryRecords, MemoryUpdate, Store, UserKey};
 
 use lag::{Claimer, LagGate, Progress};
 
@@ -557,17 +557,18 @@ impl Worker {
                 }
                 return Ok(outcomes);
             };
-            // The state goes into the cache as soon as it has committed (see
-            // `Store::commit_jobs_then`).
-            let cache = Arc::clone(&self.cache);
-            let cached_user = user.clone();
-            let published: Published = Box::new(move || cache.put(&cached_user, Arc::new(state)));
+            // The state goes into the cache as soon as it has committed: on the store's commit
+            // thread, told by the store (`CommitListener`), or here once the commit returns.
+            let staged = self.cache.stage(user, expected, &encoded, Arc::new(state));
             match self
                 .store
-                .commit_jobs_then(jobs, &encoded, expected, &prefetched, published)
+                .commit_jobs(jobs, &encoded, expected, &prefetched)
                 .await
             {
-                Ok(()) => return Ok(outcomes),
+                Ok(()) => {
+                    staged.publish();
+                    return Ok(outcomes);
+                }
                 Err(Error::StoreConflict { .. }) => {
                     self.stats.conflicts.fetch_add(1, Ordering::Relaxed);
                 }

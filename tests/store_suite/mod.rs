@@ -15,18 +15,15 @@
     reason = "test suite: a failure should fail the test loudly"
 )]
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use engram::error::Error;
-use engram::store::{
-    EncodedState, Enqueued, ForgetReport, Job, JobId, JobState, MemoryUpdate, Published, Store,
-    UserKey,
-};
-use engram::telemetry::TraceParent;
 use engram_memory::{
     ExchangeInput, HeuristicExtractor, ItemRef, MemoryConfig, MemoryState, record_exchange,
+};
+use engram_store::TraceParent;
+use engram_store::{
+    EncodedState, Enqueued, ForgetReport, Job, JobId, JobState, MemoryUpdate, Store, UserKey,
 };
 
 /// Generates one `#[tokio::test]` per suite case against `$fresh().await`.
@@ -137,7 +134,7 @@ pub fn state_with(lines: &[&str]) -> MemoryState {
 pub async fn hot_record_lists_the_sessions_unapplied_exchanges(store: &dyn Store) {
     let alice = UserKey::new("acme", "alice");
     let bob = UserKey::new("acme", "bob");
-    let turns = |record: &engram::store::HotRecord| -> Vec<String> {
+    let turns = |record: &engram_store::HotRecord| -> Vec<String> {
         record
             .unapplied
             .iter()
@@ -453,38 +450,23 @@ pub async fn concurrent_job_commits_of_one_user_let_one_win(store: &dyn Store) {
         commits.push((job, EncodedState::of(&state).unwrap()));
     }
     let ((left_job, left_state), (right_job, right_state)) = (&commits[0], &commits[1]);
-    // Each commit says when it has published; only the winner may.
-    let published = [
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicBool::new(false)),
-    ];
-    let flag = |index: usize| -> Published {
-        let flag = Arc::clone(&published[index]);
-        Box::new(move || flag.store(true, Ordering::SeqCst))
-    };
     let (left, right) = tokio::join!(
-        store.commit_jobs_then(
+        store.commit_jobs(
             std::slice::from_ref(left_job),
             left_state,
             base.version,
-            &[],
-            flag(0)
+            &[]
         ),
-        store.commit_jobs_then(
+        store.commit_jobs(
             std::slice::from_ref(right_job),
             right_state,
             base.version,
-            &[],
-            flag(1)
+            &[]
         )
     );
     assert!(
         left.is_ok() != right.is_ok(),
         "one commit wins: {left:?} {right:?}"
-    );
-    assert_eq!(
-        published.each_ref().map(|flag| flag.load(Ordering::SeqCst)),
-        [left.is_ok(), right.is_ok()]
     );
     let (won, lost) = if left.is_ok() {
         (left_job, right_job)
@@ -610,7 +592,7 @@ pub async fn a_forgotten_users_job_commits_nothing(store: &dyn Store) {
 }
 
 /// Polls every future together (a tiny `join_all`, to keep dependencies few).
-async fn futures_join_all<T>(futures: Vec<engram::runtime::BoxFuture<'_, T>>) -> Vec<T> {
+async fn futures_join_all<T>(futures: Vec<engram_runtime::BoxFuture<'_, T>>) -> Vec<T> {
     let mut futures: Vec<_> = futures.into_iter().map(Some).collect();
     let mut results: Vec<Option<T>> = futures.iter().map(|_| None).collect();
     std::future::poll_fn(|cx| {

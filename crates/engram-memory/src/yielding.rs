@@ -1,9 +1,9 @@
 //! Yield points of the update path: the engine's long loops call [`checkpoint`], and on a
-//! thread the sidecar marked as background work (its worker and recorder threads, see its
-//! `runtime::priority`) a checkpoint gives the core to a waiting request thread once the
+//! thread the sidecar marked as background work (its worker and recorder threads, see
+//! `engram_runtime::priority`) a checkpoint gives the core to a waiting request thread once the
 //! thread has run a slice (`BACKGROUND_SLICE`); on any other thread it does nothing. Only a
 //! thread-local slice and `std::thread::yield_now`: the scheduling policies and the runtimes
-//! that start those threads stay in the sidecar.
+//! that start those threads stay in the sidecar's runtime crate.
 
 use std::cell::Cell;
 use std::time::{Duration, Instant};

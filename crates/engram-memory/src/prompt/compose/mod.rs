@@ -64,7 +64,7 @@ pub struct ComposeRequest<'a> {
     pub messages: &'a [ChatMessage],
     pub model: &'a str,
     /// The session's recorded exchanges the memory does not hold yet, oldest first
-    /// (the sidecar's `store::HotRecord::unapplied`): the newest turns of a stateless client's raw
+    /// (`engram_store::HotRecord::unapplied`): the newest turns of a stateless client's raw
     /// window, so a follow-up sees the previous exchange before the worker has applied it.
     pub unapplied: &'a [ExchangeInput],
 }

@@ -20,11 +20,11 @@ use std::collections::BTreeSet;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
 use engram_memory::MemoryState;
 use engram_memory::lookups::Changes;
 use engram_memory::model::{Identity, PinnedItem};
 use engram_memory::segmented::Segmented;
+use engram_runtime::error::{Error, Result};
 
 /// The layout version written into every [`Meta`]; a stored value without it is a legacy state.
 pub const LAYOUT: u32 = 2;

@@ -22,14 +22,14 @@ use super::db_handle::DbHandle;
 use super::group_commit::{Committed, GroupCommit};
 use super::layout::{self, Change, Delta, ItemKey, ItemKind, MemoryUpdate, Stored};
 use super::{
-    Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobQueue,
-    JobState, MemoryRecords, Placement, Published, RawEntry, Store, UNAPPLIED_BYTES,
+    Appended, ClaimedJob, CommitListener, EncodedState, Enqueued, ForgetReport, HotRecord, Job,
+    JobId, JobQueue, JobState, MemoryRecords, Placement, RawEntry, Store, UNAPPLIED_BYTES,
     UNAPPLIED_TURNS, UserKey, commit_owner, decode, now_ms,
 };
-use crate::error::{Error, Result};
-use crate::runtime::BoxFuture;
-use crate::telemetry::TraceParent;
+use crate::TraceParent;
 use engram_memory::{CandidateId, ExchangeInput, MemoryState};
+use engram_runtime::BoxFuture;
+use engram_runtime::error::{Error, Result};
 
 /// The file name inside the data directory.
 pub const FILE_NAME: &str = "engram.redb";
@@ -150,6 +150,8 @@ pub struct EmbeddedStore {
     /// Recorders' enqueues and workers' job commits are group-committed (see `group_commit`).
     enqueues: Arc<GroupCommit<Job, Enqueued>>,
     commits: Arc<GroupCommit<JobCommit, ()>>,
+    /// Told of each job commit on the committing thread (see [`CommitListener`]).
+    listener: Option<Arc<dyn CommitListener>>,
 }
 
 impl std::fmt::Debug for EmbeddedStore {
@@ -199,6 +201,7 @@ impl EmbeddedStore {
             db: Arc::new(db),
             enqueues: GroupCommit::in_background(write_enqueue, linger, "engram-recorder")?,
             commits: GroupCommit::new(write_commit),
+            listener: None,
         })
     }
 
@@ -209,7 +212,15 @@ impl EmbeddedStore {
             db: Arc::new(DbHandle::in_memory(create_tables)?),
             enqueues: GroupCommit::new(write_enqueue),
             commits: GroupCommit::new(write_commit),
+            listener: None,
         })
+    }
+
+    /// The store, telling `listener` of each job commit once it is durable, on the thread
+    /// that committed it and before the commit is answered.
+    pub fn with_commit_listener(mut self, listener: Arc<dyn CommitListener>) -> EmbeddedStore {
+        self.listener = Some(listener);
+        self
     }
 
     /// The database file; `None` in memory.
@@ -217,8 +228,9 @@ impl EmbeddedStore {
         self.db.path()
     }
 
-    /// Makes the next `commits` enqueue transactions fail (tests: a disk error mid-stream).
-    #[cfg(test)]
+    /// Makes the next `commits` enqueue transactions fail (tests: a disk error mid-stream; the
+    /// `faults` feature).
+    #[cfg(any(test, feature = "faults"))]
     pub fn fail_next_enqueue_commits(&self, commits: u32) {
         self.enqueues.fail_next_commits(commits);
     }
@@ -251,14 +263,13 @@ impl EmbeddedStore {
         state: &EncodedState,
         expected: u64,
         prefetched: &[CandidateId],
-        published: Option<Published>,
     ) -> Result<()> {
         let commit = JobCommit {
             jobs: jobs.to_vec(),
             state: state.clone(),
             expected,
             prefetched: encode(prefetched)?,
-            published,
+            listener: self.listener.clone(),
         };
         self.commits.submit(&self.db, commit).await
     }
@@ -949,18 +960,7 @@ impl Store for EmbeddedStore {
         expected_version: u64,
         prefetched: &'a [CandidateId],
     ) -> BoxFuture<'a, Result<()>> {
-        Box::pin(self.commit(jobs, state, expected_version, prefetched, None))
-    }
-
-    fn commit_jobs_then<'a>(
-        &'a self,
-        jobs: &'a [Job],
-        state: &'a EncodedState,
-        expected_version: u64,
-        prefetched: &'a [CandidateId],
-        published: Published,
-    ) -> BoxFuture<'a, Result<()>> {
-        Box::pin(self.commit(jobs, state, expected_version, prefetched, Some(published)))
+        Box::pin(self.commit(jobs, state, expected_version, prefetched))
     }
 
     fn forget_user<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<ForgetReport>> {
@@ -1330,13 +1330,13 @@ struct JobCommit {
     state: EncodedState,
     expected: u64,
     prefetched: Vec<u8>,
-    published: Option<Published>,
+    listener: Option<Arc<dyn CommitListener>>,
 }
 
 impl Committed for JobCommit {
     fn committed(self) {
-        if let Some(published) = self.published {
-            published();
+        if let (Some(listener), Some(first)) = (&self.listener, self.jobs.first()) {
+            listener.committed(&first.id.user, self.expected, &self.state);
         }
     }
 }

@@ -42,11 +42,11 @@ use super::{
     JobState, MemoryRecords, RawEntry, Store, UNAPPLIED_BYTES, UNAPPLIED_TURNS, UserKey,
     commit_owner, decode, now_ms,
 };
-use crate::error::{Error, Result};
-use crate::runtime::BoxFuture;
-use crate::runtime::priority::{self, RecorderPriority, WorkerRuntime};
-use crate::telemetry::TraceParent;
+use crate::TraceParent;
 use engram_memory::{CandidateId, ExchangeInput, MemoryState};
+use engram_runtime::BoxFuture;
+use engram_runtime::error::{Error, Result};
+use engram_runtime::priority::{self, RecorderPriority, WorkerRuntime};
 
 pub use self::connection::{queue_tag, slot};
 

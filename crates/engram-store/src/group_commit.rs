@@ -26,15 +26,15 @@ use redb::{Database, WriteTransaction};
 use tokio::sync::oneshot;
 
 use super::db_handle::DbHandle;
-use crate::error::{Error, Result};
-use crate::runtime::BoxFuture;
-use crate::runtime::priority::{self, RecorderPriority, WorkerRuntime};
+use engram_runtime::BoxFuture;
+use engram_runtime::error::{Error, Result};
+use engram_runtime::priority::{self, RecorderPriority, WorkerRuntime};
 
 /// Applies one operation inside a transaction; a clean failure must have written nothing.
 pub type Apply<Op, Out> = fn(&WriteTransaction, &Op) -> Result<Out>;
 
 /// What an operation does once its transaction has committed, on the committing thread and
-/// before its caller is answered (the worker publishes the state it wrote there).
+/// before its caller is answered (a job commit tells the store's `CommitListener` there).
 pub trait Committed {
     fn committed(self);
 }
@@ -47,7 +47,7 @@ pub struct GroupCommit<Op, Out> {
     /// Where rounds run; `None`: the submitting runtime's blocking pool.
     pool: Option<WorkerRuntime>,
     /// Transactions left to fail (`fail_next_commits`).
-    #[cfg(test)]
+    #[cfg(any(test, feature = "faults"))]
     faults: std::sync::atomic::AtomicU32,
 }
 
@@ -106,7 +106,7 @@ where
             apply,
             linger,
             pool,
-            #[cfg(test)]
+            #[cfg(any(test, feature = "faults"))]
             faults: std::sync::atomic::AtomicU32::new(0),
         }
     }
@@ -323,7 +323,7 @@ where
     }
 
     /// Makes the next `commits` transactions fail before they commit (tests: a disk error).
-    #[cfg(test)]
+    #[cfg(any(test, feature = "faults"))]
     pub fn fail_next_commits(&self, commits: u32) {
         self.faults
             .store(commits, std::sync::atomic::Ordering::SeqCst);
@@ -331,7 +331,7 @@ where
 
     /// A failure injected by `fail_next_commits`, aborting the transaction.
     fn fault(&self) -> Result<()> {
-        #[cfg(test)]
+        #[cfg(any(test, feature = "faults"))]
         if self
             .faults
             .fetch_update(

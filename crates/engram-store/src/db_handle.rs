@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use redb::backends::FileBackend;
 use redb::{Database, StorageBackend, StorageError, TransactionError};
 
-use crate::error::{Error, Result};
-use crate::runtime::priority;
+use engram_runtime::error::{Error, Result};
+use engram_runtime::priority;
 
 /// How long a reopen waits for operations still holding the failed handle to let go of it.
 const RELEASE_WAIT: Duration = Duration::from_secs(2);
@@ -226,7 +226,7 @@ mod tests {
             txn.open_table(ROWS).unwrap().insert(1, 2).unwrap();
             txn.commit().unwrap();
             assert!(
-                priority::last_yield() > long_ago,
+                engram_memory::yielding::last_yield().unwrap() > long_ago,
                 "the commit never yielded"
             );
         })

@@ -14,26 +14,27 @@
 //! - the jobs that recorded exchanges became (queued, applied or failed).
 //!
 //! Backends: [`embedded::EmbeddedStore`] (redb, the default) and [`redis::RedisStore`]; both
-//! pass the same suite (`tests/store_suite/`).
+//! pass the same suite (the workspace root's `tests/store_suite/`).
 
 mod db_handle;
 pub mod embedded;
 mod group_commit;
 pub mod layout;
 pub mod redis;
+mod trace;
 
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
-use crate::runtime::BoxFuture;
-use crate::telemetry::TraceParent;
 use engram_memory::{CandidateId, ExchangeInput, MemoryState};
+use engram_runtime::BoxFuture;
+use engram_runtime::error::{Error, Result};
 
 pub use self::redis::{RedisOptions, RedisStore};
 pub use embedded::EmbeddedStore;
 pub use layout::{EncodedState, MemoryUpdate};
+pub use trace::TraceParent;
 
 /// Whose memory a record belongs to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -414,28 +415,6 @@ pub trait Store: MemoryRecords + JobQueue {
         })
     }
 
-    /// [`Store::commit_jobs`], then `published` once the write has committed. The embedded
-    /// store calls it on the committing thread before it answers: the worker puts the state it
-    /// wrote in the hot path's cache there, so a request that reads the new version finds its
-    /// state cached instead of decoding it (which a busy core could otherwise make happen, while
-    /// the idle-priority worker waits for its turn to put it). The default calls it after
-    /// `commit_jobs` returns.
-    fn commit_jobs_then<'a>(
-        &'a self,
-        jobs: &'a [Job],
-        state: &'a EncodedState,
-        expected_version: u64,
-        prefetched: &'a [CandidateId],
-        published: Published,
-    ) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            self.commit_jobs(jobs, state, expected_version, prefetched)
-                .await?;
-            published();
-            Ok(())
-        })
-    }
-
     /// Deletes every record of the user: state, prefetched candidates, raw log, jobs.
     fn forget_user<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<ForgetReport>>;
 }
@@ -456,8 +435,18 @@ fn commit_owner(jobs: &[Job]) -> Result<Option<(&UserKey, &Job)>> {
     Ok(Some((user, first)))
 }
 
-/// Runs once a write has committed (see [`Store::commit_jobs_then`]).
-pub type Published = Box<dyn FnOnce() + Send>;
+/// Told of each job commit ([`Store::commit_jobs`]) once it is durable, on the thread that
+/// committed it and before the commit is answered. The hot path's cache listens: the worker
+/// leaves the memory it computed there before committing, and the cache takes it as the
+/// user's current memory when told that its write committed, so a request that reads the new
+/// version finds it cached instead of decoding it (which a busy core could otherwise make
+/// happen while the idle-priority worker waits to be woken). A backend takes its listener
+/// when it is built ([`EmbeddedStore::with_commit_listener`]); Redis, with no commit thread of
+/// its own, takes none, and the worker caches the state itself once the commit returns.
+pub trait CommitListener: Send + Sync + 'static {
+    /// `user`'s memory went from `expected_version` to `state` (what the commit wrote).
+    fn committed(&self, user: &UserKey, expected_version: u64, state: &EncodedState);
+}
 
 /// Reads a stored JSON record; a record that does not decode is a store error, not a panic.
 fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T> {

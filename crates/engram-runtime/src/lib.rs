@@ -1,10 +1,12 @@
-//! What every layer may use, at the bottom of the import order: the boxed future of the
-//! object-safe traits (the store, the memory layer), the process clock, and the thread
-//! priorities of the update path ([`priority`]). It imports nothing from the crate but its error.
+//! What every layer of the sidecar stands on, at the bottom of its crates (above the engine):
+//! the one error type ([`error`], OpenAI-shaped bodies), the boxed future of the object-safe
+//! traits (the store's), the process clock, and the runtimes and thread priorities of the
+//! update path ([`priority`]). The sidecar names the error type `engram::error`.
 
 use std::future::Future;
 use std::pin::Pin;
 
+pub mod error;
 pub mod priority;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

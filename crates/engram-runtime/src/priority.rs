@@ -23,9 +23,6 @@
 //! store's commits, at each write of a round and each page read and write (`YieldingFile`): a
 //! waking request thread does not take the core from the recorder, it waits for a yield.
 
-#[cfg(test)]
-use std::time::Instant;
-
 use engram_memory::yielding::mark_background;
 use tokio::runtime::{Builder, Runtime};
 
@@ -126,13 +123,6 @@ fn nice_lowest() {
 fn lower_priority() {
     lowest_in(Policy::Idle, "worker");
     mark_background();
-}
-
-/// When the calling background thread last yielded.
-#[cfg(test)]
-#[allow(clippy::unwrap_used, reason = "tests")]
-pub(crate) fn last_yield() -> Instant {
-    engram_memory::yielding::last_yield().unwrap()
 }
 
 /// The normal scheduling policies this module uses.
