@@ -136,6 +136,31 @@ async fn a_stalled_redis_costs_requests_no_more_than_the_deadline_and_loses_no_t
     .await;
     turn_ids.push(header(&first, "x-engram-turn-id").to_owned());
     wait_applied(&proxy, "acme", "pia", &first).await;
+    // The worker caches what it applied just after its Redis commit returns, which a loaded
+    // machine can delay past `wait_applied`; the stall below is meant for a warm cache, so a
+    // read-only turn (recording nothing) makes sure the memory is cached first.
+    let warm = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let reply = common::post_json(
+            &proxy.url("/v1/chat/completions"),
+            &serde_json::json!({
+                "model": "gpt-test",
+                "messages": [{"role": "user", "content": "What am I allergic to?"}],
+            }),
+            &[
+                ("x-engram-tenant", "acme"),
+                ("x-engram-user", "pia"),
+                ("x-engram-session", "s"),
+                ("x-engram-mode", "read-only"),
+            ],
+        )
+        .await;
+        if header(&reply, "x-engram-memory") == "injected" {
+            break;
+        }
+        assert!(std::time::Instant::now() < warm, "memory never loaded");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     redis.pause();
     for turn in 1..3 {
