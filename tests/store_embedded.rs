@@ -14,14 +14,13 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use engram_memory::{HeuristicExtractor, MemoryConfig, record_exchange};
 use engram_store::{
     CommitListener, EmbeddedStore, EncodedState, Enqueued, JobQueue, JobState, MemoryRecords,
-    Store, UserKey,
+    UserKey,
 };
 use tempfile::TempDir;
 
-use store_suite::{exchange, job, job_in, state_with};
+use store_suite::{RacedCommits, exchange, job, race_two_commits, state_with};
 
 async fn fresh_store() -> (EmbeddedStore, TempDir) {
     let dir = tempfile::tempdir().unwrap();
@@ -134,38 +133,12 @@ async fn the_commit_listener_hears_the_winning_commit_before_it_is_answered() {
     let store = EmbeddedStore::open(dir.path())
         .unwrap()
         .with_commit_listener(Arc::clone(&heard) as Arc<dyn CommitListener>);
-    let alice = UserKey::new("acme", "alice");
-    let base = state_with(&["I live in Lisbon."]);
-    store.save_state(&alice, &base, 0).await.unwrap();
-    let mut commits = Vec::new();
-    for (session, text) in [("s1", "I moved to Berlin."), ("s2", "I moved to Madrid.")] {
-        let mut job = job_in(&alice, session, session);
-        job.exchange.user_text = text.to_owned();
-        store.enqueue(&job).await.unwrap();
-        let mut state = base.clone();
-        record_exchange(
-            &mut state,
-            &job.exchange,
-            &HeuristicExtractor,
-            &MemoryConfig::default(),
-        );
-        commits.push((job, EncodedState::of(&state).unwrap()));
-    }
-    let ((left_job, left_state), (right_job, right_state)) = (&commits[0], &commits[1]);
-    let (left, right) = tokio::join!(
-        store.commit_jobs(
-            std::slice::from_ref(left_job),
-            left_state,
-            base.version,
-            &[]
-        ),
-        store.commit_jobs(
-            std::slice::from_ref(right_job),
-            right_state,
-            base.version,
-            &[]
-        )
-    );
+    let RacedCommits {
+        user: alice,
+        base_version,
+        commits: [(_, left_state), (_, right_state)],
+        results: [left, right],
+    } = race_two_commits(&store).await;
     assert!(
         left.is_ok() != right.is_ok(),
         "one commit wins: {left:?} {right:?}"
@@ -177,7 +150,7 @@ async fn the_commit_listener_hears_the_winning_commit_before_it_is_answered() {
     };
     assert_eq!(
         *heard.0.lock().unwrap(),
-        vec![(alice, base.version, won.clone())]
+        vec![(alice, base_version, won.clone())]
     );
 }
 

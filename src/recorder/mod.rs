@@ -479,8 +479,9 @@ mod tests {
         told.await.unwrap()
     }
 
-    #[tokio::test]
-    async fn a_round_that_calls_tools_is_deferred_to_the_answer() {
+    /// A recorder over an in-memory store (with an in-memory spool) whose answers wait up to
+    /// `receipt_wait` for their recording.
+    async fn in_memory_recorder(receipt_wait: Duration) -> (Arc<dyn Store>, Recorder) {
         let store: Arc<dyn Store> = Arc::new(EmbeddedStore::in_memory().unwrap());
         let spool = Spool::Memory {
             store: Arc::new(EmbeddedStore::in_memory().unwrap()),
@@ -488,7 +489,12 @@ mod tests {
         };
         let outbox =
             Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::new(Notify::new())).await);
-        let recorder = Recorder::new(outbox, Duration::from_secs(1));
+        (store, Recorder::new(outbox, receipt_wait))
+    }
+
+    #[tokio::test]
+    async fn a_round_that_calls_tools_is_deferred_to_the_answer() {
+        let (store, recorder) = in_memory_recorder(Duration::from_secs(1)).await;
         let calls = AssistantMessage {
             tool_calls: vec![ToolCall {
                 id: "call_1".into(),
@@ -515,14 +521,7 @@ mod tests {
     /// next fires, and the turn is still queued.
     #[tokio::test]
     async fn a_zero_receipt_wait_releases_the_answer_before_the_enqueue() {
-        let store: Arc<dyn Store> = Arc::new(EmbeddedStore::in_memory().unwrap());
-        let spool = Spool::Memory {
-            store: Arc::new(EmbeddedStore::in_memory().unwrap()),
-            capacity: 16,
-        };
-        let outbox =
-            Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::new(Notify::new())).await);
-        let recorder = Recorder::new(outbox, Duration::ZERO);
+        let (store, recorder) = in_memory_recorder(Duration::ZERO).await;
         let answer = AssistantMessage {
             content: "Noted.".into(),
             ..AssistantMessage::default()

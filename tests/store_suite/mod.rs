@@ -433,23 +433,34 @@ pub async fn concurrent_saves_from_one_version_let_one_win(store: &dyn Store) {
     );
 }
 
-/// Two workers commit jobs of one user computed from the same version (the embedded store may
-/// put both in one group commit): one wins whole, the other writes nothing and can retry.
-pub async fn concurrent_job_commits_of_one_user_let_one_win(store: &dyn Store) {
+/// Two jobs of alice (sessions s1 and s2, each moving her elsewhere), queued and computed from
+/// the same saved version, then committed at once (the embedded store may put both in one
+/// group commit). Returns alice, the version both started from, each job with what it wrote,
+/// and each commit's result, in that order.
+pub struct RacedCommits {
+    pub user: UserKey,
+    pub base_version: u64,
+    pub commits: [(Job, EncodedState); 2],
+    pub results: [Result<(), Error>; 2],
+}
+
+pub async fn race_two_commits(store: &dyn Store) -> RacedCommits {
     let alice = UserKey::new("acme", "alice");
     let base = state_with(&["I live in Lisbon."]);
     store.save_state(&alice, &base, 0).await.unwrap();
     let config = MemoryConfig::default();
-    let mut commits = Vec::new();
-    for (session, text) in [("s1", "I moved to Berlin."), ("s2", "I moved to Madrid.")] {
-        let mut job = job_in(&alice, session, session);
-        job.exchange.user_text = text.to_owned();
-        store.enqueue(&job).await.unwrap();
-        let mut state = base.clone();
-        record_exchange(&mut state, &job.exchange, &HeuristicExtractor, &config);
-        commits.push((job, EncodedState::of(&state).unwrap()));
+    let commits =
+        [("s1", "I moved to Berlin."), ("s2", "I moved to Madrid.")].map(|(session, text)| {
+            let mut job = job_in(&alice, session, session);
+            job.exchange.user_text = text.to_owned();
+            let mut state = base.clone();
+            record_exchange(&mut state, &job.exchange, &HeuristicExtractor, &config);
+            (job, EncodedState::of(&state).unwrap())
+        });
+    for (job, _) in &commits {
+        store.enqueue(job).await.unwrap();
     }
-    let ((left_job, left_state), (right_job, right_state)) = (&commits[0], &commits[1]);
+    let [(left_job, left_state), (right_job, right_state)] = &commits;
     let (left, right) = tokio::join!(
         store.commit_jobs(
             std::slice::from_ref(left_job),
@@ -464,6 +475,24 @@ pub async fn concurrent_job_commits_of_one_user_let_one_win(store: &dyn Store) {
             &[]
         )
     );
+    RacedCommits {
+        user: alice,
+        base_version: base.version,
+        commits,
+        results: [left, right],
+    }
+}
+
+/// Two workers commit jobs of one user computed from the same version (the embedded store may
+/// put both in one group commit): one wins whole, the other writes nothing and can retry.
+pub async fn concurrent_job_commits_of_one_user_let_one_win(store: &dyn Store) {
+    let RacedCommits {
+        user: alice,
+        commits,
+        results: [left, right],
+        ..
+    } = race_two_commits(store).await;
+    let [(left_job, _), (right_job, _)] = &commits;
     assert!(
         left.is_ok() != right.is_ok(),
         "one commit wins: {left:?} {right:?}"
