@@ -76,23 +76,34 @@ const CRATES: &[Crate] = &[
         ],
         aliases: &[],
     },
-    // The sidecar: its library and the `engram` binary.
+    // The proxy: everything a request and its recording go through.
     Crate {
-        name: "engram",
-        dir: ".",
+        name: "engram-proxy",
+        dir: "crates/engram-proxy",
         layers: &[
             // Clients with no memory in them.
             &["upstream"],
             &["telemetry"],
             // The hot path's cache of what it read from the store.
             &["cache"],
-            // The proxy: identity, limits, the summarizer, recorder, hot path, worker.
+            // Identity, limits, the summarizer, recorder, hot path, worker.
             &["credentials"],
             &["ratelimit"],
             &["summarizer"],
             &["recorder"],
             &["pipeline"],
             &["worker"],
+        ],
+        aliases: &[
+            // `use engram_runtime::error` in its lib.rs: the sidecar's error type.
+            ("error", "engram-runtime"),
+        ],
+    },
+    // The sidecar: its library and the `engram` binary.
+    Crate {
+        name: "engram",
+        dir: ".",
+        layers: &[
             // Operations and wiring.
             &["metrics"],
             &["config"],

@@ -23,10 +23,10 @@ use opentelemetry::Context;
 use super::AppState;
 use crate::error::{Error, ProxyBody};
 use crate::metrics::RateLimitKind;
-use crate::pipeline::identity;
-use crate::pipeline::trust::Vouched;
-use crate::telemetry;
 use engram_memory::openai::ChatRequest;
+use engram_proxy::pipeline::identity;
+use engram_proxy::pipeline::trust::Vouched;
+use engram_proxy::telemetry;
 
 /// What a layer answers with: the response, or the error the route table renders.
 pub(super) type Answered = Result<Response<ProxyBody>, Error>;
@@ -145,9 +145,9 @@ mod tests {
     use crate::config::Config;
     use crate::error::full_body;
     use crate::metrics::Metrics;
-    use crate::pipeline::NoMemory;
-    use crate::pipeline::trust::Gate;
-    use crate::upstream::Upstream;
+    use engram_proxy::pipeline::NoMemory;
+    use engram_proxy::pipeline::trust::Gate;
+    use engram_proxy::upstream::Upstream;
 
     /// A tenant may send one request, then waits a second.
     fn state() -> AppState {

@@ -37,10 +37,12 @@ use super::upstream::{EXCHANGE_HEADER, ScriptedUpstream};
 use engram::app::{Credentials, Engram};
 use engram::config::{Config, StoreBackend};
 use engram::error::{Error, Result};
-use engram::pipeline::identity::{EVENT_TIME_HEADER, MODE_HEADER, SESSION_HEADER, USER_HEADER};
 use engram_memory::config::RetrievalMode;
 use engram_memory::openai::ChatMessage;
 use engram_memory::tokens::{Encoding, count_in};
+use engram_proxy::pipeline::identity::{
+    EVENT_TIME_HEADER, MODE_HEADER, SESSION_HEADER, USER_HEADER,
+};
 
 /// The model named in every request: not an o200k model, so engram counts in cl100k, the
 /// encoding the metrics use.
