@@ -12,11 +12,11 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::admin::{AdminApi, AdminAuth};
-use crate::config::{Config, StoreBackend, StoreConfig};
 use crate::error::{Error, Result};
-use crate::metrics::Metrics;
 use crate::server::{AppState, Server};
+use engram_ops::admin::{AdminApi, AdminAuth};
+use engram_ops::config::{Config, StoreBackend, StoreConfig};
+use engram_ops::metrics::Metrics;
 use engram_proxy::cache::MemoryCache;
 use engram_proxy::pipeline::explain_log::ExplainLog;
 use engram_proxy::pipeline::store_memory::StoreMemory;

@@ -99,19 +99,21 @@ const CRATES: &[Crate] = &[
             ("error", "engram-runtime"),
         ],
     },
-    // The sidecar: its library and the `engram` binary.
+    // Operations: metrics, configuration, command line, management API.
+    Crate {
+        name: "engram-ops",
+        dir: "crates/engram-ops",
+        layers: &[&["metrics"], &["config"], &["cli"], &["admin"]],
+        aliases: &[
+            // `use engram_runtime::error` in its lib.rs: the sidecar's error type.
+            ("error", "engram-runtime"),
+        ],
+    },
+    // The sidecar: HTTP and wiring, its library and the `engram` binary.
     Crate {
         name: "engram",
         dir: ".",
-        layers: &[
-            // Operations and wiring.
-            &["metrics"],
-            &["config"],
-            &["cli"],
-            &["admin"],
-            &["server"],
-            &["app"],
-        ],
+        layers: &[&["server"], &["app"]],
         aliases: &[
             // `pub use engram_runtime::error` in src/lib.rs: the sidecar's error type.
             ("error", "engram-runtime"),

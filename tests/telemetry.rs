@@ -19,10 +19,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{Reply, post_json, send};
-use engram::admin::AdminAuth;
 use engram::app::{Credentials, Engram};
-use engram::config::Config;
 use engram_mock::{MockOptions, MockServer};
+use engram_ops::admin::AdminAuth;
+use engram_ops::config::Config;
 use engram_proxy::telemetry::{Telemetry, TelemetryConfig};
 use engram_store::TraceParent;
 use http::{HeaderMap, Response};

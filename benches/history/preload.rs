@@ -10,11 +10,10 @@ use std::sync::atomic::Ordering;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use engram::config::WorkerConfig;
 use engram_memory::MemoryConfig;
 use engram_proxy::cache::MemoryCache;
 use engram_proxy::summarizer::Summarizer;
-use engram_proxy::worker::Worker;
+use engram_proxy::worker::{Worker, WorkerConfig};
 use engram_store::{CommitListener, EmbeddedStore, Job, JobId, JobQueue, Store, UserKey};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;

@@ -23,8 +23,8 @@ use super::layers::{
     Admission, Answered, Handler, Identified, Observe, Observer, RefuseWhileDraining,
 };
 use crate::error::{BodyError, Error, ProxyBody, full_body};
-use crate::metrics::{Route, Timing};
 use engram_memory::openai::ChatRequest;
+use engram_ops::metrics::{Route, Timing};
 use engram_proxy::pipeline::trust::Vouched;
 use engram_proxy::pipeline::{Exchange, Incomplete, Receipt, Rewrite};
 use engram_proxy::recorder::tee::{
@@ -405,7 +405,7 @@ async fn whole_with_receipt(
     mut body: TeeBody,
     recorded: oneshot::Receiver<Receipt>,
     max_wait: Duration,
-    capture: &crate::config::CaptureConfig,
+    capture: &engram_ops::config::CaptureConfig,
 ) -> Result<(Option<Receipt>, ProxyBody), Error> {
     let mut read = Vec::new();
     while let Some(frame) = body.frame().await {

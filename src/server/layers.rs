@@ -22,8 +22,8 @@ use opentelemetry::Context;
 
 use super::AppState;
 use crate::error::{Error, ProxyBody};
-use crate::metrics::RateLimitKind;
 use engram_memory::openai::ChatRequest;
+use engram_ops::metrics::RateLimitKind;
 use engram_proxy::pipeline::identity;
 use engram_proxy::pipeline::trust::Vouched;
 use engram_proxy::telemetry;
@@ -142,9 +142,9 @@ mod tests {
     use http::StatusCode;
 
     use super::*;
-    use crate::config::Config;
     use crate::error::full_body;
-    use crate::metrics::Metrics;
+    use engram_ops::config::Config;
+    use engram_ops::metrics::Metrics;
     use engram_proxy::pipeline::NoMemory;
     use engram_proxy::pipeline::trust::Gate;
     use engram_proxy::upstream::Upstream;

@@ -21,10 +21,10 @@ use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
-use crate::admin::AdminApi;
-use crate::config::Config;
 use crate::error::Error;
-use crate::metrics::Metrics;
+use engram_ops::admin::AdminApi;
+use engram_ops::config::Config;
+use engram_ops::metrics::Metrics;
 use engram_proxy::pipeline::MemoryLayer;
 use engram_proxy::pipeline::trust::{Gate, Vouched};
 use engram_proxy::ratelimit::RequestLimits;

@@ -551,7 +551,8 @@ mod tests {
 
     #[test]
     fn the_documented_config_file_is_exactly_the_defaults() {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config.yaml");
+        // The repository's config.yaml, two folders above this crate.
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config.yaml");
         let config = Config::load(Some(&path), no_env()).unwrap();
         assert_eq!(config, Config::default());
     }
