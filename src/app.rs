@@ -105,7 +105,7 @@ impl Engram {
     /// Opens the store and binds the listener; nothing runs until [`Engram::run`]. Traces go
     /// where `config.telemetry` says.
     pub async fn build(config: Config, credentials: Credentials) -> Result<Engram> {
-        let telemetry = Telemetry::from_config(&config.telemetry)?;
+        let telemetry = engram_ops::telemetry::from_config(&config.telemetry)?;
         Engram::build_with_telemetry(config, credentials, telemetry).await
     }
 

@@ -5,7 +5,8 @@
 //! it. A cycle is then impossible (a dev-dependency may point up, to a development tool, but
 //! may not close a cycle), and a new crate or module must be given its place here. The
 //! sidecar's dependency tree is checked for the development tools and test frameworks, the
-//! engine's for an async runtime or I/O, the store's for HTTP, the telemetry SDK and metrics.
+//! engine's for an async runtime or I/O, the store's for HTTP, the telemetry SDK and metrics,
+//! the proxy's for the trace exporter and the command line and configuration file parsers.
 //! docs/architecture.md describes the layers.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -103,7 +104,14 @@ const CRATES: &[Crate] = &[
     Crate {
         name: "engram-ops",
         dir: "crates/engram-ops",
-        layers: &[&["metrics"], &["config"], &["cli"], &["admin"]],
+        layers: &[
+            // The OTLP exporter behind the proxy's tracing handle; the metrics registry.
+            &["telemetry"],
+            &["metrics"],
+            &["config"],
+            &["cli"],
+            &["admin"],
+        ],
         aliases: &[
             // `use engram_runtime::error` in its lib.rs: the sidecar's error type.
             ("error", "engram-runtime"),
@@ -160,6 +168,12 @@ const NOT_IN_THE_ENGINE: &[&str] = &[
 /// What the store's dependency tree must not hold: an HTTP client or server, the telemetry SDK
 /// (a job keeps its trace parent through OpenTelemetry's API only), the metrics registry.
 const NOT_IN_THE_STORE: &[&str] = &["hyper", "opentelemetry_sdk", "prometheus"];
+
+/// What the proxy's dependency tree must not hold: the trace exporter and its protobuf stack
+/// (the proxy keeps the spans and their propagation; operations export them), and the
+/// command line's and configuration file's parsers. (It keeps the telemetry SDK, whose tracer,
+/// spans and W3C propagator it uses, and prometheus, whose handles its modules count into.)
+const NOT_IN_THE_PROXY: &[&str] = &["opentelemetry-otlp", "prost", "clap", "serde-saphyr"];
 
 fn workspace_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -364,12 +378,15 @@ fn crate_problems(graph: &Graph) -> Vec<String> {
 }
 
 /// The sidecar's normal dependency tree holds no development tool or test framework, the
-/// engine's no async runtime or I/O, the store's no HTTP, telemetry SDK or metrics.
+/// engine's no async runtime or I/O, the store's no HTTP, telemetry SDK or metrics, the proxy's
+/// no trace exporter or command line and configuration file parsers.
 #[test]
-fn the_sidecar_engine_and_store_trees_hold_nothing_they_must_not() {
+fn the_sidecar_engine_store_and_proxy_trees_hold_nothing_they_must_not() {
     let sidecar = dependency_tree("engram");
     let engine = dependency_tree("engram-memory");
     let store = dependency_tree("engram-store");
+    let proxy = dependency_tree("engram-proxy");
+    assert!(proxy.contains("engram-store"), "{proxy:?}");
     assert!(sidecar.contains("engram-memory"), "{sidecar:?}");
     let mut problems = Vec::new();
     for name in NOT_IN_THE_SIDECAR {
@@ -388,6 +405,13 @@ fn the_sidecar_engine_and_store_trees_hold_nothing_they_must_not() {
         if store.contains(*name) {
             problems.push(format!(
                 "`cargo tree -p engram-store -e normal` holds {name}"
+            ));
+        }
+    }
+    for name in NOT_IN_THE_PROXY {
+        if proxy.contains(*name) {
+            problems.push(format!(
+                "`cargo tree -p engram-proxy -e normal` holds {name}"
             ));
         }
     }

@@ -437,7 +437,7 @@ async fn without_an_endpoint_nothing_is_traced_and_trace_headers_pass_through() 
         "this test needs the OTLP endpoint variables unset"
     );
     assert!(
-        !Telemetry::from_config(&Config::default().telemetry)
+        !engram_ops::telemetry::from_config(&Config::default().telemetry)
             .unwrap()
             .is_enabled()
     );

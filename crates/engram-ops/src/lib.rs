@@ -2,7 +2,8 @@
 //!
 //! The Prometheus registry (it names, registers and builds every metric handle the proxy counts
 //! into) and the store's timing decorator; the configuration that gathers each module's
-//! section; the command line; the management API and its client. It stands on `engram-proxy`
+//! section; the command line; the management API and its client; the OTLP exporter behind the
+//! proxy's tracing handle (`telemetry`). It stands on `engram-proxy`
 //! and the crates below it; the binary (`engram`) stands on it; docs/architecture.md has the
 //! map.
 
@@ -13,3 +14,4 @@ pub mod admin;
 pub mod cli;
 pub mod config;
 pub mod metrics;
+pub mod telemetry;
