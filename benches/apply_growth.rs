@@ -23,11 +23,11 @@ mod text;
 
 use std::time::{Duration, Instant};
 
-use engram::cache::CachedMemory;
 use engram_memory::openai::ChatMessage;
 use engram_memory::{
     ComposeRequest, HeuristicExtractor, MemoryConfig, compose, record_exchange, warm_up,
 };
+use engram_proxy::cache::CachedMemory;
 use engram_store::EncodedState;
 
 const SESSION: &str = "solo-session";

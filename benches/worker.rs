@@ -22,11 +22,10 @@ mod support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engram::cache::MemoryCache;
-use engram::config::WorkerConfig;
-use engram::summarizer::Summarizer;
-use engram::worker::Worker;
 use engram_memory::{ExchangeInput, MemoryConfig};
+use engram_proxy::cache::MemoryCache;
+use engram_proxy::summarizer::Summarizer;
+use engram_proxy::worker::{Worker, WorkerConfig};
 use engram_store::{CommitListener, EmbeddedStore, Job, JobId, RedisStore, Store, UserKey};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;

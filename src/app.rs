@@ -12,23 +12,23 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::admin::{AdminApi, AdminAuth};
-use crate::cache::MemoryCache;
-use crate::config::{Config, StoreBackend, StoreConfig};
 use crate::error::{Error, Result};
-use crate::metrics::Metrics;
-use crate::pipeline::explain_log::ExplainLog;
-use crate::pipeline::store_memory::StoreMemory;
-use crate::pipeline::trust::Gate;
-use crate::ratelimit::{PRUNE_INTERVAL, TokenBudget};
-use crate::recorder::Recorder;
-use crate::recorder::journal::{self, Journal};
-use crate::recorder::outbox::{MEMORY_SPOOL_JOBS, Outbox, Spool};
 use crate::server::{AppState, Server};
-use crate::summarizer::Summarizer;
-use crate::telemetry::Telemetry;
-use crate::upstream::Upstream;
-use crate::worker::Worker;
+use engram_ops::admin::{AdminApi, AdminAuth};
+use engram_ops::config::{Config, StoreBackend, StoreConfig};
+use engram_ops::metrics::Metrics;
+use engram_proxy::cache::MemoryCache;
+use engram_proxy::pipeline::explain_log::ExplainLog;
+use engram_proxy::pipeline::store_memory::StoreMemory;
+use engram_proxy::pipeline::trust::Gate;
+use engram_proxy::ratelimit::{PRUNE_INTERVAL, TokenBudget};
+use engram_proxy::recorder::Recorder;
+use engram_proxy::recorder::journal::{self, Journal};
+use engram_proxy::recorder::outbox::{MEMORY_SPOOL_JOBS, Outbox, Spool};
+use engram_proxy::summarizer::Summarizer;
+use engram_proxy::telemetry::Telemetry;
+use engram_proxy::upstream::Upstream;
+use engram_proxy::worker::Worker;
 use engram_runtime::priority;
 use engram_store::{CommitListener, EmbeddedStore, RedisStore, Store};
 
@@ -105,7 +105,7 @@ impl Engram {
     /// Opens the store and binds the listener; nothing runs until [`Engram::run`]. Traces go
     /// where `config.telemetry` says.
     pub async fn build(config: Config, credentials: Credentials) -> Result<Engram> {
-        let telemetry = Telemetry::from_config(&config.telemetry)?;
+        let telemetry = engram_ops::telemetry::from_config(&config.telemetry)?;
         Engram::build_with_telemetry(config, credentials, telemetry).await
     }
 

@@ -5,10 +5,10 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use engram::app::{Credentials, Engram};
-use engram::cli::{AdminArgs, Cli, Command, ServeArgs, StoreFlag};
-use engram::config::{Config, LogFormat, StoreBackend};
 use engram::error::Error;
 use engram::server::shutdown_signal;
+use engram_ops::cli::{AdminArgs, Cli, Command, ServeArgs, StoreFlag};
+use engram_ops::config::{Config, LogFormat, StoreBackend};
 use tracing_subscriber::EnvFilter;
 
 // jemalloc, not glibc's malloc: with memory on, glibc's per-thread arenas kept ~150 MB of RSS
@@ -120,7 +120,7 @@ fn admin(args: AdminArgs) -> ExitCode {
         let _ = writeln!(std::io::stderr(), "engram: {message}");
         ExitCode::FAILURE
     };
-    let call = match engram::admin::client::call_for(&args.command) {
+    let call = match engram_ops::admin::client::call_for(&args.command) {
         Ok(call) => call,
         Err(error) => return failed(&error),
     };
@@ -137,9 +137,9 @@ fn admin(args: AdminArgs) -> ExitCode {
             Err(error) => return failed(&error),
         },
     };
-    let token = std::env::var(engram::admin::TOKEN_ENV).ok();
+    let token = std::env::var(engram_ops::admin::TOKEN_ENV).ok();
     let reply = runtime(1).and_then(|runtime| {
-        runtime.block_on(engram::admin::client::send(
+        runtime.block_on(engram_ops::admin::client::send(
             &base_url,
             token.as_deref(),
             args.tenant.as_deref(),

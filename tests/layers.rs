@@ -5,7 +5,8 @@
 //! it. A cycle is then impossible (a dev-dependency may point up, to a development tool, but
 //! may not close a cycle), and a new crate or module must be given its place here. The
 //! sidecar's dependency tree is checked for the development tools and test frameworks, the
-//! engine's for an async runtime or I/O, the store's for HTTP, the telemetry SDK and metrics.
+//! engine's for an async runtime or I/O, the store's for HTTP, the telemetry SDK and metrics,
+//! the proxy's for the trace exporter and the command line and configuration file parsers.
 //! docs/architecture.md describes the layers.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -76,31 +77,51 @@ const CRATES: &[Crate] = &[
         ],
         aliases: &[],
     },
-    // The sidecar: its library and the `engram` binary.
+    // The proxy: everything a request and its recording go through.
     Crate {
-        name: "engram",
-        dir: ".",
+        name: "engram-proxy",
+        dir: "crates/engram-proxy",
         layers: &[
             // Clients with no memory in them.
             &["upstream"],
             &["telemetry"],
             // The hot path's cache of what it read from the store.
             &["cache"],
-            // The proxy: identity, limits, the summarizer, recorder, hot path, worker.
+            // Identity, limits, the summarizer, recorder, hot path, worker.
             &["credentials"],
             &["ratelimit"],
             &["summarizer"],
             &["recorder"],
             &["pipeline"],
             &["worker"],
-            // Operations and wiring.
+        ],
+        aliases: &[
+            // `use engram_runtime::error` in its lib.rs: the sidecar's error type.
+            ("error", "engram-runtime"),
+        ],
+    },
+    // Operations: metrics, configuration, command line, management API.
+    Crate {
+        name: "engram-ops",
+        dir: "crates/engram-ops",
+        layers: &[
+            // The OTLP exporter behind the proxy's tracing handle; the metrics registry.
+            &["telemetry"],
             &["metrics"],
             &["config"],
             &["cli"],
             &["admin"],
-            &["server"],
-            &["app"],
         ],
+        aliases: &[
+            // `use engram_runtime::error` in its lib.rs: the sidecar's error type.
+            ("error", "engram-runtime"),
+        ],
+    },
+    // The sidecar: HTTP and wiring, its library and the `engram` binary.
+    Crate {
+        name: "engram",
+        dir: ".",
+        layers: &[&["server"], &["app"]],
         aliases: &[
             // `pub use engram_runtime::error` in src/lib.rs: the sidecar's error type.
             ("error", "engram-runtime"),
@@ -147,6 +168,12 @@ const NOT_IN_THE_ENGINE: &[&str] = &[
 /// What the store's dependency tree must not hold: an HTTP client or server, the telemetry SDK
 /// (a job keeps its trace parent through OpenTelemetry's API only), the metrics registry.
 const NOT_IN_THE_STORE: &[&str] = &["hyper", "opentelemetry_sdk", "prometheus"];
+
+/// What the proxy's dependency tree must not hold: the trace exporter and its protobuf stack
+/// (the proxy keeps the spans and their propagation; operations export them), and the
+/// command line's and configuration file's parsers. (It keeps the telemetry SDK, whose tracer,
+/// spans and W3C propagator it uses, and prometheus, whose handles its modules count into.)
+const NOT_IN_THE_PROXY: &[&str] = &["opentelemetry-otlp", "prost", "clap", "serde-saphyr"];
 
 fn workspace_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -351,12 +378,15 @@ fn crate_problems(graph: &Graph) -> Vec<String> {
 }
 
 /// The sidecar's normal dependency tree holds no development tool or test framework, the
-/// engine's no async runtime or I/O, the store's no HTTP, telemetry SDK or metrics.
+/// engine's no async runtime or I/O, the store's no HTTP, telemetry SDK or metrics, the proxy's
+/// no trace exporter or command line and configuration file parsers.
 #[test]
-fn the_sidecar_engine_and_store_trees_hold_nothing_they_must_not() {
+fn the_sidecar_engine_store_and_proxy_trees_hold_nothing_they_must_not() {
     let sidecar = dependency_tree("engram");
     let engine = dependency_tree("engram-memory");
     let store = dependency_tree("engram-store");
+    let proxy = dependency_tree("engram-proxy");
+    assert!(proxy.contains("engram-store"), "{proxy:?}");
     assert!(sidecar.contains("engram-memory"), "{sidecar:?}");
     let mut problems = Vec::new();
     for name in NOT_IN_THE_SIDECAR {
@@ -375,6 +405,13 @@ fn the_sidecar_engine_and_store_trees_hold_nothing_they_must_not() {
         if store.contains(*name) {
             problems.push(format!(
                 "`cargo tree -p engram-store -e normal` holds {name}"
+            ));
+        }
+    }
+    for name in NOT_IN_THE_PROXY {
+        if proxy.contains(*name) {
+            problems.push(format!(
+                "`cargo tree -p engram-proxy -e normal` holds {name}"
             ));
         }
     }

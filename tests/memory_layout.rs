@@ -13,7 +13,6 @@
 
 use std::sync::Arc;
 
-use engram::cache::CachedMemory;
 use engram_memory::index::Bm25;
 use engram_memory::manifest::build_manifest;
 use engram_memory::openai::ChatMessage;
@@ -21,6 +20,7 @@ use engram_memory::{
     ComposeRequest, ExchangeInput, HeuristicExtractor, MemoryConfig, MemoryIndex, MemoryState,
     compose, consolidate, record_exchange,
 };
+use engram_proxy::cache::CachedMemory;
 use engram_store::{EmbeddedStore, EncodedState, MemoryRecords, UserKey};
 use proptest::prelude::*;
 

@@ -301,7 +301,7 @@ async fn a_sessions_jobs_apply_in_arrival_order_and_wait_for_a_turn_still_record
         job.exchange.arrival = Some(arrival);
         job
     };
-    let now = engram::cache::first_version();
+    let now = engram_proxy::cache::first_version();
 
     // Recorded out of order (another replica was slower): applied in arrival order.
     let (early, late) = (arriving("t1", now), arriving("t2", now + 1_000));
@@ -360,7 +360,7 @@ async fn a_sessions_jobs_apply_in_arrival_order_and_wait_for_a_turn_still_record
     store.ack(&nudge.id).await.unwrap();
 
     // …and a turn whose replica died holds the next one back for the grace at most.
-    let later = engram::cache::first_version();
+    let later = engram_proxy::cache::first_version();
     store
         .hot_record_arriving(&alice, "s1", None, "t5", later)
         .await

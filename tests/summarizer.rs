@@ -10,9 +10,9 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use engram::summarizer::{Summarizer, SummarizerConfig, SummaryFailure, SummarySource};
 use engram_memory::FactEdit;
 use engram_mock::{MockOptions, MockServer};
+use engram_proxy::summarizer::{Summarizer, SummarizerConfig, SummaryFailure, SummarySource};
 use serde_json::{Value, json};
 use tokio_util::task::TaskTracker;
 

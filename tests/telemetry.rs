@@ -19,11 +19,11 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{Reply, post_json, send};
-use engram::admin::AdminAuth;
 use engram::app::{Credentials, Engram};
-use engram::config::Config;
-use engram::telemetry::{Telemetry, TelemetryConfig};
 use engram_mock::{MockOptions, MockServer};
+use engram_ops::admin::AdminAuth;
+use engram_ops::config::Config;
+use engram_proxy::telemetry::{Telemetry, TelemetryConfig};
 use engram_store::TraceParent;
 use http::{HeaderMap, Response};
 use http_body_util::{BodyExt, Full};
@@ -432,12 +432,12 @@ async fn content_is_recorded_only_when_enabled_and_credentials_never() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_an_endpoint_nothing_is_traced_and_trace_headers_pass_through() {
     assert!(
-        std::env::var_os(engram::telemetry::ENDPOINT_ENV).is_none()
-            && std::env::var_os(engram::telemetry::TRACES_ENDPOINT_ENV).is_none(),
+        std::env::var_os(engram_proxy::telemetry::ENDPOINT_ENV).is_none()
+            && std::env::var_os(engram_proxy::telemetry::TRACES_ENDPOINT_ENV).is_none(),
         "this test needs the OTLP endpoint variables unset"
     );
     assert!(
-        !Telemetry::from_config(&Config::default().telemetry)
+        !engram_ops::telemetry::from_config(&Config::default().telemetry)
             .unwrap()
             .is_enabled()
     );

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use common::memory::{admin, export, header, wait_drained};
 use common::{Mock, Process, Reply, assert_openai_error, mock, post_json, proxy, proxy_args, send};
-use engram::pipeline::trust::{IDENTITY_HEADER, sign, unix_now};
+use engram_proxy::pipeline::trust::{IDENTITY_HEADER, sign, unix_now};
 use serde_json::json;
 
 const UPSTREAM_KEY: &str = "sk-engram-own-upstream-key";

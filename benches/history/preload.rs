@@ -1,6 +1,6 @@
 //! Preloading one user's history through the library, as `benches/worker.rs` does: recorded
 //! exchanges are enqueued as `Job`s into an `EmbeddedStore` opened on the size's data
-//! directory, and the real `engram::worker::Worker` applies them in-process, so the history is
+//! directory, and the real `engram_proxy::worker::Worker` applies them in-process, so the history is
 //! loaded at the rate the worker sustains and is stored exactly as the proxy would have stored
 //! it. The store is closed afterwards, so `engram serve` can open the file.
 
@@ -10,11 +10,10 @@ use std::sync::atomic::Ordering;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use engram::cache::MemoryCache;
-use engram::config::WorkerConfig;
-use engram::summarizer::Summarizer;
-use engram::worker::Worker;
 use engram_memory::MemoryConfig;
+use engram_proxy::cache::MemoryCache;
+use engram_proxy::summarizer::Summarizer;
+use engram_proxy::worker::{Worker, WorkerConfig};
 use engram_store::{CommitListener, EmbeddedStore, Job, JobId, JobQueue, Store, UserKey};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;

@@ -23,13 +23,15 @@ use super::layers::{
     Admission, Answered, Handler, Identified, Observe, Observer, RefuseWhileDraining,
 };
 use crate::error::{BodyError, Error, ProxyBody, full_body};
-use crate::metrics::{Route, Timing};
-use crate::pipeline::trust::Vouched;
-use crate::pipeline::{Exchange, Incomplete, Receipt, Rewrite};
-use crate::recorder::tee::{self, FirstFrame, PrefixedBody, ReceiptWait, TeeBody, TeeOptions};
-use crate::telemetry::{self, RequestTrace};
-use crate::upstream::without_hop_by_hop;
 use engram_memory::openai::ChatRequest;
+use engram_ops::metrics::{Route, Timing};
+use engram_proxy::pipeline::trust::Vouched;
+use engram_proxy::pipeline::{Exchange, Incomplete, Receipt, Rewrite};
+use engram_proxy::recorder::tee::{
+    self, FirstFrame, PrefixedBody, ReceiptWait, TeeBody, TeeOptions,
+};
+use engram_proxy::telemetry::{self, RequestTrace};
+use engram_proxy::upstream::without_hop_by_hop;
 
 /// The chat route's stack, outermost first: the request's span and metrics ([`Observed`]),
 /// refusing work while draining, [`identify`] (phase 1), admission under the rate limits
@@ -128,7 +130,7 @@ impl Identified for Chat {
 }
 
 /// Phase 3, load memory: identity, the bounded store read, the cached memory and the
-/// composed prompt ([`crate::pipeline::MemoryLayer::rewrite`]); a store that fails or is slow
+/// composed prompt ([`engram_proxy::pipeline::MemoryLayer::rewrite`]); a store that fails or is slow
 /// gives a rewrite without memory, not an error.
 async fn load_memory(state: &AppState, chat: &Chat) -> Result<Rewrite, Error> {
     state
@@ -403,7 +405,7 @@ async fn whole_with_receipt(
     mut body: TeeBody,
     recorded: oneshot::Receiver<Receipt>,
     max_wait: Duration,
-    capture: &crate::config::CaptureConfig,
+    capture: &engram_ops::config::CaptureConfig,
 ) -> Result<(Option<Receipt>, ProxyBody), Error> {
     let mut read = Vec::new();
     while let Some(frame) = body.frame().await {

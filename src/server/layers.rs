@@ -22,11 +22,11 @@ use opentelemetry::Context;
 
 use super::AppState;
 use crate::error::{Error, ProxyBody};
-use crate::metrics::RateLimitKind;
-use crate::pipeline::identity;
-use crate::pipeline::trust::Vouched;
-use crate::telemetry;
 use engram_memory::openai::ChatRequest;
+use engram_ops::metrics::RateLimitKind;
+use engram_proxy::pipeline::identity;
+use engram_proxy::pipeline::trust::Vouched;
+use engram_proxy::telemetry;
 
 /// What a layer answers with: the response, or the error the route table renders.
 pub(super) type Answered = Result<Response<ProxyBody>, Error>;
@@ -142,12 +142,12 @@ mod tests {
     use http::StatusCode;
 
     use super::*;
-    use crate::config::Config;
     use crate::error::full_body;
-    use crate::metrics::Metrics;
-    use crate::pipeline::NoMemory;
-    use crate::pipeline::trust::Gate;
-    use crate::upstream::Upstream;
+    use engram_ops::config::Config;
+    use engram_ops::metrics::Metrics;
+    use engram_proxy::pipeline::NoMemory;
+    use engram_proxy::pipeline::trust::Gate;
+    use engram_proxy::upstream::Upstream;
 
     /// A tenant may send one request, then waits a second.
     fn state() -> AppState {

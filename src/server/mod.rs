@@ -21,15 +21,15 @@ use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
-use crate::admin::AdminApi;
-use crate::config::Config;
 use crate::error::Error;
-use crate::metrics::Metrics;
-use crate::pipeline::MemoryLayer;
-use crate::pipeline::trust::{Gate, Vouched};
-use crate::ratelimit::RequestLimits;
-use crate::telemetry::Telemetry;
-use crate::upstream::Upstream;
+use engram_ops::admin::AdminApi;
+use engram_ops::config::Config;
+use engram_ops::metrics::Metrics;
+use engram_proxy::pipeline::MemoryLayer;
+use engram_proxy::pipeline::trust::{Gate, Vouched};
+use engram_proxy::ratelimit::RequestLimits;
+use engram_proxy::telemetry::Telemetry;
+use engram_proxy::upstream::Upstream;
 
 /// Everything a request handler needs, shared behind one `Arc`.
 pub struct AppState {
@@ -89,7 +89,8 @@ impl AppState {
     /// The request's credential checked against the identity it names (`identity.trust`):
     /// the first thing a proxied request goes through, before its body is read.
     fn authenticate(&self, headers: &HeaderMap) -> Result<Vouched, Error> {
-        self.gate.check(headers, crate::pipeline::trust::unix_now())
+        self.gate
+            .check(headers, engram_proxy::pipeline::trust::unix_now())
     }
 }
 

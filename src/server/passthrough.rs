@@ -11,11 +11,11 @@ use opentelemetry::Context;
 use super::AppState;
 use super::layers::{Admission, Answered, Handler, Identified, Observe, Observer};
 use crate::error::{BodyError, Error, ProxyBody};
-use crate::metrics::{Route, Timing};
-use crate::pipeline::trust::Vouched;
-use crate::telemetry::RequestTrace;
-use crate::upstream::without_hop_by_hop;
 use engram_memory::openai::ChatRequest;
+use engram_ops::metrics::{Route, Timing};
+use engram_proxy::pipeline::trust::Vouched;
+use engram_proxy::telemetry::RequestTrace;
+use engram_proxy::upstream::without_hop_by_hop;
 
 /// The stack, outermost first: the request's span and metrics ([`Watched`]), the credential,
 /// admission under the tenant's rate limit, then the request sent on. Unlike chat, a draining

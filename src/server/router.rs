@@ -7,7 +7,7 @@ use hyper::body::Incoming;
 
 use super::{AppState, chat, passthrough};
 use crate::error::{Error, ProxyBody, full_body};
-use crate::metrics::{self, Route};
+use engram_ops::metrics::{self, Route};
 
 pub async fn route(state: Arc<AppState>, request: Request<Incoming>) -> Response<ProxyBody> {
     let path = request.uri().path();
@@ -27,7 +27,7 @@ pub async fn route(state: Arc<AppState>, request: Request<Incoming>) -> Response
             Route::Passthrough,
             passthrough::handle(state.clone(), request).await,
         ),
-        (_, path) if path.starts_with(crate::admin::PREFIX) => (
+        (_, path) if path.starts_with(engram_ops::admin::PREFIX) => (
             Route::Admin,
             match state.admin.clone() {
                 Some(admin) => admin.handle(request).await,
@@ -101,7 +101,7 @@ pub async fn route_reserved(
             Route::ChatCompletions
         } else if path.starts_with("/v1/") {
             Route::Passthrough
-        } else if path.starts_with(crate::admin::PREFIX) {
+        } else if path.starts_with(engram_ops::admin::PREFIX) {
             Route::Admin
         } else {
             Route::NotFound

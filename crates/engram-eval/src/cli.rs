@@ -5,8 +5,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
-use engram::config::Config;
 use engram::error::{Error, Result};
+use engram_ops::config::Config;
 
 use crate::locomo::EvalOptions;
 use crate::progress::Progress;
@@ -77,7 +77,7 @@ impl LocomoArgs {
             out: Some(self.out),
             proxy: self.proxy,
             mock_listen: self.mock_listen,
-            admin_token: std::env::var(engram::admin::TOKEN_ENV).ok(),
+            admin_token: std::env::var(engram_ops::admin::TOKEN_ENV).ok(),
             config,
             progress: Progress::new(bar, true),
             trace: self.trace,

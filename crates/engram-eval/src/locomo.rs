@@ -35,12 +35,14 @@ use super::progress::Progress;
 use super::report::{self, Report};
 use super::upstream::{EXCHANGE_HEADER, ScriptedUpstream};
 use engram::app::{Credentials, Engram};
-use engram::config::{Config, StoreBackend};
 use engram::error::{Error, Result};
-use engram::pipeline::identity::{EVENT_TIME_HEADER, MODE_HEADER, SESSION_HEADER, USER_HEADER};
 use engram_memory::config::RetrievalMode;
 use engram_memory::openai::ChatMessage;
 use engram_memory::tokens::{Encoding, count_in};
+use engram_ops::config::{Config, StoreBackend};
+use engram_proxy::pipeline::identity::{
+    EVENT_TIME_HEADER, MODE_HEADER, SESSION_HEADER, USER_HEADER,
+};
 
 /// The model named in every request: not an o200k model, so engram counts in cl100k, the
 /// encoding the metrics use.
@@ -201,7 +203,7 @@ impl LocalProxy {
         let engram = loop {
             match Engram::build(
                 config.clone(),
-                Credentials::admin_only(engram::admin::AdminAuth::global(token)),
+                Credentials::admin_only(engram_ops::admin::AdminAuth::global(token)),
             )
             .await
             {

@@ -15,13 +15,13 @@ use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::process::Command;
 
-use engram::admin::AdminAuth;
 use engram::app::{Credentials, Engram};
-use engram::config::Config;
 use engram_eval::client::ProxyClient;
 use engram_eval::locomo::{EvalOptions, run};
 use engram_eval::progress::Progress;
 use engram_memory::tokens::{Encoding, count_in};
+use engram_ops::admin::AdminAuth;
+use engram_ops::config::Config;
 use http::Method;
 use serde_json::Value;
 use tokio::sync::oneshot;

@@ -8,7 +8,7 @@ use prometheus::{Histogram, IntCounter, Registry};
 
 use super::{MODEL_BUCKETS, OVERHEAD_BUCKETS, child, counter_vec, histogram_vec, try_array};
 use crate::error::Result;
-use crate::recorder::tee::FirstFrame;
+use engram_proxy::recorder::tee::FirstFrame;
 
 /// The route label: what the router dispatched a request to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -34,16 +34,16 @@ use http::{HeaderMap, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde_json::{Value, json};
 
-use crate::cache::{CachedMemory, MemoryCache};
 use crate::config::Config;
 use crate::error::{Error, ProxyBody};
-use crate::pipeline::explain_log::ExplainLog;
-use crate::pipeline::identity::{self, IdentityConfig};
-use crate::recorder::outbox::Outbox;
-use crate::worker::{Worker, edit_memory};
 use engram_memory::index::Bm25;
 use engram_memory::manage::{self, ItemFilter, ItemKind, ManageError};
 use engram_memory::{self as memory, ItemRef, Tier};
+use engram_proxy::cache::{CachedMemory, MemoryCache};
+use engram_proxy::pipeline::explain_log::ExplainLog;
+use engram_proxy::pipeline::identity::{self, IdentityConfig};
+use engram_proxy::recorder::outbox::Outbox;
+use engram_proxy::worker::{Worker, edit_memory};
 use engram_store::{JobId, JobState, Store, UserKey};
 
 use auth::Access;

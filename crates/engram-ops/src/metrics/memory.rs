@@ -5,7 +5,7 @@ use prometheus::{Histogram, IntCounter, Registry};
 
 use super::{TOKEN_BUCKETS, child, counter, counter_vec, histogram_vec, try_array};
 use crate::error::Result;
-use crate::pipeline::{MemoryOutcome, Rewrite};
+use engram_proxy::pipeline::{MemoryOutcome, Rewrite};
 
 /// `x-engram-memory-reason` values of a degraded answer (the store failed open).
 const FAIL_OPEN_REASONS: [&str; 5] = [
@@ -120,8 +120,8 @@ fn index_of(known: &[&str], reason: Option<&str>) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pipeline::MemoryMeasures;
     use engram_memory::BlockTokens;
+    use engram_proxy::pipeline::MemoryMeasures;
 
     #[test]
     fn an_injected_request_counts_its_blocks_history_and_retrieval() {

@@ -7,12 +7,12 @@
 //! - `ENGRAM_ADMIN_TENANT_TOKENS_FILE`: a file of the same pairs, one per line (`#` starts a
 //!   comment), e.g. a Secret mounted as a volume.
 //!
-//! Tokens are compared in constant time and never logged ([`crate::credentials`]).
+//! Tokens are compared in constant time and never logged ([`engram_proxy::credentials`]).
 
 use http::HeaderMap;
 
-use crate::credentials::{TenantTokens, bearer_token, same};
 use crate::error::Error;
+use engram_proxy::credentials::{TenantTokens, bearer_token, same};
 
 pub const TOKEN_ENV: &str = "ENGRAM_ADMIN_TOKEN";
 pub const TENANT_TOKENS_ENV: &str = "ENGRAM_ADMIN_TENANT_TOKENS";
@@ -96,8 +96,22 @@ impl AdminAuth {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::credentials::env_of as env;
     use http::header;
+
+    /// A variable lookup over fixed pairs (`engram_proxy::credentials::env_of`, which only the
+    /// proxy's own tests see).
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
+        let pairs: Vec<(String, String)> = pairs
+            .iter()
+            .map(|(key, value)| ((*key).to_owned(), (*value).to_owned()))
+            .collect();
+        move |name| {
+            pairs
+                .iter()
+                .find(|(key, _)| key == name)
+                .map(|(_, value)| value.clone())
+        }
+    }
 
     fn bearer(token: &str) -> HeaderMap {
         let mut headers = HeaderMap::new();

@@ -12,14 +12,14 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use crate::error::Error;
-use crate::pipeline::identity::IdentityConfig;
-use crate::pipeline::trust::Trust;
-use crate::ratelimit::RateLimitConfig;
-use crate::summarizer::SummarizerConfig;
-use crate::telemetry::TelemetryConfig;
-pub use crate::upstream::UpstreamConfig;
-pub use crate::worker::WorkerConfig;
 use engram_memory::MemoryConfig;
+use engram_proxy::pipeline::identity::IdentityConfig;
+use engram_proxy::pipeline::trust::Trust;
+use engram_proxy::ratelimit::RateLimitConfig;
+use engram_proxy::summarizer::SummarizerConfig;
+use engram_proxy::telemetry::TelemetryConfig;
+pub use engram_proxy::upstream::UpstreamConfig;
+pub use engram_proxy::worker::WorkerConfig;
 use engram_store::redis::{self, RedisOptions};
 
 const ENV_PREFIX: &str = "ENGRAM_";
@@ -397,7 +397,7 @@ impl Config {
         if self.store.hot_path_deadline_ms == 0 {
             return invalid("store.hot_path_deadline_ms", "must be greater than 0");
         }
-        if let Err(error) = crate::pipeline::identity::checked_id(
+        if let Err(error) = engram_proxy::pipeline::identity::checked_id(
             "identity.default_tenant",
             &self.identity.default_tenant,
         ) {
@@ -551,7 +551,8 @@ mod tests {
 
     #[test]
     fn the_documented_config_file_is_exactly_the_defaults() {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config.yaml");
+        // The repository's config.yaml, two folders above this crate.
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config.yaml");
         let config = Config::load(Some(&path), no_env()).unwrap();
         assert_eq!(config, Config::default());
     }

@@ -27,14 +27,14 @@ use prometheus::{
 };
 
 use crate::error::{Error, Result};
-pub use crate::ratelimit::{RateLimitKind, RateLimitMetrics};
-use crate::recorder::outbox::Outbox;
-use crate::summarizer;
-use crate::worker::Worker;
+pub use engram_proxy::ratelimit::{RateLimitKind, RateLimitMetrics};
+use engram_proxy::recorder::outbox::Outbox;
+use engram_proxy::summarizer;
+use engram_proxy::worker::Worker;
 use engram_store::Store;
 
-pub use crate::summarizer::SummarizerMetrics;
-pub use crate::worker::WorkerMetrics;
+pub use engram_proxy::summarizer::SummarizerMetrics;
+pub use engram_proxy::worker::WorkerMetrics;
 pub use http::{HttpMetrics, Route, Timing};
 pub use memory::MemoryMetrics;
 pub use store::MeteredStore;

@@ -187,7 +187,7 @@ pub async fn send(
         builder = builder.header(header::AUTHORIZATION, format!("Bearer {token}"));
     }
     if let Some(tenant) = tenant {
-        builder = builder.header(crate::pipeline::identity::TENANT_HEADER, tenant);
+        builder = builder.header(engram_proxy::pipeline::identity::TENANT_HEADER, tenant);
     }
     let body = match &call.body {
         Some(body) => {
@@ -199,8 +199,8 @@ pub async fn send(
     let request = builder.body(Full::new(body)).map_err(|error| {
         Error::invalid_request(format!("invalid request to {url}: {error}"), None)
     })?;
-    let client: Client<_, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build(crate::upstream::connector(CONNECT_TIMEOUT));
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new())
+        .build(engram_proxy::upstream::connector(CONNECT_TIMEOUT));
     let unreachable = |error: String| {
         Error::Io(std::io::Error::other(format!(
             "cannot reach {url}: {error}"

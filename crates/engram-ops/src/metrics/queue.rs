@@ -11,8 +11,8 @@ use prometheus::proto::{self, LabelPair, MetricFamily, MetricType};
 
 use super::metrics_error;
 use crate::error::Result;
-use crate::recorder::outbox::Outbox;
-use crate::worker::Worker;
+use engram_proxy::recorder::outbox::Outbox;
+use engram_proxy::worker::Worker;
 
 const JOB_RESULTS: [&str; 4] = ["applied", "duplicate", "retried", "failed"];
 const OUTBOX_RESULTS: [&str; 4] = ["queued", "spooled", "forwarded", "lost"];
@@ -217,7 +217,7 @@ mod tests {
     async fn outbox_counts_are_exported_as_they_are_when_scraped() {
         let dir = tempfile::tempdir().unwrap();
         let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(dir.path()).unwrap());
-        let spool = crate::recorder::outbox::Spool::Memory {
+        let spool = engram_proxy::recorder::outbox::Spool::Memory {
             store: Arc::new(EmbeddedStore::in_memory().unwrap()),
             capacity: 10,
         };
