@@ -1,7 +1,12 @@
 //! Embedded store benchmark: one user with 2,000 recorded turns, in a redb file in a temporary
 //! directory. Prints percentiles of the hot-record read (warm: the caller holds the current
 //! version; cold: the state is decoded), of state saves and raw-log appends, and the job
-//! queue's enqueue → claim → ack throughput. Every write is a committed, synced transaction.
+//! queue's enqueue → claim → ack throughput. Every write is a committed transaction, synced
+//! but for the job commits (docs/storage.md).
+//!
+//! Last, what a recorded answer's end waits for when the worker is busy: enqueues timed one
+//! every 2 ms while a worker task claims, applies and commits the jobs as the sidecar's worker
+//! does (one user's memory of 2,000 turns growing by each job).
 //!
 //! `cargo bench --bench store`
 
@@ -11,12 +16,15 @@
     reason = "a benchmark reports its figures on stdout and stops at the first failure"
 )]
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use engram_memory::{
     ExchangeInput, HeuristicExtractor, ItemRef, MemoryConfig, MemoryState, record_exchange,
 };
-use engram_store::{EmbeddedStore, Job, JobId, JobQueue, MemoryRecords, UserKey};
+use engram_store::{
+    EmbeddedStore, EncodedState, Job, JobId, JobQueue, MemoryRecords, Store, UserKey,
+};
 
 const TURNS: usize = 2_000;
 
@@ -152,6 +160,96 @@ async fn run() {
         JOBS as f64 / drained.as_secs_f64(),
         JOBS as f64 / (enqueued + drained).as_secs_f64()
     );
+
+    enqueue_beside_the_worker(state).await;
+}
+
+fn job(user: &UserKey, index: usize) -> Job {
+    Job {
+        id: JobId {
+            user: user.clone(),
+            key: format!("beside-{index}"),
+        },
+        exchange: exchange(index),
+        trace: None,
+    }
+}
+
+/// Enqueues, one every 2 ms, timed while a worker task applies and commits them: the worker's
+/// commits and the recorders' enqueues share redb's one writer.
+async fn enqueue_beside_the_worker(mut state: MemoryState) {
+    const ENQUEUES: usize = 2_000;
+    let dir = tempfile::tempdir().unwrap();
+    let store = EmbeddedStore::open(dir.path()).unwrap();
+    let user = UserKey::new("acme", "bob");
+    // The memory's first commit writes it whole.
+    let first = job(&user, 0);
+    store.enqueue(&first).await.unwrap();
+    state.take_changes();
+    store
+        .commit_jobs(
+            std::slice::from_ref(&first),
+            &EncodedState::of(&state).unwrap(),
+            0,
+            &[],
+        )
+        .await
+        .unwrap();
+
+    let stop = AtomicBool::new(false);
+    // Two futures of one task (the enqueues' timer and the worker's store calls both wait
+    // most of the time); the worker computes on the blocking pool, as the sidecar's does on
+    // threads of its own.
+    let worker = async {
+        let config = MemoryConfig::default();
+        let mut commits = Vec::new();
+        while !stop.load(Ordering::Relaxed) {
+            let claimed = store
+                .claim_batch("worker", Duration::from_secs(30), 8)
+                .await
+                .unwrap();
+            if claimed.is_empty() {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                continue;
+            }
+            let jobs: Vec<Job> = claimed.into_iter().map(|claimed| claimed.job).collect();
+            let expected = state.version;
+            let (next, encoded) = {
+                let (mut next, jobs) = (state.clone(), jobs.clone());
+                let config = config.clone();
+                tokio::task::spawn_blocking(move || {
+                    for job in &jobs {
+                        record_exchange(&mut next, &job.exchange, &HeuristicExtractor, &config);
+                    }
+                    let changes = next.take_changes();
+                    let encoded = EncodedState::changes(&next, &changes).unwrap();
+                    (next, encoded)
+                })
+                .await
+                .unwrap()
+            };
+            let (result, elapsed) = timed(store.commit_jobs(&jobs, &encoded, expected, &[])).await;
+            result.unwrap();
+            commits.push(elapsed);
+            state = next;
+        }
+        commits
+    };
+    let enqueues = async {
+        let mut samples = Vec::with_capacity(ENQUEUES);
+        let mut ticks = tokio::time::interval(Duration::from_millis(2));
+        for index in 1..=ENQUEUES {
+            ticks.tick().await;
+            let (result, elapsed) = timed(store.enqueue(&job(&user, index))).await;
+            result.unwrap();
+            samples.push(elapsed);
+        }
+        stop.store(true, Ordering::Relaxed);
+        samples
+    };
+    let (commits, samples) = tokio::join!(worker, enqueues);
+    println!("beside the worker: enqueue {}", percentiles(samples));
+    println!("                   job commit {}", percentiles(commits));
 }
 
 fn main() {

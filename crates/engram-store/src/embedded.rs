@@ -207,8 +207,13 @@ impl EmbeddedStore {
             // A job commit holds what its jobs, durable in the queue, derive: skipping its
             // fsync loses nothing in a crash (the file reopens at its last durable commit, the
             // jobs queued again and applied again), and the recorders' enqueues, whose answers
-            // wait for their fsync, no longer queue behind the worker's.
-            commits: GroupCommit::unsynced(write_commit),
+            // wait for their fsync, no longer queue behind the worker's. Its pages are still
+            // written back after each round, outside the write lock: left to the next enqueue's
+            // fsync, they made it slower (`cargo bench --bench store`, "beside the worker").
+            commits: GroupCommit::unsynced(
+                write_commit,
+                std::fs::File::open(data_dir.join(FILE_NAME)).ok(),
+            ),
             listener: None,
         })
     }

@@ -49,6 +49,10 @@ pub struct GroupCommit<Op, Out> {
     /// `Immediate`: a round's commit is on disk when its callers are answered. `None`: it is
     /// visible at once and on disk with the next durable commit of the file (`unsynced`).
     durability: Durability,
+    /// For unsynced rounds: the database file, written back after each round once its callers
+    /// are answered, so the next durable commit (a recorder's, whose answer waits for it) does
+    /// not have this round's pages to write as well.
+    write_back: Option<std::fs::File>,
     /// Transactions left to fail (`fail_next_commits`).
     #[cfg(any(test, feature = "faults"))]
     faults: std::sync::atomic::AtomicU32,
@@ -85,10 +89,15 @@ where
     /// A group commit whose rounds skip the fsync: for writes derived from what another,
     /// durable write already holds, so that a crash losing them loses nothing that cannot be
     /// written again. redb persists them with the file's next durable commit (any other
-    /// write, or the one it makes on close).
-    pub fn unsynced(apply: Apply<Op, Out>) -> Arc<GroupCommit<Op, Out>> {
+    /// write, or the one it makes on close). With `write_back` (the database file), each round's
+    /// pages are written to disk after its callers are answered, outside redb's write lock.
+    pub fn unsynced(
+        apply: Apply<Op, Out>,
+        write_back: Option<std::fs::File>,
+    ) -> Arc<GroupCommit<Op, Out>> {
         let mut group = GroupCommit::with(apply, Duration::ZERO, None);
         group.durability = Durability::None;
+        group.write_back = write_back;
         Arc::new(group)
     }
 
@@ -120,6 +129,7 @@ where
             linger,
             pool,
             durability: Durability::Immediate,
+            write_back: None,
             #[cfg(any(test, feature = "faults"))]
             faults: std::sync::atomic::AtomicU32::new(0),
         }
@@ -224,6 +234,11 @@ where
             }
             for (answer, result) in answers {
                 let _ = answer.send(result);
+            }
+            if let Some(file) = &self.write_back
+                && let Err(error) = file.sync_data()
+            {
+                tracing::debug!(%error, "writing back an unsynced commit failed");
             }
         }
     }
