@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use rustc_hash::{FxBuildHasher, FxHasher};
 
-use super::embed::{self, Vector};
+use super::embed::{self, Sides, Vector};
 use crate::layered::LayeredMap;
 use crate::model::{ItemRef, MemoryState, TurnSeq};
 use crate::segmented::Segmented;
@@ -193,10 +193,11 @@ pub struct Segment {
     vectors: Segmented<Option<Vector>>,
     /// Keys with a vector.
     vector_count: u32,
-    /// Key -> the vectors of its parts (a raw turn's two sides; empty for other items), so an
-    /// item can be found by its best part (`RetrievalConfig::side_weight`). Kept like `vectors`.
-    sides: Segmented<Box<[Vector]>>,
-    /// Part vectors held.
+    /// Key -> the vectors of its two sides (a raw turn's user and assistant text; `None` for
+    /// other items), so an item can be found by its best side (`RetrievalConfig::side_weight`).
+    /// Kept like `vectors`.
+    sides: Segmented<Option<Box<Sides>>>,
+    /// Keys with sides.
     side_count: u32,
 }
 
@@ -714,23 +715,22 @@ impl Segment {
             + self.stale.len() * 8
             + self.vectors.len() * std::mem::size_of::<Option<Vector>>()
             + self.vector_count as usize * embed::DIMS
-            + self.sides.len() * std::mem::size_of::<Box<[Vector]>>()
-            + self.side_count as usize * (embed::DIMS + std::mem::size_of::<Vector>())
+            + self.sides.len() * std::mem::size_of::<Option<Box<Sides>>>()
+            + self.side_count as usize * std::mem::size_of::<Sides>()
     }
 
-    /// Sets the vectors of `key`'s parts (empty: it has none).
-    pub fn set_sides(&mut self, key: u32, sides: Vec<Vector>) {
+    /// Sets the vectors of `key`'s sides (`None`: it has none).
+    pub fn set_sides(&mut self, key: u32, sides: Option<Sides>) {
         let key = key as usize;
         while self.sides.len() <= key {
-            self.sides.push(Box::default());
+            self.sides.push(None);
         }
         if let Some(slot) = self.sides.get_mut(key) {
-            let count = u32::try_from(sides.len()).unwrap_or(u32::MAX);
             self.side_count = self
                 .side_count
-                .saturating_add(count)
-                .saturating_sub(u32::try_from(slot.len()).unwrap_or(u32::MAX));
-            *slot = sides.into_boxed_slice();
+                .saturating_add(u32::from(sides.is_some()))
+                .saturating_sub(u32::from(slot.is_some()));
+            *slot = sides.map(Box::new);
         }
         self.sides.take_dirty();
     }
@@ -741,13 +741,10 @@ impl Segment {
         if side_weight <= 0.0 {
             return whole;
         }
-        let Some(sides) = self.sides.get(key).filter(|sides| !sides.is_empty()) else {
+        let Some(Some(sides)) = self.sides.get(key) else {
             return whole;
         };
-        let best = sides
-            .iter()
-            .map(|side| side.cosine(query))
-            .fold(whole, f32::max);
+        let best = sides.cosines(query).into_iter().fold(whole, f32::max);
         (1.0 - side_weight) * whole + side_weight * best
     }
 
@@ -1056,7 +1053,7 @@ impl MemoryIndex {
             self.raw.put(seq, Some(text), print);
             self.raw.set_vector(seq, embed_text(&said));
             self.raw
-                .set_sides(seq, side_vectors(&[&turn.user, &turn.assistant]));
+                .set_sides(seq, side_vectors(&turn.user, &turn.assistant));
             self.chains.insert(turn.chain, seq);
             self.pairs.insert(turn.pair(), seq);
         }
@@ -1240,11 +1237,10 @@ fn embed_text(text: &str) -> Option<Vector> {
     embed::model().and_then(|model| model.embed(text))
 }
 
-/// The vectors of an item's parts, when it has more than one part with a vector (one part's
-/// vector is the whole's).
-fn side_vectors(parts: &[&str]) -> Vec<Vector> {
-    let sides: Vec<Vector> = parts.iter().filter_map(|part| embed_text(part)).collect();
-    if sides.len() > 1 { sides } else { Vec::new() }
+/// The vectors of an exchange's two sides, when both have one (one side's vector is the
+/// whole's).
+fn side_vectors(user: &str, assistant: &str) -> Option<Sides> {
+    Some(Sides::new(&embed_text(user)?, &embed_text(assistant)?))
 }
 
 /// The segment and document key of an item, if it is indexed.
@@ -1335,15 +1331,16 @@ mod tests {
             |_| None,
         );
         let index = MemoryIndex::build(&state);
-        assert_eq!(index.raw.sides.get(0).map(|sides| sides.len()), Some(2));
-        assert_eq!(index.raw.sides.get(2).map(|sides| sides.len()), Some(0));
+        assert!(matches!(index.raw.sides.get(0), Some(Some(_))));
+        assert!(matches!(index.raw.sides.get(2), Some(None)));
         let query = embed_text("I love shaping clay on the pottery wheel").unwrap();
         for key in 0..3 {
             let whole = index.raw.cosine(key, &query).unwrap();
             let best = index.raw.sides[key as usize]
-                .iter()
-                .map(|side| side.cosine(&query))
-                .fold(whole, f32::max);
+                .as_ref()
+                .map_or(whole, |sides| {
+                    sides.cosines(&query).into_iter().fold(whole, f32::max)
+                });
             for weight in [0.0, 0.5, 1.0] {
                 let mixed = index.raw.similarity(key, &query, weight).unwrap();
                 assert!((mixed - ((1.0 - weight) * whole + weight * best)).abs() < 1e-6);
