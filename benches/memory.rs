@@ -421,13 +421,7 @@ fn report(fixture: &Fixture) {
     // (hybrid) retrieval mode, then lexical-only for comparison.
     let mut lexical = config.clone();
     lexical.retrieval.mode = RetrievalMode::Lexical;
-    let mut whole_only = config.clone();
-    whole_only.retrieval.side_weight = 0.0;
-    for (mode, config) in [
-        ("hybrid", config),
-        ("hybrid, whole only", &whole_only),
-        ("lexical", &lexical),
-    ] {
+    for (mode, config) in [("hybrid", config), ("lexical", &lexical)] {
         let mut samples = Vec::with_capacity(20_000);
         let mut items = 0;
         let mut tokens = 0;

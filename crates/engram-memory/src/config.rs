@@ -104,7 +104,6 @@ impl MemoryConfig {
             ),
             ("retrieval.feedback_weight", self.retrieval.feedback_weight),
             ("retrieval.lexical_weight", self.retrieval.lexical_weight),
-            ("retrieval.side_weight", self.retrieval.side_weight),
         ] {
             if !(0.0..=1.0).contains(&value) {
                 return fail(key, "must be between 0 and 1");
@@ -269,18 +268,13 @@ pub struct RetrievalConfig {
     pub feedback_terms: usize,
     /// Weight of the best added word, relative to a word of the message (the others scale down).
     pub feedback_weight: f32,
-    /// Hybrid: an item with parts (a raw turn's two sides) is compared by meaning as
-    /// `(1 − side_weight)`·cosine of the whole + `side_weight`·the best cosine of the whole and
-    /// each part, so an exchange whose one side matches the question is not diluted by the
-    /// other (0: the whole only).
-    pub side_weight: f32,
 }
 
 impl Default for RetrievalConfig {
     fn default() -> Self {
         RetrievalConfig {
             mode: RetrievalMode::Hybrid,
-            lexical_weight: 0.7,
+            lexical_weight: 0.6,
             semantic_candidates: 512,
             semantic_scan_items: 8_192,
             bm25_k1: 1.2,
@@ -301,7 +295,6 @@ impl Default for RetrievalConfig {
             feedback_turns: 6,
             feedback_terms: 96,
             feedback_weight: 0.3,
-            side_weight: 0.5,
         }
     }
 }

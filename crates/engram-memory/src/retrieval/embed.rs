@@ -239,29 +239,6 @@ pub struct Vector {
     pub code: Code,
 }
 
-/// The vectors of an exchange's two sides, in one allocation (int8 values and a scale each,
-/// no sign code: they are only rescored, never prefiltered), so comparing an item by its
-/// sides costs one more memory load, not a pointer chase per side.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Sides {
-    scales: [f32; 2],
-    values: [[i8; DIMS]; 2],
-}
-
-impl Sides {
-    pub fn new(user: &Vector, assistant: &Vector) -> Sides {
-        Sides {
-            scales: [user.scale, assistant.scale],
-            values: [*user.values, *assistant.values],
-        }
-    }
-
-    /// The cosine of each side with `query`.
-    pub fn cosines(&self, query: &Vector) -> [f32; 2] {
-        [0, 1].map(|side| query.cosine_with(&self.values[side], self.scales[side]))
-    }
-}
-
 /// One bit per dimension: set where the component is positive.
 pub type Code = [u64; CODE_WORDS];
 
@@ -288,13 +265,6 @@ impl Vector {
             values: quantised,
             code,
         })
-    }
-
-    /// Cosine similarity with a unit vector given by its int8 `values` and `scale` (how
-    /// [`Sides`] keeps its vectors).
-    pub fn cosine_with(&self, values: &[i8; DIMS], scale: f32) -> f32 {
-        // In the order `values`' own `Vector::cosine` would multiply, so the figure is the same.
-        dot(values, &self.values) as f32 * scale * self.scale
     }
 
     /// Cosine similarity with `other` (both unit vectors, up to quantisation).

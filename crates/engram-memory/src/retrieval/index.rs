@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use rustc_hash::{FxBuildHasher, FxHasher};
 
-use super::embed::{self, Sides, Vector};
+use super::embed::{self, Vector};
 use crate::layered::LayeredMap;
 use crate::model::{ItemRef, MemoryState, TurnSeq};
 use crate::segmented::Segmented;
@@ -193,12 +193,6 @@ pub struct Segment {
     vectors: Segmented<Option<Vector>>,
     /// Keys with a vector.
     vector_count: u32,
-    /// Key -> the vectors of its two sides (a raw turn's user and assistant text; `None` for
-    /// other items), so an item can be found by its best side (`RetrievalConfig::side_weight`).
-    /// Kept like `vectors`.
-    sides: Segmented<Option<Box<Sides>>>,
-    /// Keys with sides.
-    side_count: u32,
 }
 
 impl Segment {
@@ -715,37 +709,6 @@ impl Segment {
             + self.stale.len() * 8
             + self.vectors.len() * std::mem::size_of::<Option<Vector>>()
             + self.vector_count as usize * embed::DIMS
-            + self.sides.len() * std::mem::size_of::<Option<Box<Sides>>>()
-            + self.side_count as usize * std::mem::size_of::<Sides>()
-    }
-
-    /// Sets the vectors of `key`'s sides (`None`: it has none).
-    pub fn set_sides(&mut self, key: u32, sides: Option<Sides>) {
-        let key = key as usize;
-        while self.sides.len() <= key {
-            self.sides.push(None);
-        }
-        if let Some(slot) = self.sides.get_mut(key) {
-            self.side_count = self
-                .side_count
-                .saturating_add(u32::from(sides.is_some()))
-                .saturating_sub(u32::from(slot.is_some()));
-            *slot = sides.map(Box::new);
-        }
-        self.sides.take_dirty();
-    }
-
-    /// How near `key` is to `query` by meaning, given its whole vector's cosine: that cosine
-    /// mixed with the best of it and its parts' (`side_weight` of the best).
-    fn blend_sides(&self, key: usize, whole: f32, query: &Vector, side_weight: f32) -> f32 {
-        if side_weight <= 0.0 {
-            return whole;
-        }
-        let Some(Some(sides)) = self.sides.get(key) else {
-            return whole;
-        };
-        let best = sides.cosines(query).into_iter().fold(whole, f32::max);
-        (1.0 - side_weight) * whole + side_weight * best
     }
 
     /// Sets `key`'s vector (`None`: it has none). Public for benchmarks; the index sets its
@@ -767,13 +730,10 @@ impl Segment {
 
     /// Cosine similarity of `key`'s vector with `query`; `None` when it has none.
     pub fn cosine(&self, key: u32, query: &Vector) -> Option<f32> {
-        self.similarity(key, query, 0.0)
-    }
-
-    /// [`Segment::cosine`] with the item's parts mixed in (see `RetrievalConfig::side_weight`).
-    pub fn similarity(&self, key: u32, query: &Vector, side_weight: f32) -> Option<f32> {
-        let whole = self.vectors.get(key as usize)?.as_ref()?.cosine(query);
-        Some(self.blend_sides(key as usize, whole, query, side_weight))
+        self.vectors
+            .get(key as usize)?
+            .as_ref()
+            .map(|vector| vector.cosine(query))
     }
 
     /// The `top` items nearest to `query` among the newest `scan` keys: every one of them
@@ -782,22 +742,6 @@ impl Segment {
     /// product. So a query costs at most one popcount pass over `scan` 32-byte codes and `pool`
     /// dot products, whatever the history; older items are found by their words.
     pub fn nearest(&self, query: &Vector, pool: usize, scan: usize, top: usize) -> Nearest {
-        self.nearest_by(query, pool, scan, top, 0.0)
-    }
-
-    /// [`Segment::nearest`], each item scored by [`Segment::similarity`] (the prefilter still
-    /// compares whole vectors' sign codes).
-    pub fn nearest_by(
-        &self,
-        query: &Vector,
-        pool: usize,
-        scan: usize,
-        top: usize,
-        side_weight: f32,
-    ) -> Nearest {
-        let score = |key: usize, vector: &Vector| {
-            self.blend_sides(key, vector.cosine(query), query, side_weight)
-        };
         let mut scored: Vec<(u32, f32)> = Vec::new();
         let keyed = |key: usize| u32::try_from(key).unwrap_or(u32::MAX);
         let from = self.vectors.len().saturating_sub(scan);
@@ -805,7 +749,7 @@ impl Segment {
             scored.reserve(self.vector_count as usize);
             for (key, vector) in self.vectors.iter_from(from) {
                 if let Some(vector) = vector {
-                    scored.push((keyed(key), score(key, vector)));
+                    scored.push((keyed(key), vector.cosine(query)));
                 }
             }
         } else {
@@ -843,7 +787,7 @@ impl Segment {
                     }
                     let key = from + offset;
                     if let Some(Some(vector)) = self.vectors.get(key) {
-                        scored.push((keyed(key), score(key, vector)));
+                        scored.push((keyed(key), vector.cosine(query)));
                     }
                 }
             }
@@ -1052,8 +996,6 @@ impl MemoryIndex {
             let text = (self.term_ids(&said), self.term_ids(&date));
             self.raw.put(seq, Some(text), print);
             self.raw.set_vector(seq, embed_text(&said));
-            self.raw
-                .set_sides(seq, side_vectors(&turn.user, &turn.assistant));
             self.chains.insert(turn.chain, seq);
             self.pairs.insert(turn.pair(), seq);
         }
@@ -1237,12 +1179,6 @@ fn embed_text(text: &str) -> Option<Vector> {
     embed::model().and_then(|model| model.embed(text))
 }
 
-/// The vectors of an exchange's two sides, when both have one (one side's vector is the
-/// whole's).
-fn side_vectors(user: &str, assistant: &str) -> Option<Sides> {
-    Some(Sides::new(&embed_text(user)?, &embed_text(assistant)?))
-}
-
 /// The segment and document key of an item, if it is indexed.
 pub fn segment_of(item: ItemRef) -> Option<(SegmentKind, u32)> {
     match item {
@@ -1308,54 +1244,6 @@ mod tests {
             assert_eq!(newest.len(), pool.min(100));
             assert!(newest.iter().all(|(key, _)| *key >= 300), "{newest:?}");
         }
-    }
-
-    /// A raw turn keeps a vector per side (none when only one side has words), and its
-    /// similarity mixes its whole vector's cosine with the best of the whole and its sides'.
-    #[test]
-    fn raw_turns_are_compared_by_their_best_side_too() {
-        let state = crate::record::test_support::recorded_with(
-            &[
-                (
-                    "Pottery class with clay and a wheel.",
-                    "My car needs new winter tyres, the train to Leeds was late again, and I \
-                     baked sourdough bread at home all weekend while it rained.",
-                ),
-                (
-                    "Pottery and clay are lovely hobbies.",
-                    "Agreed, and wheels are fun.",
-                ),
-                ("Just a note to myself.", ""),
-            ],
-            |n| format!("s{n}"),
-            |_| None,
-        );
-        let index = MemoryIndex::build(&state);
-        assert!(matches!(index.raw.sides.get(0), Some(Some(_))));
-        assert!(matches!(index.raw.sides.get(2), Some(None)));
-        let query = embed_text("I love shaping clay on the pottery wheel").unwrap();
-        for key in 0..3 {
-            let whole = index.raw.cosine(key, &query).unwrap();
-            let best = index.raw.sides[key as usize]
-                .as_ref()
-                .map_or(whole, |sides| {
-                    sides.cosines(&query).into_iter().fold(whole, f32::max)
-                });
-            for weight in [0.0, 0.5, 1.0] {
-                let mixed = index.raw.similarity(key, &query, weight).unwrap();
-                assert!((mixed - ((1.0 - weight) * whole + weight * best)).abs() < 1e-6);
-            }
-        }
-        // Turn 0's other side dilutes it as a whole; by its best side it comes first.
-        let first = |weight| index.raw.nearest_by(&query, 16, 16, 3, weight).best[0].0;
-        assert_eq!(first(0.0), 1);
-        assert_eq!(first(0.5), 0);
-        assert_eq!(first(1.0), 0);
-        // The prefilter's path (fewer candidates than vectors) scores the same way.
-        assert_eq!(index.raw.nearest_by(&query, 2, 16, 1, 0.5).best[0].0, 0);
-        // A turn without sides is its whole.
-        let one = index.raw.cosine(2, &query).unwrap();
-        assert_eq!(index.raw.similarity(2, &query, 1.0), Some(one));
     }
 
     #[test]

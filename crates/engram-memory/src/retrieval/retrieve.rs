@@ -263,12 +263,11 @@ fn hybrid(
     let Some(query) = query else {
         return lexical;
     };
-    let nearest = segment.nearest_by(
+    let nearest = segment.nearest(
         query,
         config.semantic_candidates,
         config.semantic_scan_items,
         top,
-        config.side_weight,
     );
     let Some(best) = nearest.best.first() else {
         return lexical;
@@ -297,9 +296,7 @@ fn hybrid(
         } else {
             0.0
         };
-        let cosine = segment
-            .similarity(*key, query, config.side_weight)
-            .map_or(0.0, scaled);
+        let cosine = segment.cosine(*key, query).map_or(0.0, scaled);
         mixed.insert(*key, scale * (w * lexical + (1.0 - w) * cosine));
     }
     for (key, cosine) in &nearest.best {
