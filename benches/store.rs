@@ -1,8 +1,7 @@
 //! Embedded store benchmark: one user with 2,000 recorded turns, in a redb file in a temporary
 //! directory. Prints percentiles of the hot-record read (warm: the caller holds the current
 //! version; cold: the state is decoded), of state saves and raw-log appends, and the job
-//! queue's enqueue → claim → ack throughput. Every write is a committed transaction, synced
-//! but for the job commits (docs/storage.md).
+//! queue's enqueue → claim → ack throughput. Every write is a committed, synced transaction.
 //!
 //! Last, what a recorded answer's end waits for when the worker is busy: enqueues timed one
 //! every 2 ms while a worker task claims, applies and commits the jobs as the sidecar's worker

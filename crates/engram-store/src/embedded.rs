@@ -1,13 +1,9 @@
 //! The default store: one redb file in the data directory, zero setup.
 //!
 //! Every write is one committed redb transaction (durability `Immediate`: fsync before commit
-//! returns), so a killed process loses nothing it reported as written. Two kinds of write skip
-//! the fsync, since a crash that loses them loses nothing that is not written again: a claim's
-//! lease (losing it only frees the job earlier) and a worker's job commit (the memory, raw log,
-//! prefetch and acks it writes derive from jobs durable in the queue; after a crash the file
-//! opens at its last durable commit, which every enqueue, edit and forget makes, with those
-//! jobs queued, and they are applied again). redb calls block, so each runs on tokio's
-//! blocking pool.
+//! returns), so a killed process loses nothing it reported as written. The one exception is a
+//! claim's lease, committed without fsync: losing it in a crash only frees the job earlier. redb calls block, so
+//! each runs on tokio's blocking pool.
 //!
 //! Keys are redb tuples beginning with `(tenant, user)`, so no escaping is needed and a user's
 //! records of one kind are one contiguous range.
@@ -204,16 +200,7 @@ impl EmbeddedStore {
         Ok(EmbeddedStore {
             db: Arc::new(db),
             enqueues: GroupCommit::in_background(write_enqueue, linger, "engram-recorder")?,
-            // A job commit holds what its jobs, durable in the queue, derive: skipping its
-            // fsync loses nothing in a crash (the file reopens at its last durable commit, the
-            // jobs queued again and applied again), and the recorders' enqueues, whose answers
-            // wait for their fsync, no longer queue behind the worker's. Its pages are still
-            // written back after each round, outside the write lock: left to the next enqueue's
-            // fsync, they made it slower (`cargo bench --bench store`, "beside the worker").
-            commits: GroupCommit::unsynced(
-                write_commit,
-                std::fs::File::open(data_dir.join(FILE_NAME)).ok(),
-            ),
+            commits: GroupCommit::new(write_commit),
             listener: None,
         })
     }
@@ -229,7 +216,7 @@ impl EmbeddedStore {
         })
     }
 
-    /// The store, telling `listener` of each job commit once it is visible to readers, on the thread
+    /// The store, telling `listener` of each job commit once it is durable, on the thread
     /// that committed it and before the commit is answered.
     pub fn with_commit_listener(mut self, listener: Arc<dyn CommitListener>) -> EmbeddedStore {
         self.listener = Some(listener);
@@ -1563,68 +1550,6 @@ mod tests {
         assert_eq!(claimed.len(), 1);
         assert_eq!(claimed[0].job.id, job.id);
         assert_eq!(claimed[0].attempt, 2);
-    }
-
-    /// What a SIGKILL right after a job commit leaves on disk: the file as it is (copied while
-    /// the store is open, so nothing is flushed on close) reopens at the last durable commit,
-    /// with the applied job queued again and the memory as before it, so the job is applied
-    /// again; a later enqueue's fsync makes the job commit durable too.
-    #[tokio::test]
-    async fn a_crash_after_a_job_commit_queues_the_job_again() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = EmbeddedStore::open(dir.path()).unwrap();
-        let applied = job("k1", "I live in Oslo.");
-        store.enqueue(&applied).await.unwrap();
-        let state = engram_memory::MemoryState {
-            version: 7,
-            ..Default::default()
-        };
-        let encoded = EncodedState::of(&state).unwrap();
-        store
-            .commit_jobs(std::slice::from_ref(&applied), &encoded, 0, &[])
-            .await
-            .unwrap();
-        // The commit is visible at once.
-        assert_eq!(
-            store.job_state(&applied.id).await.unwrap(),
-            Some(JobState::Applied)
-        );
-        let crash_image = |name: &str| {
-            let image = dir.path().join(name);
-            std::fs::create_dir_all(&image).unwrap();
-            std::fs::copy(dir.path().join(FILE_NAME), image.join(FILE_NAME)).unwrap();
-            image
-        };
-        let before_sync = crash_image("killed-after-the-commit");
-        let next = job("k2", "I work at the harbour.");
-        store.enqueue(&next).await.unwrap();
-        let after_sync = crash_image("killed-after-an-enqueue");
-
-        let reopened = EmbeddedStore::open(&before_sync).unwrap();
-        assert_eq!(
-            reopened.job_state(&applied.id).await.unwrap(),
-            Some(JobState::Queued)
-        );
-        assert!(
-            reopened
-                .read_raw(&applied.id.user)
-                .await
-                .unwrap()
-                .is_empty()
-        );
-        assert_eq!(reopened.queue_depth().await.unwrap(), 1);
-        drop(reopened);
-
-        let reopened = EmbeddedStore::open(&after_sync).unwrap();
-        assert_eq!(
-            reopened.job_state(&applied.id).await.unwrap(),
-            Some(JobState::Applied)
-        );
-        assert_eq!(reopened.read_raw(&applied.id.user).await.unwrap().len(), 1);
-        assert_eq!(
-            reopened.job_state(&next.id).await.unwrap(),
-            Some(JobState::Queued)
-        );
     }
 
     #[tokio::test]

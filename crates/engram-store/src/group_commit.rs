@@ -22,7 +22,7 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use redb::{Database, Durability, WriteTransaction};
+use redb::{Database, WriteTransaction};
 use tokio::sync::oneshot;
 
 use super::db_handle::DbHandle;
@@ -46,13 +46,6 @@ pub struct GroupCommit<Op, Out> {
     linger: Duration,
     /// Where rounds run; `None`: the submitting runtime's blocking pool.
     pool: Option<WorkerRuntime>,
-    /// `Immediate`: a round's commit is on disk when its callers are answered. `None`: it is
-    /// visible at once and on disk with the next durable commit of the file (`unsynced`).
-    durability: Durability,
-    /// For unsynced rounds: the database file, written back after each round once its callers
-    /// are answered, so the next durable commit (a recorder's, whose answer waits for it) does
-    /// not have this round's pages to write as well.
-    write_back: Option<std::fs::File>,
     /// Transactions left to fail (`fail_next_commits`).
     #[cfg(any(test, feature = "faults"))]
     faults: std::sync::atomic::AtomicU32,
@@ -86,21 +79,6 @@ where
         Arc::new(GroupCommit::with(apply, Duration::ZERO, None))
     }
 
-    /// A group commit whose rounds skip the fsync: for writes derived from what another,
-    /// durable write already holds, so that a crash losing them loses nothing that cannot be
-    /// written again. redb persists them with the file's next durable commit (any other
-    /// write, or the one it makes on close). With `write_back` (the database file), each round's
-    /// pages are written to disk after its callers are answered, outside redb's write lock.
-    pub fn unsynced(
-        apply: Apply<Op, Out>,
-        write_back: Option<std::fs::File>,
-    ) -> Arc<GroupCommit<Op, Out>> {
-        let mut group = GroupCommit::with(apply, Duration::ZERO, None);
-        group.durability = Durability::None;
-        group.write_back = write_back;
-        Arc::new(group)
-    }
-
     /// A group commit whose rounds run on a thread of their own (`thread` names it), at normal
     /// priority without checkpoints (a recorded answer's end waits for them), and start
     /// `linger` after their first write, so the writes arriving meanwhile share its commit and
@@ -128,8 +106,6 @@ where
             apply,
             linger,
             pool,
-            durability: Durability::Immediate,
-            write_back: None,
             #[cfg(any(test, feature = "faults"))]
             faults: std::sync::atomic::AtomicU32::new(0),
         }
@@ -235,11 +211,6 @@ where
             for (answer, result) in answers {
                 let _ = answer.send(result);
             }
-            if let Some(file) = &self.write_back
-                && let Err(error) = file.sync_data()
-            {
-                tracing::debug!(%error, "writing back an unsynced commit failed");
-            }
         }
     }
 
@@ -319,7 +290,7 @@ where
     /// One transaction for the whole batch; `Err` when it had to be aborted (also when an
     /// ordered operation failed, even cleanly: those behind it must not commit).
     fn commit_together(&self, db: &Database, batch: &[Entry<Op, Out>]) -> Result<Vec<Result<Out>>> {
-        let txn = self.begin(db)?;
+        let txn = db.begin_write().map_err(db_error)?;
         let mut results = Vec::with_capacity(batch.len());
         for entry in batch {
             let result = (self.apply)(&txn, &entry.op);
@@ -343,18 +314,12 @@ where
     }
 
     fn commit_one(&self, db: &Database, op: &Op) -> Result<Out> {
-        let txn = self.begin(db)?;
+        let txn = db.begin_write().map_err(db_error)?;
         let out = (self.apply)(&txn, op)?;
         priority::yield_to_requests();
         self.fault()?;
         txn.commit().map_err(db_error)?;
         Ok(out)
-    }
-
-    fn begin(&self, db: &Database) -> Result<WriteTransaction> {
-        let mut txn = db.begin_write().map_err(db_error)?;
-        txn.set_durability(self.durability).map_err(db_error)?;
-        Ok(txn)
     }
 
     /// Makes the next `commits` transactions fail before they commit (tests: a disk error).

@@ -435,7 +435,7 @@ fn commit_owner(jobs: &[Job]) -> Result<Option<(&UserKey, &Job)>> {
     Ok(Some((user, first)))
 }
 
-/// Told of each job commit ([`Store::commit_jobs`]) once it is visible to readers, on the thread that
+/// Told of each job commit ([`Store::commit_jobs`]) once it is durable, on the thread that
 /// committed it and before the commit is answered. The hot path's cache listens: the worker
 /// leaves the memory it computed there before committing, and the cache takes it as the
 /// user's current memory when told that its write committed, so a request that reads the new
