@@ -167,8 +167,8 @@ pub fn same(given: &[u8], token: &[u8]) -> bool {
             == 0
 }
 
-/// A variable lookup over fixed pairs, for tests.
-#[cfg(test)]
+/// A variable lookup over fixed pairs, for tests (of the crates above too: feature `testing`).
+#[cfg(any(test, feature = "testing"))]
 pub fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
     let pairs: Vec<(String, String)> = pairs
         .iter()

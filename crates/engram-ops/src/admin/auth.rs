@@ -96,22 +96,8 @@ impl AdminAuth {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use engram_proxy::credentials::env_of as env;
     use http::header;
-
-    /// A variable lookup over fixed pairs (`engram_proxy::credentials::env_of`, which only the
-    /// proxy's own tests see).
-    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
-        let pairs: Vec<(String, String)> = pairs
-            .iter()
-            .map(|(key, value)| ((*key).to_owned(), (*value).to_owned()))
-            .collect();
-        move |name| {
-            pairs
-                .iter()
-                .find(|(key, _)| key == name)
-                .map(|(_, value)| value.clone())
-        }
-    }
 
     fn bearer(token: &str) -> HeaderMap {
         let mut headers = HeaderMap::new();
