@@ -45,16 +45,22 @@ fn closed_after(stream: &mut TcpStream) -> Duration {
 
 /// One whole request and its answer's head.
 fn ask(stream: &mut TcpStream, path: &str) -> String {
+    try_ask(stream, path).unwrap_or_else(|| panic!("closed before an answer to {path}"))
+}
+
+/// [`ask`], or `None` when the server closed (or reset) the connection before answering.
+fn try_ask(stream: &mut TcpStream, path: &str) -> Option<String> {
     let request = format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n");
-    stream.write_all(request.as_bytes()).unwrap();
+    stream.write_all(request.as_bytes()).ok()?;
     let mut seen = Vec::new();
     let mut buffer = [0u8; 4096];
     while !String::from_utf8_lossy(&seen).contains("\r\n\r\n") {
-        let n = stream.read(&mut buffer).unwrap();
-        assert!(n > 0, "closed before an answer to {path}");
-        seen.extend_from_slice(&buffer[..n]);
+        match stream.read(&mut buffer) {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => seen.extend_from_slice(&buffer[..n]),
+        }
     }
-    String::from_utf8_lossy(&seen).into_owned()
+    Some(String::from_utf8_lossy(&seen).into_owned())
 }
 
 #[tokio::test]
@@ -130,8 +136,10 @@ async fn past_the_connection_limit_health_checks_still_answer() {
     held.clear();
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
+        // Until the proxy has counted the closed connections out, a new one may still be past
+        // the reserve and closed at once (a reset, since the request was sent): not yet.
         let mut again = connect(&proxy);
-        let head = ask(&mut again, "/v1/models");
+        let head = try_ask(&mut again, "/v1/models").unwrap_or_default();
         if head.starts_with("HTTP/1.1 200") {
             break;
         }
