@@ -14,16 +14,17 @@ use rustc_hash::FxHashMap;
 /// Texts remembered per generation; two generations are kept, so the most recent 256 to 512
 /// distinct texts hit: a working set and the episodes a turn looks at are fewer, and each of
 /// the worker's blocking threads keeps its own memos.
-const GENERATION: usize = 256;
+pub const DEFAULT_GENERATION: usize = 256;
 
-/// Two generations: a hit in the older one moves to the newer one; when the newer one fills,
-/// the older one is dropped. Roughly least-recently-used, with no per-hit bookkeeping.
-pub struct TextMemo<T> {
+/// Two generations of `GENERATION` texts each: a hit in the older one moves to the newer one;
+/// when the newer one fills, the older one is dropped. Roughly least-recently-used, with no
+/// per-hit bookkeeping.
+pub struct TextMemo<T, const GENERATION: usize = DEFAULT_GENERATION> {
     current: FxHashMap<u64, (Box<str>, Rc<T>)>,
     previous: FxHashMap<u64, (Box<str>, Rc<T>)>,
 }
 
-impl<T> Default for TextMemo<T> {
+impl<T, const GENERATION: usize> Default for TextMemo<T, GENERATION> {
     fn default() -> Self {
         TextMemo {
             current: FxHashMap::default(),
@@ -32,7 +33,7 @@ impl<T> Default for TextMemo<T> {
     }
 }
 
-impl<T> TextMemo<T> {
+impl<T, const GENERATION: usize> TextMemo<T, GENERATION> {
     /// `compute()`, or what it gave before for this same `text` (a text, or a key that names
     /// everything `compute` reads).
     pub fn get(&mut self, text: &str, compute: impl FnOnce() -> T) -> Rc<T> {
@@ -64,8 +65,8 @@ impl<T> TextMemo<T> {
 }
 
 /// [`TextMemo::get`] on this thread's memo `memo`.
-pub fn memoised<T: 'static>(
-    memo: &'static LocalKey<RefCell<TextMemo<T>>>,
+pub fn memoised<T: 'static, const GENERATION: usize>(
+    memo: &'static LocalKey<RefCell<TextMemo<T, GENERATION>>>,
     text: &str,
     compute: impl FnOnce() -> T,
 ) -> Rc<T> {
@@ -105,6 +106,7 @@ mod tests {
             calls.set(calls.get() + 1);
             text.len()
         };
+        const GENERATION: usize = DEFAULT_GENERATION;
         for n in 0..GENERATION * 5 {
             let text = format!("text {n}");
             memo.get(&text, || length(&text));
