@@ -708,6 +708,7 @@ impl Segment {
             + self.live.len() * 16
             + self.stale.len() * 8
             + self.vectors.len() * std::mem::size_of::<Option<Vector>>()
+            + self.vector_count as usize * embed::DIMS
     }
 
     /// Sets `key`'s vector (`None`: it has none). Public for benchmarks; the index sets its
