@@ -17,8 +17,7 @@ use serde_json::Value;
 
 use crate::openai::{ChatMessage, ToolCall};
 
-// Also at their path from before they moved to `chain`, which the sidecar's tests name.
-pub use crate::chain::{CHAIN_ORIGIN, link, pair};
+use crate::chain::{CHAIN_ORIGIN, link, pair};
 use crate::code::fence_info;
 
 /// Tool results and arguments up to this size, on one line, stay inline; longer ones are fenced

@@ -383,7 +383,8 @@ mod tests {
     use super::order::Ticket;
     use super::outbox::Spool;
     use super::*;
-    use engram_memory::history::{CHAIN_ORIGIN, link, pair, request_shape};
+    use engram_memory::chain::{CHAIN_ORIGIN, link, pair};
+    use engram_memory::history::request_shape;
     use engram_memory::openai::{ChatMessage, ToolCall};
     use engram_store::{EmbeddedStore, Store, UserKey};
 
