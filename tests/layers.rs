@@ -491,6 +491,18 @@ fn finds_paths_groups_and_skips_comments_and_tests() {
     assert_eq!(found, expected);
 }
 
+/// Braces and quotes inside raw strings do not end a test module early, nor keep it open.
+#[test]
+fn raw_strings_in_test_modules_are_skipped() {
+    let code = "#[cfg(test)]\nmod tests {\n    use crate::app::Engram;\n    \
+                const A: &str = r#\"a \"}\" quote\"#;\n    const B: &str = r\"{\";\n    \
+                fn r#type() { crate::admin::x(); }\n}\n\
+                fn after() { crate::cache::first_version(); }\n";
+    let found = imported_modules(code);
+    let expected: BTreeSet<String> = ["cache"].into_iter().map(String::from).collect();
+    assert_eq!(found, expected);
+}
+
 /// The checker's reading of `lib.rs` re-exports and of test modules kept in files of their own.
 #[test]
 fn reads_reexports_and_finds_test_module_files() {
@@ -761,6 +773,7 @@ fn without_test_modules(code: &str) -> String {
         while let Some((index, c)) = chars.next() {
             match c {
                 '"' => skip_string(&mut chars),
+                'r' => skip_raw_string(&mut chars),
                 '\'' => skip_char_literal(&mut chars),
                 ';' if depth == 0 => {
                     end = index + 1;
@@ -794,6 +807,33 @@ fn skip_string(chars: &mut Chars) {
             }
             '"' => return,
             _ => {}
+        }
+    }
+}
+
+/// Past a raw string literal (`r"{"`, `r#"say "}""#`) whose `r` was just read; anything else
+/// (an identifier's `r`, a raw identifier `r#type`) is left as it is.
+fn skip_raw_string(chars: &mut Chars) {
+    let mut ahead = chars.clone();
+    let mut hashes = 0;
+    let opens = loop {
+        match ahead.next() {
+            Some((_, '#')) => hashes += 1,
+            Some((_, '"')) => break true,
+            _ => break false,
+        }
+    };
+    if !opens {
+        return;
+    }
+    *chars = ahead;
+    while let Some((_, c)) = chars.next() {
+        if c == '"' {
+            let mut closing = chars.clone();
+            if (0..hashes).all(|_| matches!(closing.next(), Some((_, '#')))) {
+                *chars = closing;
+                return;
+            }
         }
     }
 }
