@@ -265,12 +265,41 @@ pub fn run(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
     command.output().expect("run engram")
 }
 
+/// A scratch file of this test process, under `engram-tests-<pid>` in the temp directory.
+/// A run's files stay there for a look after it fails; the first call in a process removes
+/// the directories of test processes that have exited, so they do not pile up run after run.
 pub fn temp_path(name: &str) -> PathBuf {
+    static SWEEP: std::sync::Once = std::sync::Once::new();
+    SWEEP.call_once(sweep_exited_scratch_dirs);
     let dir = std::env::temp_dir().join(format!("engram-tests-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(name);
     let _ = std::fs::remove_file(&path);
     path
+}
+
+/// Removes `engram-tests-<pid>` directories whose process is gone. Only where `/proc` tells
+/// (Linux): elsewhere a live process's directory could not be told from a dead one's.
+fn sweep_exited_scratch_dirs() {
+    if !std::path::Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|name| name.strip_prefix("engram-tests-"))
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 pub struct Reply {

@@ -672,9 +672,8 @@ mod tests {
             ("ENGRAM_ADMIN_TOKEN".to_owned(), "secret".to_owned()),
             ("OTHER__THING".to_owned(), "x".to_owned()),
         ];
-        let dir = std::env::temp_dir().join(format!("engram-config-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("c.yaml");
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("c.yaml");
         std::fs::write(&file, "server:\n  listen: 127.0.0.1:1\n").unwrap();
         let config = Config::load(Some(&file), env).unwrap();
         assert_eq!(config.server.listen.port(), 9999);
