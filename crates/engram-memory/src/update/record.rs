@@ -433,6 +433,75 @@ mod tests {
         }
     }
 
+    /// Conversations that keep coming back to earlier topics rehydrate episodes, whose turns
+    /// are then demoted into them again; their manifests must stay what a rebuild from their
+    /// turns gives (debug builds also check each returning turn's episode as it happens).
+    #[test]
+    fn manifests_stay_as_rebuilt_when_rehydrated_turns_return() {
+        let topics = [
+            (
+                "my sourdough starter from Lyon smells of acetone",
+                "feed it rye flour twice daily",
+            ),
+            (
+                "the pottery wheel in Porto keeps wobbling",
+                "level the wheel head and recentre clay",
+            ),
+            (
+                "winter tyres for the Volvo before the Alps trip",
+                "fit studless tyres by November",
+            ),
+            (
+                "marathon training in Leeds, my knee aches",
+                "rest two days and ice the knee",
+            ),
+            (
+                "learning Portuguese verbs for the Lisbon move",
+                "practise the preterite daily",
+            ),
+        ];
+        let mut state = MemoryState::new();
+        let config = MemoryConfig::default();
+        let mut rehydrated = 0;
+        for n in 0..600 {
+            // Runs of five turns per topic, the topics taken in turn: each run returns to a
+            // topic last seen four runs before.
+            let (user, assistant) = topics[(n / 5) % topics.len()];
+            let outcome = record_exchange(
+                &mut state,
+                &exchange(
+                    n,
+                    &format!("{user}, question {n} about it"),
+                    &format!("{assistant}; answer {n}"),
+                ),
+                &HeuristicExtractor,
+                &config,
+            );
+            rehydrated += outcome.tiers.rehydrated.len();
+        }
+        assert!(rehydrated > 0, "no episode was rehydrated");
+        state.sync_lookups();
+        let live: Vec<_> = state
+            .episodes
+            .iter()
+            .filter(|e| !e.erased)
+            .cloned()
+            .collect();
+        assert!(live.len() > 1);
+        for episode in live {
+            let mut rebuilt = crate::manifest::build_manifest(
+                &state,
+                episode.id,
+                episode.session,
+                &episode.links,
+                episode.rehydrated_at.clone(),
+            );
+            // Fact lists may wait for the next consolidation; the rest may not.
+            rebuilt.facts.clone_from(&episode.facts);
+            assert_eq!(*episode, rebuilt, "episode {}", episode.id);
+        }
+    }
+
     #[test]
     fn records_raw_turn_summary_and_facts() {
         let mut state = MemoryState::new();
