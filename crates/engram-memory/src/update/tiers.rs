@@ -286,7 +286,8 @@ pub fn maintain(state: &mut MemoryState, config: &MemoryConfig, report: &mut Tie
 
 /// Puts each demoted turn into an episode: back into its own if it was rehydrated from one,
 /// else into its session's latest episode when it continues it (close in turns, on topic, not
-/// full), else into a new episode. Touched manifests are rebuilt.
+/// full), else into a new episode. An episode a turn joins is rebuilt; one a rehydrated turn
+/// returns to has only its facts list refreshed (nothing else of it can have changed).
 fn fold_into_episodes(
     state: &mut MemoryState,
     turns: &[TurnSeq],
