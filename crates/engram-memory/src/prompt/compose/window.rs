@@ -60,8 +60,12 @@ const UNAPPLIED_COUNT_BYTES: usize = 16 * 1024;
 /// Unapplied texts remembered per thread: 64 to 128 of them, at most 16 KiB each.
 const UNAPPLIED_MEMO_TEXTS: usize = 64;
 
+/// One memo per encoding, keyed by the text alone.
+type UnappliedMemo = RefCell<TextMemo<u32, UNAPPLIED_MEMO_TEXTS>>;
+
 thread_local! {
-    static UNAPPLIED_TOKENS: RefCell<TextMemo<u32, UNAPPLIED_MEMO_TEXTS>> = RefCell::default();
+    static UNAPPLIED_O200K: UnappliedMemo = RefCell::default();
+    static UNAPPLIED_CL100K: UnappliedMemo = RefCell::default();
 }
 
 /// Counted once per thread, not per request: while one identity sends faster than its turns are
@@ -71,11 +75,11 @@ fn unapplied_tokens(encoding: Encoding, text: &str) -> u32 {
     if text.len() > UNAPPLIED_COUNT_BYTES {
         u32::try_from(text.len()).unwrap_or(u32::MAX)
     } else {
-        // The encoding's name and a newline first, so the key names the text and its encoding.
-        let key = format!("{encoding:?}\n{text}");
-        *memoised(&UNAPPLIED_TOKENS, &key, || {
-            crate::tokens::count_in(encoding, text)
-        })
+        let memo = match encoding {
+            Encoding::O200k => &UNAPPLIED_O200K,
+            Encoding::Cl100k => &UNAPPLIED_CL100K,
+        };
+        *memoised(memo, text, || crate::tokens::count_in(encoding, text))
     }
 }
 
