@@ -1,7 +1,7 @@
 //! Lookups derived from a memory's items, kept beside them so that a turn's work never scans
 //! the whole history: turn ids, fact keys, the facts each turn supports, fact signatures (for
-//! consolidation), episodes by the terms that rehydrate them, and the working set (facts and
-//! turn summaries in NEW or CURRENT).
+//! consolidation), episodes by the terms that rehydrate them, the working set (facts and
+//! turn summaries in NEW or CURRENT), and the distinct terms of the working set's texts.
 //!
 //! None of it is stored. A copy of the memory builds them from its items the first time it
 //! needs them (O(history), once per process and user), then keeps them current from the
@@ -10,16 +10,18 @@
 //! matches); every user checks the item itself, so a stale entry costs a look, never a wrong
 //! answer. They are layered maps ([`LayeredMap`]), so a copy of the memory shares them.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 
 use rustc_hash::{FxBuildHasher, FxHasher};
 
 use super::layered::LayeredMap;
 use super::model::{
-    EpisodeId, EpisodeManifest, Fact, FactId, ItemRef, MemoryState, Tier, TurnLogEntry, TurnSeq,
+    EpisodeId, EpisodeManifest, Fact, FactId, ItemRef, MemoryState, SummaryText, Tier,
+    TurnLogEntry, TurnSeq,
 };
-use crate::text::{TermSet, normalise, terms};
+use crate::text::{TermSet, normalise, remembered_terms, terms};
 
 type Strings<V> = LayeredMap<String, V, foldhash::fast::RandomState>;
 
@@ -67,6 +69,56 @@ pub struct Lookups {
     working_summaries: BTreeSet<TurnSeq>,
     /// Active hard constraints (the core block reserves room for each on every request).
     hard_constraints: BTreeSet<FactId>,
+    /// Hashes of the distinct terms of working-set items' texts ([`MemoryState::item_terms`]),
+    /// kept from one turn to the next: every turn compares each working-set item with the new
+    /// message, and resolving, joining and hashing their texts again was most of that work.
+    /// Each is kept with what its text was made from, and used only while the item still has
+    /// it. An entry goes when its item leaves the working set or a summary's raw turn changes,
+    /// so the map stays within the working set.
+    item_terms: HashMap<ItemRef, KeptTerms, FxBuildHasher>,
+}
+
+/// What an item's text is made from: a fact's key and value, a summary's two sides (which a
+/// span resolves against its raw turn, whose changes drop the entry).
+#[derive(Clone, PartialEq)]
+enum TextSource {
+    Fact(String, String),
+    Summary(SummaryText, SummaryText),
+}
+
+impl TextSource {
+    fn of(state: &MemoryState, item: ItemRef) -> Option<TextSource> {
+        match item {
+            ItemRef::Fact(id) => state
+                .fact(id)
+                .map(|fact| TextSource::Fact(fact.key.clone(), fact.value.clone())),
+            ItemRef::Summary(seq) => state.turn_log.get(seq as usize).map(|entry| {
+                TextSource::Summary(entry.user_summary.clone(), entry.assistant_summary.clone())
+            }),
+            _ => None,
+        }
+    }
+
+    /// Whether `item` is still made from this.
+    fn holds_for(&self, state: &MemoryState, item: ItemRef) -> bool {
+        match (self, item) {
+            (TextSource::Fact(key, value), ItemRef::Fact(id)) => state
+                .fact(id)
+                .is_some_and(|fact| fact.key == *key && fact.value == *value),
+            (TextSource::Summary(user, assistant), ItemRef::Summary(seq)) => {
+                state.turn_log.get(seq as usize).is_some_and(|entry| {
+                    entry.user_summary == *user && entry.assistant_summary == *assistant
+                })
+            }
+            _ => false,
+        }
+    }
+}
+
+#[derive(Clone)]
+struct KeptTerms {
+    source: TextSource,
+    hashes: Arc<[u64]>,
 }
 
 impl std::fmt::Debug for Lookups {
@@ -102,6 +154,14 @@ pub fn signature(fact: &Fact) -> Option<Signature> {
     value_terms.sort();
     value_terms.dedup();
     Some((key_terms, value_terms))
+}
+
+/// A term's hash as [`MemoryState::item_terms`] keeps it. Two distinct terms share one with a
+/// chance of about 2^-64, and a text can only ever mislead its own user's memory that way.
+pub fn term_hash(term: &str) -> u64 {
+    let mut hasher = FxHasher::default();
+    term.hash(&mut hasher);
+    hasher.finish()
 }
 
 fn signature_hash(signature: &Signature) -> u64 {
@@ -282,6 +342,11 @@ impl Lookups {
         self.built && self.seen == pending(state).map(<[u32]>::len)
     }
 
+    /// Whether terms are kept for `item` (see [`MemoryState::item_terms`]).
+    pub fn keeps_terms_of(&self, item: ItemRef) -> bool {
+        self.item_terms.contains_key(&item)
+    }
+
     /// Turn summaries in NEW or CURRENT, ascending.
     pub fn working_summaries(&self) -> &BTreeSet<TurnSeq> {
         &self.working_summaries
@@ -348,6 +413,10 @@ impl Lookups {
     }
 
     fn raw_turn(&mut self, state: &MemoryState, seq: usize) {
+        // A summary kept as a span of its raw turn reads that turn's text.
+        self.item_terms.remove(&ItemRef::Summary(
+            TurnSeq::try_from(seq).unwrap_or(TurnSeq::MAX),
+        ));
         if let Some(turn) = state.raw_turns.get(seq) {
             self.turn_ids.insert(
                 turn.id.clone(),
@@ -393,6 +462,7 @@ impl Lookups {
             self.working_facts.insert(fact.id);
         } else {
             self.working_facts.remove(&fact.id);
+            self.item_terms.remove(&ItemRef::Fact(fact.id));
         }
         if fact.active && fact.is_hard_constraint() {
             self.hard_constraints.insert(fact.id);
@@ -409,6 +479,7 @@ impl Lookups {
             self.working_summaries.insert(entry.turn);
         } else {
             self.working_summaries.remove(&entry.turn);
+            self.item_terms.remove(&ItemRef::Summary(entry.turn));
         }
     }
 
@@ -463,9 +534,57 @@ impl MemoryState {
     /// Brings [`MemoryState::lookups`] up to every change made so far; call before reading
     /// them.
     pub fn sync_lookups(&mut self) {
+        if self.lookups.is_current(self) {
+            return;
+        }
         let mut lookups = std::mem::take(&mut self.lookups);
         lookups.catch_up(self);
         self.lookups = lookups;
+    }
+
+    /// The [`term_hash`]es of the distinct terms ([`crate::text::distinct_terms`]) of a fact's text, or of
+    /// a turn summary's two sides joined by a space; `None` for any other item or one that
+    /// does not exist. Kept in the lookups while the item stays in the working set, so call it
+    /// for working-set items only (see `Lookups::item_terms`). Debug builds check a kept list
+    /// against the text.
+    pub fn item_terms(&mut self, item: ItemRef) -> Option<Arc<[u64]>> {
+        self.sync_lookups();
+        let hashes = |state: &MemoryState| {
+            let text = match item {
+                ItemRef::Fact(id) => state.fact(id).map(|fact| fact.text()),
+                ItemRef::Summary(seq) => state.turn_log.get(seq as usize).map(|entry| {
+                    let (user, assistant) = entry.texts(state.raw_turns.get(seq as usize));
+                    format!("{user} {assistant}")
+                }),
+                _ => None,
+            }?;
+            // Through the per-thread memo: items that left the working set come back to it
+            // (an episode the conversation returns to), and their texts were seen before.
+            let terms = remembered_terms(&text);
+            Some(
+                terms
+                    .iter()
+                    .map(|term| term_hash(term))
+                    .collect::<Arc<[u64]>>(),
+            )
+        };
+        if let Some(kept) = self.lookups.item_terms.get(&item)
+            && kept.source.holds_for(self, item)
+        {
+            debug_assert_eq!(
+                Some(&kept.hashes),
+                hashes(self).as_ref(),
+                "{item:?}: kept terms differ from its text's"
+            );
+            return Some(Arc::clone(&kept.hashes));
+        }
+        let (source, hashes) = (TextSource::of(self, item)?, hashes(self)?);
+        let kept = KeptTerms {
+            source,
+            hashes: Arc::clone(&hashes),
+        };
+        self.lookups.item_terms.insert(item, kept);
+        Some(hashes)
     }
 
     /// [`Lookups::take_collisions`], with the lookups brought up to date first.

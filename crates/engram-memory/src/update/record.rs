@@ -502,6 +502,73 @@ mod tests {
         }
     }
 
+    /// The terms the lookups keep for working-set items are those of the items' texts as they
+    /// are now: after a fact's value changes, after a turn touches them, and not once an item
+    /// leaves the working set.
+    #[test]
+    fn kept_item_terms_follow_their_items_texts() {
+        use crate::lookups::term_hash;
+        use crate::model::ItemRef;
+        use crate::text::distinct_terms;
+
+        let mut state = MemoryState::new();
+        let config = MemoryConfig::default();
+        record_exchange(
+            &mut state,
+            &exchange(
+                0,
+                "Hi, I'm allergic to peanuts. Any snack ideas?",
+                "Try apple slices.",
+            ),
+            &HeuristicExtractor,
+            &config,
+        );
+        let hashes = |text: &str| -> Vec<u64> {
+            distinct_terms(text)
+                .iter()
+                .map(|term| term_hash(term))
+                .collect()
+        };
+        let fact_id = state.active_facts().next().unwrap().id;
+        let summary_text = |state: &MemoryState| {
+            let (user, assistant) = state.summary_texts(0);
+            format!("{user} {assistant}")
+        };
+        let kept = |state: &mut MemoryState, item| state.item_terms(item).unwrap().to_vec();
+        assert_eq!(
+            kept(&mut state, ItemRef::Fact(fact_id)),
+            hashes("allergic to peanuts")
+        );
+        let summary = summary_text(&state);
+        assert_eq!(kept(&mut state, ItemRef::Summary(0)), hashes(&summary));
+
+        // A fact's value changes in place: its kept terms are not used again.
+        state.facts.get_mut(fact_id as usize).unwrap().value = "shellfish and walnuts".into();
+        let text = state.fact(fact_id).unwrap().text();
+        assert_eq!(kept(&mut state, ItemRef::Fact(fact_id)), hashes(&text));
+
+        // A later turn on the same topic touches both; their terms stay the texts' own.
+        for n in 1..4 {
+            record_exchange(
+                &mut state,
+                &exchange(n, "More snack ideas without peanuts, please", "Rice cakes."),
+                &HeuristicExtractor,
+                &config,
+            );
+        }
+        let text = state.fact(fact_id).unwrap().text();
+        assert_eq!(kept(&mut state, ItemRef::Fact(fact_id)), hashes(&text));
+        assert_eq!(kept(&mut state, ItemRef::Summary(0)), hashes(&summary));
+        assert!(state.item_terms(ItemRef::RawTurn(0)).is_none());
+        assert!(state.item_terms(ItemRef::Summary(99)).is_none());
+
+        // Out of the working set, the entry goes.
+        state.turn_log.get_mut(0).unwrap().tier.tier = Tier::Old;
+        state.sync_lookups();
+        assert!(!state.lookups.keeps_terms_of(ItemRef::Summary(0)));
+        assert!(state.lookups.keeps_terms_of(ItemRef::Fact(fact_id)));
+    }
+
     #[test]
     fn records_raw_turn_summary_and_facts() {
         let mut state = MemoryState::new();

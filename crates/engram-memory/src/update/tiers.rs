@@ -4,13 +4,15 @@
 //! manifest; an OLD episode the conversation returns to is rehydrated into NEW. Demotion never
 //! deletes anything: items keep their text and provenance, manifests keep their links.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
 
+use rustc_hash::FxBuildHasher;
 use serde::{Deserialize, Serialize};
 
 use super::manifest::{build_manifest, episode_facts, remembered_match_terms};
 use crate::config::MemoryConfig;
+use crate::lookups::term_hash;
 use crate::model::{
     EpisodeId, EpisodeManifest, FactId, ItemRef, MemoryState, Tier, TierState, TurnSeq,
 };
@@ -35,10 +37,9 @@ pub struct TierReport {
 /// Items created by the exchange itself (`turn`) are skipped.
 pub fn touch_related(state: &mut MemoryState, user_terms: &TermSet, turn: TurnSeq) -> Vec<ItemRef> {
     let mut touched = Vec::new();
-    let related = |text: &str| {
-        // Distinct terms, remembered per text: this runs over every working-set item per
-        // recorded turn (a quarter of the worker's time when computed afresh each turn).
-        let item_terms = remembered_terms(text);
+    let user_terms: HashSet<u64, FxBuildHasher> =
+        user_terms.iter().map(|term| term_hash(term)).collect();
+    let related = |item_terms: &[u64]| {
         let shared = item_terms
             .iter()
             .filter(|term| user_terms.contains(*term))
@@ -48,18 +49,22 @@ pub fn touch_related(state: &mut MemoryState, user_terms: &TermSet, turn: TurnSe
             && shared as f32 >= 0.3 * item_terms.len() as f32
     };
     // The working set only: OLD items are never touched (an episode's rehydration brings them
-    // back), so a turn's cost does not grow with the history.
+    // back), so a turn's cost does not grow with the history. Each item's terms are kept in
+    // the lookups from turn to turn (`MemoryState::item_terms`).
     state.sync_lookups();
     let facts: Vec<FactId> = state.lookups.working_facts().iter().copied().collect();
     let summaries: Vec<TurnSeq> = state.lookups.working_summaries().iter().copied().collect();
     for id in facts {
         yielding::checkpoint();
-        let related_fact = state.fact(id).is_some_and(|fact| {
+        let candidate = state.fact(id).is_some_and(|fact| {
             fact.active
                 && !matches!(fact.tier.tier, Tier::Old)
                 && fact.tier.last_touched_turn != turn
-                && related(&fact.text())
         });
+        let related_fact = candidate
+            && state
+                .item_terms(ItemRef::Fact(id))
+                .is_some_and(|terms| related(&terms));
         if related_fact && let Some(fact) = state.facts.get_mut(id as usize) {
             fact.tier.last_touched_turn = turn;
             fact.tier.frequency += 1;
@@ -68,17 +73,15 @@ pub fn touch_related(state: &mut MemoryState, user_terms: &TermSet, turn: TurnSe
     }
     for seq in summaries {
         yielding::checkpoint();
-        let Some(entry) = state.turn_log.get(seq as usize) else {
-            continue;
-        };
-        if matches!(entry.tier.tier, Tier::Old) || entry.turn == turn {
-            continue;
-        }
-        let (user, assistant) = entry.texts(state.raw_turns.get(seq as usize));
-        let text = format!("{user} {assistant}");
-        if related(&text)
-            && let Some(entry) = state.turn_log.get_mut(seq as usize)
-        {
+        let candidate = state
+            .turn_log
+            .get(seq as usize)
+            .is_some_and(|entry| !matches!(entry.tier.tier, Tier::Old) && entry.turn != turn);
+        let related_summary = candidate
+            && state
+                .item_terms(ItemRef::Summary(seq))
+                .is_some_and(|terms| related(&terms));
+        if related_summary && let Some(entry) = state.turn_log.get_mut(seq as usize) {
             entry.tier.last_touched_turn = turn;
             entry.tier.frequency += 1;
             touched.push(ItemRef::Summary(entry.turn));
