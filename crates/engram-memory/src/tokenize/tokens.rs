@@ -77,10 +77,12 @@ impl Encoding {
     }
 }
 
-/// The pre-tokenizers tiktoken-rs builds `o200k_base` and `cl100k_base` with (the second is
-/// not exported; a test checks the first against tiktoken-rs's).
-const O200K_PATTERN: &str = "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
-const CL100K_PATTERN: &str = "'(?i:[sdmt]|ll|ve|re)|[^\\r\\n\\p{L}\\p{N}]?+\\p{L}++|\\p{N}{1,3}+| ?[^\\s\\p{L}\\p{N}]++[\\r\\n]*+|\\s++$|\\s*[\\r\\n]|\\s+(?!\\S)|\\s";
+/// The pre-tokenizers tiktoken-rs builds `o200k_base` and `cl100k_base` with, as the
+/// `regex` crate runs them (see `bpe::Pretokenizer`): tiktoken's `\s+(?!\S)|\s+` (o200k)
+/// and `\s+(?!\S)|\s` (cl100k) become `\s+`, and cl100k's possessive quantifiers plain
+/// ones. The tests keep tiktoken's own patterns and check the pieces against them.
+const O200K_PATTERN: &str = "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+";
+const CL100K_PATTERN: &str = "'(?i:[sdmt]|ll|ve|re)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s+$|\\s*[\\r\\n]|\\s+";
 
 /// A text's token count in both encodings, stored next to the text (serialised as `[o200k,
 /// cl100k]`).
@@ -134,9 +136,76 @@ pub fn warm_up() {
 mod tests {
     use super::*;
 
+    /// tiktoken's own cl100k pattern (tiktoken-rs does not export it).
+    const TIKTOKEN_CL100K: &str = "'(?i:[sdmt]|ll|ve|re)|[^\\r\\n\\p{L}\\p{N}]?+\\p{L}++|\\p{N}{1,3}+| ?[^\\s\\p{L}\\p{N}]++[\\r\\n]*+|\\s++$|\\s*[\\r\\n]|\\s+(?!\\S)|\\s";
+
+    /// Pieces as tiktoken's own patterns split `text` (with `fancy-regex`, as tiktoken-rs
+    /// runs them) and as the counter splits it.
+    fn both_splits(encoding: Encoding, text: &str) -> (Vec<String>, Vec<String>) {
+        static ORIGINALS: LazyLock<[fancy_regex::Regex; 2]> = LazyLock::new(|| {
+            [tiktoken_rs::O200K_BASE_PAT_STR, TIKTOKEN_CL100K]
+                .map(|pattern| fancy_regex::Regex::new(pattern).unwrap())
+        });
+        let original = match encoding {
+            Encoding::O200k => &ORIGINALS[0],
+            Encoding::Cl100k => &ORIGINALS[1],
+        };
+        let expected = original
+            .find_iter(text)
+            .map(|piece| piece.unwrap().as_str().to_string())
+            .collect();
+        (expected, encoding.bpe().pieces(text))
+    }
+
     #[test]
-    fn o200k_splits_text_as_tiktoken_does() {
-        assert_eq!(O200K_PATTERN, tiktoken_rs::O200K_BASE_PAT_STR);
+    fn patterns_are_tiktokens_without_the_look_ahead() {
+        // Everything before the look-ahead is tiktoken's (cl100k's possessive `?+`, `++`,
+        // `*+` and `{1,3}+` made plain).
+        let o200k = tiktoken_rs::O200K_BASE_PAT_STR;
+        assert_eq!(O200K_PATTERN, o200k.replace("|\\s+(?!\\S)|\\s+", "|\\s+"));
+        let cl100k = TIKTOKEN_CL100K
+            .replace("|\\s+(?!\\S)|\\s", "|\\s+")
+            .replace("?+", "?")
+            .replace("++", "+")
+            .replace("*+", "*")
+            .replace("{1,3}+", "{1,3}");
+        assert_eq!(CL100K_PATTERN, cl100k);
+    }
+
+    #[test]
+    fn splits_whitespace_as_the_look_ahead_does() {
+        for text in [
+            "a  b",
+            "a b",
+            "a \tb",
+            "a   ",
+            "  ",
+            " ",
+            "x\u{a0}\u{a0}y",
+            "x \u{3000}y",
+            "x  \n  y",
+            "x \r\n\t z",
+            "x\u{2028} y",
+            "x\u{85}\u{85}1",
+            "  !?",
+            "\t\t'll",
+            "1  2   3    ",
+        ] {
+            for encoding in [Encoding::O200k, Encoding::Cl100k] {
+                let (expected, pieces) = both_splits(encoding, text);
+                assert_eq!(pieces, expected, "{encoding:?} on {text:?}");
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn splits_as_tiktoken(text in "([a-zA-Z]{1,6}|[0-9]{1,5}|[ \t\n\r\u{b}\u{c}\u{85}\u{a0}\u{2028}\u{3000}]{1,4}|['’][sStTdDmMlLvVrReE]{0,2}|[.,!?;:\"()\\-/]{1,3}|[ſKǅʰ\u{301}\u{300}éüßøçÉ٣²Ⅻ]|[東京語]|[\u{1F600}-\u{1F64F}]|[^\u{0}-\u{7f}]){0,40}") {
+            for encoding in [Encoding::O200k, Encoding::Cl100k] {
+                let (expected, pieces) = both_splits(encoding, &text);
+                proptest::prop_assert_eq!(pieces, expected, "{:?}", encoding);
+            }
+        }
     }
 
     #[test]
