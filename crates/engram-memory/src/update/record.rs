@@ -503,8 +503,8 @@ mod tests {
     }
 
     /// The terms the lookups keep for working-set items are those of the items' texts as they
-    /// are now: after a fact's value changes, after a turn touches them, and not once an item
-    /// leaves the working set.
+    /// are now: after a fact's value changes, after a turn touches them, after a raw turn
+    /// changes under its summary.
     #[test]
     fn kept_item_terms_follow_their_items_texts() {
         use crate::lookups::term_hash;
@@ -562,8 +562,12 @@ mod tests {
         assert!(state.item_terms(ItemRef::RawTurn(0)).is_none());
         assert!(state.item_terms(ItemRef::Summary(99)).is_none());
 
-        // Out of the working set, the entry goes.
+        // Out of the working set the entry stays (rehydration brings items back), and its
+        // raw turn changing drops it.
         state.turn_log.get_mut(0).unwrap().tier.tier = Tier::Old;
+        state.sync_lookups();
+        assert!(state.lookups.keeps_terms_of(ItemRef::Summary(0)));
+        state.raw_turns.get_mut(0).unwrap().user = "something else entirely".into();
         state.sync_lookups();
         assert!(!state.lookups.keeps_terms_of(ItemRef::Summary(0)));
         assert!(state.lookups.keeps_terms_of(ItemRef::Fact(fact_id)));
