@@ -57,7 +57,7 @@ const OTHER_BREAKS: [char; 6] = ['\r', '\u{b}', '\u{c}', '\u{85}', '\u{2028}', '
 /// otherwise its lines as described in the module documentation.
 pub fn shaped(text: &str) -> Vec<String> {
     // Most texts are one line; they are not split just to find that out.
-    if !text.contains(|c| c == '\n' || OTHER_BREAKS.contains(&c)) {
+    if !has_line_break(text) {
         return vec![one_line(text)];
     }
     let lines: Vec<&str> = split_lines(text).map(str::trim_end).collect();
@@ -92,6 +92,17 @@ pub fn shaped(text: &str) -> Vec<String> {
         out.extend(fenced(language, &body));
     }
     out
+}
+
+/// Whether `text` holds a line break (`\n` or one of `OTHER_BREAKS`). Each starts with one of
+/// six bytes (the ASCII ones, 0xC2 for U+0085, 0xE2 for U+2028 and U+2029), which `memchr`
+/// finds a vector at a time; only a text with one of them is read character by character. A
+/// composed prompt asks this of every text it shows.
+fn has_line_break(text: &str) -> bool {
+    let bytes = text.as_bytes();
+    let maybe = memchr::memchr3(b'\n', b'\r', 0xE2, bytes).is_some()
+        || memchr::memchr3(0x0B, 0x0C, 0xC2, bytes).is_some();
+    maybe && text.contains(|c| c == '\n' || OTHER_BREAKS.contains(&c))
 }
 
 /// The lines of `text`, split at every line break (see `OTHER_BREAKS`).
@@ -346,6 +357,27 @@ mod tests {
         assert_eq!(shaped("  I am  Ana.\t\n\n"), ["I am Ana."]);
         assert_eq!(shaped("plain"), ["plain"]);
         assert_eq!(shaped(" \n \n"), [""]);
+    }
+
+    #[test]
+    fn line_breaks_are_found_whatever_bytes_surround_them() {
+        for text in [
+            "a\nb",
+            "a\rb",
+            "a\u{b}b",
+            "a\u{c}b",
+            "a\u{85}b",
+            "a\u{2028}b",
+            "a\u{2029}b",
+        ] {
+            assert!(has_line_break(text), "{text:?}");
+            assert!(has_line_break(&format!("é — {text} ¬")), "{text:?}");
+        }
+        // Bytes that start a break elsewhere but are not one: the dash (E2 80 94), the not
+        // sign (C2 AC), a non-breaking space (C2 A0), a tab.
+        for text in ["", "plain", "a — b ¬ c\u{a0}d\te", "日本語"] {
+            assert!(!has_line_break(text), "{text:?}");
+        }
     }
 
     #[test]
