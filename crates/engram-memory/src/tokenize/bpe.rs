@@ -75,22 +75,30 @@ impl Pretokenizer {
         Regex::new(pattern).ok().map(|regex| Pretokenizer { regex })
     }
 
+    /// The pieces of `text`. One `find_iter` runs until a match is cut, and a new one starts
+    /// where the cut left off (the patterns have no look-behind, so a search of the rest finds
+    /// what a search from that position of the whole would): each search takes a cache from
+    /// the regex's pool, which from any thread but the first to use it costs a lock, too much
+    /// per piece.
     fn pieces<'t>(&'t self, text: &'t str) -> impl Iterator<Item = &'t str> + 't {
-        let mut at = 0;
+        let mut base = 0;
+        let mut matches = self.regex.find_iter(text);
         std::iter::from_fn(move || {
-            let found = self.regex.find_at(text, at)?;
+            let found = matches.next()?;
             let piece = found.as_str();
-            let mut end = found.end();
+            let start = base + found.start();
+            let mut end = base + found.end();
             if end < text.len()
                 && !piece.ends_with(['\r', '\n'])
                 && piece.chars().all(char::is_whitespace)
                 && let Some((last, _)) = piece.char_indices().next_back()
                 && last > 0
             {
-                end = found.start() + last;
+                end = start + last;
+                base = end;
+                matches = self.regex.find_iter(text.get(end..).unwrap_or_default());
             }
-            at = end;
-            text.get(found.start()..end)
+            text.get(start..end)
         })
     }
 }
