@@ -120,7 +120,7 @@ pub struct Bpe {
 
 impl Bpe {
     /// The counter over tables `build.rs` wrote; `pattern` must be the pre-tokenizer pattern
-    /// of the encoding they were read from, as [`Pretokenizer`] takes it.
+    /// of the encoding they were read from, as the pre-tokenizer takes it (`Pretokenizer`).
     pub fn from_tables(bytes: &'static [u8], starts: &'static [u8], pattern: &str) -> Bpe {
         let tokens = (starts.len() / 4).saturating_sub(1);
         let mut bpe = Bpe {
