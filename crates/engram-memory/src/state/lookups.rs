@@ -122,7 +122,6 @@ impl TextSource {
     }
 }
 
-#[derive(Clone)]
 struct KeptTerms {
     source: TextSource,
     hashes: Arc<[u64]>,
@@ -547,8 +546,8 @@ impl MemoryState {
         self.lookups = lookups;
     }
 
-    /// The [`term_hash`]es of the distinct terms ([`crate::text::distinct_terms`]) of a fact's text, or of
-    /// a turn summary's two sides joined by a space; `None` for any other item or one that
+    /// The [`term_hash`]es of the distinct terms ([`crate::text::distinct_terms`]) of a fact's
+    /// text, or of a turn summary's two sides joined by a space; `None` for any other item or one that
     /// does not exist. Kept in the lookups while the item's text stays the same (see
     /// `Lookups::item_terms`). Debug builds check a kept list against the text.
     pub fn item_terms(&mut self, item: ItemRef) -> Option<Arc<[u64]>> {
@@ -556,8 +555,8 @@ impl MemoryState {
         let hashes = |state: &MemoryState| {
             let text = match item {
                 ItemRef::Fact(id) => state.fact(id).map(|fact| fact.text()),
-                ItemRef::Summary(seq) => state.turn_log.get(seq as usize).map(|entry| {
-                    let (user, assistant) = entry.texts(state.raw_turns.get(seq as usize));
+                ItemRef::Summary(seq) => state.turn_log.get(seq as usize).map(|_| {
+                    let (user, assistant) = state.summary_texts(seq);
                     format!("{user} {assistant}")
                 }),
                 _ => None,

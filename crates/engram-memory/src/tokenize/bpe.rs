@@ -61,8 +61,9 @@ thread_local! {
 /// pattern ends in a plain `\s+` instead, and a match of it is cut as the look-ahead would
 /// cut it: a run of two or more whitespace characters that a non-whitespace character follows
 /// loses its last one (which starts the next piece, as in `" word"`). Only that alternative
-/// matches whitespace alone that neither ends the text nor ends in `\r` or `\n` (the
-/// alternatives before it take every run that holds a line break, or reaches the end). The
+/// matches whitespace alone that neither ends the text nor ends in `\r` or `\n` (an
+/// alternative before it takes every run that holds a line break, up to its last break; a run
+/// that reaches the end is cl100k's `\s+$` or, in o200k, this one, and is never cut). The
 /// patterns carry no possessive quantifiers either: in tiktoken's, none could give anything
 /// back to what follows them. A test checks the pieces against `fancy-regex` on tiktoken's
 /// own patterns.
