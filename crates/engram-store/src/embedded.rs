@@ -147,7 +147,8 @@ struct Lease {
 pub struct EmbeddedStore {
     /// Reopened after an I/O error (see `db_handle`).
     db: Arc<DbHandle>,
-    /// Recorders' enqueues and workers' job commits are group-committed (see `group_commit`).
+    /// Recorders' enqueues and workers' job commits are group-committed (see `group_commit`),
+    /// each on a normal-priority thread of its own (on disk).
     enqueues: Arc<GroupCommit<Job, Enqueued>>,
     commits: Arc<GroupCommit<JobCommit, ()>>,
     /// Told of each job commit on the committing thread (see [`CommitListener`]).
@@ -200,7 +201,10 @@ impl EmbeddedStore {
         Ok(EmbeddedStore {
             db: Arc::new(db),
             enqueues: GroupCommit::in_background(write_enqueue, linger, "engram-recorder")?,
-            commits: GroupCommit::new(write_commit),
+            // At normal priority, like the enqueues: a job commit holds redb's one write lock,
+            // and on the worker's idle-priority pool the requests could keep it from finishing
+            // while every recorded answer's enqueue waits for the lock.
+            commits: GroupCommit::in_background(write_commit, Duration::ZERO, "engram-committer")?,
             listener: None,
         })
     }
@@ -241,17 +245,44 @@ impl EmbeddedStore {
         T: Send + 'static,
         F: FnOnce(&Database) -> Result<T> + Send + 'static,
     {
+        self.blocking_on(None, operation)
+    }
+
+    /// A redb write of the worker's (a claim, a finish), run on the thread of its job commits
+    /// at normal priority: on the worker's idle-priority pool it could hold redb's one write
+    /// lock while the requests keep the core, and every recorded answer's enqueue would wait.
+    fn blocking_write<T, F>(&self, operation: F) -> BoxFuture<'static, Result<T>>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Database) -> Result<T> + Send + 'static,
+    {
+        self.blocking_on(self.commits.thread().cloned(), operation)
+    }
+
+    /// Runs `operation` on `thread`'s blocking pool, or the caller's runtime's.
+    fn blocking_on<T, F>(
+        &self,
+        thread: Option<tokio::runtime::Handle>,
+        operation: F,
+    ) -> BoxFuture<'static, Result<T>>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Database) -> Result<T> + Send + 'static,
+    {
         let handle = Arc::clone(&self.db);
+        let run = move || {
+            let db = handle.get_or_reopen()?;
+            let result = operation(&db);
+            if matches!(result, Err(Error::Store(_))) {
+                handle.recover(db);
+            }
+            result
+        };
         Box::pin(async move {
-            tokio::task::spawn_blocking(move || {
-                let db = handle.get_or_reopen()?;
-                let result = operation(&db);
-                if matches!(result, Err(Error::Store(_))) {
-                    handle.recover(db);
-                }
-                result
-            })
-            .await
+            match thread {
+                Some(thread) => thread.spawn_blocking(run).await,
+                None => tokio::task::spawn_blocking(run).await,
+            }
             .map_err(|error| Error::Store(format!("store task failed: {error}")))?
         })
     }
@@ -902,7 +933,7 @@ impl JobQueue for EmbeddedStore {
         max: usize,
     ) -> BoxFuture<'a, Result<Vec<ClaimedJob>>> {
         let consumer = consumer.to_owned();
-        self.blocking(move |db| {
+        self.blocking_write(move |db| {
             let now = now_ms();
             let lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
             let mut txn = db.begin_write().map_err(db_error)?;
@@ -921,7 +952,7 @@ impl JobQueue for EmbeddedStore {
 
     fn finish<'a>(&'a self, job: &'a JobId, state: JobState) -> BoxFuture<'a, Result<bool>> {
         let id = job.clone();
-        self.blocking(move |db| {
+        self.blocking_write(move |db| {
             let txn = db.begin_write().map_err(db_error)?;
             if !write_finish(&txn, &id, state)? {
                 return Ok(false);

@@ -111,6 +111,12 @@ where
         }
     }
 
+    /// The thread the rounds run on, when they have one of their own
+    /// ([`GroupCommit::in_background`]).
+    pub fn thread(&self) -> Option<&tokio::runtime::Handle> {
+        self.pool.as_ref().and_then(WorkerRuntime::handle)
+    }
+
     /// Queues `op` for the next commit and waits for its result.
     pub async fn submit(self: &Arc<Self>, db: &Arc<DbHandle>, op: Op) -> Result<Out> {
         let receiver = self.queue(db, op, false).map_err(|(_, error)| error)?;
@@ -163,7 +169,7 @@ where
             let batcher = Arc::clone(self);
             let db = Arc::clone(db);
             let round = move || batcher.drain(db);
-            match self.pool.as_ref().and_then(WorkerRuntime::handle) {
+            match self.thread() {
                 Some(pool) => drop(pool.spawn_blocking(round)),
                 None => drop(tokio::task::spawn_blocking(round)),
             }
