@@ -29,8 +29,12 @@ pub struct CachedMemory {
     /// Tokens of every raw turn's messages (what a client resending the whole history would
     /// send), kept up to date turn by turn for the metrics.
     pub history_tokens: TokenCount,
-    /// Approximate heap size of the state and index, for the cache's byte budget.
+    /// Approximate heap size of the state, its lookups and the index, for the cache's byte
+    /// budget.
     pub bytes: usize,
+    /// The share of `bytes` that is the state's lookups (which, unlike the items, shrink as
+    /// well as grow), so the next version can replace it.
+    lookups_bytes: usize,
 }
 
 impl CachedMemory {
@@ -85,6 +89,7 @@ impl CachedMemory {
             + index
                 .estimated_bytes()
                 .saturating_sub(previous.index.estimated_bytes());
+        let lookups_bytes = state.lookups.estimated_bytes();
         let history_tokens = if state.rewrites == previous.state.rewrites
             && state.raw_turns.len() >= previous.state.raw_turns.len()
         {
@@ -96,7 +101,8 @@ impl CachedMemory {
             state,
             index,
             history_tokens,
-            bytes: previous.bytes + grown,
+            bytes: previous.bytes.saturating_sub(previous.lookups_bytes) + lookups_bytes + grown,
+            lookups_bytes,
         }
     }
 
@@ -105,12 +111,14 @@ impl CachedMemory {
         index: MemoryIndex,
         history_tokens: TokenCount,
     ) -> CachedMemory {
-        let bytes = state.estimated_bytes_from([0; 5]) + index.estimated_bytes();
+        let lookups_bytes = state.lookups.estimated_bytes();
+        let bytes = state.estimated_bytes_from([0; 5]) + index.estimated_bytes() + lookups_bytes;
         CachedMemory {
             state,
             index,
             history_tokens,
             bytes,
+            lookups_bytes,
         }
     }
 
@@ -442,6 +450,52 @@ mod tests {
             previous = Some(cached);
         }
         assert_eq!(CachedMemory::new(MemoryState::new()).history_tokens.0, 0);
+    }
+
+    /// A memory's bytes count its lookups (built by the recording, kept in the cache), and
+    /// following it version by version gives what sizing it afresh gives.
+    #[test]
+    fn a_memorys_bytes_count_its_lookups_version_by_version() {
+        use engram_memory::{ExchangeInput, HeuristicExtractor, MemoryConfig};
+
+        let mut state = MemoryState::new();
+        let mut previous: Option<CachedMemory> = None;
+        for n in 0..200 {
+            let exchange = ExchangeInput {
+                session_id: format!("s{}", n / 20),
+                turn_id: format!("t{n}"),
+                user_text: format!(
+                    "My colleague number {n} moved to city {} last spring.",
+                    n % 7
+                ),
+                assistant_text: format!("Noted: colleague {n} and city {}.", n % 7),
+                ..ExchangeInput::default()
+            };
+            engram_memory::record_exchange(
+                &mut state,
+                &exchange,
+                &HeuristicExtractor,
+                &MemoryConfig::default(),
+            );
+            previous = Some(CachedMemory::advanced(previous.as_ref(), state.clone()));
+        }
+        let Some(memory) = previous else {
+            unreachable!("200 versions were made")
+        };
+        let lookups = memory.state.lookups.estimated_bytes();
+        assert!(lookups > 0, "the recording built the lookups");
+        assert_eq!(memory.lookups_bytes, lookups);
+        let afresh = CachedMemory::with_index(
+            memory.state.clone(),
+            memory.index.clone(),
+            memory.history_tokens,
+        );
+        assert_eq!(memory.bytes, afresh.bytes);
+        let mut unbuilt = memory.state.clone();
+        unbuilt.lookups = Default::default();
+        let without =
+            CachedMemory::with_index(unbuilt, memory.index.clone(), memory.history_tokens);
+        assert_eq!(without.bytes + lookups, memory.bytes);
     }
 
     #[test]

@@ -85,6 +85,15 @@ pub struct Lookups {
 /// set's only), of about 175 look-ups.
 const KEPT_TERMS: usize = 1_024;
 
+/// Bytes of a map entry keyed by a short string (an id or a term) with a small value: the
+/// key's `String` and its text, the value, the table's control byte and spare room.
+const TEXT_KEYED_ENTRY: usize = 96;
+/// Bytes of a map entry keyed by a number with a short list of ids.
+const ID_KEYED_ENTRY: usize = 64;
+/// Bytes of a kept-terms entry besides its hashes and text: the map's slot and the two
+/// shared allocations' headers.
+const KEPT_TERMS_ENTRY: usize = 112;
+
 /// What an item's text is made from: a fact's key and value, a summary's two sides (which a
 /// span resolves against its raw turn, whose changes drop the entry).
 #[derive(Clone, PartialEq)]
@@ -103,6 +112,18 @@ impl TextSource {
                 TextSource::Summary(entry.user_summary.clone(), entry.assistant_summary.clone())
             }),
             _ => None,
+        }
+    }
+
+    /// Bytes of text this holds on the heap.
+    fn text_bytes(&self) -> usize {
+        let side = |text: &SummaryText| match text {
+            SummaryText::Text(text) => text.len(),
+            SummaryText::Span(_) => 0,
+        };
+        match self {
+            TextSource::Fact(key, value) => key.len() + value.len(),
+            TextSource::Summary(user, assistant) => side(user) + side(assistant),
         }
     }
 
@@ -346,6 +367,32 @@ impl Lookups {
     /// them only then.
     pub fn is_current(&self, state: &MemoryState) -> bool {
         self.built && self.seen == pending(state).map(<[u32]>::len)
+    }
+
+    /// Approximate heap size in bytes, for the cache's budget. Entries are counted at a flat
+    /// size each (their keys are ids and short terms; shadowed entries of older layers count
+    /// too, and layers shared with an older copy of the memory are counted in each), kept
+    /// terms at their length.
+    pub fn estimated_bytes(&self) -> usize {
+        let keyed_by_text =
+            self.turn_ids.stored() + self.session_ids.stored() + self.fact_keys.stored();
+        let episode_terms = self.episode_terms.stored();
+        let keyed_by_id =
+            self.facts_by_turn.stored() + self.signatures.stored() + self.fact_membership.stored();
+        let in_sets = self.collided.len()
+            + self.stale_episodes.len()
+            + self.working_facts.len()
+            + self.working_summaries.len()
+            + self.hard_constraints.len();
+        let kept: usize = self
+            .item_terms
+            .values()
+            .map(|kept| KEPT_TERMS_ENTRY + kept.hashes.len() * 8 + kept.source.text_bytes())
+            .sum();
+        (keyed_by_text + episode_terms) * TEXT_KEYED_ENTRY
+            + keyed_by_id * ID_KEYED_ENTRY
+            + in_sets * 16
+            + kept
     }
 
     /// Whether terms are kept for `item` (see [`MemoryState::item_terms`]).
