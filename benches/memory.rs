@@ -31,6 +31,10 @@ const TURNS: usize = 2_000;
 const FACTS: usize = 500;
 const SESSIONS: usize = 20;
 
+// The sidecar's allocator (src/main.rs), so the hot path is timed as it runs there.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// A tiny deterministic generator (no extra dependency).
 struct Lcg(u64);
 
