@@ -222,7 +222,8 @@ pub fn retrieve(
             source,
         })
         .collect();
-    hits.sort_by(|a, b| {
+    // Items are distinct, so the order is total and an unstable sort gives the same.
+    hits.sort_unstable_by(|a, b| {
         b.relevance
             .total_cmp(&a.relevance)
             .then(a.item.cmp(&b.item))

@@ -42,7 +42,8 @@ pub(super) fn pack_core_facts(
             index,
         })
         .collect();
-    working.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.index.cmp(&b.index)));
+    // Indexes are distinct: a total order, which an unstable sort gives as a stable one would.
+    working.sort_unstable_by(|a, b| b.score.total_cmp(&a.score).then(a.index.cmp(&b.index)));
     for ScoredFact { score, index } in working {
         let Some(fact) = state.facts.get(index) else {
             continue;

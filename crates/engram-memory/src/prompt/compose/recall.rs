@@ -99,7 +99,8 @@ pub(super) fn rank_hits(
             }
         })
         .collect();
-    ranked.sort_by(|a, b| {
+    // Hits are of distinct items: a total order, so an unstable sort gives the same.
+    ranked.sort_unstable_by(|a, b| {
         b.ranking
             .score
             .total_cmp(&a.ranking.score)
