@@ -32,9 +32,10 @@ pub struct CachedMemory {
     /// Approximate heap size of the state, its lookups and the index, for the cache's byte
     /// budget.
     pub bytes: usize,
-    /// The share of `bytes` that is the state's lookups (which, unlike the items, shrink as
-    /// well as grow), so the next version can replace it.
-    lookups_bytes: usize,
+    /// The share of `bytes` that is the state's items, which only grow, so a new version adds
+    /// its new items' to it; the index and lookups, which also shrink (merges, dropped kept
+    /// terms), are sized whole for each version.
+    items_bytes: usize,
 }
 
 impl CachedMemory {
@@ -85,11 +86,9 @@ impl CachedMemory {
         };
         let mut index = previous.index.clone();
         index.refresh(&state);
-        let grown = state.estimated_bytes_from(previous.state.item_counts())
-            + index
-                .estimated_bytes()
-                .saturating_sub(previous.index.estimated_bytes());
-        let lookups_bytes = state.lookups.estimated_bytes();
+        let items_bytes =
+            previous.items_bytes + state.estimated_bytes_from(previous.state.item_counts());
+        let bytes = items_bytes + index.estimated_bytes() + state.lookups.estimated_bytes();
         let history_tokens = if state.rewrites == previous.state.rewrites
             && state.raw_turns.len() >= previous.state.raw_turns.len()
         {
@@ -101,8 +100,8 @@ impl CachedMemory {
             state,
             index,
             history_tokens,
-            bytes: previous.bytes.saturating_sub(previous.lookups_bytes) + lookups_bytes + grown,
-            lookups_bytes,
+            bytes,
+            items_bytes,
         }
     }
 
@@ -111,14 +110,14 @@ impl CachedMemory {
         index: MemoryIndex,
         history_tokens: TokenCount,
     ) -> CachedMemory {
-        let lookups_bytes = state.lookups.estimated_bytes();
-        let bytes = state.estimated_bytes_from([0; 5]) + index.estimated_bytes() + lookups_bytes;
+        let items_bytes = state.estimated_bytes_from([0; 5]);
+        let bytes = items_bytes + index.estimated_bytes() + state.lookups.estimated_bytes();
         CachedMemory {
             state,
             index,
             history_tokens,
             bytes,
-            lookups_bytes,
+            items_bytes,
         }
     }
 
@@ -453,7 +452,8 @@ mod tests {
     }
 
     /// A memory's bytes count its lookups (built by the recording, kept in the cache), and
-    /// following it version by version gives what sizing it afresh gives.
+    /// following it version by version gives what sizing it afresh gives (the index and the
+    /// lookups shrink at times: a merge, dropped kept terms).
     #[test]
     fn a_memorys_bytes_count_its_lookups_version_by_version() {
         use engram_memory::{ExchangeInput, HeuristicExtractor, MemoryConfig};
@@ -484,7 +484,6 @@ mod tests {
         };
         let lookups = memory.state.lookups.estimated_bytes();
         assert!(lookups > 0, "the recording built the lookups");
-        assert_eq!(memory.lookups_bytes, lookups);
         let afresh = CachedMemory::with_index(
             memory.state.clone(),
             memory.index.clone(),
