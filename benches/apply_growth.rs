@@ -59,9 +59,9 @@ fn main() {
         "apply per job (copy + record_exchange + index refresh + prefetch + encode), one user, single thread"
     );
     println!(
-        "| turns | p50 (ms) | p99 (ms) | max (ms) | mean (ms) | p99 of record / index / prefetch / encode (ms) | compose p50 / p99 (ms) | working set (facts / summaries) |"
+        "| turns | p50 (ms) | p99 (ms) | max (ms) | mean (ms) | p99 of record / index / prefetch / encode (ms) | compose p50 / p99 (ms) | working set (facts / summaries) | memory estimated / process RSS (MiB) |"
     );
-    println!("|--:|--:|--:|--:|--:|--|--|--|");
+    println!("|--:|--:|--:|--:|--:|--|--|--|--|");
     for n in 0..turns {
         let exchange = text::exchange(n, SESSION, format!("turn-{n:08}"));
         let start = Instant::now();
@@ -114,7 +114,14 @@ fn main() {
                     lookups.working_facts().len(),
                     lookups.working_summaries().len(),
                 );
-                report(done, &mut window, &phases, &mut composes, working);
+                report(
+                    done,
+                    &mut window,
+                    &phases,
+                    &mut composes,
+                    working,
+                    memory.bytes,
+                );
             }
             window.clear();
             phases.clear();
@@ -130,6 +137,7 @@ fn report(
     phases: &[[Duration; 4]],
     composes: &mut [Duration],
     (working_facts, working_summaries): (usize, usize),
+    estimated_bytes: usize,
 ) {
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let p99 = |mut samples: Vec<Duration>| {
@@ -145,7 +153,7 @@ fn report(
     composes.sort_unstable();
     let compose_at = |q: f64| composes[((composes.len() as f64 - 1.0) * q).round() as usize];
     println!(
-        "| {turns} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {:.3} / {:.3} | {working_facts} / {working_summaries} |",
+        "| {turns} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {:.3} / {:.3} | {working_facts} / {working_summaries} | {:.1} / {} |",
         ms(at(0.5)),
         ms(at(0.99)),
         ms(at(1.0)),
@@ -153,5 +161,17 @@ fn report(
         by_phase.join(" / "),
         ms(compose_at(0.5)),
         ms(compose_at(0.99)),
+        estimated_bytes as f64 / MIB,
+        rss_mib().map_or_else(|| "?".to_owned(), |rss| format!("{rss:.1}")),
     );
+}
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// The process's resident set (`VmRSS` in `/proc/self/status`), in MiB; `None` off Linux.
+fn rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|line| line.starts_with("VmRSS:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
 }
