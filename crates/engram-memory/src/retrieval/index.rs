@@ -894,6 +894,18 @@ pub enum SegmentKind {
     Artifact,
 }
 
+impl SegmentKind {
+    /// Whether hybrid retrieval compares this segment's items with the query by meaning, and
+    /// so whether they get a vector. Not summaries and episodes: they are made of raw turns,
+    /// which are compared already, and comparing them too cost a third of compose's time.
+    pub fn compared_by_meaning(self) -> bool {
+        matches!(
+            self,
+            SegmentKind::Raw | SegmentKind::Fact | SegmentKind::Artifact
+        )
+    }
+}
+
 type Vocabulary = LayeredMap<String, TermId, foldhash::fast::RandomState>;
 
 #[derive(Debug, Clone, Default)]
@@ -1062,7 +1074,9 @@ impl MemoryIndex {
             return;
         }
         let terms = text.map(|text| (self.term_ids(text), Vec::new()));
-        let vector = text.and_then(embed_text);
+        let vector = text
+            .filter(|_| kind.compared_by_meaning())
+            .and_then(embed_text);
         let segment = self.segment_mut(kind);
         segment.put(key, terms, print);
         segment.set_vector(key, vector);
@@ -1490,5 +1504,52 @@ mod tests {
                 .all(|term| !index.raw.terms_of(1).contains(term))
         );
         assert!(index.raw.terms_of(7).is_empty());
+    }
+
+    /// Only the segments hybrid retrieval compares by meaning hold vectors: a summary's or an
+    /// episode's would never be read.
+    #[test]
+    fn vectors_are_kept_for_the_segments_compared_by_meaning_only() {
+        let mut state = MemoryState::new();
+        let said = [
+            "My sister lives in Lisbon.",
+            "I'm allergic to peanuts.",
+            "I work as a nurse in Porto.",
+        ];
+        for n in 0..12 {
+            crate::record::record_exchange(
+                &mut state,
+                &crate::model::ExchangeInput {
+                    session_id: "s".into(),
+                    turn_id: format!("t{n}"),
+                    user_text: said[n % said.len()].into(),
+                    assistant_text: "Noted, I will keep that in mind.".into(),
+                    ..Default::default()
+                },
+                &crate::extract::HeuristicExtractor,
+                &crate::config::MemoryConfig::default(),
+            );
+        }
+        let index = MemoryIndex::build(&state);
+        let query = embed_text("where does my sister live").unwrap();
+        assert!(index.raw.cosine(0, &query).is_some());
+        let keys = |segment: &Segment| (0..segment.keys() as u32).collect::<Vec<u32>>();
+        assert!(!index.facts.is_empty(), "no facts");
+        assert!(!index.summaries.is_empty(), "no summaries");
+        for key in keys(&index.facts) {
+            assert!(index.facts.cosine(key, &query).is_some(), "fact {key}");
+        }
+        for key in keys(&index.summaries) {
+            assert!(
+                index.summaries.cosine(key, &query).is_none(),
+                "summary {key}"
+            );
+        }
+        for key in keys(&index.episodes) {
+            assert!(
+                index.episodes.cosine(key, &query).is_none(),
+                "episode {key}"
+            );
+        }
     }
 }

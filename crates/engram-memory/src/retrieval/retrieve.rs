@@ -140,9 +140,7 @@ pub fn retrieve(
         (SegmentKind::Episode, config.top_episodes, ItemRef::Episode),
     ] {
         let segment = index.segment(kind);
-        // Summaries and episodes are made of raw turns, which the raw search compares by
-        // meaning already: comparing them too cost a third of compose's time.
-        let semantic = semantic.filter(|_| kind == SegmentKind::Fact);
+        let semantic = semantic.filter(|_| kind.compared_by_meaning());
         let found = hybrid(
             segment,
             semantic,
