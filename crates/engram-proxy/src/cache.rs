@@ -419,8 +419,8 @@ mod tests {
 
     #[test]
     fn history_tokens_are_every_recorded_message_and_follow_new_versions() {
+        use engram_memory::Encoding;
         use engram_memory::tokens::count_in;
-        use engram_memory::{Encoding, ExchangeInput, HeuristicExtractor, MemoryConfig};
 
         let exchanges = [
             ("My sister lives in Lisbon.", "Lovely city!"),
@@ -430,19 +430,7 @@ mod tests {
         let mut expected = 0;
         let mut previous: Option<CachedMemory> = None;
         for (n, (user, assistant)) in exchanges.iter().enumerate() {
-            let exchange = ExchangeInput {
-                session_id: "s".into(),
-                turn_id: format!("t{n}"),
-                user_text: (*user).into(),
-                assistant_text: (*assistant).into(),
-                ..ExchangeInput::default()
-            };
-            engram_memory::record_exchange(
-                &mut state,
-                &exchange,
-                &HeuristicExtractor,
-                &MemoryConfig::default(),
-            );
+            record(&mut state, "s", n, user, assistant);
             expected += count_in(Encoding::Cl100k, user) + count_in(Encoding::Cl100k, assistant);
             let cached = CachedMemory::advanced(previous.as_ref(), state.clone());
             assert_eq!(cached.history_tokens.get(Encoding::Cl100k), expected);
@@ -456,27 +444,15 @@ mod tests {
     /// lookups shrink at times: a merge, dropped kept terms).
     #[test]
     fn a_memorys_bytes_count_its_lookups_version_by_version() {
-        use engram_memory::{ExchangeInput, HeuristicExtractor, MemoryConfig};
-
         let mut state = MemoryState::new();
         let mut previous: Option<CachedMemory> = None;
         for n in 0..200 {
-            let exchange = ExchangeInput {
-                session_id: format!("s{}", n / 20),
-                turn_id: format!("t{n}"),
-                user_text: format!(
-                    "My colleague number {n} moved to city {} last spring.",
-                    n % 7
-                ),
-                assistant_text: format!("Noted: colleague {n} and city {}.", n % 7),
-                ..ExchangeInput::default()
-            };
-            engram_memory::record_exchange(
-                &mut state,
-                &exchange,
-                &HeuristicExtractor,
-                &MemoryConfig::default(),
+            let user = format!(
+                "My colleague number {n} moved to city {} last spring.",
+                n % 7
             );
+            let assistant = format!("Noted: colleague {n} and city {}.", n % 7);
+            record(&mut state, &format!("s{}", n / 20), n, &user, &assistant);
             previous = Some(CachedMemory::advanced(previous.as_ref(), state.clone()));
         }
         let Some(memory) = previous else {
@@ -565,23 +541,28 @@ mod tests {
         assert!(cache.len() <= BUDGET / 50_000);
     }
 
-    /// A memory after one recorded exchange, and what its write encodes to.
-    fn written(version: u64, text: &str) -> (Arc<CachedMemory>, EncodedState) {
-        let mut state = MemoryState::new();
-        state.version = version;
+    /// Records one exchange into `state` (heuristic extractor, default settings).
+    fn record(state: &mut MemoryState, session: &str, turn: usize, user: &str, assistant: &str) {
         let exchange = engram_memory::ExchangeInput {
-            session_id: "s".into(),
-            turn_id: "t0".into(),
-            user_text: text.into(),
-            assistant_text: "Noted.".into(),
+            session_id: session.into(),
+            turn_id: format!("t{turn}"),
+            user_text: user.into(),
+            assistant_text: assistant.into(),
             ..engram_memory::ExchangeInput::default()
         };
         engram_memory::record_exchange(
-            &mut state,
+            state,
             &exchange,
             &engram_memory::HeuristicExtractor,
             &engram_memory::MemoryConfig::default(),
         );
+    }
+
+    /// A memory after one recorded exchange, and what its write encodes to.
+    fn written(version: u64, text: &str) -> (Arc<CachedMemory>, EncodedState) {
+        let mut state = MemoryState::new();
+        state.version = version;
+        record(&mut state, "s", 0, text, "Noted.");
         let encoded = EncodedState::of(&state).unwrap();
         (Arc::new(CachedMemory::new(state)), encoded)
     }
