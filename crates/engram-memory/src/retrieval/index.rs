@@ -1510,26 +1510,15 @@ mod tests {
     /// episode's would never be read.
     #[test]
     fn vectors_are_kept_for_the_segments_compared_by_meaning_only() {
-        let mut state = MemoryState::new();
         let said = [
             "My sister lives in Lisbon.",
             "I'm allergic to peanuts.",
             "I work as a nurse in Porto.",
         ];
-        for n in 0..12 {
-            crate::record::record_exchange(
-                &mut state,
-                &crate::model::ExchangeInput {
-                    session_id: "s".into(),
-                    turn_id: format!("t{n}"),
-                    user_text: said[n % said.len()].into(),
-                    assistant_text: "Noted, I will keep that in mind.".into(),
-                    ..Default::default()
-                },
-                &crate::extract::HeuristicExtractor,
-                &crate::config::MemoryConfig::default(),
-            );
-        }
+        let turns: Vec<(&str, &str)> = (0..12)
+            .map(|n| (said[n % said.len()], "Noted, I will keep that in mind."))
+            .collect();
+        let state = crate::record::test_support::recorded_with(&turns, |_| "s".into(), |_| None);
         let index = MemoryIndex::build(&state);
         let query = embed_text("where does my sister live").unwrap();
         assert!(index.raw.cosine(0, &query).is_some());
