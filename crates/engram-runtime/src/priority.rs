@@ -10,10 +10,11 @@
 //! ([`recorder_pool`], [`RecorderPriority::Answering`]) runs at normal priority without
 //! checkpoints: while no client waited for them they gave way at every step, and once the
 //! answers waited, those yields only made them wait longer (docs/benchmarks-log.md). Niced to 19,
-//! a recorder that yields that often was starved at full load. The worker's job commits,
-//! claims and finishes in the embedded store run the same way on a committer thread of their
-//! own: they hold redb's one write lock, and on the worker's idle-priority threads the
-//! requests could keep them from letting it go while every recorded answer's enqueue waited.
+//! a recorder that yields that often was starved at full load. The embedded store's job
+//! commits, and every other write transaction of its after start-up, run the same way on a
+//! committer thread of their own: they hold redb's one write lock, and on the worker's
+//! idle-priority threads the requests could keep them from letting it go while every
+//! recorded answer's enqueue waited.
 //! The Redis store's encoding of large exchanges, one long call without checkpoints, runs on
 //! a thread niced to 19.
 //!

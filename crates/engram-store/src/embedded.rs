@@ -239,7 +239,8 @@ impl EmbeddedStore {
         self.enqueues.fail_next_commits(commits);
     }
 
-    /// Runs a blocking redb operation on tokio's blocking pool.
+    /// Runs a blocking redb read on the caller's runtime's blocking pool (writes go through
+    /// [`EmbeddedStore::blocking_write`]).
     fn blocking<T, F>(&self, operation: F) -> BoxFuture<'static, Result<T>>
     where
         T: Send + 'static,
@@ -248,9 +249,10 @@ impl EmbeddedStore {
         self.blocking_on(None, operation)
     }
 
-    /// A redb write of the worker's (a claim, a finish), run on the thread of its job commits
-    /// at normal priority: on the worker's idle-priority pool it could hold redb's one write
-    /// lock while the requests keep the core, and every recorded answer's enqueue would wait.
+    /// A redb write transaction (a claim, a finish, a raw-log append, a state or prefetch
+    /// save, a forget), run on the thread of the job commits at normal priority whoever asks:
+    /// on the worker's idle-priority pool it could hold redb's one write lock while the
+    /// requests keep the core, and every recorded answer's enqueue would wait.
     fn blocking_write<T, F>(&self, operation: F) -> BoxFuture<'static, Result<T>>
     where
         T: Send + 'static,
@@ -838,7 +840,7 @@ impl MemoryRecords for EmbeddedStore {
     ) -> BoxFuture<'a, Result<()>> {
         let user = user.clone();
         let encoded = state.clone();
-        self.blocking(move |db| {
+        self.blocking_write(move |db| {
             let txn = db.begin_write().map_err(db_error)?;
             // On a conflict the transaction is dropped, which aborts it: nothing is written.
             write_state(&txn, &user, &encoded, expected_version)?;
@@ -855,7 +857,7 @@ impl MemoryRecords for EmbeddedStore {
         let user = user.clone();
         let session_id = session_id.to_owned();
         let encoded = encode(candidates);
-        self.blocking(move |db| {
+        self.blocking_write(move |db| {
             let encoded = encoded?;
             let txn = db.begin_write().map_err(db_error)?;
             write_prefetched(&txn, &user, &session_id, &encoded)?;
@@ -872,7 +874,7 @@ impl MemoryRecords for EmbeddedStore {
         let user = user.clone();
         let exchange_id = exchange_id.to_owned();
         let exchange = exchange.clone();
-        self.blocking(move |db| {
+        self.blocking_write(move |db| {
             let txn = db.begin_write().map_err(db_error)?;
             let appended = write_raw(&txn, &user, &exchange_id, &exchange)?;
             if !appended.duplicate {
@@ -996,7 +998,7 @@ impl Store for EmbeddedStore {
 
     fn forget_user<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<ForgetReport>> {
         let user = user.clone();
-        self.blocking(move |db| {
+        self.blocking_write(move |db| {
             let (tenant, user_id) = (user.tenant.as_str(), user.user.as_str());
             let mut report = ForgetReport::default();
             let txn = db.begin_write().map_err(db_error)?;
