@@ -11,8 +11,8 @@
 //! checkpoints: while no client waited for them they gave way at every step, and once the
 //! answers waited, those yields only made them wait longer (docs/benchmarks-log.md). Niced to 19,
 //! a recorder that yields that often was starved at full load. The embedded store's job
-//! commits, and every other write transaction of its after start-up, run the same way on a
-//! committer thread of their own: they hold redb's one write lock, and on the worker's
+//! commits, and every other write transaction of its after start-up but the worker's
+//! claims, run the same way on a committer thread of their own: they hold redb's one write lock, and on the worker's
 //! idle-priority threads the requests could keep them from letting it go while every
 //! recorded answer's enqueue waited.
 //! The Redis store's encoding of large exchanges, one long call without checkpoints, runs on
