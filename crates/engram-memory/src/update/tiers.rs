@@ -110,9 +110,12 @@ pub fn rehydrate(
             }
         }
     } else {
-        // Candidates from the term lists, best bound first: once three episodes are found, one
-        // whose bound is below the third's count cannot place, so the walk stops there rather
-        // than going through every episode that shares a word with the message.
+        // Candidates from the term lists, best (bound, id) first: once three episodes are
+        // found, one whose bound is below the third's count cannot place, nor one whose bound
+        // equals it with a lower id (it would lose the tie), and every later candidate ranks
+        // lower still. So the walk stops there rather than going through every episode that
+        // shares a word with the message: with a small vocabulary (a backend's templated
+        // prompts) that was every episode of the newest lists, thousands per turn.
         state.sync_lookups();
         let candidates = state
             .lookups
@@ -121,7 +124,7 @@ pub fn rehydrate(
             if matching.len() >= MAX_REHYDRATED {
                 matching.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
                 matching.truncate(MAX_REHYDRATED);
-                if matching.last().is_some_and(|third| bound < third.0) {
+                if matching.last().is_some_and(|third| (bound, id) < *third) {
                     break;
                 }
             }
@@ -443,4 +446,93 @@ fn rebuilt_manifest(state: &MemoryState, id: EpisodeId) -> Option<EpisodeManifes
         &episode.links,
         episode.rehydrated_at.clone(),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lookups::match_terms;
+    use crate::model::{Depth, RawTurn, TurnLogEntry};
+    use crate::text::terms;
+
+    /// OLD turns, two per episode, every episode about the same few words (a templated
+    /// backend's prompts) and some with one or two words more.
+    fn state_with_episodes(episodes: u32) -> MemoryState {
+        let mut state = MemoryState::new();
+        for seq in 0..episodes * 2 {
+            let episode = seq / 2;
+            let extra = match episode % 7 {
+                0 => " Lisbon",
+                3 => " Lisbon Porto",
+                _ => "",
+            };
+            let user = format!("the sourdough starter recipe from the bakery{extra}");
+            state.raw_turns.push(RawTurn {
+                id: format!("t{seq}"),
+                session: 0,
+                user: user.clone(),
+                assistant: "ok".into(),
+                event_time: None,
+                chain: 0,
+                pair: 0,
+                depth: Depth::Short,
+                incomplete: false,
+                tokens: Default::default(),
+            });
+            state.turn_log.push(TurnLogEntry {
+                turn: seq,
+                user_summary: user.as_str().into(),
+                assistant_summary: "answered".into(),
+                facts: vec![],
+                artifacts: vec![],
+                tier: TierState {
+                    tier: Tier::Old,
+                    ..TierState::fresh(seq)
+                },
+                episode: Some(episode),
+                tokens: Default::default(),
+                erased: false,
+            });
+        }
+        for episode in 0..episodes {
+            let links = [episode * 2, episode * 2 + 1];
+            let manifest = build_manifest(&state, episode, 0, &links, vec![]);
+            state.episodes.push(Arc::new(manifest));
+        }
+        state
+    }
+
+    #[test]
+    fn rehydration_picks_the_best_three_however_many_episodes_tie() {
+        let config = MemoryConfig::default();
+        let message =
+            "any news on the sourdough starter recipe from the bakery in Lisbon or Porto?";
+        let user_terms: TermSet = terms(message).collect();
+        for episodes in [3, 10, 40, 300] {
+            let mut state = state_with_episodes(episodes);
+            // The reference: every dormant episode's matches, best (count, id) first.
+            let mut expected: Vec<(usize, EpisodeId)> = (0..episodes)
+                .filter_map(|id| {
+                    let matches = match_terms(state.episode(id)?)
+                        .intersection(&user_terms)
+                        .count();
+                    (matches >= config.episodes.rehydrate_min_matches).then_some((matches, id))
+                })
+                .collect();
+            expected.sort_by(|a, b| b.cmp(a));
+            let mut expected: Vec<EpisodeId> = expected.iter().take(3).map(|(_, id)| *id).collect();
+            expected.sort_unstable();
+            let turn = episodes * 2;
+            let rehydrated = rehydrate(&mut state, &user_terms, turn, &config);
+            assert_eq!(rehydrated, expected, "{episodes} episodes");
+            // Past ten episodes, the winners are the newest of those naming both cities.
+            if episodes > 10 {
+                assert!(rehydrated.iter().all(|id| id % 7 == 3), "{rehydrated:?}");
+            }
+            for id in rehydrated {
+                let episode = state.episode(id).expect("rehydrated episode");
+                assert_eq!(episode.rehydrated_at, [turn]);
+            }
+        }
+    }
 }
