@@ -742,14 +742,15 @@ impl Segment {
     /// product. So a query costs at most one popcount pass over `scan` 32-byte codes and `pool`
     /// dot products, whatever the history; older items are found by their words.
     pub fn nearest(&self, query: &Vector, pool: usize, scan: usize, top: usize) -> Nearest {
-        let mut scored: Vec<(u32, f32)> = Vec::new();
         let keyed = |key: usize| u32::try_from(key).unwrap_or(u32::MAX);
         let from = self.vectors.len().saturating_sub(scan);
+        // The items to compare in full, gathered before any is scored (see `embed::warm`).
+        let mut picked: Vec<(u32, &Vector)> = Vec::new();
         if self.vector_count as usize <= pool {
-            scored.reserve(self.vector_count as usize);
+            picked.reserve(self.vector_count as usize);
             for (key, vector) in self.vectors.iter_from(from) {
                 if let Some(vector) = vector {
-                    scored.push((keyed(key), vector.cosine(query)));
+                    picked.push((keyed(key), vector));
                 }
             }
         } else {
@@ -779,7 +780,7 @@ impl Segment {
             // Everything nearer than `limit`, then the newest at `limit` up to `pool`.
             let limit = u16::try_from(limit).unwrap_or(NONE);
             let mut at_limit = pool.saturating_sub(below);
-            scored.reserve(pool);
+            picked.reserve(pool);
             for (offset, distance) in distances.iter().enumerate().rev() {
                 if *distance < limit || (*distance == limit && at_limit > 0) {
                     if *distance == limit {
@@ -787,11 +788,16 @@ impl Segment {
                     }
                     let key = from + offset;
                     if let Some(Some(vector)) = self.vectors.get(key) {
-                        scored.push((keyed(key), vector.cosine(query)));
+                        picked.push((keyed(key), vector));
                     }
                 }
             }
         }
+        embed::warm(picked.iter().map(|(_, vector)| *vector));
+        let mut scored: Vec<(u32, f32)> = picked
+            .iter()
+            .map(|(key, vector)| (*key, vector.cosine(query)))
+            .collect();
         let lowest = scored.iter().map(|hit| hit.1).reduce(f32::min);
         // Only the best `top` are wanted in order: select them, then sort those.
         let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
