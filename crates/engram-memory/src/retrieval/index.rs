@@ -13,6 +13,7 @@
 //! items the state records as changed since it was last stored ([`Segmented::pending`]); an
 //! item whose text did not change (only its tier moved) is left as it is.
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
@@ -29,6 +30,12 @@ pub type TermId = u32;
 
 /// Documents the mutable head of a segment holds before it is sealed into a part.
 const HEAD_DOCS: usize = 128;
+
+thread_local! {
+    /// `Segment::search_weighted`'s score per document of a part, all zeros between searches
+    /// and as long as the largest part searched on this thread.
+    static SCORES: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+}
 
 #[derive(Debug, Clone, Copy)]
 struct Posting {
@@ -317,8 +324,10 @@ impl Segment {
         }
         // The best live documents so far, as (key, raw score); at most `top` after each part.
         let mut hits: Vec<(u32, f32)> = Vec::new();
-        let mut scores: Vec<f32> = Vec::new();
+        // Taken, not borrowed: a search that unwound would otherwise leave scores behind.
+        let mut scores = SCORES.take();
         let mut touched: Vec<u32> = Vec::new();
+        let mut dropped: Vec<u32> = Vec::new();
         let mut running: Vec<f32> = Vec::new();
         let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         // Postings each term may still use: parts are taken newest first, and each part's
@@ -332,10 +341,14 @@ impl Segment {
                 let all = part.postings.get(&terms[i].0)?;
                 Some(&all[all.len().saturating_sub(left[i])..])
             };
-            // Dense accumulation: a few kilobytes per query, no hashing on the hot path.
-            scores.clear();
-            scores.resize(part.len(), 0.0);
+            // Dense accumulation, no hashing on the hot path. The array is all zeros between
+            // parts and searches, and only the documents a part touched are zeroed after it:
+            // zeroing it whole for each part made every search cost the history's length.
+            if scores.len() < part.len() {
+                scores.resize(part.len(), 0.0);
+            }
             touched.clear();
+            dropped.clear();
             let score = |posting: &Posting, weight: f32, idf: f32| {
                 let len = part.doc_len.get(posting.doc as usize).copied().unwrap_or(0);
                 weight * Segment::term_score(idf, posting.tf, len, average, bm25)
@@ -372,6 +385,7 @@ impl Segment {
                     let stays = *slot + rest[walked] >= bar;
                     if !stays {
                         *slot = f32::NEG_INFINITY;
+                        dropped.push(*doc);
                     }
                     stays
                 });
@@ -407,11 +421,15 @@ impl Segment {
                     .unwrap_or(u32::MAX);
                 hits.push((key, scores[*doc as usize]));
             }
+            for doc in touched.iter().chain(&dropped) {
+                scores[*doc as usize] = 0.0;
+            }
             if hits.len() > top {
                 hits.select_nth_unstable_by(top - 1, order);
                 hits.truncate(top);
             }
         }
+        SCORES.set(scores);
         for hit in &mut hits {
             hit.1 /= ceiling;
         }
