@@ -727,7 +727,7 @@ pub fn match_terms(manifest: &EpisodeManifest) -> TermSet {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Depth, RawTurn, TierState};
+    use crate::model::test_support::push_turn;
 
     /// Past [`KEPT_TERMS`] entries, only the working set's stay.
     #[test]
@@ -735,38 +735,14 @@ mod tests {
         let mut state = MemoryState::new();
         let turns = KEPT_TERMS as TurnSeq + 10;
         for seq in 0..turns {
-            state.raw_turns.push(RawTurn {
-                id: format!("t{seq}"),
-                session: 0,
-                user: format!("question number {seq}"),
-                assistant: "ok".into(),
-                event_time: None,
-                chain: 0,
-                pair: 0,
-                depth: Depth::Short,
-                incomplete: false,
-                tokens: Default::default(),
-            });
             // The last ten are in the working set (NEW), the others OLD.
             let tier = if seq + 10 >= turns {
                 Tier::New
             } else {
                 Tier::Old
             };
-            state.turn_log.push(TurnLogEntry {
-                turn: seq,
-                user_summary: format!("question {seq}").as_str().into(),
-                assistant_summary: "answered".into(),
-                facts: vec![],
-                artifacts: vec![],
-                tier: TierState {
-                    tier,
-                    ..TierState::fresh(seq)
-                },
-                episode: None,
-                tokens: Default::default(),
-                erased: false,
-            });
+            let (user, summary) = (format!("question number {seq}"), format!("question {seq}"));
+            push_turn(&mut state, &user, &summary, tier);
         }
         for seq in (0..turns).rev() {
             assert!(state.item_terms(ItemRef::Summary(seq)).is_some());

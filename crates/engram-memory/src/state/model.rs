@@ -684,6 +684,46 @@ pub struct ExchangeInput {
     pub arrival: Option<u64>,
 }
 
+/// Memories built by hand for tests.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::{Depth, MemoryState, RawTurn, Tier, TierState, TurnLogEntry, TurnSeq};
+
+    /// Appends a raw turn saying `user` (answered "ok") and its turn-log entry summarised as
+    /// `summary`, in `tier` from now on; returns its sequence number. It has no date and
+    /// belongs to no episode: callers set what their test needs.
+    pub fn push_turn(state: &mut MemoryState, user: &str, summary: &str, tier: Tier) -> TurnSeq {
+        let seq = state.raw_turns.len() as TurnSeq;
+        state.raw_turns.push(RawTurn {
+            id: format!("t{seq}"),
+            session: 0,
+            user: user.to_owned(),
+            assistant: "ok".into(),
+            event_time: None,
+            chain: 0,
+            pair: 0,
+            depth: Depth::Short,
+            incomplete: false,
+            tokens: Default::default(),
+        });
+        state.turn_log.push(TurnLogEntry {
+            turn: seq,
+            user_summary: summary.into(),
+            assistant_summary: "answered".into(),
+            facts: vec![],
+            artifacts: vec![],
+            tier: TierState {
+                tier,
+                ..TierState::fresh(seq)
+            },
+            episode: None,
+            tokens: Default::default(),
+            erased: false,
+        });
+        seq
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

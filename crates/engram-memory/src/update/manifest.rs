@@ -231,38 +231,17 @@ pub fn remembered_match_terms(manifest: &EpisodeManifest) -> Rc<TermSet> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Depth, RawTurn, Tier, TierState, TurnLogEntry};
+    use crate::model::Tier;
+    use crate::model::test_support::push_turn;
 
+    /// OLD turns dated a day apart from 2024-03-01.
     fn state_with(turns: &[(&str, &str)]) -> MemoryState {
         let mut state = MemoryState::new();
-        for (seq, (user, summary)) in turns.iter().enumerate() {
-            let seq = seq as TurnSeq;
-            state.raw_turns.push(RawTurn {
-                id: format!("t{seq}"),
-                session: 0,
-                user: user.to_string(),
-                assistant: "ok".into(),
-                event_time: Some(format!("2024-03-0{}T10:00:00Z", seq + 1)),
-                chain: 0,
-                pair: 0,
-                depth: Depth::Short,
-                incomplete: false,
-                tokens: Default::default(),
-            });
-            state.turn_log.push(TurnLogEntry {
-                turn: seq,
-                user_summary: (*summary).into(),
-                assistant_summary: "answered".into(),
-                facts: vec![],
-                artifacts: vec![],
-                tier: TierState {
-                    tier: Tier::Old,
-                    ..TierState::fresh(seq)
-                },
-                episode: None,
-                tokens: Default::default(),
-                erased: false,
-            });
+        for (user, summary) in turns {
+            let seq = push_turn(&mut state, user, summary, Tier::Old);
+            if let Some(turn) = state.raw_turns.get_mut(seq as usize) {
+                turn.event_time = Some(format!("2024-03-0{}T10:00:00Z", seq + 1));
+            }
         }
         state
     }

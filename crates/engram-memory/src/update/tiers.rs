@@ -452,7 +452,7 @@ fn rebuilt_manifest(state: &MemoryState, id: EpisodeId) -> Option<EpisodeManifes
 mod tests {
     use super::*;
     use crate::lookups::match_terms;
-    use crate::model::{Depth, RawTurn, TurnLogEntry};
+    use crate::model::test_support::push_turn;
     use crate::text::terms;
 
     /// OLD turns, two per episode, every episode about the same few words (a templated
@@ -467,32 +467,10 @@ mod tests {
                 _ => "",
             };
             let user = format!("the sourdough starter recipe from the bakery{extra}");
-            state.raw_turns.push(RawTurn {
-                id: format!("t{seq}"),
-                session: 0,
-                user: user.clone(),
-                assistant: "ok".into(),
-                event_time: None,
-                chain: 0,
-                pair: 0,
-                depth: Depth::Short,
-                incomplete: false,
-                tokens: Default::default(),
-            });
-            state.turn_log.push(TurnLogEntry {
-                turn: seq,
-                user_summary: user.as_str().into(),
-                assistant_summary: "answered".into(),
-                facts: vec![],
-                artifacts: vec![],
-                tier: TierState {
-                    tier: Tier::Old,
-                    ..TierState::fresh(seq)
-                },
-                episode: Some(episode),
-                tokens: Default::default(),
-                erased: false,
-            });
+            push_turn(&mut state, &user, &user, Tier::Old);
+            if let Some(entry) = state.turn_log.get_mut(seq as usize) {
+                entry.episode = Some(episode);
+            }
         }
         for episode in 0..episodes {
             let links = [episode * 2, episode * 2 + 1];
