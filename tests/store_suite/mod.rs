@@ -50,6 +50,7 @@ macro_rules! store_suite {
             hot_record_reads_version_state_and_prefetched,
             hot_record_lists_the_sessions_unapplied_exchanges,
             a_reader_catches_up_through_the_items_that_changed,
+            the_ring_leads_from_its_newest_writes_only,
             save_state_detects_version_conflicts,
             concurrent_saves_from_one_version_let_one_win,
             concurrent_job_commits_of_one_user_let_one_win,
@@ -295,6 +296,74 @@ pub async fn a_reader_catches_up_through_the_items_that_changed(store: &dyn Stor
         .await
         .unwrap();
     assert_eq!(whole(lost.update).as_ref(), Some(&state));
+}
+
+/// The change ring holds the newest `RING` writes: a reader one write short of that still gets
+/// a delta (the items of those writes alone), one further behind reads the whole memory, and a
+/// forget leaves no entry for a new memory of the same user to be misread through.
+pub async fn the_ring_leads_from_its_newest_writes_only(store: &dyn Store) {
+    let bob = UserKey::new("acme", "bob");
+    let mut state = state_with(&["My name is Bob."]);
+    state.take_changes();
+    store.save_state(&bob, &state, 0).await.unwrap();
+    let mut versions = vec![state.version];
+    for n in 0..=engram_store::layout::RING {
+        record_exchange(
+            &mut state,
+            &exchange(
+                "s1",
+                &format!("ring-{n}"),
+                &format!("I walked {n} km today."),
+            ),
+            &HeuristicExtractor,
+            &MemoryConfig::default(),
+        );
+        let changes = state.take_changes();
+        let encoded = EncodedState::changes(&state, &changes).unwrap();
+        let previous = *versions.last().unwrap();
+        store
+            .save_encoded_state(&bob, &encoded, previous)
+            .await
+            .unwrap();
+        versions.push(state.version);
+    }
+    // RING + 1 writes after the first save: the write from versions[0] has left the ring.
+    let dropped = store
+        .hot_record(&bob, "s1", Some(versions[0]))
+        .await
+        .unwrap();
+    assert_eq!(whole(dropped.update).as_ref(), Some(&state));
+    let kept = store
+        .hot_record(&bob, "s1", Some(versions[1]))
+        .await
+        .unwrap();
+    let Some(MemoryUpdate::Delta(delta)) = kept.update else {
+        panic!("a reader whose version the ring still leads from did not get a delta");
+    };
+    // The last write touched its own new turn, at least: a delta, not everything.
+    assert!(!delta.items.is_empty());
+    assert!(delta.items.len() < EncodedState::of(&state).unwrap().items.len());
+    let behind = store
+        .hot_record(&bob, "s1", Some(versions[versions.len() - 2]))
+        .await
+        .unwrap();
+    let Some(MemoryUpdate::Delta(last)) = behind.update else {
+        panic!("a reader one write behind did not get a delta");
+    };
+    assert!(last.items.len() <= delta.items.len());
+
+    // Forgotten, then a new memory at the version the old ring's last write wrote: a reader
+    // still holding the old memory one write behind must not be led through that write.
+    store.forget_user(&bob).await.unwrap();
+    let mut again = state_with(&["My name is Bob, again."]);
+    again.take_changes();
+    again.version = state.version;
+    store.save_state(&bob, &again, 0).await.unwrap();
+    let fresh = store
+        .hot_record(&bob, "s1", Some(versions[versions.len() - 2]))
+        .await
+        .unwrap();
+    assert_eq!(whole(fresh.update).as_ref(), Some(&again));
 }
 
 pub async fn hot_record_reads_version_state_and_prefetched(store: &dyn Store) {

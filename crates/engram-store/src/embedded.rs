@@ -44,8 +44,15 @@ const ENQUEUE_LINGER: Duration = Duration::ZERO;
 const STATES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("memory_state");
 /// A memory's items (see `layout`): (tenant, user, kind, position) -> JSON.
 const ITEMS: TableDefinition<(&str, &str, u8, u32), &[u8]> = TableDefinition::new("memory_items");
-/// A memory's change ring, one `layout::Change` a line.
+/// A memory's change ring as one value, one `layout::Change` a line: what releases before
+/// `CHANGE_LOG` wrote. No longer read; removed by the user's next write or forget.
 const CHANGES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("memory_changes");
+/// A memory's change ring, one row a write: (tenant, user, version written) -> the encoded
+/// `layout::Change`; the newest `layout::RING` are kept. A write adds one row instead of
+/// rewriting the whole ring (64 lines of every item each write touched: about 34 KB a job for
+/// a user whose turns each touch ~80 items), and a reader one write behind reads one row.
+const CHANGE_LOG: TableDefinition<(&str, &str, u64), &[u8]> =
+    TableDefinition::new("memory_change_log");
 /// (tenant, user) → memory version; kept apart so the hot path reads it without the state.
 const VERSIONS: TableDefinition<(&str, &str), u64> = TableDefinition::new("memory_version");
 /// (tenant, user, session) → prefetched candidates as JSON.
@@ -334,8 +341,15 @@ fn read_hot_record(
         let states = txn.open_table(STATES).map_err(db_error)?;
         let items = txn.open_table(ITEMS).map_err(db_error)?;
         let changed = match cached_version {
-            Some(cached) => read_ring(&txn.open_table(CHANGES).map_err(db_error)?, key)?
-                .and_then(|ring| layout::changed_between(&ring, cached, version)),
+            Some(cached) => {
+                let ring = read_ring(
+                    &txn.open_table(CHANGE_LOG).map_err(db_error)?,
+                    key,
+                    cached,
+                    version,
+                )?;
+                layout::changed_between(&ring, cached, version)
+            }
             None => None,
         };
         match changed {
@@ -415,15 +429,27 @@ fn read_unapplied(
 
 type UserKeyRef<'k> = (&'k str, &'k str);
 
+/// The ring's entries that wrote a version after `cached`, up to `version`, oldest first.
 fn read_ring(
-    changes: &impl ReadableTable<(&'static str, &'static str), &'static [u8]>,
+    log: &impl ReadableTable<(&'static str, &'static str, u64), &'static [u8]>,
     key: UserKeyRef,
-) -> Result<Option<Vec<Change>>> {
-    let Some(guard) = changes.get(key).map_err(db_error)? else {
-        return Ok(None);
-    };
-    let text = String::from_utf8_lossy(guard.value()).into_owned();
-    Ok(Some(text.lines().filter_map(Change::decode).collect()))
+    cached: u64,
+    version: u64,
+) -> Result<Vec<Change>> {
+    let mut ring = Vec::new();
+    if cached >= version {
+        return Ok(ring);
+    }
+    for row in log
+        .range((key.0, key.1, cached + 1)..=(key.0, key.1, version))
+        .map_err(db_error)?
+    {
+        let (_, text) = row.map_err(db_error)?;
+        if let Some(change) = Change::decode(&String::from_utf8_lossy(text.value())) {
+            ring.push(change);
+        }
+    }
+    Ok(ring)
 }
 
 /// The hot state and the listed items.
@@ -609,6 +635,7 @@ fn create_tables(db: &Database) -> Result<()> {
     txn.open_table(STATES).map_err(db_error)?;
     txn.open_table(ITEMS).map_err(db_error)?;
     txn.open_table(CHANGES).map_err(db_error)?;
+    txn.open_table(CHANGE_LOG).map_err(db_error)?;
     txn.open_table(VERSIONS).map_err(db_error)?;
     txn.open_table(PREFETCHED).map_err(db_error)?;
     txn.open_table(RAW_LOG).map_err(db_error)?;
@@ -643,6 +670,7 @@ impl EmbeddedStore {
             STATES.name(),
             ITEMS.name(),
             CHANGES.name(),
+            CHANGE_LOG.name(),
             VERSIONS.name(),
             PREFETCHED.name(),
             RAW_LOG.name(),
@@ -680,6 +708,17 @@ impl EmbeddedStore {
                 (vec![tenant.into(), user.into()], bytes(value))
             })?;
         }
+        dump_table(
+            &txn,
+            CHANGE_LOG,
+            &mut rows,
+            |(tenant, user, version), value| {
+                (
+                    vec![tenant.into(), user.into(), version.to_string()],
+                    bytes(value),
+                )
+            },
+        )?;
         dump_table(
             &txn,
             ITEMS,
@@ -1026,6 +1065,14 @@ impl Store for EmbeddedStore {
                     .map_err(db_error)?
                     .remove((tenant, user_id))
                     .map_err(db_error)?;
+                txn.open_table(CHANGE_LOG)
+                    .map_err(db_error)?
+                    .extract_from_if(
+                        (tenant, user_id, 0u64)..=(tenant, user_id, u64::MAX),
+                        |_, _| true,
+                    )
+                    .map_err(db_error)?
+                    .for_each(drop);
                 txn.open_table(ITEMS)
                     .map_err(db_error)?
                     .extract_from_if(
@@ -1144,20 +1191,42 @@ fn write_layout(
             .insert((key.0, key.1, item.kind.code(), item.pos), json.as_ref())
             .map_err(db_error)?;
     }
-    let mut changes = txn.open_table(CHANGES).map_err(db_error)?;
-    // Appended as text: decoding and re-encoding the whole ring was a tenth of a commit.
-    let ring = match previous {
-        Some(previous) => {
-            let stored = changes.get(key).map_err(db_error)?;
-            let stored = stored
-                .as_ref()
-                .map(|guard| String::from_utf8_lossy(guard.value()))
-                .unwrap_or_default();
-            layout::push_change_text(&stored, &encoded.change(previous))
-        }
-        None => String::new(),
+    // The ring of an earlier release, if this memory still has one.
+    txn.open_table(CHANGES)
+        .map_err(db_error)?
+        .remove(key)
+        .map_err(db_error)?;
+    let mut log = txn.open_table(CHANGE_LOG).map_err(db_error)?;
+    let mine = (key.0, key.1, 0u64)..=(key.0, key.1, u64::MAX);
+    let Some(previous) = previous else {
+        // The ring starts over.
+        log.extract_from_if(mine, |_, _| true)
+            .map_err(db_error)?
+            .for_each(drop);
+        return Ok(());
     };
-    changes.insert(key, ring.as_bytes()).map_err(db_error)?;
+    log.insert(
+        (key.0, key.1, encoded.version),
+        encoded.change(previous).encode().as_bytes(),
+    )
+    .map_err(db_error)?;
+    // Drop what is older than the newest `RING` (usually one row).
+    let oldest_dropped = log
+        .range(mine.clone())
+        .map_err(db_error)?
+        .rev()
+        .nth(layout::RING)
+        .transpose()
+        .map_err(db_error)?
+        .map(|(version, _)| version.value().2);
+    if let Some(oldest_dropped) = oldest_dropped {
+        log.extract_from_if(
+            (key.0, key.1, 0u64)..=(key.0, key.1, oldest_dropped),
+            |_, _| true,
+        )
+        .map_err(db_error)?
+        .for_each(drop);
+    }
     Ok(())
 }
 
