@@ -37,7 +37,10 @@ const QUOTE_LIKE: [char; 9] = [
 /// `text` with every double quote a reader could take for a quote of the block (`QUOTE_LIKE`)
 /// made a plain `"`; not copied when there is none.
 pub fn unquotable(text: &str) -> Cow<'_, str> {
-    if text.contains(QUOTE_LIKE) {
+    // Every `QUOTE_LIKE` character starts with one of these bytes in UTF-8: most texts have
+    // none, and a byte search is several times faster than matching characters.
+    let maybe = memchr::memchr3(0xE2, 0xE3, 0xEF, text.as_bytes()).is_some();
+    if maybe && text.contains(QUOTE_LIKE) {
         Cow::Owned(text.replace(QUOTE_LIKE, "\""))
     } else {
         Cow::Borrowed(text)
@@ -476,5 +479,11 @@ mod tests {
         // A plain `"` and backslashes are kept as written.
         assert_eq!(quoted(r#"say "hi" \"#), r#"“say "hi" \”"#);
         assert!(matches!(unquotable(r#"a "b" \n"#), Cow::Borrowed(_)));
+        // Each lead byte the search looks for: U+201C (0xE2), U+301D (0xE3), U+FF02 (0xEF).
+        assert_eq!(
+            unquotable("\u{201C}a\u{301D}b\u{301F}c\u{FF02}"),
+            r#""a"b"c""#
+        );
+        assert!(matches!(unquotable("naïve café — €5"), Cow::Borrowed(_)));
     }
 }

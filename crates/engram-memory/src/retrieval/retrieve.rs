@@ -42,7 +42,7 @@ pub struct Hit {
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Retrieval {
-    /// Best first; ties by item.
+    /// Best first; ties by item (in no particular order from `retrieve_unordered`, for compose).
     pub hits: Vec<Hit>,
     /// Share of the query's term weight found in the top summary-tier hits.
     pub coverage: f32,
@@ -101,8 +101,27 @@ fn offer(best: &mut Best, item: ItemRef, relevance: f32, source: HitSource) {
     }
 }
 
-/// Retrieves memory for `query` (the new user message).
+/// Retrieves memory for `query` (the new user message), best hits first.
 pub fn retrieve(
+    state: &MemoryState,
+    index: &MemoryIndex,
+    query: &str,
+    prefetched: &[CandidateId],
+    config: &RetrievalConfig,
+) -> Retrieval {
+    let mut retrieval = retrieve_unordered(state, index, query, prefetched, config);
+    // Items are distinct, so the order is total and an unstable sort gives the same.
+    retrieval.hits.sort_unstable_by(|a, b| {
+        b.relevance
+            .total_cmp(&a.relevance)
+            .then(a.item.cmp(&b.item))
+    });
+    retrieval
+}
+
+/// [`retrieve`] with the hits in no particular order, for compose, which ranks them by a score
+/// of its own (sorting a few hundred hits twice was a twentieth of compose).
+pub(crate) fn retrieve_unordered(
     state: &MemoryState,
     index: &MemoryIndex,
     query: &str,
@@ -217,7 +236,7 @@ pub fn retrieve(
 
     expand_to_neighbours(state, &mut best, config.neighbour_weight);
 
-    let mut hits: Vec<Hit> = best
+    let hits: Vec<Hit> = best
         .into_iter()
         .map(|(item, (relevance, source))| Hit {
             item,
@@ -225,12 +244,6 @@ pub fn retrieve(
             source,
         })
         .collect();
-    // Items are distinct, so the order is total and an unstable sort gives the same.
-    hits.sort_unstable_by(|a, b| {
-        b.relevance
-            .total_cmp(&a.relevance)
-            .then(a.item.cmp(&b.item))
-    });
     Retrieval {
         hits,
         coverage,

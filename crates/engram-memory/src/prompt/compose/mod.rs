@@ -53,7 +53,7 @@ use crate::fence::strip_fences;
 use crate::index::MemoryIndex;
 use crate::model::{CandidateId, ExchangeInput, FactId, ItemRef, MemoryState};
 use crate::openai::{ChatMessage, OutgoingMessage};
-use crate::retrieve::retrieve;
+use crate::retrieve::retrieve_unordered;
 use crate::text::excerpt;
 use crate::tokens::Encoding;
 
@@ -267,7 +267,7 @@ pub fn compose(
         .map(|message| strip_fences(&excerpt(&message.text_borrowed(), QUERY_MAX_BYTES)))
         .unwrap_or_default();
     let retrieval = if shape.last_user.is_some() {
-        retrieve(state, index, &query, prefetched, &config.retrieval)
+        retrieve_unordered(state, index, &query, prefetched, &config.retrieval)
     } else {
         Default::default()
     };
