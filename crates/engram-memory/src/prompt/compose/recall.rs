@@ -4,6 +4,8 @@
 
 use std::collections::HashMap;
 
+use rustc_hash::FxBuildHasher;
+
 use super::block::{Line, Section, dated};
 use super::explained::explained;
 use super::{Fenced, Packing, Ranking};
@@ -70,7 +72,7 @@ pub(super) fn rank_hits(
     // A turn whose exchange the prompt shows already as another turn, word for word, is not
     // shown again: one user's sessions that say the same things (an app replaying one script
     // per session) keep a copy each. (The same turn may still go from summary to raw line.)
-    let mut shown_pairs: HashMap<u64, Vec<TurnSeq>> = HashMap::new();
+    let mut shown_pairs: HashMap<u64, Vec<TurnSeq>, FxBuildHasher> = HashMap::default();
     for item in &packing.in_prompt {
         if let Some((pair, seq)) = turn_pair(state, *item) {
             shown_pairs.entry(pair).or_default().push(seq);
