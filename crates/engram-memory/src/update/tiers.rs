@@ -41,7 +41,7 @@ const MAX_TOUCHED: usize = 32;
 
 /// Refreshes active (NEW/CURRENT) facts and summaries the user's message comes back to: they
 /// share at least two of its terms (all, for a one-term item) and at least 30 % of their own.
-/// Items created by the exchange itself (`turn`) are skipped. At most [`MAX_TOUCHED`], those
+/// Items created by the exchange itself (`turn`) are skipped. At most `MAX_TOUCHED`, those
 /// sharing the largest share of their terms (ties: the newest).
 pub fn touch_related(state: &mut MemoryState, user_terms: &TermSet, turn: TurnSeq) -> Vec<ItemRef> {
     let user_terms: HashSet<u64, FxBuildHasher> =
@@ -512,6 +512,41 @@ mod tests {
             state.episodes.push(Arc::new(manifest));
         }
         state
+    }
+
+    /// A message related to more of the working set than the bound touches the closest: the
+    /// summaries sharing the largest share of their terms, then the newest of the rest.
+    #[test]
+    fn a_message_touches_at_most_the_bound_closest_items() {
+        const SHORT: TurnSeq = 20;
+        let mut state = MemoryState::new();
+        let words = ["kiwi", "mango", "papaya", "lychee", "guava", "quince"];
+        for seq in 0..40 {
+            // The first 20 name one word besides the two the message has, the rest three.
+            let extra = if seq < SHORT {
+                words[seq as usize % 6].to_owned()
+            } else {
+                format!("{} {} {}", words[0], words[1], words[2 + seq as usize % 4])
+            };
+            let summary = format!("sourdough starter {extra}");
+            push_turn(&mut state, &summary, &summary, Tier::Current);
+        }
+        let user_terms: TermSet = terms("how is my sourdough starter doing").collect();
+        let mut touched = touch_related(&mut state, &user_terms, 40);
+        assert_eq!(touched.len(), MAX_TOUCHED);
+        touched.retain(|item| matches!(item, ItemRef::Summary(seq) if *seq >= SHORT));
+        // All 20 of the closer ones, and the 12 newest of the others.
+        let expected: Vec<ItemRef> = (28..40).map(ItemRef::Summary).collect();
+        assert_eq!(touched, expected);
+        for seq in 0..40 {
+            let entry = state.turn_log.get(seq as usize).expect("entry");
+            let refreshed = seq < SHORT || seq >= 28;
+            assert_eq!(
+                entry.tier.last_touched_turn == 40,
+                refreshed,
+                "summary {seq}"
+            );
+        }
     }
 
     #[test]
