@@ -540,7 +540,7 @@ mod tests {
         assert_eq!(touched, expected);
         for seq in 0..40 {
             let entry = state.turn_log.get(seq as usize).expect("entry");
-            let refreshed = seq < SHORT || seq >= 28;
+            let refreshed = !(SHORT..28).contains(&seq);
             assert_eq!(
                 entry.tier.last_touched_turn == 40,
                 refreshed,
