@@ -1065,14 +1065,11 @@ impl Store for EmbeddedStore {
                     .map_err(db_error)?
                     .remove((tenant, user_id))
                     .map_err(db_error)?;
-                txn.open_table(CHANGE_LOG)
-                    .map_err(db_error)?
-                    .extract_from_if(
-                        (tenant, user_id, 0u64)..=(tenant, user_id, u64::MAX),
-                        |_, _| true,
-                    )
-                    .map_err(db_error)?
-                    .for_each(drop);
+                drop_changes_through(
+                    &mut txn.open_table(CHANGE_LOG).map_err(db_error)?,
+                    (tenant, user_id),
+                    u64::MAX,
+                )?;
                 txn.open_table(ITEMS)
                     .map_err(db_error)?
                     .extract_from_if(
@@ -1197,13 +1194,9 @@ fn write_layout(
         .remove(key)
         .map_err(db_error)?;
     let mut log = txn.open_table(CHANGE_LOG).map_err(db_error)?;
-    let mine = (key.0, key.1, 0u64)..=(key.0, key.1, u64::MAX);
     let Some(previous) = previous else {
         // The ring starts over.
-        log.extract_from_if(mine, |_, _| true)
-            .map_err(db_error)?
-            .for_each(drop);
-        return Ok(());
+        return drop_changes_through(&mut log, key, u64::MAX);
     };
     log.insert(
         (key.0, key.1, encoded.version),
@@ -1212,21 +1205,28 @@ fn write_layout(
     .map_err(db_error)?;
     // Drop what is older than the newest `RING` (usually one row).
     let oldest_dropped = log
-        .range(mine.clone())
+        .range((key.0, key.1, 0u64)..=(key.0, key.1, u64::MAX))
         .map_err(db_error)?
         .rev()
         .nth(layout::RING)
         .transpose()
         .map_err(db_error)?
         .map(|(version, _)| version.value().2);
-    if let Some(oldest_dropped) = oldest_dropped {
-        log.extract_from_if(
-            (key.0, key.1, 0u64)..=(key.0, key.1, oldest_dropped),
-            |_, _| true,
-        )
+    match oldest_dropped {
+        Some(last) => drop_changes_through(&mut log, key, last),
+        None => Ok(()),
+    }
+}
+
+/// Removes a memory's change-ring rows up to the one that wrote version `last`.
+fn drop_changes_through(
+    log: &mut redb::Table<(&'static str, &'static str, u64), &'static [u8]>,
+    key: UserKeyRef,
+    last: u64,
+) -> Result<()> {
+    log.extract_from_if((key.0, key.1, 0u64)..=(key.0, key.1, last), |_, _| true)
         .map_err(db_error)?
         .for_each(drop);
-    }
     Ok(())
 }
 
