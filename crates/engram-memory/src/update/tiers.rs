@@ -42,7 +42,8 @@ const MAX_TOUCHED: usize = 32;
 /// Refreshes active (NEW/CURRENT) facts and summaries the user's message comes back to: they
 /// share at least two of its terms (all, for a one-term item) and at least 30 % of their own.
 /// Items created by the exchange itself (`turn`) are skipped. At most `MAX_TOUCHED`, those
-/// sharing the largest share of their terms (ties: the newest).
+/// sharing the largest share of their terms (ties: the most recent, by a summary's turn or a
+/// fact's last touch).
 pub fn touch_related(state: &mut MemoryState, user_terms: &TermSet, turn: TurnSeq) -> Vec<ItemRef> {
     let user_terms: HashSet<u64, FxBuildHasher> =
         user_terms.iter().map(|term| term_hash(term)).collect();
