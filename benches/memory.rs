@@ -314,6 +314,9 @@ fn build_fixture() -> Fixture {
             Some(seq),
         );
     }
+    // As the proxy's cache holds a memory: written, so its lookups are current and a request
+    // reads the working set through them.
+    state.take_changes();
     let index = MemoryIndex::build(&state);
     let prefetched = prefetch(&state, &index, "session-19", &config.retrieval);
 
