@@ -1,7 +1,8 @@
 //! Lookups derived from a memory's items, kept beside them so that a turn's work never scans
 //! the whole history: turn ids, fact keys, the facts each turn supports, fact signatures (for
 //! consolidation), episodes by the terms that rehydrate them, the working set (facts and
-//! turn summaries in NEW or CURRENT), and the distinct terms of the working set's texts.
+//! turn summaries in NEW or CURRENT), the distinct terms of the working set's texts, and the
+//! core block's facts in order (computed by the first request after a change).
 //!
 //! None of it is stored. A copy of the memory builds them from its items the first time it
 //! needs them (O(history), once per process and user), then keeps them current from the
@@ -10,9 +11,10 @@
 //! matches); every user checks the item itself, so a stale entry costs a look, never a wrong
 //! answer. They are layered maps ([`LayeredMap`]), so a copy of the memory shares them.
 
+use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{Hash, Hasher};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use rustc_hash::{FxBuildHasher, FxHasher};
 
@@ -21,6 +23,7 @@ use super::model::{
     EpisodeId, EpisodeManifest, Fact, FactId, ItemRef, MemoryState, SummaryText, Tier,
     TurnLogEntry, TurnSeq,
 };
+use crate::config::ScoringWeights;
 use crate::text::{TermSet, normalise, remembered_terms, terms};
 
 type Strings<V> = LayeredMap<String, V, foldhash::fast::RandomState>;
@@ -77,6 +80,25 @@ pub struct Lookups {
     /// keep theirs, since rehydration brings many back within a few turns, until the map
     /// reaches [`KEPT_TERMS`] entries: then only the working set's stay.
     item_terms: HashMap<ItemRef, Arc<KeptTerms>, FxBuildHasher>,
+    /// The core block's facts in order, set by the first request that reads this version of
+    /// the memory: their scores depend on the memory alone, and scoring and sorting the working
+    /// set was a twentieth of every request. `catch_up` clears it.
+    core_facts: OnceLock<CoreFacts>,
+}
+
+/// A working-set fact and its tier score.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ScoredFact {
+    pub score: f32,
+    /// Its position in `MemoryState::facts`.
+    pub index: usize,
+}
+
+/// The core block's candidate facts, best first, and the weights they were scored with.
+#[derive(Debug, Clone)]
+struct CoreFacts {
+    weights: ScoringWeights,
+    facts: Vec<ScoredFact>,
 }
 
 /// Items whose terms the lookups keep before they drop all but the working set's: about a
@@ -357,6 +379,24 @@ impl Lookups {
         &self.working_facts
     }
 
+    /// The core block's candidate facts in order, as `rank` gives them for `weights`: kept
+    /// from the first call after the memory last changed, computed afresh for other weights.
+    pub(crate) fn core_facts(
+        &self,
+        weights: &ScoringWeights,
+        rank: impl Fn() -> Vec<ScoredFact>,
+    ) -> Cow<'_, [ScoredFact]> {
+        let kept = self.core_facts.get_or_init(|| CoreFacts {
+            weights: weights.clone(),
+            facts: rank(),
+        });
+        if kept.weights == *weights {
+            Cow::Borrowed(&kept.facts)
+        } else {
+            Cow::Owned(rank())
+        }
+    }
+
     /// Active hard constraints, ascending.
     pub fn hard_constraints(&self) -> &BTreeSet<FactId> {
         &self.hard_constraints
@@ -383,7 +423,8 @@ impl Lookups {
             + self.stale_episodes.len()
             + self.working_facts.len()
             + self.working_summaries.len()
-            + self.hard_constraints.len();
+            + self.hard_constraints.len()
+            + self.core_facts.get().map_or(0, |order| order.facts.len());
         let kept: usize = self
             .item_terms
             .values()
@@ -456,6 +497,7 @@ impl Lookups {
             episodes.into_iter().for_each(|id| self.episode(state, id));
         }
         self.seen = pending.map(<[u32]>::len);
+        self.core_facts = OnceLock::new();
     }
 
     fn session_id(&mut self, state: &MemoryState, at: usize) {

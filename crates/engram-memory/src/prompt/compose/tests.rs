@@ -1099,3 +1099,52 @@ fn without_a_user_message_the_core_block_is_a_user_message_of_its_own() {
         composition.tokens.total
     );
 }
+
+#[test]
+fn the_core_facts_follow_each_change_to_memory() {
+    let mut state = recorded(&[("Hello there.", "Hi.")]);
+    let config = MemoryConfig::default();
+    let messages = vec![ChatMessage::new("user", "What do you know about me?")];
+    let remember = |state: &mut MemoryState, text: &str| {
+        apply_diff(
+            state,
+            &FactDiff {
+                add: vec![FactEdit::new(text)],
+                ..FactDiff::default()
+            },
+            Some(0),
+        );
+        // As a cached memory's are: current, so compose reads (and keeps) the core order.
+        state.sync_lookups();
+        assert!(state.lookups.is_current(state));
+    };
+    remember(&mut state, "User lives in Lisbon");
+    let core = block(&compose_for(&state, &messages, &config), &messages, "core");
+    assert!(core.contains("Lisbon"), "{core}");
+
+    // The order kept for the first version must not stand for the next.
+    remember(&mut state, "User's sister is called Ana");
+    let core = block(&compose_for(&state, &messages, &config), &messages, "core");
+    assert!(core.contains("Lisbon") && core.contains("Ana"), "{core}");
+
+    // Other weights rank afresh rather than reading the order kept for the defaults: here
+    // ones that favour the longer fact, which the defaults rank second.
+    let mut by_size = config.clone();
+    by_size.weights.size = -50.0;
+    let kept = compose_for(&state, &messages, &config);
+    let reweighed = compose_for(&state, &messages, &by_size);
+    let order = |composition: &Composition| -> Vec<ItemRef> {
+        composition
+            .explain
+            .items
+            .iter()
+            .filter(|item| matches!(item.item, ItemRef::Fact(_)))
+            .map(|item| item.item)
+            .collect()
+    };
+    assert_eq!(order(&kept).len(), 2);
+    assert_eq!(
+        order(&reweighed),
+        order(&kept).into_iter().rev().collect::<Vec<_>>()
+    );
+}
