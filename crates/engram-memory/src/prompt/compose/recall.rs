@@ -133,6 +133,15 @@ pub(super) fn pack_recall(packing: &mut Packing<'_>, ranked: &[RankedHit]) {
             continue;
         }
         for option in render_options(state, hit.item, encoding) {
+            // A line costs at least its tokens, unless it takes its turn's summary's place: one
+            // that cannot fit is skipped before it is dated and compared (once recall is full,
+            // that is most hits).
+            let replaces = |seq| packing.recall.contains(ItemRef::Summary(seq));
+            if !packing.budget.fits(option.tokens)
+                && !matches!(option.shown, ItemRef::RawTurn(seq) if replaces(seq))
+            {
+                continue;
+            }
             let line = option.line(state, encoding);
             if packing.recall.contains(line.item) || packing.recall.overlaps(state, &line) {
                 continue;
@@ -317,5 +326,63 @@ fn render_options(state: &MemoryState, item: ItemRef, encoding: Encoding) -> Vec
             options
         }
         ItemRef::Episode(_) | ItemRef::Identity | ItemRef::Pinned(_) => Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::test_support::recorded_with;
+
+    /// A raw line too long for the room left still takes its turn's summary's place when the
+    /// difference fits: the skip of lines that cannot fit leaves that case alone.
+    #[test]
+    fn a_turn_takes_its_summarys_place_when_only_the_difference_fits() {
+        let state = recorded_with(
+            &[(
+                "My cousin Ines keeps bees on her balcony in Porto, and every Saturday she sells \
+                 their honey at the market by the river with her neighbour's jams.",
+                "Bees on a balcony, how brave!",
+            )],
+            |_| "s".into(),
+            |_| Some("2024-02-01T12:00:00Z".into()),
+        );
+        let config = MemoryConfig::default();
+        let encoding = Encoding::O200k;
+        let mut packing = Packing::new(&state, encoding, &config, false);
+        packing.budget.stage(10_000);
+        let options = render_options(&state, ItemRef::Summary(0), encoding);
+        let (Some(raw), Some(summary)) = (
+            options
+                .iter()
+                .find(|option| option.shown == ItemRef::RawTurn(0)),
+            options
+                .iter()
+                .find(|option| option.shown == ItemRef::Summary(0)),
+        ) else {
+            panic!("no raw or summary line: {options:?}");
+        };
+        let ranking = Ranking {
+            score: 1.0,
+            relevance: Some(1.0),
+            reason: Reason::WorkingSet,
+        };
+        assert!(packing.place(
+            Fenced::Recall,
+            summary.line(&state, encoding),
+            summary.tokens,
+            ranking
+        ));
+        // Room for the difference, not for the raw line alone.
+        packing.budget.stage(raw.tokens - summary.tokens);
+        assert!(!packing.budget.fits(raw.tokens));
+
+        let hit = RankedHit {
+            item: ItemRef::RawTurn(0),
+            ranking,
+        };
+        pack_recall(&mut packing, &[hit]);
+        assert!(packing.recall.contains(ItemRef::RawTurn(0)));
+        assert!(!packing.recall.contains(ItemRef::Summary(0)));
     }
 }
