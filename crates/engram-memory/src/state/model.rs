@@ -597,7 +597,8 @@ pub struct EpisodeManifest {
     pub rehydration_hints: Vec<String>,
     /// Tokens the episode's raw turns would take in full.
     pub size_estimate_tokens: u32,
-    /// Turns at which the conversation returned to the episode.
+    /// The latest turns at which the conversation returned to the episode, oldest first (at
+    /// most [`crate::tiers::REHYDRATIONS_KEPT`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rehydrated_at: Vec<TurnSeq>,
     pub tokens: TokenCount,

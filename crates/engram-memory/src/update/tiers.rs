@@ -125,6 +125,11 @@ pub fn touch_related(state: &mut MemoryState, user_terms: &TermSet, turn: TurnSe
     touched
 }
 
+/// The rehydrations an episode lists: its newest. An episode a user keeps coming back to is
+/// rewritten at each return, so an unbounded list made that write grow with the history (one
+/// repetitive user's episodes gained about one entry per ten turns each).
+pub const REHYDRATIONS_KEPT: usize = 16;
+
 /// Brings back the OLD episodes the new user message returns to: their turn summaries and
 /// facts re-enter NEW. At most `MAX_REHYDRATED` per turn, those sharing the most salient terms.
 pub fn rehydrate(
@@ -182,6 +187,11 @@ pub fn rehydrate(
             continue;
         };
         episode.rehydrated_at.push(turn);
+        let over = episode
+            .rehydrated_at
+            .len()
+            .saturating_sub(REHYDRATIONS_KEPT);
+        episode.rehydrated_at.drain(..over);
         let links = episode.links.clone();
         let facts = episode.facts.clone();
         let revive = |tier: &mut TierState| {
@@ -582,5 +592,27 @@ mod tests {
                 assert_eq!(episode.rehydrated_at, [turn]);
             }
         }
+    }
+
+    #[test]
+    fn an_episode_lists_its_newest_rehydrations_only() {
+        let config = MemoryConfig::default();
+        let user_terms: TermSet = terms("the sourdough starter recipe from the bakery").collect();
+        let mut state = state_with_episodes(1);
+        let returns: Vec<TurnSeq> = (0..40).map(|at| 10 + at * 3).collect();
+        for turn in &returns {
+            // Dormant again since the last return.
+            for seq in 0..2 {
+                if let Some(entry) = state.turn_log.get_mut(seq) {
+                    entry.tier.tier = Tier::Old;
+                }
+            }
+            assert_eq!(rehydrate(&mut state, &user_terms, *turn, &config), [0]);
+        }
+        let episode = state.episode(0).expect("episode");
+        assert_eq!(
+            episode.rehydrated_at,
+            returns[returns.len() - REHYDRATIONS_KEPT..]
+        );
     }
 }
