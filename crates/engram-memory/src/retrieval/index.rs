@@ -718,6 +718,16 @@ impl Segment {
             }
         }
         self.live.take_dirty();
+        // Sealed parts never grow: the room their lists grew into is given back (it was a
+        // quarter of the index's heap, and the cache's byte estimate did not count it).
+        for list in merged.postings.values_mut() {
+            list.shrink_to_fit();
+        }
+        merged.postings.shrink_to_fit();
+        merged.doc_keys.shrink_to_fit();
+        merged.doc_len.shrink_to_fit();
+        merged.doc_terms.shrink_to_fit();
+        merged.doc_context.shrink_to_fit();
         merged
     }
 
