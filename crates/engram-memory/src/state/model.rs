@@ -166,12 +166,21 @@ impl MemoryState {
     }
 
     /// Approximate heap size in bytes of the items from the given positions on (raw turns,
-    /// turn log, facts, episodes, artifacts); all of them from `[0; 5]`. Texts are counted, the
-    /// rest by a fixed size per item, so growth is estimated in the time of the new items only.
+    /// turn log, facts, episodes, artifacts); all of them from `[0; 5]`. Raw turns, most of
+    /// a memory and never changed once written, are counted as what they hold (the item and
+    /// each text as the allocator rounds it); the others by their texts and a fixed size, so
+    /// that growth is estimated from the new items alone.
     pub fn estimated_bytes_from(&self, from: [usize; 5]) -> usize {
+        let text = |text: &String| allocation(text.capacity());
         let raw: usize = (from[0]..self.raw_turns.len())
             .filter_map(|seq| self.raw_turns.get(seq))
-            .map(|turn| turn.user.len() + turn.assistant.len() + turn.id.len() + 120)
+            .map(|turn| {
+                std::mem::size_of::<RawTurn>()
+                    + text(&turn.id)
+                    + text(&turn.user)
+                    + text(&turn.assistant)
+                    + turn.event_time.as_ref().map_or(0, text)
+            })
             .sum();
         let facts: usize = (from[2]..self.facts.len())
             .filter_map(|id| self.facts.get(id))
@@ -453,6 +462,16 @@ pub struct RawTurn {
     pub tokens: RawTurnTokens,
 }
 
+/// The bytes an allocation of `len` takes: jemalloc (the sidecar's allocator) rounds a small
+/// request up to a multiple of 16 to 128 bytes, then to one of four classes per doubling.
+fn allocation(len: usize) -> usize {
+    match len {
+        0 => 0,
+        1..=128 => len.next_multiple_of(16),
+        _ => len.next_multiple_of(len.next_power_of_two() / 8),
+    }
+}
+
 fn is_zero(value: &u64) -> bool {
     *value == 0
 }
@@ -728,6 +747,19 @@ pub(crate) mod test_support {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// jemalloc's small size classes: 16-byte steps to 128, then four per doubling.
+    #[test]
+    fn allocations_round_to_the_allocators_classes() {
+        let classes: Vec<usize> = [0, 1, 16, 17, 128, 129, 160, 161, 256, 257, 300, 513, 4000]
+            .into_iter()
+            .map(allocation)
+            .collect();
+        assert_eq!(
+            classes,
+            [0, 16, 16, 32, 128, 160, 160, 192, 256, 320, 320, 640, 4096]
+        );
+    }
 
     #[test]
     fn item_refs_serialise_as_tagged_ids() {
