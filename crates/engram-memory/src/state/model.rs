@@ -171,15 +171,15 @@ impl MemoryState {
     /// each text as the allocator rounds it); the others by their texts and a fixed size, so
     /// that growth is estimated from the new items alone.
     pub fn estimated_bytes_from(&self, from: [usize; 5]) -> usize {
-        let text = |text: &String| allocation(text.capacity());
+        let held = |text: &String| allocation(text.capacity());
         let raw: usize = (from[0]..self.raw_turns.len())
             .filter_map(|seq| self.raw_turns.get(seq))
             .map(|turn| {
                 std::mem::size_of::<RawTurn>()
-                    + text(&turn.id)
-                    + text(&turn.user)
-                    + text(&turn.assistant)
-                    + turn.event_time.as_ref().map_or(0, text)
+                    + held(&turn.id)
+                    + held(&turn.user)
+                    + held(&turn.assistant)
+                    + turn.event_time.as_ref().map_or(0, held)
             })
             .sum();
         let facts: usize = (from[2]..self.facts.len())
