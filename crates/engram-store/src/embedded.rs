@@ -45,7 +45,7 @@ const STATES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("memor
 /// A memory's items (see `layout`): (tenant, user, kind, position) -> JSON.
 const ITEMS: TableDefinition<(&str, &str, u8, u32), &[u8]> = TableDefinition::new("memory_items");
 /// A memory's change ring as one value, one `layout::Change` a line: what releases before
-/// `CHANGE_LOG` wrote. No longer read; removed by the user's next write or forget.
+/// `CHANGE_LOG` wrote. Never read; the table is dropped whole when the store opens.
 const CHANGES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("memory_changes");
 /// A memory's change ring, one row a write: (tenant, user, version written) -> the encoded
 /// `layout::Change`; the newest `layout::RING` are kept. A write adds one row instead of
@@ -634,7 +634,8 @@ fn create_tables(db: &Database) -> Result<()> {
     let txn = db.begin_write().map_err(db_error)?;
     txn.open_table(STATES).map_err(db_error)?;
     txn.open_table(ITEMS).map_err(db_error)?;
-    txn.open_table(CHANGES).map_err(db_error)?;
+    // An earlier release's rings, at once rather than one lookup on every write.
+    txn.delete_table(CHANGES).map_err(db_error)?;
     txn.open_table(CHANGE_LOG).map_err(db_error)?;
     txn.open_table(VERSIONS).map_err(db_error)?;
     txn.open_table(PREFETCHED).map_err(db_error)?;
@@ -669,7 +670,6 @@ impl EmbeddedStore {
         let known = [
             STATES.name(),
             ITEMS.name(),
-            CHANGES.name(),
             CHANGE_LOG.name(),
             VERSIONS.name(),
             PREFETCHED.name(),
@@ -703,11 +703,9 @@ impl EmbeddedStore {
         let mut rows = Vec::new();
         let bytes = |value: &[u8]| value.to_vec();
         let text = |value: u64| value.to_string().into_bytes();
-        for definition in [STATES, CHANGES] {
-            dump_table(&txn, definition, &mut rows, |(tenant, user), value| {
-                (vec![tenant.into(), user.into()], bytes(value))
-            })?;
-        }
+        dump_table(&txn, STATES, &mut rows, |(tenant, user), value| {
+            (vec![tenant.into(), user.into()], bytes(value))
+        })?;
         dump_table(
             &txn,
             CHANGE_LOG,
@@ -1061,10 +1059,6 @@ impl Store for EmbeddedStore {
                     .map_err(db_error)?
                     .remove((tenant, user_id))
                     .map_err(db_error)?;
-                txn.open_table(CHANGES)
-                    .map_err(db_error)?
-                    .remove((tenant, user_id))
-                    .map_err(db_error)?;
                 drop_changes_through(
                     &mut txn.open_table(CHANGE_LOG).map_err(db_error)?,
                     (tenant, user_id),
@@ -1188,11 +1182,6 @@ fn write_layout(
             .insert((key.0, key.1, item.kind.code(), item.pos), json.as_ref())
             .map_err(db_error)?;
     }
-    // The ring of an earlier release, if this memory still has one.
-    txn.open_table(CHANGES)
-        .map_err(db_error)?
-        .remove(key)
-        .map_err(db_error)?;
     let mut log = txn.open_table(CHANGE_LOG).map_err(db_error)?;
     let Some(previous) = previous else {
         // The ring starts over.
@@ -1583,6 +1572,34 @@ mod tests {
                 .unwrap()
                 .contains("trace")
         );
+    }
+
+    /// An earlier release's change rings (one value a user) are never read: opening the store
+    /// drops them, and the file then holds nothing `dump` does not cover.
+    #[test]
+    fn opening_drops_the_rings_an_earlier_release_wrote() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let db = Database::create(dir.path().join(FILE_NAME)).unwrap();
+            let txn = db.begin_write().unwrap();
+            txn.open_table(CHANGES)
+                .unwrap()
+                .insert(("t", "u"), b"1 2 r0".as_slice())
+                .unwrap();
+            txn.commit().unwrap();
+        }
+        drop(EmbeddedStore::open(dir.path()).unwrap());
+        let db = Database::open(dir.path().join(FILE_NAME)).unwrap();
+        let txn = db.begin_read().unwrap();
+        let tables: Vec<String> = txn
+            .list_tables()
+            .unwrap()
+            .map(|table| table.name().to_owned())
+            .collect();
+        assert!(!tables.contains(&CHANGES.name().to_owned()), "{tables:?}");
+        drop(txn);
+        drop(db);
+        EmbeddedStore::dump(dir.path()).unwrap();
     }
 
     #[test]
