@@ -1,7 +1,8 @@
 //! Worker throughput: jobs applied per second with the heuristic extractor, on the embedded
 //! store and (when `redis-server` is installed) on Redis.
 //!
-//! Run with `cargo bench --bench worker -- [--users N] [--turns N] [--concurrency N]`. It
+//! Run with `cargo bench --bench worker -- [--users N] [--turns N] [--concurrency N]
+//! [--run-jobs N]`. It
 //! queues `users × turns` recorded exchanges (one session per user, realistic sentences with
 //! facts in them), then starts the real worker and times it until the queue is empty. The
 //! enqueue rate (the recorder's side) is reported too.
@@ -82,6 +83,7 @@ async fn run(
     users: usize,
     turns: usize,
     concurrency: usize,
+    run_jobs: usize,
 ) {
     let total = users * turns;
     let started = Instant::now();
@@ -96,6 +98,7 @@ async fn run(
     let cancel = CancellationToken::new();
     let config = WorkerConfig {
         concurrency,
+        run_jobs,
         poll_interval_ms: 5,
         ..WorkerConfig::default()
     };
@@ -120,7 +123,7 @@ async fn run(
     tasks.wait().await;
     let stats = worker.stats();
     println!(
-        "| {label:<9} | {total:>6} | {users:>5} | {concurrency:>11} | {:>10.0} | {:>12.0} | {:>9} |",
+        "| {label:<9} | {total:>6} | {users:>5} | {concurrency:>11} | {run_jobs:>8} | {:>10.0} | {:>12.0} | {:>9} |",
         total as f64 / enqueue.as_secs_f64(),
         total as f64 / applied.as_secs_f64(),
         stats.conflicts.load(std::sync::atomic::Ordering::Relaxed),
@@ -135,6 +138,7 @@ fn main() {
     let users = arg("--users", 200);
     let turns = arg("--turns", 10);
     let concurrency = arg("--concurrency", 8);
+    let run_jobs = arg("--run-jobs", WorkerConfig::default().run_jobs);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -145,10 +149,10 @@ fn main() {
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     println!(
-        "\n| store     |   jobs | users | concurrency | enqueue/s  | applied/s    | conflicts |"
+        "\n| store     |   jobs | users | concurrency | run jobs | enqueue/s  | applied/s    | conflicts |"
     );
     println!(
-        "|-----------|--------|-------|-------------|------------|--------------|-----------|"
+        "|-----------|--------|-------|-------------|----------|------------|--------------|-----------|"
     );
     runtime.block_on(async {
         let dir = tempfile::tempdir().unwrap();
@@ -158,14 +162,23 @@ fn main() {
                 .unwrap()
                 .with_commit_listener(Arc::clone(&cache) as Arc<dyn CommitListener>),
         );
-        run("embedded", embedded, cache, users, turns, concurrency).await;
+        run(
+            "embedded",
+            embedded,
+            cache,
+            users,
+            turns,
+            concurrency,
+            run_jobs,
+        )
+        .await;
         match support::start_redis(&[]) {
             Some((mut child, port)) => {
                 let url = format!("redis://127.0.0.1:{port}");
                 let redis: Arc<dyn Store> =
                     Arc::new(RedisStore::connect(&url, "bench").await.unwrap());
                 let cache = Arc::new(MemoryCache::new(users.max(1), usize::MAX));
-                run("redis", redis, cache, users, turns, concurrency).await;
+                run("redis", redis, cache, users, turns, concurrency, run_jobs).await;
                 let _ = child.kill();
                 let _ = child.wait();
             }

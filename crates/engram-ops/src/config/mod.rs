@@ -409,6 +409,7 @@ impl Config {
         }
         for (path, value) in [
             ("worker.concurrency", self.worker.concurrency as u64),
+            ("worker.run_jobs", self.worker.run_jobs as u64),
             ("worker.lease_ms", self.worker.lease_ms),
             ("worker.poll_interval_ms", self.worker.poll_interval_ms),
             ("worker.max_attempts", u64::from(self.worker.max_attempts)),

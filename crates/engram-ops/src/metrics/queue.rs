@@ -25,9 +25,9 @@ pub(super) struct StatsCollector {
     spooled: Desc,
     in_flight: Desc,
     unrecorded_at_start: Desc,
-    /// Only with a worker: jobs, conflicts, summarizer refinements, the catch-up's jobs and
-    /// whether it is on.
-    worker_descs: Option<[Desc; 5]>,
+    /// Only with a worker: jobs, runs, conflicts, summarizer refinements, the catch-up's jobs
+    /// and whether it is on.
+    worker_descs: Option<[Desc; 6]>,
 }
 
 impl StatsCollector {
@@ -38,6 +38,11 @@ impl StatsCollector {
                     "engram_jobs_total",
                     "Jobs the worker finished, by result: applied; duplicate (already in memory, a re-claim); retried (applying failed, left for a later claim); failed (gave up after worker.max_attempts).",
                     Some("result"),
+                )?,
+                desc(
+                    "engram_worker_runs_total",
+                    "Runs the worker committed: a run is one session's claimed jobs (up to worker.run_jobs), applied in one pass and one commit. engram_jobs_total{result=\"applied\"} over this is the mean run length.",
+                    None,
                 )?,
                 desc(
                     "engram_job_conflicts_total",
@@ -122,8 +127,19 @@ impl Collector for StatsCollector {
             gauge(&self.in_flight, load(&outbox.in_flight)),
             gauge(&self.unrecorded_at_start, load(&outbox.unrecorded_at_start)),
         ];
-        if let (Some(worker), Some([jobs, conflicts, refined, catch_up_jobs, catch_up_active])) =
-            (&self.worker, &self.worker_descs)
+        if let (
+            Some(worker),
+            Some(
+                [
+                    jobs,
+                    runs,
+                    conflicts,
+                    refined,
+                    catch_up_jobs,
+                    catch_up_active,
+                ],
+            ),
+        ) = (&self.worker, &self.worker_descs)
         {
             let stats = worker.stats();
             families.push(counters(
@@ -136,6 +152,7 @@ impl Collector for StatsCollector {
                     load(&stats.failed),
                 ],
             ));
+            families.push(counters(runs, &[""], [load(&stats.runs)]));
             families.push(counters(conflicts, &[""], [load(&stats.conflicts)]));
             families.push(counters(refined, &[""], [load(&stats.summarizer_refined)]));
             families.push(counters(

@@ -9,8 +9,13 @@ pub struct WorkerConfig {
     /// Run the worker in this process. Off for a proxy that only records (another process, or
     /// another replica on the same Redis, applies the jobs).
     pub enabled: bool,
-    /// Jobs applied at once (different sessions; one session's jobs always apply in order).
+    /// Runs applied at once (a run is one session's claimed jobs, applied in order).
     pub concurrency: usize,
+    /// Jobs claimed at once, so the longest run: a run's jobs share one state read, one prefetch,
+    /// one encode and one commit, so a session with a backlog is applied in long runs. With an
+    /// LLM summarizer a run's jobs wait for their model calls one after another, so the claim
+    /// is then `concurrency` jobs instead.
+    pub run_jobs: usize,
     /// How long a claimed job stays leased; a worker that dies holding it loses it after this.
     pub lease_ms: u64,
     /// How often an idle worker looks for jobs recorded by other processes. Jobs recorded by
@@ -37,6 +42,7 @@ impl Default for WorkerConfig {
         WorkerConfig {
             enabled: true,
             concurrency: 8,
+            run_jobs: 64,
             lease_ms: 30_000,
             poll_interval_ms: 100,
             max_attempts: 5,

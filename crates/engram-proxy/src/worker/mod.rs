@@ -85,6 +85,9 @@ const APPLY_STRIPES: usize = 64;
 #[derive(Debug, Default)]
 pub struct WorkerStats {
     pub applied: AtomicU64,
+    /// Runs committed (a run: one session's claimed jobs, applied in one pass); `applied` over
+    /// this is the mean run length.
+    pub runs: AtomicU64,
     /// Jobs whose exchange was already in memory (a re-claim after a crash).
     pub duplicates: AtomicU64,
     pub conflicts: AtomicU64,
@@ -224,9 +227,9 @@ impl Worker {
         );
     }
 
-    /// Keeps up to `concurrency` jobs in flight: claims as many as there is room for in one
-    /// store call (so they can share commits), and applies each session's run of them on its
-    /// own task. With a `turn`, claims only while it names `me`.
+    /// Keeps up to `concurrency` runs in flight: once one can start, claims up to `run_jobs`
+    /// jobs in one store call (so they can share commits), splits them into runs of one session
+    /// each and applies each run on its own task. With a `turn`, claims only while it names `me`.
     async fn dispatch(
         self: Arc<Self>,
         me: Claimer,
@@ -236,7 +239,7 @@ impl Worker {
         let lease = Duration::from_millis(self.config.lease_ms);
         let poll = Duration::from_millis(self.config.poll_interval_ms);
         let room = Arc::new(Semaphore::new(self.config.concurrency));
-        // Told when a run of jobs ends, freeing its session and its permits.
+        // Told when a run of jobs ends, freeing its session and its permit.
         let run_ended = Arc::new(Notify::new());
         let mut backoff = poll;
         loop {
@@ -249,26 +252,37 @@ impl Worker {
                 () = cancel.cancelled() => return,
             };
             let Ok(first) = first else { return };
-            let free = room.available_permits() + 1;
+            // A run's jobs wait for their model calls one after another: with an LLM summarizer
+            // a claim takes only what can start at once, as short runs.
+            let batch = if self.summarizer.is_configured() {
+                room.available_permits() + 1
+            } else {
+                self.config.run_jobs.max(1)
+            };
             let mut filled = false;
-            match self.store.claim_batch(&self.consumer, lease, free).await {
+            match self.store.claim_batch(&self.consumer, lease, batch).await {
                 Ok(claimed) if !claimed.is_empty() => {
                     backoff = poll;
-                    filled = claimed.len() == free;
-                    // Only this loop takes permits, so there is one for every claimed job.
-                    let mut permits = vec![first];
-                    permits.extend(
-                        (1..claimed.len())
-                            .filter_map(|_| Arc::clone(&room).try_acquire_owned().ok()),
-                    );
+                    filled = claimed.len() == batch;
+                    let mut first = Some(first);
                     for run in runs(claimed) {
-                        let held = run.len().min(permits.len());
-                        let permits: Vec<_> = permits.drain(..held).collect();
+                        let permit = first.take();
+                        let room = Arc::clone(&room);
                         let worker = Arc::clone(&self);
                         let run_ended = Arc::clone(&run_ended);
                         self.tasks.spawn(async move {
+                            // The other runs wait for room in turn. The semaphore is fair, so
+                            // the next claim waits behind them; they are applied even while
+                            // stopping, so no claimed job stays leased after a clean stop.
+                            let permit = match permit {
+                                Some(permit) => permit,
+                                None => match room.acquire_owned().await {
+                                    Ok(permit) => permit,
+                                    Err(_) => return,
+                                },
+                            };
                             worker.process(run, me).await;
-                            drop(permits);
+                            drop(permit);
                             run_ended.notify_one();
                         });
                     }
@@ -378,6 +392,7 @@ impl Worker {
         let started = std::time::Instant::now();
         match self.apply_run(&jobs).await {
             Ok(applied) => {
+                self.stats.runs.fetch_add(1, Ordering::Relaxed);
                 if let Some(metrics) = &self.metrics {
                     metrics.applied_run(jobs.len(), started.elapsed());
                 }
@@ -799,6 +814,9 @@ pub async fn edit_memory<T>(
         "memory kept changing: {CONFLICT_RETRIES} version conflicts in a row"
     )))
 }
+
+#[cfg(test)]
+mod tests;
 
 fn hostname() -> String {
     std::env::var("HOSTNAME")

@@ -1,0 +1,109 @@
+//! The claim loop against a real embedded store: how a backlog is split into runs.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use engram_memory::{ExchangeInput, MemoryConfig};
+use engram_store::{CommitListener, EmbeddedStore, Job, JobId, Store, UserKey};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::{Worker, WorkerConfig};
+use crate::cache::MemoryCache;
+use crate::summarizer::Summarizer;
+
+fn job(user: &str, turn: usize) -> Job {
+    Job {
+        id: JobId {
+            user: UserKey::new("t", user),
+            key: format!("{user}-{turn:08}"),
+        },
+        exchange: ExchangeInput {
+            session_id: "s".to_owned(),
+            turn_id: format!("{user}-turn-{turn}"),
+            user_text: format!("My locker number at the gym is {turn}, please remember it."),
+            assistant_text: "Noted, I will remember your locker number.".to_owned(),
+            event_time: None,
+            prior_chain: None,
+            incomplete: false,
+            arrival: None,
+        },
+        trace: None,
+    }
+}
+
+/// Queues `turns` jobs for each of `users` (one session each), then starts a worker with
+/// `config` and waits until it has applied them all. Returns the jobs applied and the runs.
+async fn apply_backlog(config: WorkerConfig, users: &[&str], turns: usize) -> (u64, u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = Arc::new(MemoryCache::new(16, usize::MAX));
+    let store: Arc<dyn Store> = Arc::new(
+        EmbeddedStore::open(dir.path())
+            .unwrap()
+            .with_commit_listener(Arc::clone(&cache) as Arc<dyn CommitListener>),
+    );
+    for turn in 0..turns {
+        for user in users {
+            store.enqueue(&job(user, turn)).await.unwrap();
+        }
+    }
+    let (tasks, cancel) = (TaskTracker::new(), CancellationToken::new());
+    let worker = Arc::new(Worker::new(
+        Arc::clone(&store),
+        cache,
+        Arc::new(MemoryConfig::default()),
+        config,
+        Arc::new(Summarizer::heuristic()),
+        Arc::new(Notify::new()),
+        tasks.clone(),
+        cancel.clone(),
+    ));
+    worker.start(&tokio::runtime::Handle::current(), None);
+    let total = (users.len() * turns) as u64;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while worker.stats().applied.load(Ordering::Relaxed) < total {
+        assert!(
+            Instant::now() < deadline,
+            "the backlog was not applied in time"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    cancel.cancel();
+    tasks.close();
+    tasks.wait().await;
+    assert_eq!(store.queue_depth().await.unwrap(), 0);
+    let stats = worker.stats();
+    assert_eq!(stats.duplicates.load(Ordering::Relaxed), 0);
+    assert_eq!(stats.conflicts.load(Ordering::Relaxed), 0);
+    (
+        stats.applied.load(Ordering::Relaxed),
+        stats.runs.load(Ordering::Relaxed),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_sessions_backlog_is_applied_in_runs_of_run_jobs_not_of_concurrency() {
+    let config = WorkerConfig {
+        concurrency: 2,
+        run_jobs: 40,
+        poll_interval_ms: 5,
+        ..WorkerConfig::default()
+    };
+    // 40 + 40 + 20: the run length is the claim's, not the number of runs at once.
+    assert_eq!(apply_backlog(config, &["solo"], 100).await, (100, 3));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_with_more_runs_than_room_applies_them_all_a_few_at_a_time() {
+    let config = WorkerConfig {
+        concurrency: 2,
+        run_jobs: 64,
+        poll_interval_ms: 5,
+        ..WorkerConfig::default()
+    };
+    let users = ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j"];
+    // One claim takes all 50 jobs: ten runs, of which two apply at a time.
+    assert_eq!(apply_backlog(config, &users, 5).await, (50, 10));
+}
