@@ -837,6 +837,7 @@ fn measure(
         "engram_jobs_total",
         &[("result", "applied")],
     );
+    let runs = delta(&before, &after, "engram_worker_runs_total", &[]);
     let fail_opens = delta(&before, &after, "engram_memory_fail_open_total", &[]);
     // A recording the store would not take goes to the spool, and past its capacity is lost:
     // the jobs applied count only those that reached the store.
@@ -911,6 +912,7 @@ fn measure(
         degraded: outcome("degraded"),
         injected: outcome("injected"),
         jobs_applied,
+        runs,
         apply_p50: apply.as_ref().and_then(|h| h.quantile(0.5)),
         apply_p99: apply.as_ref().and_then(|h| h.quantile(0.99)),
         apply_within_target: apply

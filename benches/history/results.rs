@@ -89,6 +89,9 @@ pub struct Run {
     pub injected: Option<u64>,
     /// Jobs applied from the scrape before the run to the one after the queue drained.
     pub jobs_applied: Option<u64>,
+    /// Runs the worker committed over the same span (`engram_worker_runs_total`), when engram
+    /// exports it: `jobs_applied` over this is the mean run length.
+    pub runs: Option<u64>,
     /// `engram_worker_apply_seconds`, when engram exports it.
     pub apply_p50: Option<Quantile>,
     pub apply_p99: Option<Quantile>,
@@ -631,8 +634,16 @@ fn notes(run: &Run, queue_in_columns: bool) -> String {
         ));
     }
     if let Some(jobs) = run.jobs_applied {
+        let runs = match run.runs {
+            Some(runs) if runs > 0 => format!(
+                " in {} runs ({:.1} jobs a run)",
+                thousands(runs as f64),
+                jobs as f64 / runs as f64
+            ),
+            _ => String::new(),
+        };
         notes.push(format!(
-            "{} jobs applied, lag observed for {}",
+            "{} jobs applied{runs}, lag observed for {}",
             thousands(jobs as f64),
             thousands(run.lag_observed as f64)
         ));
