@@ -12,7 +12,7 @@ use tokio_util::task::TaskTracker;
 
 use super::{Worker, WorkerConfig};
 use crate::cache::MemoryCache;
-use crate::summarizer::Summarizer;
+use crate::summarizer::{Summarizer, SummarizerConfig};
 
 fn job(user: &str, turn: usize) -> Job {
     Job {
@@ -35,8 +35,18 @@ fn job(user: &str, turn: usize) -> Job {
 }
 
 /// Queues `turns` jobs for each of `users` (one session each), then starts a worker with
-/// `config` and waits until it has applied them all. Returns the jobs applied and the runs.
+/// `config` and the heuristic extractor and waits until it has applied them all. Returns the
+/// jobs applied and the runs.
 async fn apply_backlog(config: WorkerConfig, users: &[&str], turns: usize) -> (u64, u64) {
+    apply_backlog_with(config, Summarizer::heuristic(), users, turns).await
+}
+
+async fn apply_backlog_with(
+    config: WorkerConfig,
+    summarizer: Summarizer,
+    users: &[&str],
+    turns: usize,
+) -> (u64, u64) {
     let dir = tempfile::tempdir().unwrap();
     let cache = Arc::new(MemoryCache::new(16, usize::MAX));
     let store: Arc<dyn Store> = Arc::new(
@@ -55,7 +65,7 @@ async fn apply_backlog(config: WorkerConfig, users: &[&str], turns: usize) -> (u
         cache,
         Arc::new(MemoryConfig::default()),
         config,
-        Arc::new(Summarizer::heuristic()),
+        Arc::new(summarizer),
         Arc::new(Notify::new()),
         tasks.clone(),
         cancel.clone(),
@@ -106,4 +116,32 @@ async fn a_claim_with_more_runs_than_room_applies_them_all_a_few_at_a_time() {
     let users = ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j"];
     // One claim takes all 50 jobs: ten runs, of which two apply at a time.
     assert_eq!(apply_backlog(config, &users, 5).await, (50, 10));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_an_llm_summarizer_a_claim_takes_only_what_can_start_at_once() {
+    let config = WorkerConfig {
+        concurrency: 2,
+        run_jobs: 40,
+        poll_interval_ms: 5,
+        ..WorkerConfig::default()
+    };
+    // Nothing listens there: every call fails at once and the heuristic extraction stands (its
+    // retry waits past the test's end).
+    let summarizer = Summarizer::new(
+        &SummarizerConfig {
+            base_url: Some("http://127.0.0.1:1/v1".to_owned()),
+            timeout_ms: 500,
+            background_retry_delay_ms: 600_000,
+            ..SummarizerConfig::default()
+        },
+        None,
+    )
+    .unwrap();
+    assert!(summarizer.is_configured());
+    // A run's model calls go one after another, so runs stay as short as the room: at most 2
+    // jobs each, so at least 10 runs for 20 jobs (the heuristic alone took them in one).
+    let (applied, runs) = apply_backlog_with(config, summarizer, &["solo"], 20).await;
+    assert_eq!(applied, 20);
+    assert!(runs >= 10, "{runs} runs for 20 jobs");
 }
