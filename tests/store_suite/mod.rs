@@ -23,7 +23,8 @@ use engram_memory::{
 };
 use engram_store::TraceParent;
 use engram_store::{
-    EncodedState, Enqueued, ForgetReport, Job, JobId, JobState, MemoryUpdate, Store, UserKey,
+    ClaimedJob, EncodedState, Enqueued, ForgetReport, Job, JobId, JobState, MemoryUpdate, Store,
+    UserKey,
 };
 
 /// Generates one `#[tokio::test]` per suite case against `$fresh().await`.
@@ -56,6 +57,7 @@ macro_rules! store_suite {
             concurrent_job_commits_of_one_user_let_one_win,
             many_concurrent_enqueues_each_land_once,
             claim_batches_keep_sessions_in_order,
+            claimed_runs_come_from_no_more_sessions_than_asked,
             a_forgotten_users_job_commits_nothing,
             raw_log_appends_once_in_order,
             large_exchanges_and_states_round_trip,
@@ -660,6 +662,34 @@ pub async fn claim_batches_keep_sessions_in_order(store: &dyn Store) {
     let keys: Vec<&str> = batch.iter().map(|c| c.job.id.key.as_str()).collect();
     // a2 and a3 wait behind the leased a1; b's jobs come in order (one or both).
     assert!(keys == ["b1", "b2"] || keys == ["b1"], "{keys:?}");
+}
+
+/// A claim of runs takes the oldest sessions' jobs, from as many sessions as it may hold.
+pub async fn claimed_runs_come_from_no_more_sessions_than_asked(store: &dyn Store) {
+    let alice = UserKey::new("t", "alice");
+    for key in ["a1", "b1", "c1", "a2", "b2", "c2"] {
+        let session = &key[..1];
+        store.enqueue(&job_in(&alice, session, key)).await.unwrap();
+    }
+    let lease = Duration::from_secs(30);
+    let sessions_of = |batch: &[ClaimedJob]| {
+        let mut sessions: Vec<String> = batch
+            .iter()
+            .map(|claimed| claimed.job.exchange.session_id.clone())
+            .collect();
+        sessions.dedup();
+        sessions
+    };
+    let first = store.claim_runs("c", lease, 10, 2).await.unwrap();
+    let keys: Vec<&str> = first.iter().map(|c| c.job.id.key.as_str()).collect();
+    // The embedded store holds a session's consecutive jobs together; Redis one a session.
+    assert!(
+        keys == ["a1", "b1", "a2", "b2"] || keys == ["a1", "b1"],
+        "{keys:?}"
+    );
+    assert_eq!(sessions_of(&first[..2]), ["a", "b"]);
+    let rest = store.claim_runs("c", lease, 10, 5).await.unwrap();
+    assert_eq!(sessions_of(&rest), ["c"], "a and b are leased");
 }
 
 /// A job in flight when its user is forgotten must not bring the memory back.

@@ -972,6 +972,16 @@ impl JobQueue for EmbeddedStore {
         lease: Duration,
         max: usize,
     ) -> BoxFuture<'a, Result<Vec<ClaimedJob>>> {
+        self.claim_runs(consumer, lease, max, usize::MAX)
+    }
+
+    fn claim_runs<'a>(
+        &'a self,
+        consumer: &'a str,
+        lease: Duration,
+        max: usize,
+        sessions: usize,
+    ) -> BoxFuture<'a, Result<Vec<ClaimedJob>>> {
         let consumer = consumer.to_owned();
         // On the claimer's own pool, unlike every other write: a claim run at normal priority
         // for the idle-priority worker would lease jobs to a loop the busy cores starve, which
@@ -987,7 +997,7 @@ impl JobQueue for EmbeddedStore {
             // holder's lease would come to anyway. So claims skip the fsync; the next durable
             // commit (the job's own) persists them.
             txn.set_durability(Durability::None).map_err(db_error)?;
-            let claimed = write_claims(&txn, &consumer, now, lease_ms, max)?;
+            let claimed = write_claims(&txn, &consumer, now, lease_ms, max, sessions)?;
             if !claimed.is_empty() {
                 txn.commit().map_err(db_error)?;
             }
@@ -1291,6 +1301,7 @@ fn write_claims(
     now: u64,
     lease_ms: u64,
     max: usize,
+    max_sessions: usize,
 ) -> Result<Vec<ClaimedJob>> {
     let heads = txn.open_table(SESSION_HEADS).map_err(db_error)?;
     let session_queue = txn.open_table(SESSION_QUEUE).map_err(db_error)?;
@@ -1298,14 +1309,21 @@ fn write_claims(
     let mut exchanges = txn.open_table(JOB_EXCHANGES).map_err(db_error)?;
     // The claimable jobs of the sessions looked at so far, by queue position, at most `max`.
     let mut found: Vec<(u64, JobId, JobRecord)> = Vec::new();
+    // Sessions with a claimable job looked at so far: they come in the order of their heads,
+    // so the first `max_sessions` of them are the ones a batch by queue position would hold.
+    let mut sessions = 0;
     for head in heads.iter().map_err(db_error)? {
         let (head, session) = head.map_err(db_error)?;
         let head = head.value();
         // This session's jobs and those of every session after it were queued after `head`:
         // once `max` jobs queued before it are found, none of theirs can join.
-        if max == 0 || (found.len() >= max && found.last().is_some_and(|(last, ..)| *last < head)) {
+        if max == 0
+            || sessions >= max_sessions
+            || (found.len() >= max && found.last().is_some_and(|(last, ..)| *last < head))
+        {
             break;
         }
+        let before = found.len();
         let (tenant, user, session) = session.value();
         let range = (tenant, user, session, head)..=(tenant, user, session, u64::MAX);
         for row in session_queue.range(range).map_err(db_error)?.take(max) {
@@ -1329,6 +1347,9 @@ fn write_claims(
                 key: key.to_owned(),
             };
             found.push((position, id, record));
+        }
+        if found.len() > before {
+            sessions += 1;
         }
         found.sort_unstable_by_key(|(position, ..)| *position);
         found.truncate(max);

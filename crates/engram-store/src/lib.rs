@@ -346,6 +346,19 @@ pub trait JobQueue: Send + Sync + 'static {
         })
     }
 
+    /// Like [`Self::claim_batch`], from at most `sessions` sessions: up to `jobs` jobs, in runs
+    /// of one session each, no more runs than the caller can start at once. The provided body
+    /// is right for a backend whose batch holds one job per session.
+    fn claim_runs<'a>(
+        &'a self,
+        consumer: &'a str,
+        lease: Duration,
+        jobs: usize,
+        sessions: usize,
+    ) -> BoxFuture<'a, Result<Vec<ClaimedJob>>> {
+        self.claim_batch(consumer, lease, jobs.min(sessions))
+    }
+
     /// Ends a job: records its final state and takes it off the queue. False when the job is
     /// unknown.
     fn finish<'a>(&'a self, job: &'a JobId, state: JobState) -> BoxFuture<'a, Result<bool>>;

@@ -238,6 +238,8 @@ impl JobQueue for MeteredStore {
         fn claim(consumer: &'a str, lease: Duration) -> Option<ClaimedJob> = timed(Claim);
         fn claim_batch(consumer: &'a str, lease: Duration, max: usize)
             -> Vec<ClaimedJob> = timed(ClaimBatch);
+        fn claim_runs(consumer: &'a str, lease: Duration, jobs: usize, sessions: usize)
+            -> Vec<ClaimedJob> = timed(ClaimBatch);
         fn finish(job: &'a JobId, state: JobState) -> bool = timed(Finish);
         fn ack(job: &'a JobId) -> bool = timed(Ack);
         fn fail(job: &'a JobId, reason: &'a str) -> bool = timed(Fail);

@@ -228,8 +228,8 @@ impl Worker {
     }
 
     /// Keeps up to `concurrency` runs in flight: once one can start, claims up to `run_jobs`
-    /// jobs in one store call (so they can share commits), splits them into runs of one session
-    /// each and applies each run on its own task. With a `turn`, claims only while it names `me`.
+    /// jobs of as many sessions as there is room for in one store call (so they can share
+    /// commits), splits them into runs of one session each and applies each on its own task. With a `turn`, claims only while it names `me`.
     async fn dispatch(
         self: Arc<Self>,
         me: Claimer,
@@ -259,8 +259,15 @@ impl Worker {
             } else {
                 self.config.run_jobs.max(1)
             };
+            // No more sessions than runs can start now: a claimed run that waited for room would
+            // hold its session's lease meanwhile, on a starved idle thread for as long as that.
+            let sessions = room.available_permits() + 1;
             let mut filled = false;
-            match self.store.claim_batch(&self.consumer, lease, batch).await {
+            match self
+                .store
+                .claim_runs(&self.consumer, lease, batch, sessions)
+                .await
+            {
                 Ok(claimed) if !claimed.is_empty() => {
                     backoff = poll;
                     filled = claimed.len() == batch;
@@ -271,9 +278,10 @@ impl Worker {
                         let worker = Arc::clone(&self);
                         let run_ended = Arc::clone(&run_ended);
                         self.tasks.spawn(async move {
-                            // The other runs wait for room in turn. The semaphore is fair, so
-                            // the next claim waits behind them; they are applied even while
-                            // stopping, so no claimed job stays leased after a clean stop.
+                            // The claim held no more sessions than there was room for, so the
+                            // others find a permit at once; were one to wait, the semaphore is
+                            // fair and the next claim waits behind it. Claimed runs are applied
+                            // even while stopping, so no job stays leased after a clean stop.
                             let permit = match permit {
                                 Some(permit) => permit,
                                 None => match room.acquire_owned().await {

@@ -106,7 +106,7 @@ async fn one_sessions_backlog_is_applied_in_runs_of_run_jobs_not_of_concurrency(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_with_more_runs_than_room_applies_them_all_a_few_at_a_time() {
+async fn many_sessions_are_claimed_as_room_frees_each_in_one_run() {
     let config = WorkerConfig {
         concurrency: 2,
         run_jobs: 64,
@@ -114,7 +114,8 @@ async fn a_claim_with_more_runs_than_room_applies_them_all_a_few_at_a_time() {
         ..WorkerConfig::default()
     };
     let users = ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j"];
-    // One claim takes all 50 jobs: ten runs, of which two apply at a time.
+    // A claim takes the jobs of as many sessions as there is room for (two at first, then one
+    // as each run ends), and each session's five jobs go in one run.
     assert_eq!(apply_backlog(config, &users, 5).await, (50, 10));
 }
 
