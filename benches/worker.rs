@@ -2,10 +2,9 @@
 //! store and (when `redis-server` is installed) on Redis.
 //!
 //! Run with `cargo bench --bench worker -- [--users N] [--turns N] [--concurrency N]
-//! [--run-jobs N]`. It
-//! queues `users × turns` recorded exchanges (one session per user, realistic sentences with
-//! facts in them), then starts the real worker and times it until the queue is empty. The
-//! enqueue rate (the recorder's side) is reported too.
+//! [--run-jobs N]`. It queues `users × turns` recorded exchanges (one session per user,
+//! realistic sentences with facts in them), then starts the real worker and times it until the
+//! queue is empty. The enqueue rate (the recorder's side) is reported too.
 //!
 //! Not a test: it prints numbers and asserts nothing.
 

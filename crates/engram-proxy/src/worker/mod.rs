@@ -229,7 +229,8 @@ impl Worker {
 
     /// Keeps up to `concurrency` runs in flight: once one can start, claims up to `run_jobs`
     /// jobs of as many sessions as there is room for in one store call (so they can share
-    /// commits), splits them into runs of one session each and applies each on its own task. With a `turn`, claims only while it names `me`.
+    /// commits), splits them into runs of one session each and applies each on its own task.
+    /// With a `turn`, claims only while it names `me`.
     async fn dispatch(
         self: Arc<Self>,
         me: Claimer,
@@ -252,16 +253,16 @@ impl Worker {
                 () = cancel.cancelled() => return,
             };
             let Ok(first) = first else { return };
-            // A run's jobs wait for their model calls one after another: with an LLM summarizer
-            // a claim takes only what can start at once, as short runs.
-            let batch = if self.summarizer.is_configured() {
-                room.available_permits() + 1
-            } else {
-                self.config.run_jobs.max(1)
-            };
             // No more sessions than runs can start now: a claimed run that waited for room would
             // hold its session's lease meanwhile, on a starved idle thread for as long as that.
             let sessions = room.available_permits() + 1;
+            // A run's jobs wait for their model calls one after another: with an LLM summarizer
+            // a claim takes only what can start at once, as short runs.
+            let batch = if self.summarizer.is_configured() {
+                sessions
+            } else {
+                self.config.run_jobs.max(1)
+            };
             let mut filled = false;
             match self
                 .store
@@ -271,24 +272,16 @@ impl Worker {
                 Ok(claimed) if !claimed.is_empty() => {
                     backoff = poll;
                     filled = claimed.len() == batch;
+                    // Only this loop takes permits, and the claim held no more sessions than
+                    // there were free: every run has one.
                     let mut first = Some(first);
                     for run in runs(claimed) {
-                        let permit = first.take();
-                        let room = Arc::clone(&room);
+                        let permit = first
+                            .take()
+                            .or_else(|| Arc::clone(&room).try_acquire_owned().ok());
                         let worker = Arc::clone(&self);
                         let run_ended = Arc::clone(&run_ended);
                         self.tasks.spawn(async move {
-                            // The claim held no more sessions than there was room for, so the
-                            // others find a permit at once; were one to wait, the semaphore is
-                            // fair and the next claim waits behind it. Claimed runs are applied
-                            // even while stopping, so no job stays leased after a clean stop.
-                            let permit = match permit {
-                                Some(permit) => permit,
-                                None => match room.acquire_owned().await {
-                                    Ok(permit) => permit,
-                                    Err(_) => return,
-                                },
-                            };
                             worker.process(run, me).await;
                             drop(permit);
                             run_ended.notify_one();

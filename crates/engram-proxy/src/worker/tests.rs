@@ -93,26 +93,26 @@ async fn apply_backlog_with(
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_sessions_backlog_is_applied_in_runs_of_run_jobs_not_of_concurrency() {
-    let config = WorkerConfig {
+/// Room for two runs at once, claims of up to `run_jobs` jobs, and a quick poll.
+fn two_runs_at_once(run_jobs: usize) -> WorkerConfig {
+    WorkerConfig {
         concurrency: 2,
-        run_jobs: 40,
+        run_jobs,
         poll_interval_ms: 5,
         ..WorkerConfig::default()
-    };
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_sessions_backlog_is_applied_in_runs_of_run_jobs_not_of_concurrency() {
+    let config = two_runs_at_once(40);
     // 40 + 40 + 20: the run length is the claim's, not the number of runs at once.
     assert_eq!(apply_backlog(config, &["solo"], 100).await, (100, 3));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_sessions_are_claimed_as_room_frees_each_in_one_run() {
-    let config = WorkerConfig {
-        concurrency: 2,
-        run_jobs: 64,
-        poll_interval_ms: 5,
-        ..WorkerConfig::default()
-    };
+    let config = two_runs_at_once(64);
     let users = ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j"];
     // A claim takes the jobs of as many sessions as there is room for (two at first, then one
     // as each run ends), and each session's five jobs go in one run.
@@ -121,12 +121,7 @@ async fn many_sessions_are_claimed_as_room_frees_each_in_one_run() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_an_llm_summarizer_a_claim_takes_only_what_can_start_at_once() {
-    let config = WorkerConfig {
-        concurrency: 2,
-        run_jobs: 40,
-        poll_interval_ms: 5,
-        ..WorkerConfig::default()
-    };
+    let config = two_runs_at_once(40);
     // Nothing listens there: every call fails at once and the heuristic extraction stands (its
     // retry waits past the test's end).
     let summarizer = Summarizer::new(
