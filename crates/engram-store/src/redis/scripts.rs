@@ -111,25 +111,30 @@ local status, meta, fields, values = 'none', false, {}, {}
 if version ~= '0' and version ~= ARGV[1] then
   status = 'whole'
   if ARGV[1] ~= '' then
-    local at, following, wanted = ARGV[1], false, {}
-    for _, entry in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
-      local previous, written, list = string.match(entry, '^(%d+) (%d+) ?(.*)$')
-      if previous == at then
-        following = true
-      end
-      if following then
-        if previous ~= at then
+    -- Back from the newest write, a few entries at a time, to the one written on the cached
+    -- version: a reader is usually a write or two behind, and copying the whole ring into
+    -- every read cost as much as the rest of it.
+    local want, wanted = version, {}
+    local last = redis.call('LLEN', KEYS[4]) - 1
+    while status == 'whole' and last >= 0 do
+      local first = math.max(0, last - 7)
+      local entries = redis.call('LRANGE', KEYS[4], first, last)
+      for index = #entries, 1, -1 do
+        local previous, written, list = string.match(entries[index], '^(%d+) (%d+) ?(.*)$')
+        if written ~= want then
+          first = 0
           break
         end
         for field in string.gmatch(list or '', '[^,]+') do
           wanted[field] = true
         end
-        at = written
-        if at == version then
+        if previous == ARGV[1] then
           status = 'delta'
           break
         end
+        want = previous
       end
+      last = first - 1
     end
     if status == 'delta' then
       meta = redis.call('GET', KEYS[2]) or false
