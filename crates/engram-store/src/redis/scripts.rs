@@ -112,8 +112,8 @@ if version ~= '0' and version ~= ARGV[1] then
   status = 'whole'
   if ARGV[1] ~= '' then
     -- Back from the newest write, a few entries at a time, to the one written on the cached
-    -- version: a reader is usually a write or two behind, and copying the whole ring into
-    -- every read cost as much as the rest of it.
+    -- version: a reader is usually a write or two behind, so it need not copy all of the
+    -- ring's entries into the script.
     local want, wanted = version, {}
     local last = redis.call('LLEN', KEYS[4]) - 1
     while status == 'whole' and last >= 0 do
