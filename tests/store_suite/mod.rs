@@ -1081,6 +1081,29 @@ pub async fn random_operations_follow_a_model_of_sessions(store: &dyn Store) {
         key: key.to_owned(),
     };
 
+    // The heads of the sessions whose head is not leased: what a claim may take.
+    fn free_heads(
+        sessions: &BTreeMap<(usize, String), VecDeque<String>>,
+        leased: &HashSet<(usize, String)>,
+    ) -> Vec<ModelJob> {
+        sessions
+            .iter()
+            .filter_map(|((user, session), jobs)| {
+                let head = jobs.front()?;
+                (!leased.contains(&(*user, head.clone())))
+                    .then(|| (*user, session.clone(), head.clone()))
+            })
+            .collect()
+    }
+
+    // The model's index of a claimed job's user.
+    fn user_of(users: &[UserKey], claimed: &ClaimedJob) -> usize {
+        users
+            .iter()
+            .position(|user| *user == claimed.job.id.user)
+            .unwrap()
+    }
+
     // Claims once and checks the result against the model; true when a job was claimed.
     async fn claim_checked(
         store: &dyn Store,
@@ -1089,14 +1112,7 @@ pub async fn random_operations_follow_a_model_of_sessions(store: &dyn Store) {
         leased: &mut HashSet<(usize, String)>,
         lease: Duration,
     ) -> Option<ModelJob> {
-        let claimable: Vec<ModelJob> = sessions
-            .iter()
-            .filter_map(|((user, session), jobs)| {
-                let head = jobs.front()?;
-                (!leased.contains(&(*user, head.clone())))
-                    .then(|| (*user, session.clone(), head.clone()))
-            })
-            .collect();
+        let claimable = free_heads(sessions, leased);
         let claimed = store.claim("worker", lease).await.unwrap();
         let Some(claimed) = claimed else {
             assert!(
@@ -1105,10 +1121,7 @@ pub async fn random_operations_follow_a_model_of_sessions(store: &dyn Store) {
             );
             return None;
         };
-        let user = users
-            .iter()
-            .position(|user| *user == claimed.job.id.user)
-            .unwrap();
+        let user = user_of(users, &claimed);
         let job = (
             user,
             claimed.job.exchange.session_id.clone(),
@@ -1130,20 +1143,13 @@ pub async fn random_operations_follow_a_model_of_sessions(store: &dyn Store) {
         lease: Duration,
         (jobs, most): (usize, usize),
     ) {
-        let claimable = sessions.iter().any(|((user, _), queued)| {
-            queued
-                .front()
-                .is_some_and(|head| !leased.contains(&(*user, head.clone())))
-        });
+        let claimable = !free_heads(sessions, leased).is_empty();
         let claimed = store.claim_runs("worker", lease, jobs, most).await.unwrap();
         assert_eq!(claimed.is_empty(), !claimable, "{claimed:?}");
         assert!(claimed.len() <= jobs);
         let mut runs: Vec<((usize, String), Vec<String>)> = Vec::new();
         for job in &claimed {
-            let user = users
-                .iter()
-                .position(|user| *user == job.job.id.user)
-                .unwrap();
+            let user = user_of(users, job);
             let session = (user, job.job.exchange.session_id.clone());
             assert_eq!(job.attempt, 1);
             match runs.iter_mut().find(|(owner, _)| *owner == session) {
