@@ -28,6 +28,8 @@
 //! store's commits, at each write of a round and each page read and write (`YieldingFile`): a
 //! waking request thread does not take the core from the recorder, it waits for a yield.
 
+use std::time::Duration;
+
 use engram_memory::yielding::mark_background;
 use tokio::runtime::{Builder, Runtime};
 
@@ -103,6 +105,14 @@ pub enum RecorderPriority {
 /// A runtime used only for its blocking pool: one thread, named `name`, scheduled as
 /// `priority` asks where Linux allows it, and passing [`checkpoint`]s as a background thread.
 /// `Handle::spawn_blocking` on it runs there.
+///
+/// The thread starts here, on the caller's thread, and lives as long as the pool. A new thread
+/// takes its creator's policy, and tokio starts a pool's thread in the first `spawn_blocking`
+/// that finds none (and again after 10 s without work): when that was the idle worker's
+/// thread (the first job commit it led), the embedded store's commit thread ran at
+/// `SCHED_IDLE`, which an unprivileged thread cannot leave. On a node whose other processes
+/// kept both cores busy, every commit, claim and enqueue then waited seconds for a core
+/// (`tests/worker_lag.rs`: commits of 1.4–4 s).
 pub fn recorder_pool(name: &str, priority: RecorderPriority) -> Result<WorkerRuntime> {
     let start: fn() = match priority {
         RecorderPriority::Normal => mark_background,
@@ -112,10 +122,17 @@ pub fn recorder_pool(name: &str, priority: RecorderPriority) -> Result<WorkerRun
     let runtime = Builder::new_current_thread()
         .thread_name(name)
         .max_blocking_threads(1)
+        .thread_keep_alive(POOL_THREAD_LIFETIME)
         .on_thread_start(start)
         .build()?;
+    // Starts the one thread now, from this thread (its join handle is not needed).
+    drop(runtime.spawn_blocking(|| {}));
     Ok(WorkerRuntime(Some(runtime)))
 }
+
+/// How long a [`recorder_pool`]'s thread may wait for work before it ends: as long as the
+/// process, in effect (a year).
+const POOL_THREAD_LIFETIME: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// A [`RecorderPriority::Lowest`] thread: `SCHED_OTHER` at nice 19. Raising a thread's nice
 /// value needs no privilege, and on Linux it applies to the calling thread only.
@@ -210,6 +227,16 @@ mod tests {
         let nice = encoder.block_on(encoder.spawn_blocking(|| own_stat_field(NICE)));
         assert_eq!(nice.unwrap(), 19);
         assert!(checkpoints_on(encoder));
+        // A pool first used from an idle-policy thread (the idle worker leading a commit) still
+        // runs at the policy it was built with: its thread started with it, on this thread.
+        let pool = recorder_pool("test-first-use", RecorderPriority::Answering).unwrap();
+        let pool = pool.handle().unwrap().clone();
+        let first_use = std::thread::spawn(move || {
+            lowest_in(Policy::Idle, "test");
+            assert_eq!(own_stat_field(POLICY), SCHED_IDLE);
+            pool.block_on(pool.spawn_blocking(|| own_stat_field(POLICY)))
+        });
+        assert_eq!(first_use.join().unwrap().unwrap(), 0);
         // And a worker runtime asked for normal priority stays there.
         let normal = worker_runtime(false).unwrap();
         let normal = normal.handle().unwrap();
