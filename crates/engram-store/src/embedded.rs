@@ -246,8 +246,8 @@ impl EmbeddedStore {
         self.enqueues.fail_next_commits(commits);
     }
 
-    /// Runs a blocking redb read (or a claim) on the caller's runtime's blocking pool; writes
-    /// go through [`EmbeddedStore::blocking_write`].
+    /// Runs a blocking redb read on the caller's runtime's blocking pool; writes go through
+    /// [`EmbeddedStore::blocking_write`].
     fn blocking<T, F>(&self, operation: F) -> BoxFuture<'static, Result<T>>
     where
         T: Send + 'static,
@@ -256,9 +256,8 @@ impl EmbeddedStore {
         self.blocking_on(None, operation)
     }
 
-    /// A redb write transaction (a finish, a raw-log append, a state or prefetch save, a
-    /// forget; not a claim, see `claim_batch`), run on the thread of the job commits at normal
-    /// priority whoever asks:
+    /// A redb write transaction (a claim, a finish, a raw-log append, a state or prefetch save,
+    /// a forget), run on the thread of the job commits at normal priority whoever asks:
     /// on the worker's idle-priority pool it could hold redb's one write lock while the
     /// requests keep the core, and every recorded answer's enqueue would wait.
     fn blocking_write<T, F>(&self, operation: F) -> BoxFuture<'static, Result<T>>
@@ -983,12 +982,12 @@ impl JobQueue for EmbeddedStore {
         sessions: usize,
     ) -> BoxFuture<'a, Result<Vec<ClaimedJob>>> {
         let consumer = consumer.to_owned();
-        // On the claimer's own pool, unlike every other write: a claim run at normal priority
-        // for the idle-priority worker would lease jobs to a loop the busy cores starve, which
-        // the normal-priority catch-up cannot take (`tests/worker_lag.rs` failed 2 of 8 runs
-        // that way, 0 of 8 with claims here). A claim skips the fsync, so it holds the write
-        // lock briefly.
-        self.blocking(move |db| {
+        // On the commit thread at normal priority, like every other write: on the idle worker's
+        // own pool a claim the busy cores preempted held redb's one write lock for seconds, and
+        // every commit and enqueue waited behind it (`tests/worker_lag.rs`). A claim skips the
+        // fsync, so it holds the lock briefly. The idle loop may still be starved after it
+        // claims: the catch-up then takes its runs over (the proxy's `worker::held`).
+        self.blocking_write(move |db| {
             let now = now_ms();
             let lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
             let mut txn = db.begin_write().map_err(db_error)?;
