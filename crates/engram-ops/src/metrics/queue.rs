@@ -27,7 +27,7 @@ pub(super) struct StatsCollector {
     unrecorded_at_start: Desc,
     /// Only with a worker: jobs, runs, conflicts, summarizer refinements, the catch-up's jobs
     /// and whether it is on.
-    worker_descs: Option<[Desc; 6]>,
+    worker_descs: Option<[Desc; 7]>,
 }
 
 impl StatsCollector {
@@ -57,6 +57,11 @@ impl StatsCollector {
                 desc(
                     "engram_worker_catch_up_jobs_total",
                     "Jobs applied by the normal-priority catch-up (worker.max_lag_ms) because the idle-priority worker fell behind; counted in engram_jobs_total too.",
+                    None,
+                )?,
+                desc(
+                    "engram_worker_taken_over_runs_total",
+                    "Runs the idle-priority worker had claimed and the catch-up applied instead, because the busy cores starved the idle worker before it finished them.",
                     None,
                 )?,
                 desc(
@@ -136,6 +141,7 @@ impl Collector for StatsCollector {
                     conflicts,
                     refined,
                     catch_up_jobs,
+                    taken_over,
                     catch_up_active,
                 ],
             ),
@@ -160,6 +166,7 @@ impl Collector for StatsCollector {
                 &[""],
                 [load(&stats.catch_up_applied)],
             ));
+            families.push(counters(taken_over, &[""], [load(&stats.taken_over)]));
             families.push(gauge(catch_up_active, load(&stats.catch_up_active)));
         }
         families

@@ -16,7 +16,7 @@
 //! the idle threads have answered every probe promptly for ten bounds. While they are starved
 //! (a probe was late in the last ten bounds) and the lag is still small, neither claims, so the
 //! idle loop cannot lease jobs it would then hold for seconds, blocking their sessions for the
-//! catch-up.
+//! catch-up; the runs it already holds then go to the catch-up (see `super::held`).
 
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -79,9 +79,7 @@ impl LagGate {
         if starved_now {
             self.starved_at = Some(now);
         }
-        let starved = self
-            .starved_at
-            .is_some_and(|at| now.saturating_duration_since(at) < self.hold);
+        let starved = self.starved(now);
         if !self.engaged {
             self.engaged = lag >= self.engage;
             self.calm_since = None;
@@ -99,6 +97,12 @@ impl LagGate {
             (false, true) => Claimer::Neither,
             (false, false) => Claimer::Idle,
         }
+    }
+
+    /// Whether the idle threads count as starved: a probe was late within the last ten bounds.
+    pub fn starved(&self, now: Instant) -> bool {
+        self.starved_at
+            .is_some_and(|at| now.saturating_duration_since(at) < self.hold)
     }
 }
 

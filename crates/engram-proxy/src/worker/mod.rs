@@ -21,6 +21,7 @@
 //! lives in memory only: if the process stops first, the heuristic extraction stands.
 
 mod config;
+mod held;
 pub mod lag;
 mod metrics;
 
@@ -46,6 +47,7 @@ use engram_memory::{
 use engram_runtime::priority;
 use engram_store::{ClaimedJob, EncodedState, Job, MemoryRecords, MemoryUpdate, Store, UserKey};
 
+use held::HeldRuns;
 use lag::{Claimer, LagGate, Progress};
 
 /// Version conflicts tolerated per job before it is left for a later claim.
@@ -72,6 +74,9 @@ pub struct Worker {
     telemetry: Telemetry,
     /// What the catch-up's monitor reads: both claim loops report their applied jobs.
     progress: Progress,
+    /// With a catch-up: the idle loop's runs in hand, which the catch-up takes over while
+    /// the idle threads are starved (see [`held`]).
+    held: HeldRuns,
     /// One user's runs of different sessions apply one at a time in this process (a stripe per
     /// user hash): run side by side they each read the same version and all but one commit
     /// conflicted, and after a restart with a backlog, eight conflicts in a row left a job to
@@ -101,6 +106,8 @@ pub struct WorkerStats {
     pub catch_up_applied: AtomicU64,
     /// 1 while the catch-up claims the jobs, else 0.
     pub catch_up_active: AtomicU64,
+    /// Runs of the idle loop the catch-up took over (see [`held`]).
+    pub taken_over: AtomicU64,
 }
 
 /// Spends the job's estimated summarizer tokens from its tenant's budget; true when the model
@@ -160,6 +167,7 @@ impl Worker {
             metrics: None,
             telemetry: Telemetry::default(),
             progress: Progress::default(),
+            held: HeldRuns::default(),
             applying: (0..APPLY_STRIPES)
                 .map(|_| tokio::sync::Mutex::new(()))
                 .collect(),
@@ -243,6 +251,8 @@ impl Worker {
         // Told when a run of jobs ends, freeing its session and its permit.
         let run_ended = Arc::new(Notify::new());
         let mut backoff = poll;
+        // The idle loop's runs are open to the catch-up when there is one.
+        let holding = me == Claimer::Idle && turn.is_some();
         loop {
             tokio::select! {
                 open = turn_is(&mut turn, |claimer| claimer == me) => if !open { return },
@@ -281,8 +291,15 @@ impl Worker {
                             .or_else(|| Arc::clone(&room).try_acquire_owned().ok());
                         let worker = Arc::clone(&self);
                         let run_ended = Arc::clone(&run_ended);
+                        let hold = holding.then(|| self.held.hold(&run, Instant::now()));
                         self.tasks.spawn(async move {
-                            worker.process(run, me).await;
+                            // Not if the catch-up took it over before it started.
+                            if hold.is_none_or(|id| worker.held.is_held(id)) {
+                                worker.process(run, me).await;
+                            }
+                            if let Some(id) = hold {
+                                worker.held.release(id);
+                            }
                             drop(permit);
                             run_ended.notify_one();
                         });
@@ -349,6 +366,9 @@ impl Worker {
             let now = Instant::now();
             let lag = self.progress.estimate(depth, now);
             let claimer = gate.update(lag, starved, now);
+            if gate.starved(now) {
+                self.take_over_held_runs();
+            }
             let changed =
                 turns.send_if_modified(|current| std::mem::replace(current, claimer) != claimer);
             if changed {
@@ -364,6 +384,24 @@ impl Worker {
                     "update path: claims moved"
                 );
             }
+        }
+    }
+
+    /// On the catch-up's runtime, while the idle threads count as starved (whoever may claim):
+    /// applies the runs the idle loop has held for a tick or longer (see [`held`]). Their
+    /// permits stay with the idle loop.
+    fn take_over_held_runs(self: &Arc<Self>) {
+        for run in self.held.take_older_than(lag::TICK, Instant::now()) {
+            let Some(first) = run.first() else { continue };
+            tracing::info!(
+                first = %first.job.id.key,
+                jobs = run.len(),
+                "update path: the catch-up took over a run the starved idle loop held"
+            );
+            self.stats.taken_over.fetch_add(1, Ordering::Relaxed);
+            let worker = Arc::clone(self);
+            self.tasks
+                .spawn(async move { worker.process(run, Claimer::CatchUp).await });
         }
     }
 
@@ -391,7 +429,7 @@ impl Worker {
             jobs.iter().filter_map(|job| job.trace),
         );
         let started = std::time::Instant::now();
-        match self.apply_run(&jobs).await {
+        match self.apply_run(&jobs, me).await {
             Ok(applied) => {
                 self.stats.runs.fetch_add(1, Ordering::Relaxed);
                 if let Some(metrics) = &self.metrics {
@@ -440,7 +478,7 @@ impl Worker {
 
     /// Applies jobs of one session, in order, and commits them together: one state read,
     /// one engine pass, one write, whatever the run's length.
-    async fn apply_run(&self, jobs: &[Job]) -> Result<Vec<Applied>> {
+    async fn apply_run(&self, jobs: &[Job], me: Claimer) -> Result<Vec<Applied>> {
         let mut extractions = Vec::with_capacity(jobs.len());
         let mut retry = Vec::new();
         for job in jobs {
@@ -464,7 +502,14 @@ impl Worker {
             extractions.push(Precomputed(summary.extraction));
         }
         let applied = {
-            let _user = self.applying_user(&jobs[0].id.user).lock().await;
+            let user = self.applying_user(&jobs[0].id.user).lock();
+            // A starved idle task may hold the stripe (the catch-up took its run over): the
+            // catch-up waits a tick at most, then goes on; the commit's version check keeps
+            // the two apart, the lock only spares a conflict.
+            let _user = match me {
+                Claimer::CatchUp => tokio::time::timeout(lag::TICK, user).await.ok(),
+                _ => Some(user.await),
+            };
             self.apply_with(jobs, &extractions).await?
         };
         for job in retry {

@@ -1,4 +1,5 @@
-//! The claim loop against a real embedded store: how a backlog is split into runs.
+//! The claim loops against a real embedded store: how a backlog is split into runs, and how the
+//! catch-up takes over from a starved idle loop.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -13,6 +14,7 @@ use tokio_util::task::TaskTracker;
 use super::{Worker, WorkerConfig};
 use crate::cache::MemoryCache;
 use crate::summarizer::{Summarizer, SummarizerConfig};
+use engram_runtime::priority;
 
 fn job(user: &str, turn: usize) -> Job {
     Job {
@@ -140,4 +142,118 @@ async fn with_an_llm_summarizer_a_claim_takes_only_what_can_start_at_once() {
     let (applied, runs) = apply_backlog_with(config, summarizer, &["solo"], 20).await;
     assert_eq!(applied, 20);
     assert!(runs >= 10, "{runs} runs for 20 jobs");
+}
+
+/// The idle loop claimed a run and then got no CPU (its one thread is blocked here, as the busy
+/// cores of a shared node keep an idle-policy thread off them): the catch-up takes the run over
+/// and applies it, then the session's next job, which waited behind it. Without the take-over
+/// the run's lease (a minute here) holds the session and nothing is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_catch_up_takes_over_a_run_the_starved_idle_loop_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = Arc::new(MemoryCache::new(16, usize::MAX));
+    let store: Arc<dyn Store> = Arc::new(
+        EmbeddedStore::open(dir.path())
+            .unwrap()
+            .with_commit_listener(Arc::clone(&cache) as Arc<dyn CommitListener>),
+    );
+    for turn in 0..2 {
+        store.enqueue(&job("solo", turn)).await.unwrap();
+    }
+    let (tasks, cancel) = (TaskTracker::new(), CancellationToken::new());
+    let config = WorkerConfig {
+        max_lag_ms: 400,
+        lease_ms: 60_000,
+        poll_interval_ms: 5,
+        ..WorkerConfig::default()
+    };
+    let lease = Duration::from_millis(config.lease_ms);
+    let worker = Arc::new(Worker::new(
+        Arc::clone(&store),
+        cache,
+        Arc::new(MemoryConfig::default()),
+        config,
+        Arc::new(Summarizer::heuristic()),
+        Arc::new(Notify::new()),
+        tasks.clone(),
+        cancel.clone(),
+    ));
+    // What the idle loop does before the cores are taken: it claims the session's head.
+    let claimed = store
+        .claim_runs(&worker.consumer, lease, 1, 1)
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 1);
+    worker.held.hold(&claimed, Instant::now());
+    // The idle runtime's one thread is then kept busy until the test ends.
+    let idle = priority::worker_runtime(false).unwrap();
+    let idle = idle.handle().unwrap().clone();
+    let (release, blocked) = std::sync::mpsc::channel::<()>();
+    let (started, running) = tokio::sync::oneshot::channel();
+    drop(idle.spawn(async move {
+        let _ = started.send(());
+        let _ = blocked.recv();
+    }));
+    running.await.unwrap();
+    let catch_up = priority::catch_up_runtime().unwrap();
+    worker.start(&idle, catch_up.handle());
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while worker.stats().applied.load(Ordering::Relaxed) < 2 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let stats = worker.stats();
+    let (applied, taken_over) = (
+        stats.applied.load(Ordering::Relaxed),
+        stats.taken_over.load(Ordering::Relaxed),
+    );
+    release.send(()).unwrap();
+    cancel.cancel();
+    tasks.close();
+    tasks.wait().await;
+    assert_eq!((applied, taken_over), (2, 1));
+    assert_eq!(store.queue_depth().await.unwrap(), 0);
+}
+
+/// A run taken over mid-way is applied by both loops at once: one commit lands, the other
+/// conflicts and its retry finds the jobs recorded, so each job is applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_applied_by_both_loops_at_once_is_recorded_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = Arc::new(MemoryCache::new(16, usize::MAX));
+    let store: Arc<dyn Store> = Arc::new(
+        EmbeddedStore::open(dir.path())
+            .unwrap()
+            .with_commit_listener(Arc::clone(&cache) as Arc<dyn CommitListener>),
+    );
+    for turn in 0..3 {
+        store.enqueue(&job("solo", turn)).await.unwrap();
+    }
+    let worker = Arc::new(Worker::new(
+        Arc::clone(&store),
+        cache,
+        Arc::new(MemoryConfig::default()),
+        WorkerConfig::default(),
+        Arc::new(Summarizer::heuristic()),
+        Arc::new(Notify::new()),
+        TaskTracker::new(),
+        CancellationToken::new(),
+    ));
+    let lease = Duration::from_secs(60);
+    let run = store
+        .claim_runs(&worker.consumer, lease, 3, 1)
+        .await
+        .unwrap();
+    assert_eq!(run.len(), 3);
+    tokio::join!(
+        worker.process(run.clone(), super::Claimer::Idle),
+        worker.process(run, super::Claimer::CatchUp),
+    );
+    let stats = worker.stats();
+    assert_eq!(stats.applied.load(Ordering::Relaxed), 3);
+    assert_eq!(stats.duplicates.load(Ordering::Relaxed), 3);
+    assert_eq!(store.queue_depth().await.unwrap(), 0);
+    let user = UserKey::new("t", "solo");
+    let state = store.load_state(&user).await.unwrap().unwrap();
+    assert_eq!(state.turn_log.len(), 3, "each turn once");
 }
