@@ -5,7 +5,7 @@
 //! run waits until they get the CPU again: seconds, or the whole lease, with its session's later
 //! jobs behind it, however fast the catch-up is. So the idle loop holds each run here until
 //! it ends, and the catch-up, while the idle threads count as starved, takes over the runs held
-//! longer than a tick and applies them itself. An idle task whose run was taken before it
+//! for a quarter of the lag bound and applies them itself. An idle task whose run was taken before it
 //! started skips it; one taken mid-way commits late, conflicts, and its retry finds the jobs
 //! applied (duplicates, as after a crash).
 

@@ -367,7 +367,7 @@ impl Worker {
             let lag = self.progress.estimate(depth, now);
             let claimer = gate.update(lag, starved, now);
             if gate.starved(now) {
-                self.take_over_held_runs();
+                self.take_over_held_runs(max_lag / 4);
             }
             let changed =
                 turns.send_if_modified(|current| std::mem::replace(current, claimer) != claimer);
@@ -388,10 +388,12 @@ impl Worker {
     }
 
     /// On the catch-up's runtime, while the idle threads count as starved (whoever may claim):
-    /// applies the runs the idle loop has held for a tick or longer (see [`held`]). Their
-    /// permits stay with the idle loop.
-    fn take_over_held_runs(self: &Arc<Self>) {
-        for run in self.held.take_older_than(lag::TICK, Instant::now()) {
+    /// applies the runs the idle loop has held for `age` or longer (see [`held`]), a quarter of
+    /// the lag bound, which leaves the rest for the apply. Sooner, the catch-up would take runs
+    /// from an idle loop that our own requests delay only briefly. Their permits stay with the
+    /// idle loop.
+    fn take_over_held_runs(self: &Arc<Self>, age: Duration) {
+        for run in self.held.take_older_than(age, Instant::now()) {
             let Some(first) = run.first() else { continue };
             tracing::info!(
                 first = %first.job.id.key,
