@@ -106,7 +106,7 @@ pub struct WorkerStats {
     pub catch_up_applied: AtomicU64,
     /// 1 while the catch-up claims the jobs, else 0.
     pub catch_up_active: AtomicU64,
-    /// Runs of the idle loop the catch-up took over (see [`held`]).
+    /// Runs of the idle loop the catch-up took over from its starved threads.
     pub taken_over: AtomicU64,
 }
 
