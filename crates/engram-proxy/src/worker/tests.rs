@@ -36,6 +36,50 @@ fn job(user: &str, turn: usize) -> Job {
     }
 }
 
+/// An embedded store in a temporary directory (kept while the first value lives) that tells
+/// the cache of its commits, with `turns` jobs queued for each of `users` (one session each),
+/// and that cache.
+async fn queued_store(
+    users: &[&str],
+    turns: usize,
+) -> (tempfile::TempDir, Arc<MemoryCache>, Arc<dyn Store>) {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = Arc::new(MemoryCache::new(16, usize::MAX));
+    let store: Arc<dyn Store> = Arc::new(
+        EmbeddedStore::open(dir.path())
+            .unwrap()
+            .with_commit_listener(Arc::clone(&cache) as Arc<dyn CommitListener>),
+    );
+    for turn in 0..turns {
+        for user in users {
+            store.enqueue(&job(user, turn)).await.unwrap();
+        }
+    }
+    (dir, cache, store)
+}
+
+/// A worker over `store` with the default memory settings, not started, with the tracker of
+/// its tasks and the token that stops them.
+fn worker(
+    store: &Arc<dyn Store>,
+    cache: Arc<MemoryCache>,
+    config: WorkerConfig,
+    summarizer: Summarizer,
+) -> (Arc<Worker>, TaskTracker, CancellationToken) {
+    let (tasks, cancel) = (TaskTracker::new(), CancellationToken::new());
+    let worker = Arc::new(Worker::new(
+        Arc::clone(store),
+        cache,
+        Arc::new(MemoryConfig::default()),
+        config,
+        Arc::new(summarizer),
+        Arc::new(Notify::new()),
+        tasks.clone(),
+        cancel.clone(),
+    ));
+    (worker, tasks, cancel)
+}
+
 /// Queues `turns` jobs for each of `users` (one session each), then starts a worker with
 /// `config` and the heuristic extractor and waits until it has applied them all. Returns the
 /// jobs applied and the runs.
@@ -49,29 +93,8 @@ async fn apply_backlog_with(
     users: &[&str],
     turns: usize,
 ) -> (u64, u64) {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = Arc::new(MemoryCache::new(16, usize::MAX));
-    let store: Arc<dyn Store> = Arc::new(
-        EmbeddedStore::open(dir.path())
-            .unwrap()
-            .with_commit_listener(Arc::clone(&cache) as Arc<dyn CommitListener>),
-    );
-    for turn in 0..turns {
-        for user in users {
-            store.enqueue(&job(user, turn)).await.unwrap();
-        }
-    }
-    let (tasks, cancel) = (TaskTracker::new(), CancellationToken::new());
-    let worker = Arc::new(Worker::new(
-        Arc::clone(&store),
-        cache,
-        Arc::new(MemoryConfig::default()),
-        config,
-        Arc::new(summarizer),
-        Arc::new(Notify::new()),
-        tasks.clone(),
-        cancel.clone(),
-    ));
+    let (_dir, cache, store) = queued_store(users, turns).await;
+    let (worker, tasks, cancel) = worker(&store, cache, config, summarizer);
     worker.start(&tokio::runtime::Handle::current(), None);
     let total = (users.len() * turns) as u64;
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -150,17 +173,7 @@ async fn with_an_llm_summarizer_a_claim_takes_only_what_can_start_at_once() {
 /// the run's lease (a minute here) holds the session and nothing is applied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_catch_up_takes_over_a_run_the_starved_idle_loop_holds() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = Arc::new(MemoryCache::new(16, usize::MAX));
-    let store: Arc<dyn Store> = Arc::new(
-        EmbeddedStore::open(dir.path())
-            .unwrap()
-            .with_commit_listener(Arc::clone(&cache) as Arc<dyn CommitListener>),
-    );
-    for turn in 0..2 {
-        store.enqueue(&job("solo", turn)).await.unwrap();
-    }
-    let (tasks, cancel) = (TaskTracker::new(), CancellationToken::new());
+    let (_dir, cache, store) = queued_store(&["solo"], 2).await;
     let config = WorkerConfig {
         max_lag_ms: 400,
         lease_ms: 60_000,
@@ -168,16 +181,7 @@ async fn the_catch_up_takes_over_a_run_the_starved_idle_loop_holds() {
         ..WorkerConfig::default()
     };
     let lease = Duration::from_millis(config.lease_ms);
-    let worker = Arc::new(Worker::new(
-        Arc::clone(&store),
-        cache,
-        Arc::new(MemoryConfig::default()),
-        config,
-        Arc::new(Summarizer::heuristic()),
-        Arc::new(Notify::new()),
-        tasks.clone(),
-        cancel.clone(),
-    ));
+    let (worker, tasks, cancel) = worker(&store, cache, config, Summarizer::heuristic());
     // What the idle loop does before the cores are taken: it claims the session's head.
     let claimed = store
         .claim_runs(&worker.consumer, lease, 1, 1)
@@ -219,26 +223,10 @@ async fn the_catch_up_takes_over_a_run_the_starved_idle_loop_holds() {
 /// conflicts and its retry finds the jobs recorded, so each job is applied once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_applied_by_both_loops_at_once_is_recorded_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = Arc::new(MemoryCache::new(16, usize::MAX));
-    let store: Arc<dyn Store> = Arc::new(
-        EmbeddedStore::open(dir.path())
-            .unwrap()
-            .with_commit_listener(Arc::clone(&cache) as Arc<dyn CommitListener>),
-    );
-    for turn in 0..3 {
-        store.enqueue(&job("solo", turn)).await.unwrap();
-    }
-    let worker = Arc::new(Worker::new(
-        Arc::clone(&store),
-        cache,
-        Arc::new(MemoryConfig::default()),
-        WorkerConfig::default(),
-        Arc::new(Summarizer::heuristic()),
-        Arc::new(Notify::new()),
-        TaskTracker::new(),
-        CancellationToken::new(),
-    ));
+    let (_dir, cache, store) = queued_store(&["solo"], 3).await;
+    // Not started: the test runs the run on both loops' behalf.
+    let config = WorkerConfig::default();
+    let (worker, _, _) = worker(&store, cache, config, Summarizer::heuristic());
     let lease = Duration::from_secs(60);
     let run = store
         .claim_runs(&worker.consumer, lease, 3, 1)
