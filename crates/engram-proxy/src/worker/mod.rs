@@ -295,7 +295,7 @@ impl Worker {
                         self.tasks.spawn(async move {
                             // Not if the catch-up took it over before it started.
                             if hold.is_none_or(|id| worker.held.is_held(id)) {
-                                worker.process(run, me).await;
+                                worker.process(run, me, false).await;
                             }
                             if let Some(id) = hold {
                                 worker.held.release(id);
@@ -403,12 +403,13 @@ impl Worker {
             self.stats.taken_over.fetch_add(1, Ordering::Relaxed);
             let worker = Arc::clone(self);
             self.tasks
-                .spawn(async move { worker.process(run, Claimer::CatchUp).await });
+                .spawn(async move { worker.process(run, Claimer::CatchUp, true).await });
         }
     }
 
-    /// Applies a run of one session's jobs, in order; `me` is the claim loop that claimed it.
-    async fn process(&self, run: Vec<ClaimedJob>, me: Claimer) {
+    /// Applies a run of one session's jobs, in order; `me` is the claim loop that claimed it,
+    /// or the catch-up that took it over from the idle loop (`taken_over`).
+    async fn process(&self, run: Vec<ClaimedJob>, me: Claimer, taken_over: bool) {
         let mut jobs = Vec::with_capacity(run.len());
         for claimed in run {
             if claimed.attempt > self.config.max_attempts {
@@ -431,7 +432,7 @@ impl Worker {
             jobs.iter().filter_map(|job| job.trace),
         );
         let started = std::time::Instant::now();
-        match self.apply_run(&jobs, me).await {
+        match self.apply_run(&jobs, taken_over).await {
             Ok(applied) => {
                 self.stats.runs.fetch_add(1, Ordering::Relaxed);
                 if let Some(metrics) = &self.metrics {
@@ -480,7 +481,7 @@ impl Worker {
 
     /// Applies jobs of one session, in order, and commits them together: one state read,
     /// one engine pass, one write, whatever the run's length.
-    async fn apply_run(&self, jobs: &[Job], me: Claimer) -> Result<Vec<Applied>> {
+    async fn apply_run(&self, jobs: &[Job], taken_over: bool) -> Result<Vec<Applied>> {
         let mut extractions = Vec::with_capacity(jobs.len());
         let mut retry = Vec::new();
         for job in jobs {
@@ -505,12 +506,13 @@ impl Worker {
         }
         let applied = {
             let user = self.applying_user(&jobs[0].id.user).lock();
-            // A starved idle task may hold the stripe (the catch-up took its run over): the
-            // catch-up waits a tick at most, then goes on; the commit's version check keeps
-            // the two apart, the lock only spares a conflict.
-            let _user = match me {
-                Claimer::CatchUp => tokio::time::timeout(lag::TICK, user).await.ok(),
-                _ => Some(user.await),
+            // The starved idle task of a run taken over may hold the stripe: the catch-up waits
+            // a tick at most, then goes on; the commit's version check keeps the two apart, the
+            // lock only spares a conflict.
+            let _user = if taken_over {
+                tokio::time::timeout(lag::TICK, user).await.ok()
+            } else {
+                Some(user.await)
             };
             self.apply_with(jobs, &extractions).await?
         };
