@@ -5,21 +5,21 @@
 //! run waits until they get the CPU again: seconds, or the whole lease, with its session's later
 //! jobs behind it, however fast the catch-up is. So the idle loop holds each run here until
 //! it ends, and the catch-up, while the idle threads count as starved, takes over the runs held
-//! for a quarter of the lag bound and applies them itself. An idle task whose run was taken before it
-//! started skips it; one taken mid-way commits late, conflicts, and its retry finds the jobs
-//! applied (duplicates, as after a crash).
+//! for a quarter of the lag bound and applies them itself. An idle task whose run was taken
+//! before it started skips it; one taken mid-way commits late, conflicts, and its retry finds
+//! the jobs applied (duplicates, as after a crash).
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use engram_store::ClaimedJob;
 
-/// The runs the idle loop claimed and has not finished.
+/// The runs the idle loop claimed and has not finished, by id (in the order they were held).
 #[derive(Debug, Default)]
 pub struct HeldRuns {
-    runs: Mutex<HashMap<u64, Held>>,
+    runs: Mutex<BTreeMap<u64, Held>>,
     next: AtomicU64,
 }
 
@@ -54,19 +54,19 @@ impl HeldRuns {
     /// Takes the runs held for `age` or longer, oldest first; nobody else can take them then.
     pub fn take_older_than(&self, age: Duration, now: Instant) -> Vec<Vec<ClaimedJob>> {
         let mut runs = self.runs();
-        let mut old: Vec<u64> = runs
+        // In id order, so oldest first.
+        let old: Vec<u64> = runs
             .iter()
             .filter(|(_, held)| now.saturating_duration_since(held.since) >= age)
             .map(|(id, _)| *id)
             .collect();
-        old.sort_unstable();
         old.iter()
             .filter_map(|id| runs.remove(id))
             .map(|held| held.jobs)
             .collect()
     }
 
-    fn runs(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Held>> {
+    fn runs(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Held>> {
         self.runs.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
