@@ -64,13 +64,13 @@ impl<T: Clone> Segmented<T> {
         }
         self.note(index);
         let chunk = self.chunks.get_mut(index / CHUNK)?;
-        Arc::make_mut(chunk).get_mut(index % CHUNK)
+        owned(chunk).get_mut(index % CHUNK)
     }
 
     pub fn push(&mut self, item: T) {
         let index = self.len;
         match self.chunks.last_mut() {
-            Some(chunk) if chunk.len() < CHUNK => Arc::make_mut(chunk).push(item),
+            Some(chunk) if chunk.len() < CHUNK => owned(chunk).push(item),
             _ => {
                 let mut chunk = Vec::with_capacity(CHUNK);
                 chunk.push(item);
@@ -108,7 +108,7 @@ impl<T: Clone> Segmented<T> {
             .extend(0..u32::try_from(self.len).unwrap_or(u32::MAX));
         self.chunks
             .iter_mut()
-            .flat_map(|chunk| Arc::make_mut(chunk).iter_mut())
+            .flat_map(|chunk| owned(chunk).iter_mut())
     }
 
     /// Positions changed since the last call, ascending and distinct; the record starts over.
@@ -187,6 +187,20 @@ impl<T: Clone> std::ops::IndexMut<usize> for Segmented<T> {
             None => out_of_bounds(index, len),
         }
     }
+}
+
+/// `chunk` for changing, copied first if another copy of the memory shares it. The copy has a
+/// whole chunk's room: `Arc::make_mut` would copy it at its length, so the next push doubled
+/// it, and a chunk filled one turn at a time (each turn a new copy of the memory) kept room
+/// for 126 items, nearly twice what it holds, for as long as the memory lived.
+fn owned<T: Clone>(chunk: &mut Arc<Vec<T>>) -> &mut Vec<T> {
+    if Arc::get_mut(chunk).is_none() {
+        let mut copy = Vec::with_capacity(CHUNK.max(chunk.len()));
+        copy.extend(chunk.iter().cloned());
+        *chunk = Arc::new(copy);
+    }
+    // Not shared any more: no second copy.
+    Arc::make_mut(chunk)
 }
 
 #[expect(
@@ -282,6 +296,31 @@ mod tests {
         assert!(original.shares_chunk_with(&copy, 129));
         assert_eq!(copy[70], "70");
         assert_eq!(original[70], "changed");
+    }
+
+    #[test]
+    fn a_chunk_filled_one_copy_at_a_time_keeps_one_chunks_room() {
+        // As the worker grows a memory: each turn changes a new copy while the cache (and
+        // readers) still hold the previous one.
+        let mut memory: Segmented<u64> = Segmented::new();
+        let mut previous = Vec::new();
+        for n in 0..(3 * CHUNK as u64 + 5) {
+            let mut next = memory.clone();
+            next.push(n);
+            if n % 7 == 0 {
+                next[n as usize / 2] += 1;
+            }
+            previous.push(memory);
+            memory = next;
+        }
+        let room: Vec<usize> = memory.chunks.iter().map(|chunk| chunk.capacity()).collect();
+        assert_eq!(room, [CHUNK; 4], "each chunk's room for items");
+        assert_eq!(memory.len(), 3 * CHUNK + 5);
+        assert_eq!(memory[3 * CHUNK + 4], 3 * CHUNK as u64 + 4);
+        // Older copies are unchanged.
+        assert_eq!(previous[10].len(), 10);
+        assert_eq!(previous[10][9], 9);
+        assert_eq!(previous[100].len(), 100);
     }
 
     #[test]
