@@ -32,8 +32,8 @@ pub struct CachedMemory {
     /// Approximate heap size of the state, its lookups and the index, for the cache's byte
     /// budget.
     pub bytes: usize,
-    /// The share of `bytes` that is the state's items, which only grow, so a new version adds
-    /// its new items' to it; the index and lookups, which also shrink (merges, dropped kept
+    /// The share of `bytes` that is the state's items, which mostly grow, so a new version adds
+    /// its new items' and its changed episodes' growth to it; the index and lookups, which also shrink (merges, dropped kept
     /// terms), are sized whole for each version.
     items_bytes: usize,
 }
@@ -86,8 +86,9 @@ impl CachedMemory {
         };
         let mut index = previous.index.clone();
         index.refresh(&state);
-        let items_bytes =
-            previous.items_bytes + state.estimated_bytes_from(previous.state.item_counts());
+        let items_bytes = (previous.items_bytes
+            + state.estimated_bytes_from(previous.state.item_counts()))
+        .saturating_add_signed(state.changed_bytes(&previous.state));
         let bytes = items_bytes + index.estimated_bytes() + state.lookups.estimated_bytes();
         let history_tokens = if state.rewrites == previous.state.rewrites
             && state.raw_turns.len() >= previous.state.raw_turns.len()
@@ -460,6 +461,11 @@ mod tests {
         };
         let lookups = memory.state.lookups.estimated_bytes();
         assert!(lookups > 0, "the recording built the lookups");
+        // Episodes grow after they are made, as later turns fold into them.
+        assert!(
+            memory.state.episodes.len() > 1,
+            "turns were folded into episodes"
+        );
         let afresh = CachedMemory::with_index(
             memory.state.clone(),
             memory.index.clone(),
