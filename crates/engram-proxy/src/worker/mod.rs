@@ -54,6 +54,24 @@ use lag::{Claimer, LagGate, Progress};
 const CONFLICT_RETRIES: u32 = 8;
 const ERROR_BACKOFF_MAX: Duration = Duration::from_secs(2);
 
+/// Who applies a run: the claim loop that claimed it, or the catch-up taking it over from a
+/// starved idle loop (see [`held`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Applier {
+    Claimed(Claimer),
+    TakenOver,
+}
+
+impl Applier {
+    /// Whether the run is applied at normal priority, by the catch-up.
+    fn is_catch_up(self) -> bool {
+        matches!(
+            self,
+            Applier::Claimed(Claimer::CatchUp) | Applier::TakenOver
+        )
+    }
+}
+
 pub struct Worker {
     store: Arc<dyn Store>,
     cache: Arc<MemoryCache>,
@@ -295,7 +313,7 @@ impl Worker {
                         self.tasks.spawn(async move {
                             // Not if the catch-up took it over before it started.
                             if hold.is_none_or(|id| worker.held.is_held(id)) {
-                                worker.process(run, me, false).await;
+                                worker.process(run, Applier::Claimed(me)).await;
                             }
                             if let Some(id) = hold {
                                 worker.held.release(id);
@@ -403,13 +421,12 @@ impl Worker {
             self.stats.taken_over.fetch_add(1, Ordering::Relaxed);
             let worker = Arc::clone(self);
             self.tasks
-                .spawn(async move { worker.process(run, Claimer::CatchUp, true).await });
+                .spawn(async move { worker.process(run, Applier::TakenOver).await });
         }
     }
 
-    /// Applies a run of one session's jobs, in order; `me` is the claim loop that claimed it,
-    /// or the catch-up that took it over from the idle loop (`taken_over`).
-    async fn process(&self, run: Vec<ClaimedJob>, me: Claimer, taken_over: bool) {
+    /// Applies a run of one session's jobs, in order.
+    async fn process(&self, run: Vec<ClaimedJob>, applier: Applier) {
         let mut jobs = Vec::with_capacity(run.len());
         for claimed in run {
             if claimed.attempt > self.config.max_attempts {
@@ -432,7 +449,7 @@ impl Worker {
             jobs.iter().filter_map(|job| job.trace),
         );
         let started = std::time::Instant::now();
-        match self.apply_run(&jobs, taken_over).await {
+        match self.apply_run(&jobs, applier == Applier::TakenOver).await {
             Ok(applied) => {
                 self.stats.runs.fetch_add(1, Ordering::Relaxed);
                 if let Some(metrics) = &self.metrics {
@@ -449,7 +466,7 @@ impl Worker {
                     match applied {
                         Applied::Recorded { version } => {
                             self.stats.applied.fetch_add(1, Ordering::Relaxed);
-                            if me == Claimer::CatchUp {
+                            if applier.is_catch_up() {
                                 self.stats.catch_up_applied.fetch_add(1, Ordering::Relaxed);
                             }
                             if let Some(lag) = lag::turn_lag(&job.exchange.turn_id) {

@@ -234,8 +234,8 @@ async fn a_run_applied_by_both_loops_at_once_is_recorded_once() {
         .unwrap();
     assert_eq!(run.len(), 3);
     tokio::join!(
-        worker.process(run.clone(), super::Claimer::Idle, false),
-        worker.process(run, super::Claimer::CatchUp, true),
+        worker.process(run.clone(), super::Applier::Claimed(super::Claimer::Idle)),
+        worker.process(run, super::Applier::TakenOver),
     );
     let stats = worker.stats();
     assert_eq!(stats.applied.load(Ordering::Relaxed), 3);
