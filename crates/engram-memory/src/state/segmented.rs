@@ -70,7 +70,14 @@ impl<T: Clone> Segmented<T> {
     pub fn push(&mut self, item: T) {
         let index = self.len;
         match self.chunks.last_mut() {
-            Some(chunk) if chunk.len() < CHUNK => owned(chunk).push(item),
+            Some(chunk) if chunk.len() < CHUNK => {
+                let chunk = owned(chunk);
+                if chunk.len() == chunk.capacity() {
+                    // Doubling, as a vector grows, but never past one chunk.
+                    chunk.reserve_exact(chunk.len().max(4).min(CHUNK - chunk.len()));
+                }
+                chunk.push(item);
+            }
             _ => {
                 let mut chunk = Vec::with_capacity(CHUNK);
                 chunk.push(item);
@@ -189,13 +196,15 @@ impl<T: Clone> std::ops::IndexMut<usize> for Segmented<T> {
     }
 }
 
-/// `chunk` for changing, copied first if another copy of the memory shares it. The copy has a
-/// whole chunk's room: `Arc::make_mut` would copy it at its length, so the next push doubled
-/// it, and a chunk filled one turn at a time (each turn a new copy of the memory) kept room
-/// for 126 items, nearly twice what it holds, for as long as the memory lived.
+/// `chunk` for changing, copied first if another copy of the memory shares it. The copy has
+/// room to grow, up to one chunk and never past it: `Arc::make_mut` would copy it at its
+/// length, so the next push doubled it, and a chunk filled one turn at a time (each turn a new
+/// copy of the memory) kept room for 126 items, nearly twice what it holds, for as long as the
+/// memory lived. A small memory's chunks stay small (many users' memories are).
 fn owned<T: Clone>(chunk: &mut Arc<Vec<T>>) -> &mut Vec<T> {
     if Arc::get_mut(chunk).is_none() {
-        let mut copy = Vec::with_capacity(CHUNK.max(chunk.len()));
+        let room = (chunk.len() * 2).clamp(4, CHUNK).max(chunk.len());
+        let mut copy = Vec::with_capacity(room);
         copy.extend(chunk.iter().cloned());
         *chunk = Arc::new(copy);
     }
@@ -314,13 +323,33 @@ mod tests {
             memory = next;
         }
         let room: Vec<usize> = memory.chunks.iter().map(|chunk| chunk.capacity()).collect();
-        assert_eq!(room, [CHUNK; 4], "each chunk's room for items");
+        assert_eq!(room[..3], [CHUNK; 3], "full chunks' room for items");
+        // The last holds 5 items, in room for at most twice what it held when copied.
+        assert!((5..=8).contains(&room[3]), "{room:?}");
         assert_eq!(memory.len(), 3 * CHUNK + 5);
         assert_eq!(memory[3 * CHUNK + 4], 3 * CHUNK as u64 + 4);
+        // A run of turns recorded on one copy grows its chunk in place, to one chunk at most.
+        let mut run = memory.clone();
+        for n in 0..(2 * CHUNK as u64) {
+            run.push(n);
+        }
+        assert!(run.chunks.iter().all(|chunk| chunk.capacity() <= CHUNK));
         // Older copies are unchanged.
         assert_eq!(previous[10].len(), 10);
         assert_eq!(previous[10][9], 9);
         assert_eq!(previous[100].len(), 100);
+    }
+
+    #[test]
+    fn a_small_memorys_copies_stay_small() {
+        let mut memory: Segmented<u64> = (0..3).collect();
+        for n in 3..6 {
+            let mut next = memory.clone();
+            next.push(n);
+            memory = next;
+        }
+        let room = memory.chunks.first().map(|chunk| chunk.capacity());
+        assert!(room.is_some_and(|room| room <= 10), "{room:?}");
     }
 
     #[test]
