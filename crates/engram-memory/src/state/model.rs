@@ -197,22 +197,20 @@ impl MemoryState {
         raw + facts + artifacts + episodes + self.turn_log.len().saturating_sub(from[1]) * 160
     }
 
-    /// How many bytes the episodes `previous` also holds grew (or shrank) by in this copy,
-    /// from the positions still recorded as changed since `previous`: with
-    /// [`MemoryState::estimated_bytes_from`] for the new items, a copy's size follows from
-    /// its predecessor's without walking every item. A flat size per episode was half of
-    /// what one takes after 20,000 turns (1.6 KB against 900 bytes), as its links grow.
+    /// How many bytes the episodes `previous` also holds grew (or shrank) by in this copy: with
+    /// [`MemoryState::estimated_bytes_from`] for the new items, a copy's size follows from its
+    /// predecessor's without sizing every item. A flat size per episode was half of what one
+    /// takes after 20,000 turns (1.6 KB against 900 bytes), as its links grow. Compared by
+    /// identity in the chunks the two copies no longer share (change records would miss a
+    /// store's delta, whose items are put without one).
     pub fn changed_bytes(&self, previous: &MemoryState) -> isize {
-        let mut changed: Vec<u32> = self.episodes.pending().to_vec();
-        changed.sort_unstable();
-        changed.dedup();
-        changed
-            .into_iter()
+        let size = |episode: &EpisodeManifest| episode.heap_bytes() as isize;
+        self.episodes
+            .unshared_positions(&previous.episodes)
             .filter_map(|id| {
-                let now = self.episodes.get(id as usize)?;
-                let before = previous.episodes.get(id as usize)?;
-                let size = |episode: &EpisodeManifest| episode.heap_bytes() as isize;
-                Some(size(now) - size(before))
+                let now = self.episodes.get(id)?;
+                let before = previous.episodes.get(id)?;
+                (!Arc::ptr_eq(now, before)).then(|| size(now) - size(before))
             })
             .sum()
     }
@@ -810,6 +808,47 @@ mod tests {
             classes,
             [0, 16, 16, 32, 128, 160, 160, 192, 256, 320, 320, 640, 4096]
         );
+    }
+
+    /// A copy's episodes that grew count, whether the change was recorded (the worker's) or
+    /// put clean (a store's delta applied to the cached copy).
+    #[test]
+    fn changed_bytes_follow_an_episodes_growth_however_it_was_put() {
+        let episode = |links: u32| {
+            Arc::new(EpisodeManifest {
+                id: 0,
+                session: 0,
+                topic: "trips".into(),
+                date_range: (None, None),
+                summary: "Trips to Lisbon and Porto.".into(),
+                salience_tags: vec!["lisbon".into()],
+                links: (0..links).collect(),
+                facts: vec![],
+                rehydration_hints: vec![],
+                size_estimate_tokens: 0,
+                rehydrated_at: vec![],
+                tokens: Default::default(),
+                erased: false,
+            })
+        };
+        let mut previous = MemoryState::new();
+        for _ in 0..70 {
+            previous.episodes.push(episode(2));
+        }
+        previous.episodes.take_dirty();
+        assert_eq!(previous.clone().changed_bytes(&previous), 0);
+        let grown = episode(300).heap_bytes() as isize - episode(2).heap_bytes() as isize;
+        assert!(grown >= 298 * 4);
+        let mut recorded = previous.clone();
+        recorded.episodes[65] = episode(300);
+        assert_eq!(recorded.changed_bytes(&previous), grown);
+        let mut put = previous.clone();
+        assert!(put.episodes.put_clean(3, episode(300)));
+        assert!(!put.episodes.has_changes());
+        assert_eq!(put.changed_bytes(&previous), grown);
+        // New episodes are sized with the new items, not here.
+        put.episodes.push(episode(9));
+        assert_eq!(put.changed_bytes(&previous), grown);
     }
 
     #[test]

@@ -159,6 +159,21 @@ impl<T: Clone> Segmented<T> {
         self.chunks.len()
     }
 
+    /// The positions both copies hold whose chunk this copy no longer shares with `other`:
+    /// where their items may differ.
+    pub fn unshared_positions<'a>(
+        &'a self,
+        other: &'a Segmented<T>,
+    ) -> impl Iterator<Item = usize> + 'a {
+        let len = self.len.min(other.len);
+        self.chunks
+            .iter()
+            .zip(&other.chunks)
+            .enumerate()
+            .filter(|(_, (mine, theirs))| !Arc::ptr_eq(mine, theirs))
+            .flat_map(move |(at, _)| at * CHUNK..((at + 1) * CHUNK).min(len))
+    }
+
     /// Whether this copy and `other` share the chunk holding `index` (no copy was made).
     pub fn shares_chunk_with(&self, other: &Segmented<T>, index: usize) -> bool {
         match (
@@ -338,6 +353,18 @@ mod tests {
         assert_eq!(previous[10].len(), 10);
         assert_eq!(previous[10][9], 9);
         assert_eq!(previous[100].len(), 100);
+    }
+
+    #[test]
+    fn unshared_positions_are_those_of_the_chunks_a_copy_changed() {
+        let original: Segmented<u32> = (0..200).collect();
+        let mut copy = original.clone();
+        assert_eq!(copy.unshared_positions(&original).count(), 0);
+        copy[70] += 1;
+        copy.push(200);
+        let unshared: Vec<usize> = copy.unshared_positions(&original).collect();
+        let expected: Vec<usize> = (64..128).chain(192..200).collect();
+        assert_eq!(unshared, expected);
     }
 
     #[test]
