@@ -33,8 +33,8 @@ pub struct CachedMemory {
     /// budget.
     pub bytes: usize,
     /// The share of `bytes` that is the state's items, which mostly grow, so a new version adds
-    /// its new items' and its changed episodes' growth to it; the index and lookups, which also shrink (merges, dropped kept
-    /// terms), are sized whole for each version.
+    /// its new items' and its changed episodes' growth to it; the index and lookups, which also
+    /// shrink (merges, dropped kept terms), are sized whole for each version.
     items_bytes: usize,
 }
 

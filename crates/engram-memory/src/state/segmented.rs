@@ -73,8 +73,7 @@ impl<T: Clone> Segmented<T> {
             Some(chunk) if chunk.len() < CHUNK => {
                 let chunk = owned(chunk);
                 if chunk.len() == chunk.capacity() {
-                    // Doubling, as a vector grows, but never past one chunk.
-                    chunk.reserve_exact(chunk.len().max(4).min(CHUNK - chunk.len()));
+                    chunk.reserve_exact(room(chunk.len()) - chunk.len());
                 }
                 chunk.push(item);
             }
@@ -218,13 +217,19 @@ impl<T: Clone> std::ops::IndexMut<usize> for Segmented<T> {
 /// memory lived. A small memory's chunks stay small (many users' memories are).
 fn owned<T: Clone>(chunk: &mut Arc<Vec<T>>) -> &mut Vec<T> {
     if Arc::get_mut(chunk).is_none() {
-        let room = (chunk.len() * 2).clamp(4, CHUNK).max(chunk.len());
-        let mut copy = Vec::with_capacity(room);
+        let mut copy = Vec::with_capacity(room(chunk.len()));
         copy.extend(chunk.iter().cloned());
         *chunk = Arc::new(copy);
     }
     // Not shared any more: no second copy.
     Arc::make_mut(chunk)
+}
+
+/// The room a chunk of `len` items gets when it is copied or full: doubling, as a vector grows,
+/// but never past one chunk (`len` is at most a chunk, so the room holds it, and one more item
+/// when it is short of a chunk).
+fn room(len: usize) -> usize {
+    (len * 2).clamp(4, CHUNK)
 }
 
 #[expect(
