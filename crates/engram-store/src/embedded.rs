@@ -1016,6 +1016,21 @@ impl JobQueue for EmbeddedStore {
         })
     }
 
+    fn ack_all<'a>(&'a self, jobs: &'a [JobId]) -> BoxFuture<'a, Result<usize>> {
+        let ids = jobs.to_vec();
+        self.blocking_write(move |db| {
+            let txn = db.begin_write().map_err(db_error)?;
+            let mut known = 0;
+            for id in &ids {
+                if write_finish(&txn, id, JobState::Applied)? {
+                    known += 1;
+                }
+            }
+            txn.commit().map_err(db_error)?;
+            Ok(known)
+        })
+    }
+
     fn job_state<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<Option<JobState>>> {
         let id = job.clone();
         self.blocking(move |db| {
@@ -1678,6 +1693,26 @@ mod tests {
     }
 
     const LEASE: Duration = Duration::from_secs(30);
+
+    /// One write acks a batch as `ack` does each of its jobs; an unknown one is not counted.
+    #[tokio::test]
+    async fn ack_all_takes_known_jobs_off_the_queue_as_ack_does() {
+        let store = EmbeddedStore::in_memory().unwrap();
+        let jobs: Vec<Job> = (0..3).map(|n| job(&format!("k{n}"), "a")).collect();
+        for job in &jobs {
+            store.enqueue(job).await.unwrap();
+        }
+        let mut ids: Vec<JobId> = jobs[..2].iter().map(|job| job.id.clone()).collect();
+        ids.push(job("never-queued", "b").id);
+        assert_eq!(store.ack_all(&ids).await.unwrap(), 2);
+        assert_eq!(store.queue_depth().await.unwrap(), 1);
+        for id in &ids[..2] {
+            assert_eq!(store.job_state(id).await.unwrap(), Some(JobState::Applied));
+        }
+        let left = store.claim_batch("w", LEASE, 4).await.unwrap();
+        assert_eq!(left.len(), 1);
+        assert_eq!(left[0].job.id, jobs[2].id);
+    }
 
     #[tokio::test]
     async fn a_lease_of_a_process_that_died_is_released_when_the_store_opens() {

@@ -368,6 +368,21 @@ pub trait JobQueue: Send + Sync + 'static {
         self.finish(job, JobState::Applied)
     }
 
+    /// [`Self::ack`] for several jobs; how many were known. The provided loop acks one at a
+    /// time; a backend that can do it in one write overrides it (the embedded store: a
+    /// forwarder clearing a batch from its spool).
+    fn ack_all<'a>(&'a self, jobs: &'a [JobId]) -> BoxFuture<'a, Result<usize>> {
+        Box::pin(async move {
+            let mut known = 0;
+            for job in jobs {
+                if self.ack(job).await? {
+                    known += 1;
+                }
+            }
+            Ok(known)
+        })
+    }
+
     /// Marks a job failed and removes it from the queue. False when the job is unknown.
     fn fail<'a>(&'a self, job: &'a JobId, reason: &'a str) -> BoxFuture<'a, Result<bool>> {
         self.finish(
