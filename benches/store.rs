@@ -15,15 +15,19 @@
     reason = "a benchmark reports its figures on stdout and stops at the first failure"
 )]
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use engram_memory::{
     ExchangeInput, HeuristicExtractor, ItemRef, MemoryConfig, MemoryState, record_exchange,
 };
+use engram_proxy::recorder::outbox::{MEMORY_SPOOL_JOBS, Outbox, Spool};
 use engram_store::{
     EmbeddedStore, EncodedState, Job, JobId, JobQueue, MemoryRecords, Store, UserKey,
 };
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 
 const TURNS: usize = 2_000;
 
@@ -161,6 +165,67 @@ async fn run() {
     );
 
     enqueue_beside_the_worker(state).await;
+    spool_drain_under_intake().await;
+}
+
+/// A spool of `BACKLOG` jobs drained while `INTAKE` more arrive at 1,000 a second.
+async fn spool_drain_under_intake() {
+    const BACKLOG: usize = 5_000;
+    const INTAKE: usize = 5_000;
+    let dir = tempfile::tempdir().unwrap();
+    let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(dir.path()).unwrap());
+    let spool_store = Arc::new(EmbeddedStore::in_memory().unwrap());
+    let user = UserKey::new("acme", "bob");
+    for index in 0..BACKLOG {
+        spool_store.enqueue(&job(&user, index)).await.unwrap();
+    }
+    let spool = Spool::Memory {
+        store: spool_store,
+        capacity: MEMORY_SPOOL_JOBS,
+    };
+    let outbox = Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::new(Notify::new())).await);
+    let cancel = CancellationToken::new();
+    let started = Instant::now();
+    let mut forwarder = tokio::task::JoinSet::new();
+    forwarder.spawn(Arc::clone(&outbox).forward(cancel.clone()));
+    let mut ticks = tokio::time::interval(Duration::from_millis(1));
+    let mut submits = tokio::task::JoinSet::new();
+    let (mut peak, mut emptied) = (0, None);
+    let mut watch = |outbox: &Outbox| {
+        let spooled = outbox.spooled();
+        peak = peak.max(spooled);
+        if spooled == 0 && emptied.is_none() {
+            emptied = Some(started.elapsed());
+        }
+    };
+    for index in BACKLOG..BACKLOG + INTAKE {
+        ticks.tick().await;
+        let submitter = Arc::clone(&outbox);
+        let job = job(&user, index);
+        submits.spawn(async move { submitter.submit(job).await });
+        watch(&outbox);
+    }
+    while submits.join_next().await.is_some() {}
+    let intake_ended = started.elapsed();
+    while outbox.spooled() > 0 && started.elapsed() < Duration::from_secs(120) {
+        watch(&outbox);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    watch(&outbox);
+    cancel.cancel();
+    while forwarder.join_next().await.is_some() {}
+    let stats = outbox.stats();
+    println!(
+        "spool drain: {BACKLOG} spooled, {INTAKE} more at 1,000/s (over {:.1} s): {}, \
+         peak {peak} spooled, {} forwarded, {} lost",
+        intake_ended.as_secs_f64(),
+        emptied.map_or_else(
+            || "NOT empty after 120 s".to_owned(),
+            |at| format!("empty at {:.2} s", at.as_secs_f64())
+        ),
+        stats.forwarded.load(Ordering::Relaxed),
+        stats.lost.load(Ordering::Relaxed),
+    );
 }
 
 fn job(user: &UserKey, index: usize) -> Job {
