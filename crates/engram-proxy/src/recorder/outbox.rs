@@ -332,7 +332,7 @@ impl Outbox {
     }
 
     /// Moves spooled jobs to the store, oldest first, until cancelled: up to
-    /// [`FORWARD_BATCH`] at a time, placed in their order so they share commits.
+    /// 256 at a time (`FORWARD_BATCH`), placed in their order so they share commits.
     pub async fn forward(self: Arc<Self>, cancel: CancellationToken) {
         let spool = Arc::clone(self.spool.store());
         let consumer = format!("forwarder-{}", std::process::id());
