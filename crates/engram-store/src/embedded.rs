@@ -502,7 +502,9 @@ fn read_memory(
         Stored::Meta(meta) => meta,
         Stored::Legacy(state) => return Ok(Some((*state, bytes))),
     };
-    let mut rows = Vec::new();
+    // The range yields items in key order (kind, then position), so each is placed as it is
+    // read rather than copied out first.
+    let mut assembly = layout::Assembly::new();
     for row in table
         .range((key.0, key.1, 0u8, 0u32)..=(key.0, key.1, u8::MAX, u32::MAX))
         .map_err(db_error)?
@@ -513,9 +515,9 @@ fn read_memory(
             return Err(Error::Store(format!("unknown memory item kind {kind}")));
         };
         bytes += json.value().len();
-        rows.push((ItemKey { kind, pos }, json.value().to_vec()));
+        assembly.place(ItemKey { kind, pos }, json.value())?;
     }
-    let state = layout::assemble(meta, rows.iter().map(|(key, json)| (*key, json.as_slice())))?;
+    let state = assembly.finish(meta)?;
     Ok(Some((state, bytes)))
 }
 

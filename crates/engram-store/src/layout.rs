@@ -412,16 +412,50 @@ pub fn assemble<'a>(
 ) -> Result<MemoryState> {
     let mut sorted: Vec<(ItemKey, &[u8])> = items.into_iter().collect();
     sorted.sort_by_key(|(key, _)| *key);
-    let mut state = MemoryState::new();
+    let mut assembly = Assembly::new();
     for (key, json) in sorted {
-        if !place(&mut state, key, json, Note::Clean)? {
-            return Err(missing_before(key));
+        assembly.place(key, json)?;
+    }
+    assembly.finish(meta)
+}
+
+/// A whole memory built item by item in key order, as an ordered scan of the stored items
+/// yields them: each item is decoded as it is read, so no copy of a long memory's stored bytes
+/// (tens of MB) is held beside the memory it becomes.
+pub struct Assembly {
+    state: MemoryState,
+}
+
+impl Assembly {
+    pub fn new() -> Assembly {
+        Assembly {
+            state: MemoryState::new(),
         }
     }
-    let counts = meta.counts;
-    meta.apply_to(&mut state);
-    check_counts(&state, counts)?;
-    Ok(state)
+
+    /// The next item, in key order; an error if one before it is missing.
+    pub fn place(&mut self, key: ItemKey, json: &[u8]) -> Result<()> {
+        if place(&mut self.state, key, json, Note::Clean)? {
+            Ok(())
+        } else {
+            Err(missing_before(key))
+        }
+    }
+
+    /// The memory, with its hot state; an error if it does not hold the items `meta` counts.
+    pub fn finish(self, meta: Meta) -> Result<MemoryState> {
+        let mut state = self.state;
+        let counts = meta.counts;
+        meta.apply_to(&mut state);
+        check_counts(&state, counts)?;
+        Ok(state)
+    }
+}
+
+impl Default for Assembly {
+    fn default() -> Assembly {
+        Assembly::new()
+    }
 }
 
 fn check_counts(state: &MemoryState, counts: [u32; 6]) -> Result<()> {
@@ -494,6 +528,32 @@ mod tests {
         let back = assemble(meta, items(&encoded)).unwrap();
         assert_eq!(back, state);
         assert!(!back.raw_turns.has_changes());
+    }
+
+    /// Items placed one by one in key order (an ordered scan) give the memory `assemble`
+    /// gives; an item whose predecessor never came is refused, not placed at the wrong spot.
+    #[test]
+    fn an_assembly_in_key_order_is_the_whole_memory_and_refuses_a_gap() {
+        let state = recorded(40);
+        let encoded = EncodedState::of(&state).unwrap();
+        let Stored::Meta(meta) = Stored::decode(&encoded.meta).unwrap() else {
+            panic!("not this layout");
+        };
+        let mut sorted = items(&encoded);
+        sorted.sort_by_key(|(key, _)| *key);
+        let mut assembly = Assembly::new();
+        for (key, json) in &sorted {
+            assembly.place(*key, json).unwrap();
+        }
+        assert_eq!(assembly.finish(meta).unwrap(), state);
+
+        let mut gap = Assembly::new();
+        let raw: Vec<&(ItemKey, &[u8])> = sorted
+            .iter()
+            .filter(|(key, _)| key.kind == ItemKind::RawTurn)
+            .collect();
+        gap.place(raw[0].0, raw[0].1).unwrap();
+        assert!(gap.place(raw[2].0, raw[2].1).is_err());
     }
 
     #[test]
