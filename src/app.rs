@@ -124,10 +124,10 @@ impl Engram {
         // The tokenizers (~70 MB) load on the first request that names a user, not here: a
         // proxy whose requests never use memory stays small (the RSS budget).
         let metrics = Arc::new(Metrics::new()?);
-        let cache = Arc::new(MemoryCache::new(
-            config.worker.cache_users,
-            config.worker.cache_bytes,
-        ));
+        let cache = Arc::new(
+            MemoryCache::new(config.worker.cache_users, config.worker.cache_bytes)
+                .loading_on(tokio::runtime::Handle::current()),
+        );
         let (store, spool) =
             open_store(&config.store, Arc::clone(&cache) as Arc<dyn CommitListener>).await?;
         let backend = match config.store.backend {

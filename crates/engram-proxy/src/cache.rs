@@ -16,10 +16,13 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use tokio::sync::watch;
+use tokio_util::task::TaskTracker;
+
 use crate::error::{Error, Result};
 use engram_memory::tokens::TokenCount;
 use engram_memory::{MemoryIndex, MemoryState};
-use engram_store::{CommitListener, EncodedState, MemoryUpdate, UserKey};
+use engram_store::{CommitListener, EncodedState, MemoryUpdate, Store, UserKey};
 
 /// One user's memory at one version, with its index.
 #[derive(Debug)]
@@ -145,6 +148,10 @@ pub struct MemoryCache {
     /// Memories the worker computed whose commits have not been answered yet, one per commit
     /// in flight.
     staged: Mutex<Vec<StagedMemory>>,
+    /// Users whose whole memory is being read into the cache, each with word of the end.
+    cold_loads: Mutex<HashMap<UserKey, watch::Receiver<bool>>>,
+    /// Where cold loads run whoever starts them; `None`: the caller's runtime.
+    load_runtime: Option<tokio::runtime::Handle>,
     capacity: usize,
     budget_bytes: usize,
     clock: AtomicU64,
@@ -169,10 +176,79 @@ impl MemoryCache {
         MemoryCache {
             entries: Mutex::new(Entries::default()),
             staged: Mutex::new(Vec::new()),
+            cold_loads: Mutex::default(),
+            load_runtime: None,
             capacity: capacity.max(1),
             budget_bytes,
             clock: AtomicU64::new(0),
         }
+    }
+
+    /// Runs cold loads on `runtime` (the requests'), whoever starts them: the worker's runtime
+    /// runs at idle priority, and requests wait for a load it started.
+    pub fn loading_on(mut self, runtime: tokio::runtime::Handle) -> MemoryCache {
+        self.load_runtime = Some(runtime);
+        self
+    }
+
+    /// Word of the end of a cold load of `user`'s memory into the cache: the one in flight, or
+    /// a new one, tracked by `background` (and run where [`MemoryCache::loading_on`] says). One whole read per user at a time, however many
+    /// requests find the cache cold and whether or not the worker does too, and it runs to the
+    /// end (filling the cache) even when they stop waiting: requests that each started their
+    /// own read of a 50,000-turn memory and dropped it at their deadline held a gigabyte
+    /// between them, and the worker reading and indexing a copy of its own beside the
+    /// requests' load took a long memory's start-up peak of RSS from about 150 to 230 MiB.
+    pub fn cold_load(
+        self: &Arc<Self>,
+        store: &Arc<dyn Store>,
+        user: &UserKey,
+        background: &TaskTracker,
+    ) -> watch::Receiver<bool> {
+        let mut loads = self
+            .cold_loads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(done) = loads.get(user) {
+            return done.clone();
+        }
+        let (finished, done) = watch::channel(false);
+        loads.insert(user.clone(), done.clone());
+        drop(loads);
+        let store = Arc::clone(store);
+        let cache = Arc::clone(self);
+        let user = user.clone();
+        let load = async move {
+            let loaded = async {
+                let Some(state) = store.load_state(&user).await? else {
+                    return Ok(());
+                };
+                let version = state.version;
+                let update = Some(MemoryUpdate::Whole(Box::new(state)));
+                let memory = tokio::task::spawn_blocking(move || {
+                    CachedMemory::resolve(None, version, update)
+                })
+                .await
+                .map_err(|error| Error::Internal(format!("indexing task failed: {error}")))??;
+                if let Some(memory) = memory {
+                    cache.put(&user, memory);
+                }
+                Ok::<(), Error>(())
+            };
+            if let Err(error) = loaded.await {
+                tracing::warn!(%error, "reading a memory into the cache failed");
+            }
+            cache
+                .cold_loads
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&user);
+            let _ = finished.send(true);
+        };
+        match &self.load_runtime {
+            Some(runtime) => drop(background.spawn_on(load, runtime)),
+            None => drop(background.spawn(load)),
+        }
+        done
     }
 
     pub fn get(&self, user: &UserKey) -> Option<Arc<CachedMemory>> {
@@ -665,6 +741,30 @@ mod tests {
         );
         staged.publish();
         assert_eq!(cache.len(), 1);
+    }
+
+    /// Everyone who finds a user's memory missing while it is being read (requests and the
+    /// worker alike) waits for the one read in flight; once it is done, the memory is cached
+    /// and a later miss starts a new read.
+    #[tokio::test]
+    async fn a_cold_load_in_flight_is_shared() {
+        use engram_store::{EmbeddedStore, Store};
+
+        let store: Arc<dyn Store> = Arc::new(EmbeddedStore::in_memory().unwrap());
+        let user = UserKey::new("t", "u");
+        let (memory, _) = written(10, "I live in Lisbon.");
+        store.save_state(&user, &memory.state, 0).await.unwrap();
+        let cache = Arc::new(MemoryCache::new(8, usize::MAX));
+        let background = TaskTracker::new();
+        // One thread: the first read cannot start before the second caller asks.
+        let first = cache.cold_load(&store, &user, &background);
+        let mut second = cache.cold_load(&store, &user, &background);
+        assert!(first.same_channel(&second));
+        second.wait_for(|done| *done).await.unwrap();
+        assert!(cache.get(&user).is_some_and(|memory| memory.version() > 0));
+
+        let third = cache.cold_load(&store, &user, &background);
+        assert!(!third.same_channel(&first));
     }
 
     #[test]

@@ -7,12 +7,10 @@
 //! Recording: handed to the [`Recorder`] (the captured exchange becomes a durable job in the
 //! session's tail); the worker applies it later.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::HeaderMap;
-use tokio::sync::watch;
 use tokio_util::task::TaskTracker;
 
 use super::explain_log::ExplainLog;
@@ -43,8 +41,6 @@ pub struct StoreMemory {
     order: Arc<SessionOrder>,
     explains: Arc<ExplainLog>,
     telemetry: Telemetry,
-    /// Users whose whole memory is being read into the cache, each with word of the end.
-    cold_loads: Arc<Mutex<HashMap<UserKey, watch::Receiver<bool>>>>,
     /// Where cold loads run, so they finish (and fill the cache) after their request gave up.
     background: TaskTracker,
 }
@@ -71,7 +67,6 @@ impl StoreMemory {
             order: SessionOrder::new(),
             explains,
             telemetry: Telemetry::default(),
-            cold_loads: Arc::default(),
             background: TaskTracker::new(),
         }
     }
@@ -80,55 +75,6 @@ impl StoreMemory {
     pub fn with_background(mut self, background: TaskTracker) -> StoreMemory {
         self.background = background;
         self
-    }
-
-    /// Word of the end of a cold load of `user`'s memory into the cache: the one in flight, or
-    /// a new one. One whole read per user at a time, however many requests find the cache
-    /// cold, and it runs to the end (filling the cache) even when they stop waiting: requests
-    /// that each started their own read of a 50,000-turn memory and dropped it at their
-    /// deadline held a gigabyte between them.
-    fn cold_load(&self, user: &UserKey) -> watch::Receiver<bool> {
-        let mut loads = self
-            .cold_loads
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(done) = loads.get(user) {
-            return done.clone();
-        }
-        let (finished, done) = watch::channel(false);
-        loads.insert(user.clone(), done.clone());
-        drop(loads);
-        let store = Arc::clone(&self.store);
-        let cache = Arc::clone(&self.cache);
-        let cold_loads = Arc::clone(&self.cold_loads);
-        let user = user.clone();
-        self.background.spawn(async move {
-            let loaded = async {
-                let Some(state) = store.load_state(&user).await? else {
-                    return Ok(());
-                };
-                let version = state.version;
-                let update = Some(MemoryUpdate::Whole(Box::new(state)));
-                let memory = tokio::task::spawn_blocking(move || {
-                    CachedMemory::resolve(None, version, update)
-                })
-                .await
-                .map_err(|error| Error::Internal(format!("indexing task failed: {error}")))??;
-                if let Some(memory) = memory {
-                    cache.put(&user, memory);
-                }
-                Ok::<(), Error>(())
-            };
-            if let Err(error) = loaded.await {
-                tracing::warn!(%error, "reading a memory into the cache failed");
-            }
-            cold_loads
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(&user);
-            let _ = finished.send(true);
-        });
-        done
     }
 
     /// Spans for the memory steps of traced requests.
@@ -178,7 +124,7 @@ impl StoreMemory {
         let mut cached = self.cache.get(&user);
         let started = tokio::time::Instant::now();
         if cached.is_none() {
-            let mut done = self.cold_load(&user);
+            let mut done = self.cache.cold_load(&self.store, &user, &self.background);
             if tokio::time::timeout(self.deadline, done.wait_for(|done| *done))
                 .await
                 .is_err()

@@ -593,6 +593,12 @@ impl Worker {
         };
         let user = &first.id.user;
         let session = &first.exchange.session_id;
+        if self.cache.get(user).is_none() {
+            // The requests' cold load, shared (see `MemoryCache::cold_load`); a memory the
+            // cache does not keep (past its budget) is then read below as before.
+            let mut loaded = self.cache.cold_load(&self.store, user, &self.tasks);
+            let _ = loaded.wait_for(|done| *done).await;
+        }
         for _ in 0..CONFLICT_RETRIES {
             let cached = self.cache.get(user);
             let record = self
