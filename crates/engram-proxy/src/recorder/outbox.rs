@@ -292,10 +292,20 @@ impl Outbox {
         let spool = self.spool.store();
         match spool.enqueue(&job).await {
             Ok(_) => {
-                self.spooled.fetch_add(1, Ordering::AcqRel);
+                let before = self.spooled.fetch_add(1, Ordering::AcqRel);
                 self.stats.spooled.fetch_add(1, Ordering::Relaxed);
                 self.spooled_signal.notify_one();
-                tracing::warn!(job = %job.id.key, "store unreachable; exchange kept in the local spool");
+                // Once per spell: while the spool holds anything every recording goes there,
+                // and a line per job at a busy intake was thousands a second.
+                if before == 0 {
+                    tracing::warn!(
+                        job = %job.id.key,
+                        "the store did not take a recorded exchange (failing, unreachable or behind); \
+                         recordings go to the local spool until it is forwarded"
+                    );
+                } else {
+                    tracing::debug!(job = %job.id.key, "exchange kept in the local spool");
+                }
                 match self.spool {
                     Spool::Durable(_) => Receipt::Spooled,
                     Spool::Memory { .. } => Receipt::Pending,
@@ -424,11 +434,15 @@ impl Outbox {
             tracing::warn!(%error, "could not clear forwarded jobs from the spool");
         }
         let count = jobs.len() as u64;
-        let _ = self
+        let before = self
             .spooled
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 Some(n.saturating_sub(count))
-            });
+            })
+            .unwrap_or_default();
+        if before > 0 && before <= count {
+            tracing::info!("the local spool is forwarded; recordings go to the store again");
+        }
         self.stats.forwarded.fetch_add(count, Ordering::Relaxed);
         self.queued.notify_one();
     }
