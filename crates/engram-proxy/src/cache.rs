@@ -192,9 +192,10 @@ impl MemoryCache {
     }
 
     /// Word of the end of a cold load of `user`'s memory into the cache: the one in flight, or
-    /// a new one, tracked by `background` (and run where [`MemoryCache::loading_on`] says). One whole read per user at a time, however many
-    /// requests find the cache cold and whether or not the worker does too, and it runs to the
-    /// end (filling the cache) even when they stop waiting: requests that each started their
+    /// a new one, tracked by `background` (and run where [`MemoryCache::loading_on`] says).
+    /// One whole read per user at a time, however many requests find the cache cold and
+    /// whether or not the worker does too, and it runs to the end (filling the cache) even
+    /// when they stop waiting: requests that each started their
     /// own read of a 50,000-turn memory and dropped it at their deadline held a gigabyte
     /// between them, and the worker reading and indexing a copy of its own beside the
     /// requests' load took a long memory's start-up peak of RSS from about 150 to 230 MiB.

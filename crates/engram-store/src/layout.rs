@@ -518,13 +518,19 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn a_memory_reassembles_from_its_hot_state_and_items() {
-        let state = recorded(40);
+    /// A memory of `turns` turns, as stored: its hot state and its items.
+    fn stored(turns: usize) -> (MemoryState, EncodedState, Meta) {
+        let state = recorded(turns);
         let encoded = EncodedState::of(&state).unwrap();
         let Stored::Meta(meta) = Stored::decode(&encoded.meta).unwrap() else {
             panic!("not this layout");
         };
+        (state, encoded, meta)
+    }
+
+    #[test]
+    fn a_memory_reassembles_from_its_hot_state_and_items() {
+        let (state, encoded, meta) = stored(40);
         let back = assemble(meta, items(&encoded)).unwrap();
         assert_eq!(back, state);
         assert!(!back.raw_turns.has_changes());
@@ -534,11 +540,7 @@ mod tests {
     /// gives; an item whose predecessor never came is refused, not placed at the wrong spot.
     #[test]
     fn an_assembly_in_key_order_is_the_whole_memory_and_refuses_a_gap() {
-        let state = recorded(40);
-        let encoded = EncodedState::of(&state).unwrap();
-        let Stored::Meta(meta) = Stored::decode(&encoded.meta).unwrap() else {
-            panic!("not this layout");
-        };
+        let (state, encoded, meta) = stored(40);
         let mut sorted = items(&encoded);
         sorted.sort_by_key(|(key, _)| *key);
         let mut assembly = Assembly::new();
