@@ -195,10 +195,10 @@ impl MemoryCache {
     /// a new one, tracked by `background` (and run where [`MemoryCache::loading_on`] says).
     /// One whole read per user at a time, however many requests find the cache cold and
     /// whether or not the worker does too, and it runs to the end (filling the cache) even
-    /// when they stop waiting: requests that each started their
-    /// own read of a 50,000-turn memory and dropped it at their deadline held a gigabyte
-    /// between them, and the worker reading and indexing a copy of its own beside the
-    /// requests' load took a long memory's start-up peak of RSS from about 150 to 230 MiB.
+    /// when they stop waiting: requests that each started their own read of a 50,000-turn
+    /// memory and dropped it at their deadline held a gigabyte between them, and the worker
+    /// reading and indexing a copy of its own beside the requests' load took a long memory's
+    /// start-up peak of RSS from about 150 to 230 MiB.
     pub fn cold_load(
         self: &Arc<Self>,
         store: &Arc<dyn Store>,

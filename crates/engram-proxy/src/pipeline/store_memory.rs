@@ -41,7 +41,8 @@ pub struct StoreMemory {
     order: Arc<SessionOrder>,
     explains: Arc<ExplainLog>,
     telemetry: Telemetry,
-    /// Where cold loads run, so they finish (and fill the cache) after their request gave up.
+    /// What tracks the cold loads this layer starts (they run where the cache says), so they
+    /// finish (and fill the cache) after their request gave up, and shutdown waits for them.
     background: TaskTracker,
 }
 
@@ -71,7 +72,7 @@ impl StoreMemory {
         }
     }
 
-    /// Runs cold loads on `background` (the app's tracked task set, drained at shutdown).
+    /// Tracks cold loads with `background` (the app's tracked task set, drained at shutdown).
     pub fn with_background(mut self, background: TaskTracker) -> StoreMemory {
         self.background = background;
         self
