@@ -1039,9 +1039,11 @@ mod tests {
             .collect();
         let turns: Vec<&str> = turns.iter().map(String::as_str).collect();
         let mut state = recorded(&turns);
-        let config = MemoryConfig::default();
         // A question recall finds nothing for: the turns before the window are shown as their
-        // summaries (the recent context). One recall found would show raw instead.
+        // summaries (the recent context). One recall found would show raw instead. Lexical, so
+        // that no turn is found by a cosine that happens to be above zero.
+        let mut config = MemoryConfig::default();
+        config.retrieval.mode = crate::config::RetrievalMode::Lexical;
         let messages = [crate::openai::ChatMessage::new(
             "user",
             "What should I cook tonight?",

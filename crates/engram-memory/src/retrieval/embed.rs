@@ -5,9 +5,11 @@
 //!
 //! Pure: the model is parsed once from bytes compiled into the binary; no I/O, no clock.
 //!
-//! Vectors are stored as int8 with one scale (256 bytes + 4) and a 256-bit sign code, so a
-//! long history is first ranked by Hamming distance between sign codes (a popcount per word)
-//! and only the closest few hundred are scored by their int8 dot product.
+//! A query's vector is int8 with one scale (256 bytes + 4) and a 256-bit sign code. An item's
+//! vector is kept packed, 4 bits a component ([`Packed`], 164 bytes in all): it is held for
+//! every item of every cached memory, and the half it saves cost no measurable recall (LoCoMo,
+//! docs/evaluation.md). A long history is first ranked by Hamming distance between sign codes
+//! (a popcount per word) and only the closest few hundred are scored by their dot product.
 
 use std::collections::HashMap;
 use std::sync::LazyLock;
@@ -282,17 +284,92 @@ impl Vector {
     }
 }
 
+/// The largest magnitude of a packed component: 4 bits, signed, kept symmetric.
+const PACKED_PEAK: f32 = 7.0;
+
+/// An item's unit vector as stored in an index segment: components in 4 bits each (−7..=7,
+/// byte `i` holding component `i` in its low half and `i + DIMS/2` in its high half, so both
+/// halves meet the query's components in order), its scale, and the sign code of the
+/// original. Compared with a query [`Vector`] only.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Packed {
+    scale: f32,
+    nibbles: [u8; DIMS / 2],
+    pub code: Code,
+}
+
+impl Packed {
+    /// `vector` requantised to 4 bits a component (its sign code kept).
+    pub fn of(vector: &Vector) -> Packed {
+        let peak = vector
+            .values
+            .iter()
+            .fold(0i32, |peak, v| peak.max(i32::from(*v).abs()))
+            .max(1) as f32;
+        let quantise = |v: i8| {
+            // Within ±7 by construction of `peak`.
+            (f32::from(v) * PACKED_PEAK / peak)
+                .round()
+                .clamp(-PACKED_PEAK, PACKED_PEAK) as i8
+        };
+        let mut nibbles = [0u8; DIMS / 2];
+        let mut norm = 0i32;
+        let (low, high) = vector.values.split_at(DIMS / 2);
+        for ((byte, lo), hi) in nibbles.iter_mut().zip(low).zip(high) {
+            let (lo, hi) = (quantise(*lo), quantise(*hi));
+            norm += i32::from(lo) * i32::from(lo) + i32::from(hi) * i32::from(hi);
+            *byte = (lo as u8 & 0x0F) | ((hi as u8) << 4);
+        }
+        Packed {
+            scale: if norm > 0 {
+                1.0 / (norm as f32).sqrt()
+            } else {
+                0.0
+            },
+            nibbles,
+            code: vector.code,
+        }
+    }
+
+    /// Cosine similarity with the query `query` (up to quantisation).
+    pub fn cosine(&self, query: &Vector) -> f32 {
+        dot_packed(&query.values, &self.nibbles) as f32 * query.scale * self.scale
+    }
+}
+
+/// A query's int8 components times packed 4-bit ones, summed in i32: per byte, the low half
+/// meets component `i`, the high half component `i + DIMS/2`, in 16 lane sums as in [`dot`]
+/// (|127·7| twice fits an i16).
+fn dot_packed(query: &[i8; DIMS], nibbles: &[u8; DIMS / 2]) -> i32 {
+    let (low, high) = query.split_at(DIMS / 2);
+    let mut lanes = [0i32; 16];
+    for ((lo, hi), packed) in low
+        .chunks_exact(16)
+        .zip(high.chunks_exact(16))
+        .zip(nibbles.chunks_exact(16))
+    {
+        for (((lane, q_lo), q_hi), byte) in lanes.iter_mut().zip(lo).zip(hi).zip(packed) {
+            // Sign-extends each half: the low one shifted up first.
+            let n_lo = i16::from(((*byte << 4) as i8) >> 4);
+            let n_hi = i16::from((*byte as i8) >> 4);
+            *lane += i32::from(i16::from(*q_lo) * n_lo + i16::from(*q_hi) * n_hi);
+        }
+    }
+    lanes.iter().sum()
+}
+
 /// Reads one byte of every cache line of each vector, so that their cache misses overlap
 /// before any is scored. Scoring a few hundred vectors scattered over a long history one
 /// after another stalled on each one's first line: in a profile at 20,000 turns, three
 /// fifths of the dot products' time sat on that load. This loop has no work besides the
 /// loads, so the processor keeps many of them in flight at once.
-pub fn warm<'a>(vectors: impl Iterator<Item = &'a Vector>) {
+pub fn warm<'a>(vectors: impl Iterator<Item = &'a Packed>) {
     let mut seen = 0u8;
     for vector in vectors {
-        for line in (0..DIMS).step_by(64).chain([DIMS - 1]) {
-            seen ^= vector.values[line] as u8;
+        for at in (0..DIMS / 2).step_by(64).chain([DIMS / 2 - 1]) {
+            seen ^= vector.nibbles[at];
         }
+        seen ^= vector.code[0] as u8;
     }
     // Keeps the loads: their result is otherwise unused.
     std::hint::black_box(seen);
@@ -463,6 +540,61 @@ mod tests {
             "punctuation is in the vocabulary"
         );
         assert!(model.embed("🌅🌅").is_none());
+    }
+
+    /// A stored (packed) vector compares with a query as its int8 original does, to within
+    /// what 4 bits a component lose, and keeps the original's sign code.
+    #[test]
+    fn a_packed_vector_keeps_its_cosines_and_order() {
+        let model = shipped();
+        let embed = |text: &str| model.embed(text).unwrap();
+        let query = embed("What does Tom do to destress?");
+        let texts = [
+            "Pottery is like therapy for me, it calms me down after work.",
+            "My car needs new tyres before the winter.",
+            "Tom goes running by the river every evening to unwind.",
+            "What does Tom do to destress?",
+        ];
+        let mut exact = Vec::new();
+        let mut packed = Vec::new();
+        for text in texts {
+            let vector = embed(text);
+            let stored = Packed::of(&vector);
+            assert_eq!(stored.code, vector.code);
+            let (a, b) = (vector.cosine(&query), stored.cosine(&query));
+            assert!((a - b).abs() < 0.05, "{text:?}: {a} against {b}");
+            exact.push(a);
+            packed.push(b);
+        }
+        assert!((packed[3] - 1.0).abs() < 0.02, "{}", packed[3]);
+        let order = |cosines: &[f32]| {
+            let mut at: Vec<usize> = (0..cosines.len()).collect();
+            at.sort_by(|x, y| cosines[*y].total_cmp(&cosines[*x]));
+            at
+        };
+        assert_eq!(order(&exact), order(&packed));
+        // Held inline in a segment's slots, without a heap allocation of its own.
+        assert!(std::mem::size_of::<Option<Packed>>() <= 176);
+    }
+
+    /// Both halves of a byte and both signs unpack as they were packed.
+    #[test]
+    fn packed_components_unpack_with_their_signs() {
+        let mut values = [0f32; DIMS];
+        values[0] = 1.0;
+        values[DIMS / 2] = -1.0;
+        values[1] = -0.5;
+        values[DIMS - 1] = 0.5;
+        let vector = Vector::from_f32(&values).unwrap();
+        let stored = Packed::of(&vector);
+        assert!((stored.cosine(&vector) - 1.0).abs() < 0.01);
+        let mut flipped = values;
+        flipped[DIMS / 2] = 1.0;
+        let other = Vector::from_f32(&flipped).unwrap();
+        // 0.2 exactly; 0.5 as a packed component is 4/7 of the peak, not 3.5/7.
+        let (exact, packed) = (vector.cosine(&other), stored.cosine(&other));
+        assert!((exact - 0.2).abs() < 0.01, "{exact}");
+        assert!((packed - exact).abs() < 0.05, "{packed} against {exact}");
     }
 
     #[test]

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use rustc_hash::{FxBuildHasher, FxHasher};
 
-use super::embed::{self, Vector};
+use super::embed::{self, Packed, Vector};
 use crate::layered::LayeredMap;
 use crate::model::{ItemRef, MemoryState, TurnSeq};
 use crate::segmented::Segmented;
@@ -224,7 +224,7 @@ pub struct Segment {
     stale_docs: u32,
     /// Key -> the unit vector of its text (semantic recall), kept beside the postings rather
     /// than in the parts: it is replaced in place when the text changes, never goes stale.
-    vectors: Segmented<Option<Vector>>,
+    vectors: Segmented<Option<Packed>>,
     /// Keys with a vector.
     vector_count: u32,
 }
@@ -763,8 +763,7 @@ impl Segment {
         self.all_parts().map(|part| part.bytes).sum::<usize>()
             + self.live.len() * 16
             + self.stale.len() * 8
-            + self.vectors.len() * std::mem::size_of::<Option<Vector>>()
-            + self.vector_count as usize * embed::DIMS
+            + self.vectors.len() * std::mem::size_of::<Option<Packed>>()
     }
 
     /// Sets `key`'s vector (`None`: it has none). Public for benchmarks; the index sets its
@@ -772,7 +771,7 @@ impl Segment {
     pub fn set_vector(&mut self, key: u32, vector: Option<Vector>) {
         let key = key as usize;
         // Segments compared by words alone (summaries, episodes) would otherwise keep a slot
-        // (48 bytes) per key for nothing: 0.9 MiB at 20,000 turns.
+        // (176 bytes) per key for nothing: 3.4 MiB at 20,000 turns.
         if vector.is_none() && key >= self.vectors.len() {
             return;
         }
@@ -784,7 +783,7 @@ impl Segment {
                 .vector_count
                 .saturating_add(u32::from(vector.is_some()))
                 .saturating_sub(u32::from(slot.is_some()));
-            *slot = vector;
+            *slot = vector.as_ref().map(Packed::of);
         }
         self.vectors.take_dirty();
     }
@@ -806,7 +805,7 @@ impl Segment {
         let keyed = |key: usize| u32::try_from(key).unwrap_or(u32::MAX);
         let from = self.vectors.len().saturating_sub(scan);
         // The items to compare in full, gathered before any is scored (see `embed::warm`).
-        let mut picked: Vec<(u32, &Vector)> = Vec::new();
+        let mut picked: Vec<(u32, &Packed)> = Vec::new();
         if self.vector_count as usize <= pool {
             picked.reserve(self.vector_count as usize);
             for (key, vector) in self.vectors.iter_from(from) {
