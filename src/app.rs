@@ -32,9 +32,11 @@ use engram_proxy::worker::Worker;
 use engram_runtime::priority;
 use engram_store::{CommitListener, EmbeddedStore, RedisStore, Store};
 
-/// Turns whose explanation this process keeps for the management API. Estimated, not measured:
-/// a full 2,048-token block explains ~57 items at ~200 bytes each, so about 10 MB at most.
-pub const EXPLAINED_TURNS: usize = 1024;
+/// Turns whose explanation this process keeps for the management API. A full 2,048-token
+/// block explains ~57 items at ~200 bytes each: with 1,024 turns kept, one user at 1,000 req/s
+/// peaked 13.5 MiB higher than with none (benchmarks-log.md, 2026-12-05), a twelfth of the
+/// process. 256 turns is still the last second of a busy proxy and minutes of a quiet one.
+pub const EXPLAINED_TURNS: usize = 256;
 
 /// The directory, inside `store.data_dir`, of the Redis backend's local spool.
 pub const SPOOL_DIR: &str = "spool";
