@@ -109,7 +109,8 @@ struct Part {
     /// text on the hot path, and for the stale counts: each document's distinct said terms,
     /// ascending, then its distinct context terms that are not among them (a raw turn's date
     /// words), one document after another. One buffer per part, not two boxes per document:
-    /// the boxes' headers and rounding were about 40 bytes a document.
+    /// the boxes' headers and rounding were about 40 bytes a document. Empty in a segment
+    /// kept without one ([`Segment::without_forward_index`]).
     doc_terms: Vec<TermId>,
     /// Per document, where its said terms and where all its terms end in `doc_terms`.
     doc_ends: Vec<[u32; 2]>,
@@ -117,10 +118,13 @@ struct Part {
     bytes: usize,
 }
 
-/// Approximate heap bytes of one document's entry in a part (key, length, forward index).
-fn doc_bytes(terms: usize) -> usize {
-    16 + terms * 4
+/// Approximate heap bytes of one document's forward-index entry in a part.
+fn forward_bytes(terms: usize) -> usize {
+    8 + terms * 4
 }
+
+/// Heap bytes of one document's key and length in a part.
+const DOC_BYTES: usize = 8;
 
 const POSTING_BYTES: usize = std::mem::size_of::<Posting>();
 const POSTING_LIST_BYTES: usize = 48;
@@ -130,16 +134,20 @@ impl Part {
         self.doc_keys.len()
     }
 
-    /// Adds a document; returns its number in this part.
-    fn add(&mut self, key: u32, said: Vec<TermId>, context: Vec<TermId>) -> u32 {
-        let mut distinct = said.clone();
-        distinct.sort_unstable();
-        distinct.dedup();
-        let mut context_only = context.clone();
-        context_only.sort_unstable();
-        context_only.dedup();
-        context_only.retain(|term| distinct.binary_search(term).is_err());
-        self.push_terms(&distinct, &context_only);
+    /// Adds a document, to the forward index too when `forward`; returns its number in this
+    /// part.
+    fn add(&mut self, key: u32, said: Vec<TermId>, context: Vec<TermId>, forward: bool) -> u32 {
+        if forward {
+            let mut distinct = said.clone();
+            distinct.sort_unstable();
+            distinct.dedup();
+            let mut context_only = context.clone();
+            context_only.sort_unstable();
+            context_only.dedup();
+            context_only.retain(|term| distinct.binary_search(term).is_err());
+            self.push_terms(&distinct, &context_only);
+        }
+        self.bytes += DOC_BYTES;
         let mut term_ids = said;
         term_ids.extend(context);
         let doc = u32::try_from(self.doc_keys.len()).unwrap_or(u32::MAX);
@@ -166,7 +174,7 @@ impl Part {
     /// ones. Offsets are `u32`: a part never holds 4 billion terms (it is bounded in documents,
     /// and the cache in bytes), and one past that would read as empty, never panic.
     fn push_terms(&mut self, said: &[TermId], context_only: &[TermId]) {
-        self.bytes += doc_bytes(said.len() + context_only.len());
+        self.bytes += forward_bytes(said.len() + context_only.len());
         self.doc_terms.extend_from_slice(said);
         let said_end = u32::try_from(self.doc_terms.len()).unwrap_or(u32::MAX);
         self.doc_terms.extend_from_slice(context_only);
@@ -206,6 +214,20 @@ impl Part {
         self.term_bounds(doc)
             .and_then(|[start, _, end]| self.doc_terms.get(start..end))
             .unwrap_or(&[])
+    }
+
+    /// The terms a document is posted under, from the postings: what the forward index would
+    /// give, for a part kept without one (a walk of the part's vocabulary).
+    fn posted_terms(&self, doc: u32) -> Vec<TermId> {
+        self.postings
+            .iter()
+            .filter(|(_, postings)| {
+                postings
+                    .binary_search_by_key(&doc, |posting| posting.doc())
+                    .is_ok()
+            })
+            .map(|(term, _)| *term)
+            .collect()
     }
 
     fn has(&self, doc: u32, term: TermId) -> bool {
@@ -263,9 +285,24 @@ pub struct Segment {
     vectors: Segmented<Option<Packed>>,
     /// Keys with a vector.
     vector_count: u32,
+    /// Parts keep no forward index: the segment's terms are never read back (see
+    /// [`Segment::without_forward_index`]).
+    no_forward_index: bool,
 }
 
 impl Segment {
+    /// A segment whose parts keep no forward index, for documents whose words are never read
+    /// back (only raw turns' are, for query expansion) and that are seldom replaced: a
+    /// replaced or removed document's terms are then found by walking its part's postings.
+    /// Turn summaries: most are spans of their raw turn, and their forward index was 2.3 MiB
+    /// of a 20,000-turn memory's 32.
+    pub fn without_forward_index() -> Segment {
+        Segment {
+            no_forward_index: true,
+            ..Segment::default()
+        }
+    }
+
     /// Live documents.
     pub fn len(&self) -> usize {
         self.docs as usize
@@ -642,7 +679,7 @@ impl Segment {
         let loc = match text {
             Some((said, context)) => {
                 let len = (said.len() + context.len()) as u64;
-                let doc = self.head.add(key, said, context);
+                let doc = self.head.add(key, said, context, !self.no_forward_index);
                 self.docs += 1;
                 self.total_len += len;
                 DocLoc {
@@ -683,7 +720,11 @@ impl Segment {
         };
         let doc = loc.doc as usize;
         let len = part.doc_len.get(doc).copied().unwrap_or(0);
-        let terms = part.all_terms(doc).to_vec();
+        let terms = if self.no_forward_index {
+            part.posted_terms(loc.doc)
+        } else {
+            part.all_terms(doc).to_vec()
+        };
         for term in terms {
             *self.stale.entry(term).or_default() += 1;
         }
@@ -739,14 +780,7 @@ impl Segment {
                     .get(key as usize)
                     .is_some_and(|loc| loc.part == part.id && loc.doc as usize == doc);
                 if !live {
-                    for term in part.all_terms(doc) {
-                        if let Some(count) = self.stale.get_mut(term) {
-                            *count -= 1;
-                            if *count == 0 {
-                                self.stale.remove(term);
-                            }
-                        }
-                    }
+                    // Its terms leave the stale counts below, from its postings.
                     self.stale_docs = self.stale_docs.saturating_sub(1);
                     renumbered.push(None);
                     continue;
@@ -754,7 +788,10 @@ impl Segment {
                 let at = u32::try_from(merged.doc_keys.len()).unwrap_or(u32::MAX);
                 merged.doc_keys.push(key);
                 merged.doc_len.push(part.doc_len[doc]);
-                merged.push_terms(part.said_terms(doc), part.context_only_terms(doc));
+                merged.bytes += DOC_BYTES;
+                if !self.no_forward_index {
+                    merged.push_terms(part.said_terms(doc), part.context_only_terms(doc));
+                }
                 if let Some(slot) = self.live.get_mut(key as usize) {
                     slot.part = merged.id;
                     slot.doc = at;
@@ -762,6 +799,24 @@ impl Segment {
                 renumbered.push(Some(at));
             }
             for (term, postings) in &part.postings {
+                // A posting of a dropped (stale) copy is one stale count of its term: the
+                // same terms the copy's retirement counted.
+                let dropped = postings
+                    .iter()
+                    .filter(|posting| {
+                        renumbered
+                            .get(posting.doc() as usize)
+                            .is_none_or(Option::is_none)
+                    })
+                    .count();
+                if dropped > 0
+                    && let Some(count) = self.stale.get_mut(term)
+                {
+                    *count = count.saturating_sub(u32::try_from(dropped).unwrap_or(u32::MAX));
+                    if *count == 0 {
+                        self.stale.remove(term);
+                    }
+                }
                 let moved = postings.iter().filter_map(|posting| {
                     let doc = renumbered.get(posting.doc() as usize).copied().flatten()?;
                     Some(Posting::new(doc, posting.tf() as usize))
@@ -1007,7 +1062,7 @@ impl SegmentKind {
 
 type Vocabulary = LayeredMap<String, TermId, foldhash::fast::RandomState>;
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct MemoryIndex {
     /// The state version this index reflects.
     pub state_version: u64,
@@ -1028,6 +1083,27 @@ pub struct MemoryIndex {
     /// Exchange pair hash -> its latest raw turn, for a client that trimmed or edited the
     /// history it resends.
     pairs: LayeredMap<u64, TurnSeq, FxBuildHasher>,
+}
+
+impl Default for MemoryIndex {
+    fn default() -> Self {
+        MemoryIndex {
+            state_version: 0,
+            rewrites: 0,
+            vocabulary: Vocabulary::default(),
+            terms: 0,
+            vocabulary_bytes: 0,
+            raw: Segment::default(),
+            // Only raw turns' words are read back, and a summary is replaced only when the
+            // management API erases it.
+            summaries: Segment::without_forward_index(),
+            facts: Segment::default(),
+            episodes: Segment::default(),
+            artifacts: Segment::default(),
+            chains: LayeredMap::default(),
+            pairs: LayeredMap::default(),
+        }
+    }
 }
 
 const ARTIFACT_INDEX_CHARS: usize = 4000;
@@ -1564,9 +1640,11 @@ mod tests {
 
         /// Across replacements, removals, seals and merges, each live key's forward index holds
         /// its latest text's distinct said words (not its context words), and a word's
-        /// document frequency counts the live documents posted under it, said or context.
+        /// document frequency counts the live documents posted under it, said or context,
+        /// with or without a forward index.
         #[test]
         fn the_forward_index_and_frequencies_follow_the_live_documents(
+            forward in proptest::bool::ANY,
             puts in proptest::collection::vec(
                 (
                     0u32..300,
@@ -1581,7 +1659,11 @@ mod tests {
                 1..900,
             ),
         ) {
-            let mut segment = Segment::default();
+            let mut segment = if forward {
+                Segment::default()
+            } else {
+                Segment::without_forward_index()
+            };
             let mut latest: std::collections::BTreeMap<u32, (Vec<TermId>, Vec<TermId>)> =
                 std::collections::BTreeMap::new();
             for (n, (key, text)) in puts.iter().enumerate() {
@@ -1596,6 +1678,9 @@ mod tests {
                 let mut distinct = said.clone();
                 distinct.sort_unstable();
                 distinct.dedup();
+                if !forward {
+                    distinct.clear();
+                }
                 proptest::prop_assert_eq!(segment.terms_of(*key), distinct.as_slice());
             }
             proptest::prop_assert_eq!(segment.len(), latest.len());
