@@ -13,7 +13,7 @@
 
 use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
-use std::hash::{Hash, Hasher};
+use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::{Arc, OnceLock};
 
 use rustc_hash::{FxBuildHasher, FxHasher};
@@ -27,6 +27,14 @@ use crate::config::ScoringWeights;
 use crate::text::{TermSet, normalise, remembered_terms, terms};
 
 type Strings<V> = LayeredMap<String, V, foldhash::fast::RandomState>;
+
+/// The key of a turn id in [`Lookups::turn_ids`]: a hash seeded once per process, so a client
+/// cannot choose ids that share one.
+fn turn_id_hash(turn_id: &str) -> u64 {
+    static SEED: OnceLock<foldhash::fast::RandomState> = OnceLock::new();
+    SEED.get_or_init(foldhash::fast::RandomState::default)
+        .hash_one(turn_id)
+}
 
 /// Episodes a message's term brings up as rehydration candidates at most: the newest that
 /// have it (episode ids grow with time).
@@ -49,7 +57,12 @@ pub struct Lookups {
     /// How much of each pending-change list (raw turns, facts, turn log, episodes, sessions)
     /// has been applied.
     seen: [usize; 5],
-    turn_ids: Strings<TurnSeq>,
+    /// Turn id hash ([`turn_id_hash`]) -> its raw turn. Keyed by a hash, not the id's text:
+    /// that was a second copy of every turn id, about 60 bytes a turn. [`Lookups::turn`]
+    /// checks the turn's own id, so two ids sharing a hash (one chance in 2^64 a pair, the
+    /// seed random per process) cost the older one its look-up: a resent copy of it would be
+    /// recorded again, nothing is lost.
+    turn_ids: LayeredMap<u64, TurnSeq, FxBuildHasher>,
     session_ids: Strings<u32>,
     /// Normalised key -> facts that had it.
     fact_keys: Strings<Vec<FactId>>,
@@ -112,6 +125,9 @@ const KEPT_TERMS: usize = 1_024;
 const TEXT_KEYED_ENTRY: usize = 96;
 /// Bytes of a map entry keyed by a number with a short list of ids.
 const ID_KEYED_ENTRY: usize = 64;
+/// Bytes of a map entry keyed by a hash with a number: the slot, its control byte and spare
+/// room.
+const HASH_KEYED_ENTRY: usize = 24;
 /// Bytes of a kept-terms entry besides its hashes and text: the map's slot and the two
 /// shared allocations' headers.
 const KEPT_TERMS_ENTRY: usize = 112;
@@ -257,7 +273,7 @@ impl Lookups {
 
     /// The raw turn recorded under `turn_id`.
     pub fn turn(&self, state: &MemoryState, turn_id: &str) -> Option<TurnSeq> {
-        let seq = *self.turn_ids.get(turn_id)?;
+        let seq = *self.turn_ids.get(&turn_id_hash(turn_id))?;
         state
             .raw_turns
             .get(seq as usize)
@@ -414,8 +430,7 @@ impl Lookups {
     /// too, and layers shared with an older copy of the memory are counted in each), kept
     /// terms at their length.
     pub fn estimated_bytes(&self) -> usize {
-        let keyed_by_text =
-            self.turn_ids.stored() + self.session_ids.stored() + self.fact_keys.stored();
+        let keyed_by_text = self.session_ids.stored() + self.fact_keys.stored();
         let episode_terms = self.episode_terms.stored();
         let keyed_by_id =
             self.facts_by_turn.stored() + self.signatures.stored() + self.fact_membership.stored();
@@ -431,6 +446,7 @@ impl Lookups {
             .map(|kept| KEPT_TERMS_ENTRY + kept.hashes.len() * 8 + kept.source.text_bytes())
             .sum();
         (keyed_by_text + episode_terms) * TEXT_KEYED_ENTRY
+            + self.turn_ids.stored() * HASH_KEYED_ENTRY
             + keyed_by_id * ID_KEYED_ENTRY
             + in_sets * 16
             + kept
@@ -514,7 +530,7 @@ impl Lookups {
         ));
         if let Some(turn) = state.raw_turns.get(seq) {
             self.turn_ids.insert(
-                turn.id.clone(),
+                turn_id_hash(&turn.id),
                 TurnSeq::try_from(seq).unwrap_or(TurnSeq::MAX),
             );
         }
