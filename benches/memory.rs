@@ -387,16 +387,7 @@ fn estimated_heap_bytes(state: &MemoryState) -> usize {
     }
     for episode in &state.episodes {
         bytes += strings(&[&episode.topic, &episode.summary]);
-        bytes += episode
-            .salience_tags
-            .iter()
-            .map(|tag| tag.capacity() + 24)
-            .sum::<usize>();
-        bytes += episode
-            .rehydration_hints
-            .iter()
-            .map(|hint| hint.capacity() + 24)
-            .sum::<usize>();
+        bytes += episode.salience_tags.heap_bytes() + episode.rehydration_hints.heap_bytes();
         bytes += episode.links.capacity() * 4 + episode.facts.capacity() * 4;
     }
     for artifact in &state.artifacts {

@@ -775,7 +775,7 @@ pub fn match_terms(manifest: &EpisodeManifest) -> TermSet {
     for text in manifest
         .salience_tags
         .iter()
-        .chain(&manifest.rehydration_hints)
+        .chain(manifest.rehydration_hints.iter())
     {
         out.extend(terms(text));
     }

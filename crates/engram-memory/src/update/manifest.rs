@@ -109,10 +109,10 @@ pub fn build_manifest(
         topic,
         date_range: (first, last),
         summary: clip_chars(&summaries.join("; "), SUMMARY_CHARS),
-        salience_tags,
+        salience_tags: salience_tags.iter().collect(),
         links,
         facts,
-        rehydration_hints,
+        rehydration_hints: rehydration_hints.iter().collect(),
         size_estimate_tokens: size,
         rehydrated_at,
         tokens: Default::default(),
@@ -264,7 +264,7 @@ mod tests {
         ]);
         let manifest = build_manifest(&state, 0, 0, &[2, 0, 1], vec![]);
         assert_eq!(manifest.links, [0, 1, 2]);
-        assert_eq!(manifest.salience_tags[0], "sourdough");
+        assert_eq!(manifest.salience_tags.first(), Some("sourdough"));
         assert!(
             manifest.topic.starts_with("sourdough, starter"),
             "{}",
@@ -275,7 +275,7 @@ mod tests {
             (Some("2024-03-01".into()), Some("2024-03-03".into()))
         );
         assert!(manifest.summary.chars().count() <= SUMMARY_CHARS);
-        assert!(manifest.rehydration_hints.contains(&"Lyon".to_string()));
+        assert!(manifest.rehydration_hints.contains("Lyon"));
         assert!(match_terms(&manifest).contains(&stem("sourdough")));
         assert!(manifest.tokens.0 > 0);
     }
