@@ -736,12 +736,13 @@ mod tests {
                 erased: false,
             };
             let line = episode_line(&episode);
-            proptest::prop_assert_eq!(
-                outside_quotes(&line),
-                "- episode 0 (2024-01-02): “” [hints: “”]\n",
-                "{}",
-                line
-            );
+            // Empty hints are no hints (`Words` drops empty items): no hints part then.
+            let expected = if a.is_empty() && b.is_empty() {
+                "- episode 0 (2024-01-02): “”\n"
+            } else {
+                "- episode 0 (2024-01-02): “” [hints: “”]\n"
+            };
+            proptest::prop_assert_eq!(outside_quotes(&line), expected, "{}", line);
             for kind in [ArtifactKind::Code, ArtifactKind::Draft] {
                 let artifact = Artifact {
                     id: 3,
