@@ -380,10 +380,10 @@ fn estimated_heap_bytes(state: &MemoryState) -> usize {
     for entry in &state.turn_log {
         for side in [&entry.user_summary, &entry.assistant_summary] {
             if let SummaryText::Text(text) = side {
-                bytes += text.capacity();
+                bytes += text.len();
             }
         }
-        bytes += entry.facts.capacity() * 4 + entry.artifacts.capacity() * 4;
+        bytes += entry.facts.len() * 4 + entry.artifacts.len() * 4;
     }
     for episode in &state.episodes {
         bytes += strings(&[&episode.topic, &episode.summary]);

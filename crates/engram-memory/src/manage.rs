@@ -677,7 +677,7 @@ fn erase_facts(state: &mut MemoryState, first: FactId, deleted: &mut Vec<ItemRef
             if state.turn_log[seq].facts.contains(&id)
                 && let Some(entry) = state.turn_log.get_mut(seq)
             {
-                entry.facts.retain(|fact| *fact != id);
+                entry.facts = entry.facts.iter().copied().filter(|fact| *fact != id).collect();
             }
         }
         episodes.extend(
@@ -704,10 +704,10 @@ fn erase_summary(state: &mut MemoryState, seq: TurnSeq, deleted: &mut Vec<ItemRe
     let Some(entry) = state.turn_log.get_mut(seq as usize) else {
         return;
     };
-    entry.user_summary = SummaryText::Text(String::new());
-    entry.assistant_summary = SummaryText::Text(String::new());
-    entry.facts.clear();
-    entry.artifacts.clear();
+    entry.user_summary = SummaryText::Text(Box::default());
+    entry.assistant_summary = SummaryText::Text(Box::default());
+    entry.facts = Box::default();
+    entry.artifacts = Box::default();
     entry.tier.tier = Tier::Old;
     entry.tier.since_turn = now;
     entry.tokens = TokenCount::default();
@@ -767,7 +767,9 @@ fn erase_artifact(state: &mut MemoryState, id: ArtifactId, deleted: &mut Vec<Ite
     artifact.erased = true;
     let turn = artifact.turn;
     if let Some(entry) = state.turn_log.get_mut(turn as usize) {
-        entry.artifacts.retain(|artifact| *artifact != id);
+        entry.artifacts = (entry.artifacts.iter().copied())
+            .filter(|artifact| *artifact != id)
+            .collect();
     }
     deleted.push(ItemRef::Artifact(id));
     state.rewrites += 1;
@@ -981,7 +983,7 @@ mod tests {
         let merged = consolidate(&mut state);
         assert_eq!(merged.merged_facts, [(twin, keeper)]);
         let pin_id = pin_fact(&mut state, keeper).unwrap();
-        state.turn_log[0].facts.push(keeper);
+        state.turn_log[0].facts = [keeper].into();
 
         let deleted = delete(&mut state, ItemRef::Fact(keeper)).unwrap();
         assert_eq!(deleted[0], ItemRef::Fact(keeper));

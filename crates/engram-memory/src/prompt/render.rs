@@ -704,10 +704,10 @@ mod tests {
             }
             let entry = TurnLogEntry {
                 turn: 0,
-                user_summary: crate::model::SummaryText::Text(a.clone()),
-                assistant_summary: crate::model::SummaryText::Text(b.clone()),
-                facts: Vec::new(),
-                artifacts: Vec::new(),
+                user_summary: crate::model::SummaryText::Text(a.as_str().into()),
+                assistant_summary: crate::model::SummaryText::Text(b.as_str().into()),
+                facts: Box::default(),
+                artifacts: Box::default(),
                 tier: crate::model::TierState::fresh(0),
                 episode: None,
                 tokens: Default::default(),

@@ -194,7 +194,7 @@ impl MemoryState {
             .filter_map(|id| self.episodes.get(id))
             .map(|episode| episode.heap_bytes())
             .sum();
-        raw + facts + artifacts + episodes + self.turn_log.len().saturating_sub(from[1]) * 160
+        raw + facts + artifacts + episodes + self.turn_log.len().saturating_sub(from[1]) * 128
     }
 
     /// How many bytes the episodes `previous` also holds grew (or shrank) by in this copy: with
@@ -567,7 +567,8 @@ pub struct RawTurnTokens {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum SummaryText {
-    Text(String),
+    /// Boxed, not a `String`: 16 bytes a side of every turn-log entry instead of 24.
+    Text(Box<str>),
     /// Byte range `[start, end)` of `one_line(raw side)`.
     Span([u32; 2]),
 }
@@ -583,10 +584,10 @@ impl SummaryText {
                     .zip(u32::try_from(start + summary.len()).ok());
                 match span {
                     Some((start, end)) => SummaryText::Span([start, end]),
-                    None => SummaryText::Text(summary),
+                    None => SummaryText::Text(summary.into_boxed_str()),
                 }
             }
-            _ => SummaryText::Text(summary),
+            _ => SummaryText::Text(summary.into_boxed_str()),
         }
     }
 
@@ -605,7 +606,7 @@ impl SummaryText {
 
 impl From<&str> for SummaryText {
     fn from(text: &str) -> SummaryText {
-        SummaryText::Text(text.to_string())
+        SummaryText::Text(text.into())
     }
 }
 
@@ -616,11 +617,13 @@ pub struct TurnLogEntry {
     pub turn: TurnSeq,
     pub user_summary: SummaryText,
     pub assistant_summary: SummaryText,
-    /// Facts this turn added or changed (the summary's dependencies).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub facts: Vec<FactId>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub artifacts: Vec<ArtifactId>,
+    /// Facts this turn added or changed (the summary's dependencies). Boxed slices, not
+    /// vectors: every turn has an entry, most lists are empty or one long, and a vector's
+    /// capacity word was 16 bytes an entry.
+    #[serde(default, skip_serializing_if = "<[FactId]>::is_empty")]
+    pub facts: Box<[FactId]>,
+    #[serde(default, skip_serializing_if = "<[ArtifactId]>::is_empty")]
+    pub artifacts: Box<[ArtifactId]>,
     pub tier: TierState,
     /// The episode this entry was folded into when it was demoted to OLD.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -859,8 +862,8 @@ pub(crate) mod test_support {
             turn: seq,
             user_summary: summary.into(),
             assistant_summary: "answered".into(),
-            facts: vec![],
-            artifacts: vec![],
+            facts: Box::default(),
+            artifacts: Box::default(),
             tier: TierState {
                 tier,
                 ..TierState::fresh(seq)

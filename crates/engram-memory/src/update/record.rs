@@ -161,7 +161,7 @@ pub fn record_exchange(
         user_summary: SummaryText::of(user_summary, &user),
         assistant_summary: SummaryText::of(assistant_summary, &assistant),
         facts: diff.added.iter().chain(&diff.updated).copied().collect(),
-        artifacts: artifacts.clone(),
+        artifacts: artifacts.as_slice().into(),
         tier: TierState::fresh(seq),
         episode: None,
         tokens: Default::default(),
@@ -596,7 +596,7 @@ mod tests {
         assert!(fact.is_hard_constraint());
         assert_eq!(fact.provenance, [0]);
         assert_eq!(fact.date.as_deref(), Some("2024-05-01"));
-        assert_eq!(state.turn_log[0].facts, [fact.id]);
+        assert_eq!(*state.turn_log[0].facts, [fact.id]);
         assert!(state.version > 0);
     }
 
