@@ -374,8 +374,8 @@ fn estimated_heap_bytes(state: &MemoryState) -> usize {
         }
     }
     for turn in &state.raw_turns {
-        bytes += strings(&[&turn.id, &turn.user, &turn.assistant]);
-        bytes += turn.event_time.as_ref().map_or(0, String::capacity);
+        bytes += turn.id.len() + turn.user.len() + turn.assistant.len();
+        bytes += turn.event_time.as_ref().map_or(0, |time| time.len());
     }
     for entry in &state.turn_log {
         for side in [&entry.user_summary, &entry.assistant_summary] {

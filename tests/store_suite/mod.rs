@@ -595,13 +595,13 @@ pub async fn concurrent_job_commits_of_one_user_let_one_win(store: &dyn Store) {
         loaded
             .raw_turns
             .iter()
-            .any(|turn| turn.id == won.exchange.turn_id)
+            .any(|turn| *turn.id == *won.exchange.turn_id)
     );
     assert!(
         !loaded
             .raw_turns
             .iter()
-            .any(|turn| turn.id == lost.exchange.turn_id)
+            .any(|turn| *turn.id == *lost.exchange.turn_id)
     );
 }
 

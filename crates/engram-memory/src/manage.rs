@@ -677,7 +677,12 @@ fn erase_facts(state: &mut MemoryState, first: FactId, deleted: &mut Vec<ItemRef
             if state.turn_log[seq].facts.contains(&id)
                 && let Some(entry) = state.turn_log.get_mut(seq)
             {
-                entry.facts = entry.facts.iter().copied().filter(|fact| *fact != id).collect();
+                entry.facts = entry
+                    .facts
+                    .iter()
+                    .copied()
+                    .filter(|fact| *fact != id)
+                    .collect();
             }
         }
         episodes.extend(
@@ -1113,7 +1118,7 @@ mod tests {
         assert_eq!(state.artifacts[0].side, Some(crate::model::Side::User));
         delete(&mut state, ItemRef::Artifact(0)).unwrap();
         assert_eq!(state.artifact_content(&state.artifacts[0]), "");
-        assert_eq!(state.raw_turns[0].user, pasted);
+        assert_eq!(&*state.raw_turns[0].user, pasted);
         let pin_id = pin(&mut state, "Call me Ana.");
         crate::record::unpin(&mut state, pin_id);
         // Unpinned, it still holds its text: deleting erases it.

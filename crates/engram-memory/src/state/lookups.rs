@@ -277,7 +277,7 @@ impl Lookups {
         state
             .raw_turns
             .get(seq as usize)
-            .is_some_and(|turn| turn.id == turn_id)
+            .is_some_and(|turn| &*turn.id == turn_id)
             .then_some(seq)
     }
 

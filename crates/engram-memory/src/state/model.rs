@@ -124,9 +124,7 @@ impl MemoryState {
 
     /// The client-visible id of a raw turn, for provenance.
     pub fn turn_id(&self, seq: TurnSeq) -> Option<&str> {
-        self.raw_turns
-            .get(seq as usize)
-            .map(|turn| turn.id.as_str())
+        self.raw_turns.get(seq as usize).map(|turn| &*turn.id)
     }
 
     /// The position of session `session_id`: through the lookups when they are built (every
@@ -176,10 +174,13 @@ impl MemoryState {
             .filter_map(|seq| self.raw_turns.get(seq))
             .map(|turn| {
                 std::mem::size_of::<RawTurn>()
-                    + held(&turn.id)
-                    + held(&turn.user)
-                    + held(&turn.assistant)
-                    + turn.event_time.as_ref().map_or(0, held)
+                    + allocation(turn.id.len())
+                    + allocation(turn.user.len())
+                    + allocation(turn.assistant.len())
+                    + turn
+                        .event_time
+                        .as_ref()
+                        .map_or(0, |time| allocation(time.len()))
             })
             .sum();
         let facts: usize = (from[2]..self.facts.len())
@@ -459,15 +460,16 @@ pub enum Depth {
 /// One exchange of the immutable raw log, the ground truth every summary links back to.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RawTurn {
-    /// The stable id the proxy gave the exchange.
-    pub id: String,
+    /// The stable id the proxy gave the exchange. The texts are boxed, not `String`s: never
+    /// changed once written, and the four capacity words were 32 bytes of every turn.
+    pub id: Box<str>,
     /// Index into `MemoryState::sessions`.
     pub session: u32,
-    pub user: String,
-    pub assistant: String,
+    pub user: Box<str>,
+    pub assistant: Box<str>,
     /// As given (RFC 3339 or a preformatted date).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub event_time: Option<String>,
+    pub event_time: Option<Box<str>>,
     /// Hash chain link over the normalised conversation up to and including this exchange.
     pub chain: u64,
     /// [`pair`](crate::chain::pair) of the exchange as sent (before any excerpt); 0 in turns
@@ -640,9 +642,9 @@ impl TurnLogEntry {
     pub fn texts<'a>(&'a self, raw: Option<&RawTurn>) -> (Cow<'a, str>, Cow<'a, str>) {
         (
             self.user_summary
-                .resolve(raw.map_or("", |turn| turn.user.as_str())),
+                .resolve(raw.map_or("", |turn| &*turn.user)),
             self.assistant_summary
-                .resolve(raw.map_or("", |turn| turn.assistant.as_str())),
+                .resolve(raw.map_or("", |turn| &*turn.assistant)),
         )
     }
 }
@@ -847,9 +849,9 @@ pub(crate) mod test_support {
     pub fn push_turn(state: &mut MemoryState, user: &str, summary: &str, tier: Tier) -> TurnSeq {
         let seq = state.raw_turns.len() as TurnSeq;
         state.raw_turns.push(RawTurn {
-            id: format!("t{seq}"),
+            id: format!("t{seq}").into(),
             session: 0,
-            user: user.to_owned(),
+            user: user.into(),
             assistant: "ok".into(),
             event_time: None,
             chain: 0,

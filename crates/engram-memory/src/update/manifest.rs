@@ -40,7 +40,7 @@ pub fn build_manifest(
         };
         let raw = state.raw_turns.get(*seq as usize);
         let (user_summary, assistant_summary) = entry.texts(raw);
-        let raw_user = raw.map_or("", |turn| turn.user.as_str());
+        let raw_user = raw.map_or("", |turn| &*turn.user);
         turns.push(turn_words(&user_summary, &assistant_summary, raw_user));
         summaries.push(user_summary.into_owned());
         if let Some(turn) = raw {
@@ -240,7 +240,7 @@ mod tests {
         for (user, summary) in turns {
             let seq = push_turn(&mut state, user, summary, Tier::Old);
             if let Some(turn) = state.raw_turns.get_mut(seq as usize) {
-                turn.event_time = Some(format!("2024-03-0{}T10:00:00Z", seq + 1));
+                turn.event_time = Some(format!("2024-03-0{}T10:00:00Z", seq + 1).into());
             }
         }
         state

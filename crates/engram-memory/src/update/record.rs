@@ -89,11 +89,11 @@ pub fn record_exchange(
     let depth = classify(&user, &assistant, &config.depth);
     let seq = TurnSeq::try_from(state.raw_turns.len()).unwrap_or(TurnSeq::MAX);
     let mut raw = RawTurn {
-        id: exchange.turn_id.clone(),
+        id: exchange.turn_id.as_str().into(),
         session,
-        user: user.clone(),
-        assistant: assistant.clone(),
-        event_time: exchange.event_time.clone(),
+        user: user.as_str().into(),
+        assistant: assistant.as_str().into(),
+        event_time: exchange.event_time.as_deref().map(Box::from),
         chain,
         pair: crate::chain::pair(&exchange.user_text, &exchange.assistant_text),
         depth,
@@ -632,7 +632,7 @@ mod tests {
         // A message within the limit is kept as it is.
         let short = exchange(1, "I live in Oslo.", "Nice.");
         record_exchange(&mut state, &short, &HeuristicExtractor, &config);
-        assert_eq!(state.raw_turns[1].user, "I live in Oslo.");
+        assert_eq!(&*state.raw_turns[1].user, "I live in Oslo.");
     }
 
     #[test]
@@ -719,7 +719,7 @@ mod tests {
         );
         let facts: Vec<String> = state.active_facts().map(|fact| fact.text()).collect();
         assert_eq!(facts, ["lives in: Rome"]);
-        assert_eq!(state.raw_turns[0].user, "I live in Rome.");
+        assert_eq!(&*state.raw_turns[0].user, "I live in Rome.");
     }
 
     #[test]

@@ -236,12 +236,15 @@ pub(super) fn assemble(
     for turn in window {
         let (user, assistant) = match *turn {
             WindowTurn::Stored(seq) => match state.raw_turns.get(seq as usize) {
-                Some(turn) => (&turn.user, &turn.assistant),
+                Some(turn) => (&*turn.user, &*turn.assistant),
                 None => continue,
             },
             // Not applied yet, so still as the client sent it: shown as memory would keep it.
             WindowTurn::Unapplied(at) => match request.unapplied.get(at) {
-                Some(exchange) => (&exchange.user_text, &exchange.assistant_text),
+                Some(exchange) => (
+                    exchange.user_text.as_str(),
+                    exchange.assistant_text.as_str(),
+                ),
                 None => continue,
             },
         };
