@@ -772,7 +772,10 @@ fn erase_artifact(state: &mut MemoryState, id: ArtifactId, deleted: &mut Vec<Ite
     artifact.erased = true;
     let turn = artifact.turn;
     if let Some(entry) = state.turn_log.get_mut(turn as usize) {
-        entry.artifacts = (entry.artifacts.iter().copied())
+        entry.artifacts = entry
+            .artifacts
+            .iter()
+            .copied()
             .filter(|artifact| *artifact != id)
             .collect();
     }
