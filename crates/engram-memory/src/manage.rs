@@ -677,12 +677,7 @@ fn erase_facts(state: &mut MemoryState, first: FactId, deleted: &mut Vec<ItemRef
             if state.turn_log[seq].facts.contains(&id)
                 && let Some(entry) = state.turn_log.get_mut(seq)
             {
-                entry.facts = entry
-                    .facts
-                    .iter()
-                    .copied()
-                    .filter(|fact| *fact != id)
-                    .collect();
+                entry.facts = without(&entry.facts, id);
             }
         }
         episodes.extend(
@@ -700,6 +695,11 @@ fn erase_facts(state: &mut MemoryState, first: FactId, deleted: &mut Vec<ItemRef
         state.episodes_version += 1;
     }
     state.facts_version += 1;
+}
+
+/// A turn-log entry's list of ids (boxed: entries never grow one) without `id`.
+fn without(ids: &[u32], id: u32) -> Box<[u32]> {
+    ids.iter().copied().filter(|other| *other != id).collect()
 }
 
 /// Empties the summary and moves it to OLD outside any episode, so nothing injects it again;
@@ -772,12 +772,7 @@ fn erase_artifact(state: &mut MemoryState, id: ArtifactId, deleted: &mut Vec<Ite
     artifact.erased = true;
     let turn = artifact.turn;
     if let Some(entry) = state.turn_log.get_mut(turn as usize) {
-        entry.artifacts = entry
-            .artifacts
-            .iter()
-            .copied()
-            .filter(|artifact| *artifact != id)
-            .collect();
+        entry.artifacts = without(&entry.artifacts, id);
     }
     deleted.push(ItemRef::Artifact(id));
     state.rewrites += 1;
