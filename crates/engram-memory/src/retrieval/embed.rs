@@ -8,8 +8,9 @@
 //! A query's vector is int8 with one scale (256 bytes + 4) and a 256-bit sign code. An item's
 //! vector is kept packed, 4 bits a component ([`Packed`], 164 bytes in all): it is held for
 //! every item of every cached memory, and the half it saves cost 0.002 of evidence recall at
-//! 2,048 tokens on LoCoMo's development split (docs/evaluation.md). A long history is first ranked by Hamming distance between sign codes
-//! (a popcount per word) and only the closest few hundred are scored by their dot product.
+//! 2,048 tokens on LoCoMo's development split (docs/evaluation.md). A long history is first
+//! ranked by Hamming distance between sign codes (a popcount per word) and only the closest
+//! few hundred are scored by their dot product.
 
 use std::collections::HashMap;
 use std::sync::LazyLock;

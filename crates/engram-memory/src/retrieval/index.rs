@@ -799,29 +799,19 @@ impl Segment {
                 renumbered.push(Some(at));
             }
             for (term, postings) in &part.postings {
-                // A posting of a dropped (stale) copy is one stale count of its term: the
-                // same terms the copy's retirement counted.
-                let dropped = postings
+                let mut dropped = 0u32;
+                let mut moved = postings
                     .iter()
-                    .filter(|posting| {
-                        renumbered
-                            .get(posting.doc() as usize)
-                            .is_none_or(Option::is_none)
+                    .filter_map(|posting| {
+                        match renumbered.get(posting.doc() as usize).copied().flatten() {
+                            Some(doc) => Some(Posting::new(doc, posting.tf() as usize)),
+                            None => {
+                                dropped += 1;
+                                None
+                            }
+                        }
                     })
-                    .count();
-                if dropped > 0
-                    && let Some(count) = self.stale.get_mut(term)
-                {
-                    *count = count.saturating_sub(u32::try_from(dropped).unwrap_or(u32::MAX));
-                    if *count == 0 {
-                        self.stale.remove(term);
-                    }
-                }
-                let moved = postings.iter().filter_map(|posting| {
-                    let doc = renumbered.get(posting.doc() as usize).copied().flatten()?;
-                    Some(Posting::new(doc, posting.tf() as usize))
-                });
-                let mut moved = moved.peekable();
+                    .peekable();
                 if moved.peek().is_some() {
                     let list = merged.postings.entry(*term).or_default();
                     let before = list.len();
@@ -830,6 +820,16 @@ impl Segment {
                     }
                     list.extend(moved);
                     merged.bytes += (list.len() - before) * POSTING_BYTES;
+                }
+                // A posting of a dropped (stale) copy is one stale count of its term: the
+                // same terms the copy's retirement counted.
+                if dropped > 0
+                    && let Some(count) = self.stale.get_mut(term)
+                {
+                    *count = count.saturating_sub(dropped);
+                    if *count == 0 {
+                        self.stale.remove(term);
+                    }
                 }
             }
         }
@@ -1667,12 +1667,11 @@ mod tests {
             let mut latest: std::collections::BTreeMap<u32, (Vec<TermId>, Vec<TermId>)> =
                 std::collections::BTreeMap::new();
             for (n, (key, text)) in puts.iter().enumerate() {
-                let text: Option<(Vec<TermId>, Vec<TermId>)> = text.clone();
-                match &text {
+                match text {
                     Some(text) => latest.insert(*key, text.clone()),
                     None => latest.remove(key),
                 };
-                segment.put(*key, text, n as u64 + 1);
+                segment.put(*key, text.clone(), n as u64 + 1);
             }
             for (key, (said, _)) in &latest {
                 let mut distinct = said.clone();
