@@ -194,6 +194,50 @@ fn main() {
     let _ = std::fs::remove_dir_all(&scratch);
 }
 
+/// A shell's busy loop on every core (pinned to it when the run is pinned), at normal
+/// priority: the node whose other pods keep every core busy. Stopped when dropped.
+struct BusyCores(Vec<Child>);
+
+impl BusyCores {
+    fn start(pinned: bool) -> BusyCores {
+        const LOOP: &str = "while :; do :; done";
+        let loops = (0..cores())
+            .filter_map(|core| {
+                let mut command = if pinned {
+                    let mut command = Command::new("taskset");
+                    command.args(["-c", &core.to_string(), "sh", "-c", LOOP]);
+                    command
+                } else {
+                    let mut command = Command::new("sh");
+                    command.args(["-c", LOOP]);
+                    command
+                };
+                command
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .ok()
+            })
+            .collect();
+        BusyCores(loops)
+    }
+
+    /// Stops the loops; how many ran.
+    fn stop(self) -> usize {
+        self.0.len()
+    }
+}
+
+impl Drop for BusyCores {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// Cores of the machine (not of this process, which may already be pinned to one).
 fn cores() -> usize {
     std::fs::read_to_string("/proc/cpuinfo")
@@ -287,6 +331,14 @@ fn describe(args: &Args, pinned: bool, raw: &[String]) -> Vec<String> {
             args.duration.as_secs(),
             thousands((args.rate * args.duration.as_secs()) as f64)
         ));
+    }
+    if args.busy_cores {
+        lines.push(
+            "busy cores: a shell's busy loop on every core (normal priority, pinned one a core \
+             when pinned) from the start of each measured load to the end of its drain, as on a \
+             node whose other pods keep every core busy; the preload and warm-up run without"
+                .to_owned(),
+        );
     }
     if args.scenarios.contains(&Scenario::Adversarial) {
         lines.push(format!(
@@ -801,6 +853,9 @@ fn measure(
         url: &twin_url,
         ..run
     };
+    let busy = args
+        .busy_cores
+        .then(|| BusyCores::start(context.cores.system.is_some()));
     let result = load::run_oha(&run, Some(&twin));
     let load_ended = Instant::now();
     let at_end = runtime.block_on(scrape(client, &base)).unwrap_or_default();
@@ -809,6 +864,12 @@ fn measure(
     let waited = load_ended.elapsed().as_secs_f64();
     let peak_rss_mib = sampler.finish();
     let cpu = systems::cpu_seconds(&[engram.pid()]) - cpu_before;
+    if let Some(busy) = busy {
+        notes.push(format!(
+            "{} busy loops (one per core, normal priority) ran through the load and the drain",
+            busy.stop()
+        ));
+    }
     let degraded_logged = std::fs::read_to_string(&engram.log)
         .unwrap_or_default()
         .matches("answering without memory")

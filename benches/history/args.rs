@@ -24,11 +24,14 @@ usage: ./benches/history.sh [options]
   --adversarial-secs N         seconds of the adversarial run (default 60)
   --drain-timeout-secs N       after a run, how long to wait for the worker to empty the queue
                                (default 120; 30 with --quick)
+  --busy-cores                 one busy loop per core (normal priority) through each measured run
+                               and its drain, as on a node whose other pods keep every core
+                               busy; compare with a run without it
   --out DIR                    where history.md, history.json and history.svg go (default
                                docs/benchmarks; target/bench-quick with --quick, and
                                target/bench-partial when --sizes, --scenarios or --systems
-                               differ from the defaults, so a partial run never replaces the
-                               full report)
+                               differ from the defaults or --busy-cores is given, so a partial
+                               run never replaces the full report)
   --help                       this text
 ";
 
@@ -87,6 +90,8 @@ pub struct Args {
     pub adversarial_rate: u64,
     pub adversarial_duration: Duration,
     pub drain_timeout: Duration,
+    /// One busy loop per core through each measured run and its drain.
+    pub busy_cores: bool,
     pub out_dir: PathBuf,
     pub quick: bool,
     pub help: bool,
@@ -104,6 +109,7 @@ impl Args {
             adversarial_rate: 1000,
             adversarial_duration: Duration::from_secs(60),
             drain_timeout: Duration::from_secs(120),
+            busy_cores: false,
             out_dir: PathBuf::from("docs/benchmarks"),
             quick: false,
             help: false,
@@ -143,6 +149,10 @@ pub fn parse(args: &[String]) -> Result<Args, String> {
         let mut takes_value = true;
         match flag {
             "--quick" | "--bench" => takes_value = false,
+            "--busy-cores" => {
+                parsed.busy_cores = true;
+                takes_value = false;
+            }
             "--help" | "-h" => {
                 parsed.help = true;
                 takes_value = false;
@@ -202,7 +212,8 @@ pub fn parse(args: &[String]) -> Result<Args, String> {
     }
     let partial = parsed.sizes != DEFAULT_SIZES
         || parsed.scenarios != Scenario::ALL
-        || parsed.systems != Backend::ALL;
+        || parsed.systems != Backend::ALL
+        || parsed.busy_cores;
     if partial && !parsed.quick && !out_given {
         parsed.out_dir = PathBuf::from("target/bench-partial");
     }
