@@ -290,6 +290,8 @@ async fn traffic_moves_the_metrics_and_every_dashboard_metric_is_exported() {
         missing.is_empty(),
         "alerted metrics not exported: {missing:?}"
     );
+    // Not on the dashboard, but documented in docs/operations.md.
+    assert!(scrape.exports("engram_yields_held_back_total"));
 
     // Requests by route, status class and memory outcome.
     let chat = |status: &str, memory: &str| {

@@ -4,8 +4,19 @@
 //! thread has run a slice (`BACKGROUND_SLICE`); on any other thread it does nothing. Only a
 //! thread-local slice and `std::thread::yield_now`: the scheduling policies and the runtimes
 //! that start those threads stay in the sidecar's runtime crate.
+//!
+//! A yield cannot choose who gets the core. On a node whose other processes keep every core
+//! busy, it went to them for a whole scheduler slice (1.5–3 ms here), not to a request of this
+//! process: every recorded answer's end waited that long behind its commit's yield
+//! (docs/benchmarks-log.md). So on a thread that asks for it
+//! ([`hold_back_after_foreign_yields`]), a yield that waited long while this process got little
+//! CPU ([`gave_way_to_another_process`]) stops the thread's yields for [`FOREIGN_BACKOFF`]; the
+//! next one after that looks again. That needs the process's CPU clock, which the sidecar
+//! installs ([`set_process_clock`]); without it every yield is made.
 
 use std::cell::Cell;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Offers the core to a runnable request thread before the next step of background work.
@@ -20,7 +31,7 @@ use std::time::{Duration, Instant};
 /// yield with nobody waiting returns at once. With them, the same trace showed no wait over
 /// 0.3 ms.
 pub fn yield_to_requests() {
-    std::thread::yield_now();
+    give_way();
     SLICE.with(|slice| {
         if let Some(mut current) = slice.get() {
             current.since = Instant::now();
@@ -96,9 +107,96 @@ pub fn checkpoint_step() {
 
 fn yield_once_the_slice_is_over(current: &mut Slice) {
     if current.since.elapsed() >= BACKGROUND_SLICE {
-        std::thread::yield_now();
+        give_way();
         current.since = Instant::now();
     }
+}
+
+/// A yield that waited at least this long is looked at: a yield with no one else runnable
+/// returns in microseconds.
+const LONG_YIELD: Duration = Duration::from_micros(500);
+
+/// How long a thread makes no yields after one gave the core to another process.
+pub const FOREIGN_BACKOFF: Duration = Duration::from_millis(100);
+
+/// The process's CPU time (all its threads), installed once by the sidecar.
+static PROCESS_CLOCK: OnceLock<fn() -> Duration> = OnceLock::new();
+
+/// Back-offs started in this process (see [`yields_held_back_total`]).
+static HELD_BACK: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// Until when this thread makes no yields (see the module documentation).
+    static NO_YIELDS_UNTIL: Cell<Option<Instant>> = const { Cell::new(None) };
+    /// Whether this thread holds its yields back after one went to another process.
+    static HOLDS_BACK: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Makes the calling thread hold its yields back for [`FOREIGN_BACKOFF`] after one went to
+/// another process. For the threads a recorded answer's end waits for (its enqueue, the
+/// commits that hold the write lock it needs): the worker's threads keep every yield, which
+/// keeps requests first while they compute.
+pub fn hold_back_after_foreign_yields() {
+    HOLDS_BACK.with(|holds| holds.set(true));
+}
+
+/// Whether the calling thread holds its yields back ([`hold_back_after_foreign_yields`]).
+pub fn holds_back_after_foreign_yields() -> bool {
+    HOLDS_BACK.with(Cell::get)
+}
+
+/// Installs the process's CPU clock, which lets a yield tell whether it helped this process.
+/// The first clock installed stays.
+pub fn set_process_clock(clock: fn() -> Duration) {
+    let _ = PROCESS_CLOCK.set(clock);
+}
+
+/// Whether a yield that waited `waited` while this process's threads ran for `ours` gave the
+/// core to another process: it waited long, and this process had under half of that time.
+pub fn gave_way_to_another_process(waited: Duration, ours: Duration) -> bool {
+    waited >= LONG_YIELD && ours < waited / 2
+}
+
+/// Yields the core, unless a recent yield of this thread went to another process.
+fn give_way() {
+    let started = Instant::now();
+    if NO_YIELDS_UNTIL
+        .with(Cell::get)
+        .is_some_and(|until| started < until)
+    {
+        return;
+    }
+    // Only a thread that holds its yields back reads the clock (two system calls a yield).
+    let clock = PROCESS_CLOCK.get().filter(|_| HOLDS_BACK.with(Cell::get));
+    let cpu_before = clock.map(|clock| clock());
+    std::thread::yield_now();
+    if let (Some(clock), Some(cpu_before)) = (clock, cpu_before) {
+        let waited = started.elapsed();
+        let ours = clock().saturating_sub(cpu_before);
+        after_yield(waited, ours, Instant::now());
+    }
+}
+
+/// Starts a back-off when the yield just made gave the core to another process.
+fn after_yield(waited: Duration, ours: Duration, now: Instant) {
+    if HOLDS_BACK.with(Cell::get) && gave_way_to_another_process(waited, ours) {
+        NO_YIELDS_UNTIL.with(|until| until.set(Some(now + FOREIGN_BACKOFF)));
+        HELD_BACK.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// How many times a thread of this process held its yields back because one went to another
+/// process: a node whose other processes keep the cores busy.
+pub fn yields_held_back_total() -> u64 {
+    HELD_BACK.load(Ordering::Relaxed)
+}
+
+/// Whether this thread's yields are held back now, after one went to another process.
+#[cfg(test)]
+fn yields_held_back() -> bool {
+    NO_YIELDS_UNTIL
+        .with(Cell::get)
+        .is_some_and(|until| Instant::now() < until)
 }
 
 /// Makes [`checkpoint`] yield on the calling thread: the sidecar calls it as each worker and
@@ -132,6 +230,45 @@ mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
 
     use super::*;
+
+    #[test]
+    fn a_yield_that_went_to_another_process_holds_the_next_ones_back() {
+        let ms = Duration::from_millis;
+        // Short yields are not looked at; long ones count when this process had under half.
+        assert!(!gave_way_to_another_process(
+            Duration::from_micros(100),
+            Duration::ZERO
+        ));
+        assert!(gave_way_to_another_process(ms(3), ms(1)));
+        assert!(!gave_way_to_another_process(ms(3), ms(2)));
+        std::thread::spawn(move || {
+            // A thread that did not ask holds nothing back.
+            after_yield(ms(3), Duration::ZERO, Instant::now());
+            assert!(!yields_held_back());
+            hold_back_after_foreign_yields();
+            // The core went to this process's own threads: yields go on.
+            after_yield(ms(3), ms(3), Instant::now());
+            assert!(!yields_held_back());
+            // It went elsewhere: none for the back-off, then they resume.
+            let counted = yields_held_back_total();
+            after_yield(ms(3), Duration::ZERO, Instant::now());
+            assert!(yields_held_back());
+            assert!(yields_held_back_total() > counted);
+            mark_background();
+            let before = last_yield().unwrap();
+            std::thread::sleep(ms(1));
+            yield_to_requests();
+            assert!(
+                last_yield().unwrap() > before,
+                "a held-back yield still starts a slice"
+            );
+            let long_ago = Instant::now().checked_sub(FOREIGN_BACKOFF * 2).unwrap();
+            after_yield(ms(3), Duration::ZERO, long_ago);
+            assert!(!yields_held_back());
+        })
+        .join()
+        .unwrap();
+    }
 
     #[test]
     fn checkpoints_yield_on_background_threads_once_a_slice_has_passed() {

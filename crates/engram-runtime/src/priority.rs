@@ -28,10 +28,20 @@
 //! 100 req/s the added p99 fell from 3.4–4.6 ms to 0.84 ms (embedded). So do the embedded
 //! store's commits, at each write of a round and each page read and write (`YieldingFile`): a
 //! waking request thread does not take the core from the recorder, it waits for a yield.
+//!
+//! A yield cannot choose who gets the core: on a node whose other processes keep every core
+//! busy it handed the core to them for a scheduler slice, and a recorded answer's end waited
+//! that long behind its commit's yield. So each [`recorder_pool`]'s thread holds its yields
+//! back for a while after one went to another process, which the process's CPU clock
+//! ([`process_cpu_time`]) tells (see `engram_memory::yielding`). The worker's and the
+//! catch-up's threads keep every yield: without them the catch-up kept up on such a node, but
+//! requests waited behind it (docs/benchmarks-log.md).
 
 use std::time::Duration;
 
-use engram_memory::yielding::mark_background;
+#[cfg(target_os = "linux")]
+use engram_memory::yielding::set_process_clock;
+use engram_memory::yielding::{hold_back_after_foreign_yields, mark_background};
 use tokio::runtime::{Builder, Runtime};
 
 use crate::error::Result;
@@ -40,6 +50,7 @@ use crate::error::Result;
 // recorder and worker name them here, beside the threads they apply to.
 pub use engram_memory::yielding::{
     checkpoint, checkpoint_step, start_slice, yield_if_background, yield_to_requests,
+    yields_held_back_total,
 };
 
 /// The worker's runtime. Dropping it (even inside another runtime, where dropping a `Runtime`
@@ -58,6 +69,29 @@ impl Drop for WorkerRuntime {
             runtime.shutdown_background();
         }
     }
+}
+
+/// This process's CPU time, all its threads together; zero where it cannot be read.
+pub fn process_cpu_time() -> Duration {
+    #[cfg(target_os = "linux")]
+    {
+        let now = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+        Duration::new(
+            u64::try_from(now.tv_sec).unwrap_or(0),
+            u32::try_from(now.tv_nsec).unwrap_or(0),
+        )
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        Duration::ZERO
+    }
+}
+
+/// Lets the yields of the threads that hold them back tell whether they helped this process
+/// (Linux only: elsewhere every yield is made).
+fn install_process_clock() {
+    #[cfg(target_os = "linux")]
+    set_process_clock(process_cpu_time);
 }
 
 /// A one-thread runtime for the worker; `idle` asks for the idle scheduling policy.
@@ -104,7 +138,8 @@ pub enum RecorderPriority {
 }
 
 /// A runtime used only for its blocking pool: one thread, named `name`, scheduled as
-/// `priority` asks where Linux allows it, and passing [`checkpoint`]s as a background thread.
+/// `priority` asks where Linux allows it, passing [`checkpoint`]s as a background thread, and
+/// holding its yields back for a while after one went to another process.
 /// `Handle::spawn_blocking` on it runs there.
 ///
 /// The thread starts here, on the caller's thread, and lives as long as the pool. A new thread
@@ -115,6 +150,7 @@ pub enum RecorderPriority {
 /// kept both cores busy, every commit, claim and enqueue then waited seconds for a core
 /// (`tests/worker_lag.rs`: commits of 1.4–4 s).
 pub fn recorder_pool(name: &str, priority: RecorderPriority) -> Result<WorkerRuntime> {
+    install_process_clock();
     let start: fn() = match priority {
         RecorderPriority::Normal => mark_background,
         RecorderPriority::Answering => || {},
@@ -124,7 +160,10 @@ pub fn recorder_pool(name: &str, priority: RecorderPriority) -> Result<WorkerRun
         .thread_name(name)
         .max_blocking_threads(1)
         .thread_keep_alive(POOL_THREAD_LIFETIME)
-        .on_thread_start(start)
+        .on_thread_start(move || {
+            start();
+            hold_back_after_foreign_yields();
+        })
         .build()?;
     // Starts the one thread now, from this thread (its join handle is not needed).
     drop(runtime.spawn_blocking(|| {}));
@@ -202,6 +241,23 @@ mod tests {
     const SCHED_IDLE: i64 = 5;
 
     #[test]
+    fn the_process_clock_counts_every_threads_cpu() {
+        let before = process_cpu_time();
+        // Another thread spins until the clock has counted 20 ms, or gives up after 5 s.
+        let counted = std::thread::spawn(move || {
+            let started = std::time::Instant::now();
+            let mut spent = Duration::ZERO;
+            while spent < Duration::from_millis(20) && started.elapsed() < Duration::from_secs(5) {
+                spent = process_cpu_time().saturating_sub(before);
+            }
+            spent
+        })
+        .join()
+        .unwrap();
+        assert!(counted >= Duration::from_millis(20), "{counted:?}");
+    }
+
+    #[test]
     fn the_worker_runs_at_idle_policy_and_recorders_as_asked() {
         let worker = worker_runtime(true).unwrap();
         let worker = worker.handle().unwrap();
@@ -215,6 +271,16 @@ mod tests {
                 .unwrap()
         };
         assert!(checkpoints_on(worker));
+        let holds_back = |handle: &tokio::runtime::Handle| {
+            handle
+                .block_on(
+                    handle.spawn_blocking(engram_memory::yielding::holds_back_after_foreign_yields),
+                )
+                .unwrap()
+        };
+        // The worker keeps every yield (requests first while it computes); the recorders
+        // hold theirs back after one went to another process.
+        assert!(!holds_back(worker));
 
         let recorder = recorder_pool("test-recorder", RecorderPriority::Normal).unwrap();
         let recorder = recorder.handle().unwrap();
@@ -223,6 +289,7 @@ mod tests {
         // Not lowered: as the thread that started it (nice 0 unless the tests run niced).
         assert_eq!(scheduling.unwrap(), (0, own_stat_field(NICE)));
         assert!(checkpoints_on(recorder));
+        assert!(holds_back(recorder));
         let encoder = recorder_pool("test-encoder", RecorderPriority::Lowest).unwrap();
         let encoder = encoder.handle().unwrap();
         let nice = encoder.block_on(encoder.spawn_blocking(|| own_stat_field(NICE)));
@@ -238,6 +305,10 @@ mod tests {
             pool.block_on(pool.spawn_blocking(|| own_stat_field(POLICY)))
         });
         assert_eq!(first_use.join().unwrap().unwrap(), 0);
+        let answering = recorder_pool("test-answering", RecorderPriority::Answering).unwrap();
+        assert!(holds_back(answering.handle().unwrap()));
+        let catch_up = catch_up_runtime().unwrap();
+        assert!(!holds_back(catch_up.handle().unwrap()));
         // And a worker runtime asked for normal priority stays there.
         let normal = worker_runtime(false).unwrap();
         let normal = normal.handle().unwrap();

@@ -13,6 +13,7 @@ use super::metrics_error;
 use crate::error::Result;
 use engram_proxy::recorder::outbox::Outbox;
 use engram_proxy::worker::Worker;
+use engram_runtime::priority;
 
 const JOB_RESULTS: [&str; 4] = ["applied", "duplicate", "retried", "failed"];
 const OUTBOX_RESULTS: [&str; 4] = ["queued", "spooled", "forwarded", "lost"];
@@ -25,6 +26,7 @@ pub(super) struct StatsCollector {
     spooled: Desc,
     in_flight: Desc,
     unrecorded_at_start: Desc,
+    yields_held_back: Desc,
     /// Only with a worker: jobs, runs, conflicts, summarizer refinements, the catch-up's jobs
     /// and whether it is on.
     worker_descs: Option<[Desc; 7]>,
@@ -95,6 +97,11 @@ impl StatsCollector {
                 "Turns the previous process answered (receipt pending or lost) and never recorded: lost by a crash or a failing store before this start.",
                 None,
             )?,
+            yields_held_back: desc(
+                "engram_yields_held_back_total",
+                "Times a background thread's yield gave the core to another process rather than to this one's requests, after which that thread made no yields for 100 ms: the node's other processes keep its cores busy.",
+                None,
+            )?,
             worker_descs,
         })
     }
@@ -107,6 +114,7 @@ impl Collector for StatsCollector {
             &self.spooled,
             &self.in_flight,
             &self.unrecorded_at_start,
+            &self.yields_held_back,
         ];
         if let Some(worker) = &self.worker_descs {
             descs.extend(worker.iter());
@@ -131,6 +139,11 @@ impl Collector for StatsCollector {
             gauge(&self.spooled, self.outbox.spooled()),
             gauge(&self.in_flight, load(&outbox.in_flight)),
             gauge(&self.unrecorded_at_start, load(&outbox.unrecorded_at_start)),
+            counters(
+                &self.yields_held_back,
+                &[""],
+                [priority::yields_held_back_total()],
+            ),
         ];
         if let (
             Some(worker),
