@@ -120,7 +120,7 @@ const LONG_YIELD: Duration = Duration::from_micros(500);
 pub const FOREIGN_BACKOFF: Duration = Duration::from_millis(100);
 
 /// The process's CPU time (all its threads), installed once by the sidecar.
-static PROCESS_CLOCK: OnceLock<fn() -> Duration> = OnceLock::new();
+static PROCESS_CLOCK: OnceLock<fn() -> Option<Duration>> = OnceLock::new();
 
 /// Back-offs started in this process (see [`yields_held_back_total`]).
 static HELD_BACK: AtomicU64 = AtomicU64::new(0);
@@ -145,9 +145,9 @@ pub fn holds_back_after_foreign_yields() -> bool {
     HOLDS_BACK.with(Cell::get)
 }
 
-/// Installs the process's CPU clock, which lets a yield tell whether it helped this process.
-/// The first clock installed stays.
-pub fn set_process_clock(clock: fn() -> Duration) {
+/// Installs the process's CPU clock (`None` when it cannot be read), which lets a yield tell
+/// whether it helped this process. The first clock installed stays.
+pub fn set_process_clock(clock: fn() -> Option<Duration>) {
     let _ = PROCESS_CLOCK.set(clock);
 }
 
@@ -168,12 +168,13 @@ fn give_way() {
     }
     // Only a thread that holds its yields back reads the clock (two system calls a yield).
     let clock = PROCESS_CLOCK.get().filter(|_| HOLDS_BACK.with(Cell::get));
-    let cpu_before = clock.map(|clock| clock());
+    let cpu_before = clock.and_then(|clock| clock());
     std::thread::yield_now();
-    if let (Some(clock), Some(cpu_before)) = (clock, cpu_before) {
+    if let (Some(clock), Some(cpu_before)) = (clock, cpu_before)
+        && let Some(cpu_after) = clock()
+    {
         let waited = started.elapsed();
-        let ours = clock().saturating_sub(cpu_before);
-        after_yield(waited, ours, Instant::now());
+        after_yield(waited, cpu_after.saturating_sub(cpu_before), Instant::now());
     }
 }
 
