@@ -714,6 +714,11 @@ impl Words {
         self.iter().collect::<Vec<_>>().join(separator)
     }
 
+    /// The items one a line, as held: what `join("\n")` gives, without building it.
+    pub fn as_lines(&self) -> &str {
+        &self.0
+    }
+
     pub fn clear(&mut self) {
         self.0 = Box::default();
     }
@@ -880,6 +885,7 @@ pub(crate) mod test_support {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
 
     #[test]
     fn words_keep_their_items_and_their_stored_form() {
@@ -890,6 +896,7 @@ mod tests {
         assert!(words.contains("New York"));
         assert!(!words.contains("New"));
         assert_eq!(words.join(", "), "sourdough, New York, two lines");
+        assert_eq!(words.as_lines(), words.join("\n"));
         let again = serde_json::to_string(&words).unwrap_or_default();
         assert_eq!(again, r#"["sourdough","New York","two lines"]"#);
         let mut words = words;
@@ -902,7 +909,6 @@ mod tests {
             serde_json::from_str("[]").unwrap_or(words)
         );
     }
-    use super::*;
 
     /// jemalloc's small size classes: 16-byte steps to 128, then four per doubling.
     #[test]

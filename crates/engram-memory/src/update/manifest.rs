@@ -222,9 +222,11 @@ thread_local! {
 pub fn remembered_match_terms(manifest: &EpisodeManifest) -> Rc<TermSet> {
     // The terms are those of every tag and hint together, and a newline separates terms
     // anyway: however the key splits into tags and hints, it names one answer.
-    let mut key = manifest.salience_tags.join("\n");
-    key.push_str("\n\n");
-    key.push_str(&manifest.rehydration_hints.join("\n"));
+    let key = format!(
+        "{}\n\n{}",
+        manifest.salience_tags.as_lines(),
+        manifest.rehydration_hints.as_lines()
+    );
     memoised(&MATCH_TERMS, &key, || match_terms(manifest))
 }
 
