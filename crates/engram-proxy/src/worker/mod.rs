@@ -29,7 +29,7 @@ pub use config::WorkerConfig;
 pub use metrics::WorkerMetrics;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{Notify, Semaphore, oneshot, watch};
@@ -95,6 +95,8 @@ pub struct Worker {
     /// With a catch-up: the idle loop's runs in hand, which the catch-up takes over while
     /// the idle threads are starved (see [`held`]).
     held: HeldRuns,
+    /// Set by the catch-up's monitor while the idle threads count as starved.
+    idle_starved: AtomicBool,
     /// One user's runs of different sessions apply one at a time in this process (a stripe per
     /// user hash): run side by side they each read the same version and all but one commit
     /// conflicted, and after a restart with a backlog, eight conflicts in a row left a job to
@@ -186,6 +188,7 @@ impl Worker {
             telemetry: Telemetry::default(),
             progress: Progress::default(),
             held: HeldRuns::default(),
+            idle_starved: AtomicBool::new(false),
             applying: (0..APPLY_STRIPES)
                 .map(|_| tokio::sync::Mutex::new(()))
                 .collect(),
@@ -384,7 +387,9 @@ impl Worker {
             let now = Instant::now();
             let lag = self.progress.estimate(depth, now);
             let claimer = gate.update(lag, starved, now);
-            if gate.starved(now) {
+            let idle_starved = gate.starved(now);
+            self.idle_starved.store(idle_starved, Ordering::Relaxed);
+            if idle_starved {
                 self.take_over_held_runs(max_lag / 4);
             }
             let changed =
@@ -449,7 +454,7 @@ impl Worker {
             jobs.iter().filter_map(|job| job.trace),
         );
         let started = std::time::Instant::now();
-        match self.apply_run(&jobs, applier == Applier::TakenOver).await {
+        match self.apply_run(&jobs, applier).await {
             Ok(applied) => {
                 self.stats.runs.fetch_add(1, Ordering::Relaxed);
                 if let Some(metrics) = &self.metrics {
@@ -498,7 +503,7 @@ impl Worker {
 
     /// Applies jobs of one session, in order, and commits them together: one state read,
     /// one engine pass, one write, whatever the run's length.
-    async fn apply_run(&self, jobs: &[Job], taken_over: bool) -> Result<Vec<Applied>> {
+    async fn apply_run(&self, jobs: &[Job], applier: Applier) -> Result<Vec<Applied>> {
         let mut extractions = Vec::with_capacity(jobs.len());
         let mut retry = Vec::new();
         for job in jobs {
@@ -523,10 +528,14 @@ impl Worker {
         }
         let applied = {
             let user = self.applying_user(&jobs[0].id.user).lock();
-            // The starved idle task of a run taken over may hold the stripe: the catch-up waits
-            // a tick at most, then goes on; the commit's version check keeps the two apart, the
-            // lock only spares a conflict.
-            let _user = if taken_over {
+            // The starved idle task of a run taken over may hold the stripe, mid-apply, for as
+            // long as it gets no CPU (seconds on a busy node), and with it every later run of
+            // its user: so while the idle threads are starved the catch-up waits a tick at
+            // most, then goes on. The commit's version check keeps the two apart; the lock
+            // only spares a conflict.
+            let brief = applier == Applier::TakenOver
+                || (applier.is_catch_up() && self.idle_starved.load(Ordering::Relaxed));
+            let _user = if brief {
                 tokio::time::timeout(lag::TICK, user).await.ok()
             } else {
                 Some(user.await)
