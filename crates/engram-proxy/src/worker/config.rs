@@ -34,7 +34,8 @@ pub struct WorkerConfig {
     pub idle_priority: bool,
     /// With `idle_priority`: the job lag to keep under. When the idle threads fall behind (every
     /// core busy, so they get no CPU), a catch-up on a normal-priority thread applies the jobs
-    /// once they have waited half of this. 0 turns the catch-up off.
+    /// once they have waited half of this (a quarter, while the idle threads are starved). 0
+    /// turns the catch-up off.
     pub max_lag_ms: u64,
 }
 
