@@ -68,7 +68,7 @@ impl StatsCollector {
                 )?,
                 desc(
                     "engram_worker_catch_up_active",
-                    "1 while the catch-up claims the jobs at normal priority (the job lag reached half of worker.max_lag_ms), else 0.",
+                    "1 while the catch-up claims the jobs at normal priority (the job lag reached half of worker.max_lag_ms, or a quarter while the idle threads get no CPU), else 0.",
                     None,
                 )?,
             ]),
