@@ -272,6 +272,13 @@ impl Worker {
         // Told when a run of jobs ends, freeing its session and its permit.
         let run_ended = Arc::new(Notify::new());
         let mut backoff = poll;
+        // The catch-up, caught up, lets jobs gather this long between claims. Claimed as they
+        // came (two or so at a time, as a busy core runs it), each few cost a claim and a commit
+        // on the store's one write lock, which the recorded answers' enqueues wait for: with
+        // the other processes' load, those transactions took the core and answers waited
+        // seconds. A backlog is claimed as fast as before: a full claim does not wait.
+        let gather = Duration::from_millis(self.config.max_lag_ms / 10);
+        let mut next_claim: Option<Instant> = None;
         // The idle loop's runs are open to the catch-up when there is one.
         let holding = me == Claimer::Idle && turn.is_some();
         loop {
@@ -303,6 +310,8 @@ impl Worker {
                 Ok(claimed) if !claimed.is_empty() => {
                     backoff = poll;
                     filled = claimed.len() == batch;
+                    next_claim =
+                        (me == Claimer::CatchUp && !filled).then(|| Instant::now() + gather);
                     // Only this loop takes permits, and the claim held no more sessions than
                     // there were free: every run has one.
                     let mut first = Some(first);
@@ -354,6 +363,13 @@ impl Worker {
                 // Our turn ended: stop waiting on the wake-ups, they are the other loop's now.
                 _ = turn_is(&mut turn, |claimer| claimer != me) => {}
                 () = cancel.cancelled() => return,
+            }
+            if let Some(until) = next_claim {
+                tokio::select! {
+                    () = tokio::time::sleep_until(until.into()) => {}
+                    _ = turn_is(&mut turn, |claimer| claimer != me) => {}
+                    () = cancel.cancelled() => return,
+                }
             }
         }
     }

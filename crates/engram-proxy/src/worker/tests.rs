@@ -210,18 +210,9 @@ async fn starved_idle_loop_holding_a_run(mid_apply: bool) -> (u64, u64) {
         Some(stripe) => Some(stripe.lock().await),
         None => None,
     };
-    // The idle runtime's one thread is then kept busy until the test ends.
-    let idle = priority::worker_runtime(false).unwrap();
-    let idle = idle.handle().unwrap().clone();
-    let (release, blocked) = std::sync::mpsc::channel::<()>();
-    let (started, running) = tokio::sync::oneshot::channel();
-    drop(idle.spawn(async move {
-        let _ = started.send(());
-        let _ = blocked.recv();
-    }));
-    running.await.unwrap();
+    let (idle, release) = starved_idle_runtime().await;
     let catch_up = priority::catch_up_runtime().unwrap();
-    worker.start(&idle, catch_up.handle());
+    worker.start(idle.handle().unwrap(), catch_up.handle());
 
     let deadline = Instant::now() + Duration::from_secs(10);
     while worker.stats().applied.load(Ordering::Relaxed) < 2 && Instant::now() < deadline {
@@ -241,6 +232,64 @@ async fn starved_idle_loop_holding_a_run(mid_apply: bool) -> (u64, u64) {
         assert_eq!(store.queue_depth().await.unwrap(), 0);
     }
     (applied, taken_over)
+}
+
+/// The idle loop's runtime, its one thread kept busy until `release` is sent to or dropped, as
+/// the busy cores of a shared node keep an idle-policy thread off them.
+async fn starved_idle_runtime() -> (priority::WorkerRuntime, std::sync::mpsc::Sender<()>) {
+    let idle = priority::worker_runtime(false).unwrap();
+    let (release, blocked) = std::sync::mpsc::channel::<()>();
+    let (started, running) = tokio::sync::oneshot::channel();
+    drop(idle.handle().unwrap().spawn(async move {
+        let _ = started.send(());
+        let _ = blocked.recv();
+    }));
+    running.await.unwrap();
+    (idle, release)
+}
+
+/// Caught up on a starved node, the catch-up lets jobs gather between claims: one user's turns
+/// arriving every 10 ms are applied in runs of several, not in a claim and a commit each
+/// (which, on a busy core, kept the store's write lock from the answers' enqueues).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_catch_up_caught_up_lets_jobs_gather_between_claims() {
+    const TURNS: u64 = 100;
+    let (_dir, cache, store) = queued_store(&["solo"], 0).await;
+    let config = WorkerConfig {
+        max_lag_ms: 400,
+        poll_interval_ms: 5,
+        ..WorkerConfig::default()
+    };
+    let gather = Duration::from_millis(config.max_lag_ms / 10);
+    let (worker, tasks, cancel) = worker(&store, cache, config, Summarizer::heuristic());
+    let (idle, release) = starved_idle_runtime().await;
+    let catch_up = priority::catch_up_runtime().unwrap();
+    worker.start(idle.handle().unwrap(), catch_up.handle());
+
+    let started = Instant::now();
+    for turn in 0..TURNS {
+        store.enqueue(&job("solo", turn as usize)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while worker.stats().applied.load(Ordering::Relaxed) < TURNS && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let elapsed = started.elapsed();
+    let stats = worker.stats();
+    let (applied, by_catch_up, runs) = (
+        stats.applied.load(Ordering::Relaxed),
+        stats.catch_up_applied.load(Ordering::Relaxed),
+        stats.runs.load(Ordering::Relaxed),
+    );
+    release.send(()).unwrap();
+    cancel.cancel();
+    tasks.close();
+    tasks.wait().await;
+    assert_eq!((applied, by_catch_up), (TURNS, TURNS));
+    // A partial claim is followed by the next one a gathering interval later at the soonest.
+    let bound = elapsed.as_millis() / gather.as_millis() + 2;
+    assert!(u128::from(runs) <= bound, "{runs} runs in {elapsed:?}");
 }
 
 /// A run taken over mid-way is applied by both loops at once: one commit lands, the other
