@@ -128,21 +128,29 @@ static HELD_BACK: AtomicU64 = AtomicU64::new(0);
 thread_local! {
     /// Until when this thread makes no yields (see the module documentation).
     static NO_YIELDS_UNTIL: Cell<Option<Instant>> = const { Cell::new(None) };
-    /// Whether this thread holds its yields back after one went to another process.
-    static HOLDS_BACK: Cell<bool> = const { Cell::new(false) };
+    /// After how many yields in a row went to another process this thread holds its yields
+    /// back; 0: never.
+    static HOLDS_BACK: Cell<u32> = const { Cell::new(0) };
+    /// The yields in a row, up to now, that went to another process.
+    static FOREIGN_STREAK: Cell<u32> = const { Cell::new(0) };
 }
 
 /// Makes the calling thread hold its yields back for [`FOREIGN_BACKOFF`] after one went to
 /// another process. For the threads a recorded answer's end waits for (its enqueue, the
-/// commits that hold the write lock it needs): the worker's threads keep every yield, which
+/// commits that hold the write lock it needs), and for the catch-up, which applies the jobs
+/// when other processes keep the cores busy: the idle worker's threads keep every yield, which
 /// keeps requests first while they compute.
-pub fn hold_back_after_foreign_yields() {
-    HOLDS_BACK.with(|holds| holds.set(true));
+///
+/// `in_a_row` yields must have gone to another process before the thread holds back. Kernel
+/// threads take a yield now and then (the file system's journal after a commit, the network's
+/// soft interrupts at a high request rate); a busy process takes every one.
+pub fn hold_back_after_foreign_yields(in_a_row: u32) {
+    HOLDS_BACK.with(|holds| holds.set(in_a_row.max(1)));
 }
 
 /// Whether the calling thread holds its yields back ([`hold_back_after_foreign_yields`]).
 pub fn holds_back_after_foreign_yields() -> bool {
-    HOLDS_BACK.with(Cell::get)
+    HOLDS_BACK.with(Cell::get) > 0
 }
 
 /// Installs the process's CPU clock (`None` when it cannot be read), which lets a yield tell
@@ -167,7 +175,9 @@ fn give_way() {
         return;
     }
     // Only a thread that holds its yields back reads the clock (two system calls a yield).
-    let clock = PROCESS_CLOCK.get().filter(|_| HOLDS_BACK.with(Cell::get));
+    let clock = PROCESS_CLOCK
+        .get()
+        .filter(|_| holds_back_after_foreign_yields());
     let cpu_before = clock.and_then(|clock| clock());
     std::thread::yield_now();
     if let (Some(clock), Some(cpu_before)) = (clock, cpu_before)
@@ -178,9 +188,23 @@ fn give_way() {
     }
 }
 
-/// Starts a back-off when the yield just made gave the core to another process.
+/// Starts a back-off once the yields just made gave the core to another process as many times
+/// in a row as this thread asked.
 fn after_yield(waited: Duration, ours: Duration, now: Instant) {
-    if HOLDS_BACK.with(Cell::get) && gave_way_to_another_process(waited, ours) {
+    let in_a_row = HOLDS_BACK.with(Cell::get);
+    if in_a_row == 0 {
+        return;
+    }
+    if !gave_way_to_another_process(waited, ours) {
+        FOREIGN_STREAK.with(|streak| streak.set(0));
+        return;
+    }
+    let streak = FOREIGN_STREAK.with(|streak| {
+        streak.set(streak.get().saturating_add(1));
+        streak.get()
+    });
+    if streak >= in_a_row {
+        FOREIGN_STREAK.with(|streak| streak.set(0));
         NO_YIELDS_UNTIL.with(|until| until.set(Some(now + FOREIGN_BACKOFF)));
         HELD_BACK.fetch_add(1, Ordering::Relaxed);
     }
@@ -246,7 +270,7 @@ mod tests {
             // A thread that did not ask holds nothing back.
             after_yield(ms(3), Duration::ZERO, Instant::now());
             assert!(!yields_held_back());
-            hold_back_after_foreign_yields();
+            hold_back_after_foreign_yields(1);
             // The core went to this process's own threads: yields go on.
             after_yield(ms(3), ms(3), Instant::now());
             assert!(!yields_held_back());
@@ -266,6 +290,26 @@ mod tests {
             let long_ago = Instant::now().checked_sub(FOREIGN_BACKOFF * 2).unwrap();
             after_yield(ms(3), Duration::ZERO, long_ago);
             assert!(!yields_held_back());
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn a_thread_can_ask_for_several_foreign_yields_in_a_row_before_holding_back() {
+        let ms = Duration::from_millis;
+        std::thread::spawn(move || {
+            hold_back_after_foreign_yields(3);
+            let now = Instant::now();
+            after_yield(ms(3), Duration::ZERO, now);
+            after_yield(ms(3), Duration::ZERO, now);
+            // One that went to this process breaks the row.
+            after_yield(ms(3), ms(3), now);
+            after_yield(ms(3), Duration::ZERO, now);
+            after_yield(ms(3), Duration::ZERO, now);
+            assert!(!yields_held_back());
+            after_yield(ms(3), Duration::ZERO, now);
+            assert!(yields_held_back());
         })
         .join()
         .unwrap();

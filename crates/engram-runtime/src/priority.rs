@@ -164,7 +164,7 @@ pub fn recorder_pool(name: &str, priority: RecorderPriority) -> Result<WorkerRun
         .thread_keep_alive(POOL_THREAD_LIFETIME)
         .on_thread_start(move || {
             start();
-            hold_back_after_foreign_yields();
+            hold_back_after_foreign_yields(1);
         })
         .build()?;
     // Starts the one thread now, from this thread (its join handle is not needed).
