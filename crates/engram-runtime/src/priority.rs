@@ -33,9 +33,9 @@
 //! busy it handed the core to them for a scheduler slice, and a recorded answer's end waited
 //! that long behind its commit's yield. So each [`recorder_pool`]'s thread holds its yields
 //! back for a while after one went to another process, which the process's CPU clock
-//! ([`process_cpu_time`]) tells (see `engram_memory::yielding`). The worker's and the
-//! catch-up's threads keep every yield: without them the catch-up kept up on such a node, but
-//! requests waited behind it (docs/benchmarks-log.md).
+//! ([`process_cpu_time`]) tells (see `engram_memory::yielding`). So do the catch-up's: with
+//! every yield kept it got a few per cent of such a core and fell behind. The idle worker's
+//! threads keep every yield; on such a node the catch-up does their work.
 
 use std::time::Duration;
 
@@ -109,16 +109,27 @@ pub fn worker_runtime(idle: bool) -> Result<WorkerRuntime> {
     Ok(WorkerRuntime(Some(builder.build()?)))
 }
 
+/// How many of the catch-up's yields in a row must go to another process before it holds its
+/// yields back. At one, the file system's journal and the network's soft interrupts set it off
+/// at 1,000 req/s on a node with nothing else running (148 back-offs in a 40 s run), and
+/// requests waited behind it: added p50 5.6–8.2 ms against 3.9–4.9.
+const CATCH_UP_FOREIGN_YIELDS: u32 = 3;
+
 /// The catch-up's runtime (see `worker::lag`): one async thread and one blocking thread at
 /// normal priority, so it takes a core at most, both passing [`checkpoint`]s as background
-/// threads so a waiting request gets the core within a slice. Normal priority because an
-/// unprivileged thread cannot leave `SCHED_IDLE` once the worker's threads are in it.
+/// threads so a waiting request gets the core within a slice, and holding their yields back
+/// for a while after one went to another process. Normal priority because an unprivileged
+/// thread cannot leave `SCHED_IDLE` once the worker's threads are in it.
 pub fn catch_up_runtime() -> Result<WorkerRuntime> {
+    install_process_clock();
     let runtime = Builder::new_multi_thread()
         .worker_threads(1)
         .max_blocking_threads(1)
         .thread_name("engram-catch-up")
-        .on_thread_start(mark_background)
+        .on_thread_start(|| {
+            mark_background();
+            hold_back_after_foreign_yields(CATCH_UP_FOREIGN_YIELDS);
+        })
         .enable_all()
         .build()?;
     Ok(WorkerRuntime(Some(runtime)))
@@ -280,8 +291,8 @@ mod tests {
                 )
                 .unwrap()
         };
-        // The worker keeps every yield (requests first while it computes); the recorders
-        // hold theirs back after one went to another process.
+        // The idle worker keeps every yield (requests first while it computes); the recorders
+        // and the catch-up hold theirs back after one went to another process.
         assert!(!holds_back(worker));
 
         let recorder = recorder_pool("test-recorder", RecorderPriority::Normal).unwrap();
@@ -309,8 +320,14 @@ mod tests {
         assert_eq!(first_use.join().unwrap().unwrap(), 0);
         let answering = recorder_pool("test-answering", RecorderPriority::Answering).unwrap();
         assert!(holds_back(answering.handle().unwrap()));
+        // The catch-up too, on its async thread and its blocking one.
         let catch_up = catch_up_runtime().unwrap();
-        assert!(!holds_back(catch_up.handle().unwrap()));
+        let catch_up = catch_up.handle().unwrap();
+        assert!(holds_back(catch_up));
+        let on_async_thread = catch_up.block_on(
+            catch_up.spawn(async { engram_memory::yielding::holds_back_after_foreign_yields() }),
+        );
+        assert!(on_async_thread.unwrap());
         // And a worker runtime asked for normal priority stays there.
         let normal = worker_runtime(false).unwrap();
         let normal = normal.handle().unwrap();

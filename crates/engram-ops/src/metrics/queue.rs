@@ -99,7 +99,7 @@ impl StatsCollector {
             )?,
             yields_held_back: desc(
                 "engram_yields_held_back_total",
-                "Times a recorder or committer thread's yield gave the core to another process rather than to this one's requests, after which that thread made no yields for 100 ms: the node's other processes keep its cores busy.",
+                "Times a recorder, committer or catch-up thread's yield gave the core to another process rather than to this one's requests, after which that thread made no yields for 100 ms: the node's other processes keep its cores busy.",
                 None,
             )?,
             worker_descs,
