@@ -137,15 +137,17 @@ thread_local! {
 
 /// Makes the calling thread hold its yields back for [`FOREIGN_BACKOFF`] after one went to
 /// another process. For the threads a recorded answer's end waits for (its enqueue, the
-/// commits that hold the write lock it needs), and for the catch-up, which applies the jobs
-/// when other processes keep the cores busy: the idle worker's threads keep every yield, which
-/// keeps requests first while they compute.
+/// commits that hold the write lock it needs), and for the catch-up while it is behind, which
+/// applies the jobs when other processes keep the cores busy: the idle worker's threads keep
+/// every yield, which keeps requests first while they compute.
 ///
 /// `in_a_row` yields must have gone to another process before the thread holds back. Kernel
 /// threads take a yield now and then (the file system's journal after a commit, the network's
-/// soft interrupts at a high request rate); a busy process takes every one.
+/// soft interrupts at a high request rate); a busy process takes every one. 0: the thread
+/// keeps every yield again.
 pub fn hold_back_after_foreign_yields(in_a_row: u32) {
-    HOLDS_BACK.with(|holds| holds.set(in_a_row.max(1)));
+    HOLDS_BACK.with(|holds| holds.set(in_a_row));
+    FOREIGN_STREAK.with(|streak| streak.set(0));
 }
 
 /// Whether the calling thread holds its yields back ([`hold_back_after_foreign_yields`]).
@@ -310,6 +312,18 @@ mod tests {
             assert!(!yields_held_back());
             after_yield(ms(3), Duration::ZERO, now);
             assert!(yields_held_back());
+            // Asked for none, it keeps every yield again.
+            hold_back_after_foreign_yields(0);
+            let later = now + FOREIGN_BACKOFF * 2;
+            for _ in 0..5 {
+                after_yield(ms(3), Duration::ZERO, later);
+            }
+            assert!(!holds_back_after_foreign_yields());
+            assert!(
+                NO_YIELDS_UNTIL
+                    .with(Cell::get)
+                    .is_none_or(|until| until <= later)
+            );
         })
         .join()
         .unwrap();

@@ -33,9 +33,10 @@
 //! busy it handed the core to them for a scheduler slice, and a recorded answer's end waited
 //! that long behind its commit's yield. So each [`recorder_pool`]'s thread holds its yields
 //! back for a while after one went to another process, which the process's CPU clock
-//! ([`process_cpu_time`]) tells (see `engram_memory::yielding`). So do the catch-up's: with
-//! every yield kept it got a few per cent of such a core and fell behind. The idle worker's
-//! threads keep every yield; on such a node the catch-up does their work.
+//! ([`process_cpu_time`]) tells (see `engram_memory::yielding`). So do the catch-up's, while it
+//! is behind (the worker sets that per run): with every yield kept it got a few per cent of
+//! such a core and fell behind. The idle worker's threads keep every yield; on such a node the
+//! catch-up does their work.
 
 use std::time::Duration;
 
@@ -110,16 +111,18 @@ pub fn worker_runtime(idle: bool) -> Result<WorkerRuntime> {
 }
 
 /// How many of the catch-up's yields in a row must go to another process before it holds its
-/// yields back. At one, the file system's journal and the network's soft interrupts set it off
-/// at 1,000 req/s on a node with nothing else running (148 back-offs in a 40 s run), and
-/// requests waited behind it: added p50 5.6–8.2 ms against 3.9–4.9.
-const CATCH_UP_FOREIGN_YIELDS: u32 = 3;
+/// yields back. At one, something else on a node with nothing else running (the kernel's
+/// threads) set it off at 1,000 req/s, about 120 back-offs in a 40 s run, and requests waited
+/// behind it: added p50 8.2–9.1 ms against 4.9–5.2.
+pub const CATCH_UP_FOREIGN_YIELDS: u32 = 3;
 
 /// The catch-up's runtime (see `worker::lag`): one async thread and one blocking thread at
 /// normal priority, so it takes a core at most, both passing [`checkpoint`]s as background
 /// threads so a waiting request gets the core within a slice, and holding their yields back
-/// for a while after one went to another process. Normal priority because an unprivileged
-/// thread cannot leave `SCHED_IDLE` once the worker's threads are in it.
+/// for a while after [`CATCH_UP_FOREIGN_YIELDS`] in a row went to another process (the worker
+/// turns that off on the computing thread while the catch-up is not behind). Normal priority
+/// because an unprivileged thread cannot leave `SCHED_IDLE` once the worker's threads are in
+/// it.
 pub fn catch_up_runtime() -> Result<WorkerRuntime> {
     install_process_clock();
     let runtime = Builder::new_multi_thread()

@@ -318,3 +318,19 @@ async fn a_run_applied_by_both_loops_at_once_is_recorded_once() {
     let state = store.load_state(&user).await.unwrap().unwrap();
     assert_eq!(state.turn_log.len(), 3, "each turn once");
 }
+
+#[test]
+fn only_the_catch_up_holds_its_yields_back_and_only_while_behind() {
+    use super::{Applier, Claimer};
+    let catch_up = [Applier::Claimed(Claimer::CatchUp), Applier::TakenOver];
+    for applier in catch_up {
+        assert_eq!(
+            applier.hold_back(true),
+            Some(priority::CATCH_UP_FOREIGN_YIELDS)
+        );
+        assert_eq!(applier.hold_back(false), Some(0));
+    }
+    for behind in [true, false] {
+        assert_eq!(Applier::Claimed(Claimer::Idle).hold_back(behind), None);
+    }
+}
