@@ -111,9 +111,9 @@ pub fn worker_runtime(idle: bool) -> Result<WorkerRuntime> {
 }
 
 /// How many of the catch-up's yields in a row must go to another process before it holds its
-/// yields back. At one, something else on a node with nothing else running (the kernel's
-/// threads) set it off at 1,000 req/s, about 120 back-offs in a 40 s run, and requests waited
-/// behind it: added p50 8.2–9.1 ms against 4.9–5.2.
+/// yields back. At one, on a node with nothing else running, yields that went elsewhere (to
+/// the kernel's own threads) set it off about 120 times in a 40 s run at 1,000 req/s, and
+/// requests waited behind it: added p50 8.2–9.1 ms against 4.9–5.2.
 pub const CATCH_UP_FOREIGN_YIELDS: u32 = 3;
 
 /// The catch-up's runtime (see `worker::lag`): one async thread and one blocking thread at
@@ -295,7 +295,7 @@ mod tests {
                 .unwrap()
         };
         // The idle worker keeps every yield (requests first while it computes); the recorders
-        // and the catch-up hold theirs back after one went to another process.
+        // hold theirs back after one went to another process, the catch-up after three.
         assert!(!holds_back(worker));
 
         let recorder = recorder_pool("test-recorder", RecorderPriority::Normal).unwrap();
