@@ -135,8 +135,8 @@ thread_local! {
     static FOREIGN_STREAK: Cell<u32> = const { Cell::new(0) };
 }
 
-/// Makes the calling thread hold its yields back for [`FOREIGN_BACKOFF`] after one went to
-/// another process. For the threads a recorded answer's end waits for (its enqueue, the
+/// Makes the calling thread hold its yields back for [`FOREIGN_BACKOFF`] once `in_a_row` of
+/// them in a row went to another process. For the threads a recorded answer's end waits for (its enqueue, the
 /// commits that hold the write lock it needs), and for the catch-up while it is behind, which
 /// applies the jobs when other processes keep the cores busy: the idle worker's threads keep
 /// every yield, which keeps requests first while they compute.

@@ -112,6 +112,11 @@ impl LagGate {
         }
     }
 
+    /// Whether the lag is a quarter of the bound or more: over what the catch-up's calm allows.
+    pub fn behind(&self, lag: Duration) -> bool {
+        lag >= self.release
+    }
+
     /// Whether the idle threads count as starved: a probe was late within the last ten bounds.
     pub fn starved(&self, now: Instant) -> bool {
         self.starved_at
@@ -250,6 +255,7 @@ mod tests {
         assert_eq!(gate.update(ms(100), true, at(10_200)), Claimer::Neither);
         assert_eq!(gate.update(ms(249), false, at(10_300)), Claimer::Neither);
         assert_eq!(gate.update(ms(250), false, at(10_400)), Claimer::CatchUp);
+        assert!(!gate.behind(ms(249)) && gate.behind(ms(250)));
     }
 
     #[test]

@@ -112,7 +112,7 @@ pub struct Worker {
     held: HeldRuns,
     /// Set by the catch-up's monitor while the idle threads count as starved.
     idle_starved: AtomicBool,
-    /// Set by the catch-up's monitor while the lag is a quarter of the bound or more.
+    /// Set by the catch-up's monitor while it is behind ([`LagGate::behind`]).
     behind: AtomicBool,
     /// One user's runs of different sessions apply one at a time in this process (a stripe per
     /// user hash): run side by side they each read the same version and all but one commit
@@ -421,7 +421,7 @@ impl Worker {
             let now = Instant::now();
             let lag = self.progress.estimate(depth, now);
             let claimer = gate.update(lag, starved, now);
-            self.behind.store(lag >= max_lag / 4, Ordering::Relaxed);
+            self.behind.store(gate.behind(lag), Ordering::Relaxed);
             let idle_starved = gate.starved(now);
             self.idle_starved.store(idle_starved, Ordering::Relaxed);
             if idle_starved {
