@@ -958,6 +958,10 @@ impl JobQueue for EmbeddedStore {
         self.enqueues.resume();
     }
 
+    fn claims_whole_runs(&self) -> bool {
+        true
+    }
+
     fn claim<'a>(
         &'a self,
         consumer: &'a str,

@@ -359,6 +359,13 @@ pub trait JobQueue: Send + Sync + 'static {
         self.claim_batch(consumer, lease, jobs.min(sessions))
     }
 
+    /// Whether [`Self::claim_runs`] takes a session's queued jobs as one run (up to its `jobs`):
+    /// then a claim that comes back short took all there was. The provided body, and Redis,
+    /// lease one job per session per claim and come back short with more queued behind.
+    fn claims_whole_runs(&self) -> bool {
+        false
+    }
+
     /// Ends a job: records its final state and takes it off the queue. False when the job is
     /// unknown.
     fn finish<'a>(&'a self, job: &'a JobId, state: JobState) -> BoxFuture<'a, Result<bool>>;

@@ -276,6 +276,10 @@ impl JobQueue for MeteredStore {
     fn resume_placing(&self) {
         self.inner.resume_placing();
     }
+
+    fn claims_whole_runs(&self) -> bool {
+        self.inner.claims_whole_runs()
+    }
 }
 
 impl Store for MeteredStore {

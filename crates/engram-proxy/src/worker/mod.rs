@@ -294,8 +294,12 @@ impl Worker {
         // came (two or so at a time, as a busy core runs it), each few cost a claim and a commit
         // on the store's one write lock, which the recorded answers' enqueues wait for: with
         // the other processes' load, those transactions took the core and answers waited
-        // seconds. A backlog is claimed as fast as before: a full claim does not wait.
+        // seconds. A backlog is claimed as fast as before: a full claim does not wait, nor
+        // does any claim of a store that leases one job per session at a time (Redis), whose
+        // claims come back short with more queued: waiting after each held one user's
+        // catch-up to ten jobs a second.
         let gather = Duration::from_millis(self.config.max_lag_ms / 10);
+        let short_claims_took_all = self.store.claims_whole_runs();
         let mut next_claim: Option<Instant> = None;
         // The idle loop's runs are open to the catch-up when there is one.
         let holding = me == Claimer::Idle && turn.is_some();
@@ -328,8 +332,8 @@ impl Worker {
                 Ok(claimed) if !claimed.is_empty() => {
                     backoff = poll;
                     filled = claimed.len() == batch;
-                    next_claim =
-                        (me == Claimer::CatchUp && !filled).then(|| Instant::now() + gather);
+                    next_claim = (me == Claimer::CatchUp && !filled && short_claims_took_all)
+                        .then(|| Instant::now() + gather);
                     // Only this loop takes permits, and the claim held no more sessions than
                     // there were free: every run has one.
                     let mut first = Some(first);
