@@ -194,12 +194,12 @@ async fn killed_process_loses_no_committed_write() {
     assert_eq!(claimed.attempt, 1);
 }
 
-/// Enqueues commit on a thread of their own, off the threads serving requests, at normal
-/// priority (`SCHED_OTHER`, nice 0: it yields at every step, and a lower priority would let a
+/// Enqueues commit on the store's write thread (which the job commits share), off the threads
+/// serving requests, at normal priority (`SCHED_OTHER`, nice 0: a lower priority would let a
 /// busy core starve it); and enqueues arriving together still each get their own answer.
 #[cfg(target_os = "linux")]
 #[tokio::test]
-async fn enqueues_commit_on_a_normal_priority_thread_of_their_own() {
+async fn enqueues_commit_on_the_stores_normal_priority_write_thread() {
     let (store, _dir) = fresh_store().await;
     let store = std::sync::Arc::new(store);
     let user = UserKey::new("t", "recorded");
@@ -229,12 +229,12 @@ async fn enqueues_commit_on_a_normal_priority_thread_of_their_own() {
     for task in std::fs::read_dir("/proc/self/task").unwrap() {
         let path = task.unwrap().path();
         let comm = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
-        if comm.trim() == "engram-recorder" {
+        if comm.trim() == "engram-writer" {
             let stat = std::fs::read_to_string(path.join("stat")).unwrap();
             recorder_scheduling.push(scheduling(&stat));
         }
     }
-    assert!(!recorder_scheduling.is_empty(), "no engram-recorder thread");
+    assert!(!recorder_scheduling.is_empty(), "no engram-writer thread");
     // Not lowered: as this test's thread (nice 0 unless the tests run niced).
     let own = scheduling(&std::fs::read_to_string("/proc/thread-self/stat").unwrap());
     assert!(

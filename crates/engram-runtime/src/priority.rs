@@ -12,10 +12,10 @@
 //! answers waited, those yields only made them wait longer (docs/benchmarks-log.md). Niced to 19,
 //! a recorder that yields that often was starved at full load. The embedded store's job
 //! commits, and every other write transaction of its after start-up (the worker's claims
-//! among them), run the same way on a committer thread of their own: they hold redb's one
-//! write lock, and on the worker's idle-priority threads the requests could keep them from
-//! letting it go while every recorded answer's enqueue waited. Each such pool starts its
-//! thread as it is built (see [`recorder_pool`]).
+//! among them), run on that same thread: they hold redb's one write lock, and on the worker's
+//! idle-priority threads the requests could keep them from letting it go while every recorded
+//! answer's enqueue waited. Such a pool starts its thread as it is built (see
+//! [`recorder_pool`]).
 //! The Redis store's encoding of large exchanges, one long call without checkpoints, runs on
 //! a thread niced to 19.
 //!

@@ -154,10 +154,9 @@ struct Lease {
 pub struct EmbeddedStore {
     /// Reopened after an I/O error (see `db_handle`).
     db: Arc<DbHandle>,
-    /// Recorders' enqueues and workers' job commits are group-committed (see `group_commit`),
-    /// each on a normal-priority thread of its own (on disk).
-    enqueues: Arc<GroupCommit<Job, Enqueued>>,
-    commits: Arc<GroupCommit<JobCommit, ()>>,
+    /// Recorders' enqueues and workers' job commits, group-committed together (see
+    /// `group_commit`) on the store's one normal-priority write thread (on disk).
+    writes: Arc<GroupCommit<Write, Written>>,
     /// Told of each job commit on the committing thread (see [`CommitListener`]).
     listener: Option<Arc<dyn CommitListener>>,
 }
@@ -207,11 +206,11 @@ impl EmbeddedStore {
         }
         Ok(EmbeddedStore {
             db: Arc::new(db),
-            enqueues: GroupCommit::in_background(write_enqueue, linger, "engram-recorder")?,
-            // At normal priority, like the enqueues: a job commit holds redb's one write lock,
-            // and on the worker's idle-priority pool the requests could keep it from finishing
-            // while every recorded answer's enqueue waits for the lock.
-            commits: GroupCommit::in_background(write_commit, Duration::ZERO, "engram-committer")?,
+            // One group commit for both, at normal priority: each holds redb's one write lock,
+            // so as two they took turns, and a recorded answer's enqueue could wait for a job
+            // commit's fsync and then for its own; together a round's one fsync serves both
+            // (docs/benchmarks-log.md, 2026-12-05).
+            writes: GroupCommit::in_background(write_one, linger, "engram-writer")?,
             listener: None,
         })
     }
@@ -221,8 +220,7 @@ impl EmbeddedStore {
     pub fn in_memory() -> Result<EmbeddedStore> {
         Ok(EmbeddedStore {
             db: Arc::new(DbHandle::in_memory(create_tables)?),
-            enqueues: GroupCommit::new(write_enqueue),
-            commits: GroupCommit::new(write_commit),
+            writes: GroupCommit::new(write_one),
             listener: None,
         })
     }
@@ -243,7 +241,7 @@ impl EmbeddedStore {
     /// `faults` feature).
     #[cfg(any(test, feature = "faults"))]
     pub fn fail_next_enqueue_commits(&self, commits: u32) {
-        self.enqueues.fail_next_commits(commits);
+        self.writes.fail_next_commits(commits);
     }
 
     /// Runs a blocking redb read on the caller's runtime's blocking pool; writes go through
@@ -265,7 +263,7 @@ impl EmbeddedStore {
         T: Send + 'static,
         F: FnOnce(&Database) -> Result<T> + Send + 'static,
     {
-        self.blocking_on(self.commits.thread().cloned(), operation)
+        self.blocking_on(self.writes.thread().cloned(), operation)
     }
 
     /// Runs `operation` on `thread`'s blocking pool, or the caller's runtime's.
@@ -311,7 +309,10 @@ impl EmbeddedStore {
             prefetched: encode(prefetched)?,
             listener: self.listener.clone(),
         };
-        self.commits.submit(&self.db, commit).await
+        match self.writes.submit(&self.db, Write::Commit(commit)).await? {
+            Written::Committed => Ok(()),
+            Written::Enqueued(_) => Err(mismatched_write()),
+        }
     }
 }
 
@@ -944,18 +945,22 @@ impl MemoryRecords for EmbeddedStore {
 
 impl JobQueue for EmbeddedStore {
     fn enqueue<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Enqueued>> {
-        Box::pin(self.enqueues.submit(&self.db, job.clone()))
+        let written = self.writes.submit(&self.db, Write::Enqueue(job.clone()));
+        Box::pin(async move { enqueued(written.await) })
     }
 
     fn place(&self, job: Job) -> Placement {
-        match self.enqueues.place(&self.db, job) {
-            Ok(answer) => Placement::Placed(answer),
-            Err((job, _)) => Placement::Held(job),
+        match self.writes.place(&self.db, Write::Enqueue(job)) {
+            Ok(answer) => Placement::Placed(Box::pin(async move { enqueued(answer.await) })),
+            Err((Write::Enqueue(job), _)) => Placement::Held(job),
+            Err((Write::Commit(_), error)) => {
+                Placement::Placed(Box::pin(std::future::ready(Err(error))))
+            }
         }
     }
 
     fn resume_placing(&self) {
-        self.enqueues.resume();
+        self.writes.resume();
     }
 
     fn claims_whole_runs(&self) -> bool {
@@ -1408,6 +1413,45 @@ fn write_claims(
     Ok(claimed)
 }
 
+/// A write of the store's commit thread: a recorded job, or a worker's applied jobs.
+enum Write {
+    Enqueue(Job),
+    Commit(JobCommit),
+}
+
+enum Written {
+    Enqueued(Enqueued),
+    Committed,
+}
+
+fn write_one(txn: &WriteTransaction, write: &Write) -> Result<Written> {
+    match write {
+        Write::Enqueue(job) => write_enqueue(txn, job).map(Written::Enqueued),
+        Write::Commit(commit) => write_commit(txn, commit).map(|()| Written::Committed),
+    }
+}
+
+impl Committed for Write {
+    fn committed(self) {
+        if let Write::Commit(commit) = self {
+            commit.committed();
+        }
+    }
+}
+
+/// An enqueue's result from its write's.
+fn enqueued(written: Result<Written>) -> Result<Enqueued> {
+    match written? {
+        Written::Enqueued(enqueued) => Ok(enqueued),
+        Written::Committed => Err(mismatched_write()),
+    }
+}
+
+/// A write answered with another kind's result: a bug, reported rather than a panic.
+fn mismatched_write() -> Error {
+    Error::Internal("the store answered a write with another kind's result".to_owned())
+}
+
 /// Queues a job once per id.
 fn write_enqueue(txn: &WriteTransaction, job: &Job) -> Result<Enqueued> {
     let key = job_key(&job.id);
@@ -1477,10 +1521,6 @@ impl Committed for JobCommit {
             listener.committed(&first.id.user, self.expected, &self.state);
         }
     }
-}
-
-impl Committed for Job {
-    fn committed(self) {}
 }
 
 fn write_commit(txn: &WriteTransaction, commit: &JobCommit) -> Result<()> {
