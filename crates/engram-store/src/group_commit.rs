@@ -1,13 +1,12 @@
 //! Group commit for the embedded store. A durable redb commit costs an fsync and a fixed amount
 //! of page bookkeeping whatever it holds, so writes that arrive while one commit is running are
 //! gathered and committed together in the next transaction: under load, many recorders' jobs
-//! (or many workers' results) share one commit; alone, a write commits at once as before.
+//! and workers' results share one commit; alone, a write commits at once as before.
 //!
-//! A store on disk can also have its rounds wait a moment for company and run on a thread of
-//! their own at low priority (`GroupCommit::in_background`): recorders' enqueues arrive one
-//! at a time between responses, rarely while a commit runs, so without the wait nearly every
-//! enqueue paid its own fsync, and on the request path's blocking threads, which share the
-//! request threads' time slices.
+//! A store on disk has its rounds run on a thread of their own (`GroupCommit::in_background`),
+//! off the request path's blocking threads, which share the request threads' time slices; its
+//! rounds may also wait a moment for company (`store.group_commit_ms`, 0 by default since a
+//! recorded answer's end waits for its enqueue).
 //!
 //! Each caller still gets its own result. An operation may fail cleanly (it wrote nothing, e.g.
 //! a version conflict) without affecting the others; any other failure aborts the batch, and
