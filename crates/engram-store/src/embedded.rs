@@ -237,8 +237,9 @@ impl EmbeddedStore {
         self.db.path()
     }
 
-    /// Makes the next `commits` enqueue transactions fail (tests: a disk error mid-stream; the
-    /// `faults` feature).
+    /// Makes the next `commits` transactions of the write thread fail (tests: a disk error
+    /// mid-stream; the `faults` feature). Enqueues and job commits share them: a job commit
+    /// committing meanwhile takes its share of the failures.
     #[cfg(any(test, feature = "faults"))]
     pub fn fail_next_enqueue_commits(&self, commits: u32) {
         self.writes.fail_next_commits(commits);
@@ -953,6 +954,7 @@ impl JobQueue for EmbeddedStore {
         match self.writes.place(&self.db, Write::Enqueue(job)) {
             Ok(answer) => Placement::Placed(Box::pin(async move { enqueued(answer.await) })),
             Err((Write::Enqueue(job), _)) => Placement::Held(job),
+            // Only an enqueue was placed, so only one comes back; answered, not a panic.
             Err((Write::Commit(_), error)) => {
                 Placement::Placed(Box::pin(std::future::ready(Err(error))))
             }
@@ -1413,7 +1415,7 @@ fn write_claims(
     Ok(claimed)
 }
 
-/// A write of the store's commit thread: a recorded job, or a worker's applied jobs.
+/// A write of the store's write thread: a recorded job, or a worker's applied jobs.
 enum Write {
     Enqueue(Job),
     Commit(JobCommit),
