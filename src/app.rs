@@ -314,7 +314,8 @@ async fn prune_limits(
 
 /// The configured store and the spool that keeps recorded exchanges while it refuses them: a
 /// local file for Redis, memory for the embedded store (whose disk is the one failing). The
-/// embedded store tells `commits` of each job commit on its committing thread.
+/// store tells `commits` of each job commit: the embedded store on its committing thread, Redis
+/// as soon as a read or the commit's answer shows it landed.
 pub async fn open_store(
     config: &StoreConfig,
     commits: Arc<dyn CommitListener>,
@@ -338,7 +339,8 @@ pub async fn open_store(
                 .map_err(|error| Error::Config {
                     path: "store.redis_url".into(),
                     message: format!("cannot connect to Redis: {error}"),
-                })?;
+                })?
+                .with_commit_listener(commits);
             let spool_dir = config.data_dir.join(SPOOL_DIR);
             let linger = Duration::from_millis(config.group_commit_ms);
             let spool = open_embedded(spool_dir, "store.data_dir", linger).await?;

@@ -915,3 +915,131 @@ async fn a_whole_read_of_a_memory_that_keeps_changing_still_succeeds() {
     assert!(bumping.join_next().await.unwrap().unwrap() > 0);
     let _: () = connection.del(&version_key).await.unwrap();
 }
+
+/// Records what a store tells its commit listener: (user, expected version, new version).
+#[derive(Default)]
+struct HeardCommits(std::sync::Mutex<Vec<(UserKey, u64, u64)>>);
+
+impl engram_store::CommitListener for HeardCommits {
+    fn committed(&self, user: &UserKey, expected_version: u64, state: &engram_store::EncodedState) {
+        self.0
+            .lock()
+            .unwrap()
+            .push((user.clone(), expected_version, state.version));
+    }
+}
+
+/// A hot read that Redis runs after this process's own job commit, before the commit's answer
+/// is back, finds the commit landed: it tells the listener (once: the answer does not tell it
+/// again) and carries none of the commit's items back (a long run's would cost Redis a
+/// millisecond or more for every request in flight). The commit waits behind a busy script,
+/// and the read is sent after it on the store's one connection, so Redis runs them in order.
+#[tokio::test]
+async fn a_read_behind_our_own_commit_takes_no_delta() {
+    let Some((store, mut connection, _server)) = store_with(RedisOptions::default()).await else {
+        return;
+    };
+    let heard = std::sync::Arc::new(HeardCommits::default());
+    let store = std::sync::Arc::new(store.with_commit_listener(heard.clone()));
+    let alice = UserKey::new("acme", "alice");
+    let lease = Duration::from_secs(30);
+    let config = engram_memory::MemoryConfig::default();
+    let mut state = engram_memory::MemoryState::new();
+    state.version = engram_proxy::cache::first_version();
+    // Nothing stored yet: the first commit expects version 0.
+    let start = 0;
+    let mut applied = Vec::new();
+    for (key, session) in [("a1", "s1"), ("a2", "s2")] {
+        store.enqueue(&job_in(&alice, session, key)).await.unwrap();
+        let claimed = store.claim("w", lease).await.unwrap().unwrap();
+        let before = state.version;
+        engram_memory::record_exchange(
+            &mut state,
+            &claimed.job.exchange,
+            &engram_memory::HeuristicExtractor,
+            &config,
+        );
+        let encoded = engram_store::EncodedState::of(&state).unwrap();
+        applied.push((claimed.job, encoded, before));
+    }
+    let (second, second_state, first_version) = applied.pop().unwrap();
+    let (first, first_state, _) = applied.pop().unwrap();
+    // The first commit is answered as usual, and loads the scripts (a script load would be a
+    // round trip the read could overtake).
+    store
+        .commit_jobs(std::slice::from_ref(&first), &first_state, start, &[])
+        .await
+        .unwrap();
+    let read = store
+        .hot_record(&alice, "s1", Some(first_version))
+        .await
+        .unwrap();
+    assert!(read.update.is_none());
+    assert_eq!(
+        *heard.0.lock().unwrap(),
+        [(alice.clone(), start, first_version)]
+    );
+
+    // Redis busy for a while on another connection; the commit queues behind it, then the read.
+    let tasks = tokio_util::task::TaskTracker::new();
+    let mut busy_connection = connection.clone();
+    let busy = tasks.spawn(async move {
+        redis::cmd("EVAL")
+            .arg("local i = 0 while i < 150000000 do i = i + 1 end return 1")
+            .arg(0)
+            .query_async::<i64>(&mut busy_connection)
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let commit = tasks.spawn({
+        let store = std::sync::Arc::clone(&store);
+        let (second, second_state) = (second.clone(), second_state.clone());
+        async move {
+            store
+                .commit_jobs(
+                    std::slice::from_ref(&second),
+                    &second_state,
+                    first_version,
+                    &[],
+                )
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !busy.is_finished(),
+        "the busy script ended too soon to order the calls"
+    );
+    let read = store
+        .hot_record(&alice, "s1", Some(first_version))
+        .await
+        .unwrap();
+    assert_eq!(read.version, second_state.version);
+    assert!(
+        read.update.is_none(),
+        "the read carried the commit back: {:?}",
+        read.update
+            .map(|update| matches!(update, engram_store::MemoryUpdate::Delta(_)))
+    );
+    commit.await.unwrap().unwrap();
+    busy.await.unwrap().unwrap();
+    assert_eq!(
+        *heard.0.lock().unwrap(),
+        [
+            (alice.clone(), start, first_version),
+            (alice.clone(), first_version, second_state.version)
+        ]
+    );
+    assert_eq!(
+        store.load_state(&alice).await.unwrap().unwrap().version,
+        second_state.version
+    );
+    // The key that names the last commit goes with the user.
+    assert_eq!(
+        keys_matching(&mut connection, &user_key(&alice, "committed")).await,
+        [user_key(&alice, "committed")]
+    );
+    store.forget_user(&alice).await.unwrap();
+    let keys = keys_matching(&mut connection, &format!("*{}*", tag(&alice))).await;
+    assert!(keys.is_empty(), "{keys:?}");
+}

@@ -4,9 +4,10 @@
 //!
 //! Shared by the hot path, which reads it, and the worker, which puts what it applied in it; it
 //! sits below both, so neither imports the other for it. The worker leaves the memory it
-//! computed here before committing it ([`MemoryCache::stage`]), and the store's commit thread
-//! tells the cache when that write is durable ([`CommitListener`]): the memory is cached then,
-//! before the commit is answered, without the store carrying anything of the cache.
+//! computed here before committing it ([`MemoryCache::stage`]), and the store tells the cache
+//! when that write landed ([`CommitListener`]: the embedded store's commit thread before the
+//! commit is answered; Redis as soon as a read or the answer shows it): the memory is cached
+//! then, without the store carrying anything of the cache.
 //!
 //! Versions never repeat for a user (a new memory starts at its creation time in microseconds,
 //! see [`first_version`]), so an entry cached before a `forget` cannot match the memory that
@@ -311,7 +312,7 @@ impl MemoryCache {
 
     /// Leaves `memory` (the user's memory after a write from `expected_version` that encodes
     /// to `state`) to be cached the moment the store tells of that write's commit
-    /// ([`CommitListener`]), on the committing thread, before the writer hears back. The writer
+    /// ([`CommitListener`]), which may be before the writer hears back. The writer
     /// calls [`Staged::publish`] once its commit returned, which caches it if the store did not
     /// (a store without a listener); dropping the guard instead (the commit failed) forgets it.
     pub fn stage<'a>(

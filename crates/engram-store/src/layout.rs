@@ -238,6 +238,21 @@ impl EncodedState {
         self.meta.len() + self.items.iter().map(|(_, json)| json.len()).sum::<usize>()
     }
 
+    /// A hash of this write over `previous` (versions, hot state, items), which tells it from
+    /// another process's write of the same version from the same one (different turns
+    /// applied); an equal hash is the same memory.
+    pub fn fingerprint(&self, previous: u64) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        (previous, self.version).hash(&mut hasher);
+        self.meta.as_ref().hash(&mut hasher);
+        for (key, json) in &self.items {
+            key.hash(&mut hasher);
+            json.as_ref().hash(&mut hasher);
+        }
+        hasher.finish()
+    }
+
     /// The change-ring entry of this write over `previous`.
     pub fn change(&self, previous: u64) -> Change {
         Change {

@@ -476,8 +476,10 @@ fn commit_owner(jobs: &[Job]) -> Result<Option<(&UserKey, &Job)>> {
 /// user's current memory when told that its write committed, so a request that reads the new
 /// version finds it cached instead of decoding it (which a busy core could otherwise make
 /// happen while the idle-priority worker waits to be woken). A backend takes its listener
-/// when it is built ([`EmbeddedStore::with_commit_listener`]); Redis, with no commit thread of
-/// its own, takes none, and the worker caches the state itself once the commit returns.
+/// when it is built ([`EmbeddedStore::with_commit_listener`], [`RedisStore::with_commit_listener`]):
+/// the embedded store tells it on its commit thread, Redis as soon as a hot read finds the
+/// commit landed or the commit's answer comes back. Without one, the worker caches the state
+/// itself once the commit returns.
 pub trait CommitListener: Send + Sync + 'static {
     /// `user`'s memory went from `expected_version` to `state` (what the commit wrote).
     fn committed(&self, user: &UserKey, expected_version: u64, state: &EncodedState);

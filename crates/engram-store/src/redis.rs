@@ -27,8 +27,8 @@
 mod connection;
 mod scripts;
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use redis::AsyncCommands;
@@ -38,9 +38,9 @@ use self::connection::{Connection, Target};
 use self::scripts::Scripts;
 use super::layout::{self, Delta, ItemKey, MemoryUpdate, Stored};
 use super::{
-    Appended, ClaimedJob, EncodedState, Enqueued, ForgetReport, HotRecord, Job, JobId, JobQueue,
-    JobState, MemoryRecords, RawEntry, Store, UNAPPLIED_BYTES, UNAPPLIED_TURNS, UserKey,
-    commit_owner, decode, now_ms,
+    Appended, ClaimedJob, CommitListener, EncodedState, Enqueued, ForgetReport, HotRecord, Job,
+    JobId, JobQueue, JobState, MemoryRecords, RawEntry, Store, UNAPPLIED_BYTES, UNAPPLIED_TURNS,
+    UserKey, commit_owner, decode, now_ms,
 };
 use crate::TraceParent;
 use engram_memory::{CandidateId, ExchangeInput, MemoryState};
@@ -213,6 +213,49 @@ pub struct RedisStore {
     staging_id: Arc<str>,
     /// ...with a counter.
     next_staged: Arc<AtomicU64>,
+    /// Told of each job commit of this process the moment one of its reads, or the commit's
+    /// own answer, shows it landed (see [`InFlight`]).
+    listener: Option<Arc<dyn CommitListener>>,
+    /// This process's job commits sent and not yet answered, when there is a listener.
+    in_flight: Arc<Mutex<Vec<InFlight>>>,
+}
+
+/// A job commit sent and not yet answered. A hot read that finds it landed (the user's
+/// `committed` key names it) tells the listener at once and takes no delta: the worker holds
+/// that memory already, and a long run's changed items sent back to every request in flight
+/// cost Redis a millisecond or more each (with one user at 1,000 req/s and runs of 64 jobs,
+/// enough to saturate it).
+struct InFlight {
+    user: UserKey,
+    expected_version: u64,
+    state: EncodedState,
+    /// `<version>:<fingerprint>`, as the commit writes it to `committed`.
+    landed: String,
+}
+
+/// Takes a commit out of the ones in flight when dropped (see [`RedisStore::commit_in_flight`]).
+struct InFlightGuard<'a> {
+    store: &'a RedisStore,
+    landed: String,
+}
+
+impl InFlightGuard<'_> {
+    /// The commit's answer said it landed.
+    fn landed(self) {
+        self.store.landed(&self.landed);
+    }
+}
+
+impl Drop for InFlightGuard<'_> {
+    fn drop(&mut self) {
+        let mut in_flight = self.store.in_flight_list();
+        if let Some(at) = in_flight
+            .iter()
+            .position(|commit| commit.landed == self.landed)
+        {
+            in_flight.swap_remove(at);
+        }
+    }
 }
 
 /// A token's fate, settled with the next claim step.
@@ -283,7 +326,77 @@ impl RedisStore {
             )?),
             staging_id: random_id().into(),
             next_staged: Arc::default(),
+            listener: None,
+            in_flight: Arc::default(),
         })
+    }
+
+    /// Tells `listener` of each job commit as soon as this process learns it landed: from a
+    /// hot read that finds it (then without reading its changes back), or from the commit's
+    /// answer, whichever comes first; once per commit.
+    pub fn with_commit_listener(mut self, listener: Arc<dyn CommitListener>) -> RedisStore {
+        self.listener = Some(listener);
+        self
+    }
+
+    /// Registers a job commit about to be sent; the guard takes it out again (answered,
+    /// failed or dropped). `None` without a listener, which has no use for it.
+    fn commit_in_flight(
+        &self,
+        user: &UserKey,
+        expected_version: u64,
+        state: &EncodedState,
+    ) -> Option<InFlightGuard<'_>> {
+        self.listener.as_ref()?;
+        let landed = format!(
+            "{}:{:016x}",
+            state.version,
+            state.fingerprint(expected_version)
+        );
+        self.in_flight_list().push(InFlight {
+            user: user.clone(),
+            expected_version,
+            state: state.clone(),
+            landed: landed.clone(),
+        });
+        Some(InFlightGuard {
+            store: self,
+            landed,
+        })
+    }
+
+    fn in_flight_list(&self) -> std::sync::MutexGuard<'_, Vec<InFlight>> {
+        self.in_flight
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// `user`'s commits in flight, as HOT_RECORD takes them.
+    fn in_flight_of(&self, user: &UserKey) -> String {
+        if self.listener.is_none() {
+            return String::new();
+        }
+        let in_flight = self.in_flight_list();
+        let mut listed = String::new();
+        for commit in in_flight.iter().filter(|commit| commit.user == *user) {
+            if !listed.is_empty() {
+                listed.push(',');
+            }
+            listed.push_str(&commit.landed);
+        }
+        listed
+    }
+
+    /// The commit `landed` names has landed: tells the listener, unless this was already told.
+    fn landed(&self, landed: &str) {
+        let commit = {
+            let mut in_flight = self.in_flight_list();
+            let found = in_flight.iter().position(|commit| commit.landed == landed);
+            found.map(|at| in_flight.swap_remove(at))
+        };
+        if let (Some(commit), Some(listener)) = (commit, &self.listener) {
+            listener.committed(&commit.user, commit.expected_version, &commit.state);
+        }
     }
 
     /// Puts `value` under a fresh key of `user`'s slot, for a script to rename into place (see
@@ -630,6 +743,7 @@ impl RedisStore {
             .key(self.user_key(user, "prefetched"))
             .key(self.user_key(user, "arriving"))
             .key(self.user_key(user, &format!("session:{session}")))
+            .key(self.user_key(user, "committed"))
             .arg(
                 cached_version
                     .map(|version| version.to_string())
@@ -643,6 +757,7 @@ impl RedisStore {
             .arg(self.user_prefix(user))
             .arg(UNAPPLIED_TURNS)
             .arg(UNAPPLIED_BYTES)
+            .arg(self.in_flight_of(user))
             .invoke_async(&mut self.connection())
             .await
             .map_err(redis_error)?;
@@ -653,6 +768,13 @@ impl RedisStore {
             + unapplied.iter().map(Vec::len).sum::<usize>();
         let update = match status.as_str() {
             "none" => None,
+            "landed" => {
+                // Our own commit: the listener caches the memory it wrote, now.
+                let landed = meta.as_deref().map(String::from_utf8_lossy);
+                bytes_read -= meta.as_ref().map_or(0, Vec::len);
+                self.landed(landed.as_deref().unwrap_or_default());
+                None
+            }
             "delta" => {
                 let Some(meta) = meta else {
                     return Err(Error::Store("memory version without its hot state".into()));
@@ -1275,6 +1397,10 @@ impl Store for RedisStore {
             // Large exchanges are referenced, not sent: the script moves each from its job's
             // record to the raw log. If one has gone missing, the entries go whole.
             let mut whole = false;
+            let in_flight = self.commit_in_flight(user, expected_version, state);
+            let landed = in_flight
+                .as_ref()
+                .map_or("", |in_flight| in_flight.landed.as_str());
             let (queued, released) = loop {
                 let mut invocation = self.scripts.commit.prepare_invoke();
                 invocation
@@ -1285,6 +1411,7 @@ impl Store for RedisStore {
                     .key(self.user_key(user, "prefetched"))
                     .key(self.user_key(user, "items"))
                     .key(self.user_key(user, "changes"))
+                    .key(self.user_key(user, "committed"))
                     .arg(self.user_prefix(user))
                     .arg(expected_version.to_string())
                     .arg(state.version.to_string())
@@ -1295,7 +1422,8 @@ impl Store for RedisStore {
                     .arg(&self.finished_job_ttl_ms)
                     .arg(state.change(expected_version).encode())
                     .arg(layout::RING)
-                    .arg(state.items.len());
+                    .arg(state.items.len())
+                    .arg(landed);
                 for (key, json) in &state.items {
                     invocation.arg(key.field()).arg(json.as_ref());
                 }
@@ -1333,6 +1461,9 @@ impl Store for RedisStore {
                     }
                 }
             };
+            if let Some(in_flight) = in_flight {
+                in_flight.landed();
+            }
             let released = if self.replicated_or_warn(&version_key, "job commit").await {
                 released
             } else {
@@ -1359,6 +1490,7 @@ impl Store for RedisStore {
                 "arriving",
                 "items",
                 "changes",
+                "committed",
             ] {
                 invocation.key(self.user_key(user, kind));
             }

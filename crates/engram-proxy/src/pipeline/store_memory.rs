@@ -151,7 +151,7 @@ impl StoreMemory {
             None => self.store.hot_record(&user, &session, cached_version),
         };
         let read = tokio::time::timeout(deadline, hot_record).await;
-        let record = match read {
+        let mut record = match read {
             Ok(Ok(record)) => record,
             Ok(Err(error)) => {
                 load.fail("store_error");
@@ -167,6 +167,25 @@ impl StoreMemory {
                 return Ok(degraded("store_timeout", turn_id, plan));
             }
         };
+        if record.update.is_none()
+            && cached
+                .as_ref()
+                .is_some_and(|memory| memory.version() != record.version)
+        {
+            // The store told the cache of the commit that made this version during the read
+            // (Redis: the read found this process's own commit landed, see `CommitListener`),
+            // or of a later one since (a busy core can poll the read after the next commit
+            // landed): a newer memory serves as well, since the window leaves out the
+            // unapplied exchanges that it holds.
+            if let Some(current) = self
+                .cache
+                .get(&user)
+                .filter(|memory| memory.version() >= record.version)
+            {
+                record.version = current.version();
+                cached = Some(current);
+            }
+        }
         let memory = if record.version == 0 {
             if cached.is_some() {
                 // Forgotten since it was cached.

@@ -656,11 +656,17 @@ impl Worker {
             let _ = loaded.wait_for(|done| *done).await;
         }
         for _ in 0..CONFLICT_RETRIES {
-            let cached = self.cache.get(user);
+            let mut cached = self.cache.get(user);
             let record = self
                 .store
                 .hot_record(user, session, cached.as_ref().map(|m| m.version()))
                 .await?;
+            if record.update.is_none()
+                && cached.as_ref().map(|m| m.version()) != Some(record.version)
+            {
+                // Cached during the read (see the hot path's same check).
+                cached = self.cache.get(user);
+            }
             let start = match (record.version, record.update, cached) {
                 (0, _, _) => Start::Fresh,
                 (_, Some(MemoryUpdate::Whole(state)), _) => Start::Loaded(state),

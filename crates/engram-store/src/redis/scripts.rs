@@ -101,14 +101,27 @@ end
 /// grace. Returns {version, 'none'|'delta'|'whole', hot state or false, fields, values,
 /// prefetched or false, unapplied}: `unapplied` is the newest jobs of the session's backlog
 /// (at most ARGV[7] of them, no older one once ARGV[8] bytes were taken), oldest first, each
-/// its queued exchange JSON.
-/// KEYS: version, state, items, changes, prefetched, arriving, session backlog. ARGV: cached
-/// version or '', session id, marker or '', arrival µs, marker ttl ms, user prefix, most
-/// jobs, most bytes.
+/// its queued exchange JSON. When the newest job commit is one the caller has in flight
+/// (`committed` holds one of the `<version>:<fingerprint>` it lists, at the current version),
+/// the status is 'landed' and the hot state's place holds that entry: the caller has the memory
+/// already, and a long run's items need not travel back to the process that wrote them.
+/// KEYS: version, state, items, changes, prefetched, arriving, session backlog, committed.
+/// ARGV: cached version or '', session id, marker or '', arrival µs, marker ttl ms, user
+/// prefix, most jobs, most bytes, the caller's job commits in flight (comma-separated) or ''.
 const HOT_RECORD: &str = r"
 local version = redis.call('GET', KEYS[1]) or '0'
 local status, meta, fields, values = 'none', false, {}, {}
-if version ~= '0' and version ~= ARGV[1] then
+local landed = false
+if version ~= '0' and version ~= ARGV[1] and ARGV[9] ~= '' then
+  landed = redis.call('GET', KEYS[8])
+  if not (landed and string.sub(landed, 1, #version + 1) == version .. ':'
+    and string.find(',' .. ARGV[9] .. ',', ',' .. landed .. ',', 1, true)) then
+    landed = false
+  end
+end
+if landed then
+  status, meta = 'landed', landed
+elseif version ~= '0' and version ~= ARGV[1] then
   status = 'whole'
   if ARGV[1] ~= '' then
     -- Back from the newest write, a few entries at a time, to the one written on the cached
@@ -378,12 +391,15 @@ return finish_job(ARGV[1], ARGV[2], ARGV[3], ARGV[4], now_ms, ARGV[5] == '1') or
 /// {}}, {'lost', job key, 0, {}} (a reference whose job has no stored exchange: nothing was
 /// written, send the entry whole) or {'ok', '', queued jobs finished, {token, session, jobs
 /// left, …}}.
-/// KEYS: version, state, raw, raw ids, prefetched, items, changes. ARGV: user prefix, expected
-/// version, new version, hot state JSON, prefetched session, prefetched JSON, applied state
-/// JSON, retention, change entry, ring size, item count N, then (field, item JSON) per item,
-/// then (job key, raw-log element JSON, reference '1'/'0') per job.
+/// `committed` takes the commit's `<version>:<fingerprint>`, by which the committing process's
+/// hot reads know their own commit (see HOT_RECORD).
+/// KEYS: version, state, raw, raw ids, prefetched, items, changes, committed. ARGV: user
+/// prefix, expected version, new version, hot state JSON, prefetched session, prefetched JSON,
+/// applied state JSON, retention, change entry, ring size, item count N, the commit's
+/// `<version>:<fingerprint>`, then (field, item JSON) per item, then (job key, raw-log element
+/// JSON, reference '1'/'0') per job.
 const COMMIT: &str = r"
-local items_to = 11 + 2 * tonumber(ARGV[11])
+local items_to = 12 + 2 * tonumber(ARGV[11])
 local jobs_from = items_to + 1
 for index = jobs_from, #ARGV, 3 do
   if redis.call('EXISTS', ARGV[1] .. 'job:' .. ARGV[index]) == 0 then
@@ -418,8 +434,9 @@ for index = jobs_from, #ARGV, 3 do
     redis.call('HSET', KEYS[4], key, seq)
   end
 end
-write_memory(KEYS[2], KEYS[6], KEYS[7], ARGV[4], ARGV[9], ARGV[10], ARGV, 12, items_to)
+write_memory(KEYS[2], KEYS[6], KEYS[7], ARGV[4], ARGV[9], ARGV[10], ARGV, 13, items_to)
 redis.call('SET', KEYS[1], ARGV[3])
+redis.call('SET', KEYS[8], ARGV[12])
 redis.call('HSET', KEYS[5], ARGV[5], ARGV[6])
 local now_ms = clock()
 local queued, tokens = 0, {}
@@ -460,7 +477,7 @@ return 1
 
 /// Deletes every key of one user; returns counts per kind and the queued jobs among them.
 /// KEYS: state, version, prefetched, raw, raw ids, job index, leases, arriving, items,
-/// changes. ARGV: user prefix.
+/// changes, committed. ARGV: user prefix.
 const FORGET: &str = r"
 local states = redis.call('EXISTS', KEYS[1])
 local prefetched = redis.call('HLEN', KEYS[3])
@@ -480,7 +497,7 @@ for _, key in ipairs(redis.call('ZRANGE', KEYS[6], 0, -1)) do
   jobs = jobs + redis.call('DEL', record)
 end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8])
-redis.call('DEL', KEYS[9], KEYS[10])
+redis.call('DEL', KEYS[9], KEYS[10], KEYS[11])
 return {states, prefetched, raw, jobs, queued}
 ";
 
