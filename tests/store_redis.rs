@@ -375,6 +375,51 @@ async fn a_sessions_jobs_apply_in_arrival_order_and_wait_for_a_turn_still_record
     );
 }
 
+/// A run of a session's jobs stops before a job that a turn still being recorded arrived
+/// before, so that turn's job still applies in its place.
+#[tokio::test]
+async fn a_run_stops_before_a_turn_still_recording() {
+    let Some((store, _connection, _server)) = store_with(RedisOptions {
+        order_grace: Duration::from_secs(60),
+        ..RedisOptions::default()
+    })
+    .await
+    else {
+        return;
+    };
+    let alice = UserKey::new("acme", "alice");
+    let lease = Duration::from_secs(30);
+    let arriving = |key: &str, arrival: u64| {
+        let mut job = job_in(&alice, "s1", key);
+        job.exchange.arrival = Some(arrival);
+        job
+    };
+    let at = engram_proxy::cache::first_version();
+    let (t1, t2) = (arriving("t1", at), arriving("t2", at + 1_000));
+    store.enqueue(&t1).await.unwrap();
+    store.enqueue(&t2).await.unwrap();
+    store
+        .hot_record_arriving(&alice, "s1", None, "t3", at + 2_000)
+        .await
+        .unwrap();
+    let t4 = arriving("t4", at + 3_000);
+    store.enqueue(&t4).await.unwrap();
+    let keys = |run: &[engram_store::ClaimedJob]| -> Vec<String> {
+        run.iter()
+            .map(|claimed| claimed.job.id.key.clone())
+            .collect()
+    };
+    let run = store.claim_runs("w", lease, 10, 1).await.unwrap();
+    assert_eq!(keys(&run), ["t1", "t2"], "t4 waits for t3");
+    for claimed in &run {
+        store.ack(&claimed.job.id).await.unwrap();
+    }
+    let t3 = arriving("t3", at + 2_000);
+    store.enqueue(&t3).await.unwrap();
+    let run = store.claim_runs("w", lease, 10, 1).await.unwrap();
+    assert_eq!(keys(&run), ["t3", "t4"]);
+}
+
 #[tokio::test]
 async fn consumers_that_left_are_pruned() {
     let Some((store, mut connection, _server)) = store_with(RedisOptions {

@@ -58,6 +58,7 @@ macro_rules! store_suite {
             many_concurrent_enqueues_each_land_once,
             claim_batches_keep_sessions_in_order,
             claimed_runs_come_from_no_more_sessions_than_asked,
+            a_runs_lease_lasts_until_its_last_job,
             a_forgotten_users_job_commits_nothing,
             raw_log_appends_once_in_order,
             large_exchanges_and_states_round_trip,
@@ -681,15 +682,58 @@ pub async fn claimed_runs_come_from_no_more_sessions_than_asked(store: &dyn Stor
         sessions
     };
     let first = store.claim_runs("c", lease, 10, 2).await.unwrap();
-    let keys: Vec<&str> = first.iter().map(|c| c.job.id.key.as_str()).collect();
-    // The embedded store holds a session's consecutive jobs together; Redis one a session.
-    assert!(
-        keys == ["a1", "b1", "a2", "b2"] || keys == ["a1", "b1"],
-        "{keys:?}"
-    );
-    assert_eq!(sessions_of(&first[..2]), ["a", "b"]);
+    // Each session's consecutive jobs come together, in order (the embedded store interleaves
+    // the runs in queue order, Redis gives them one after another).
+    let run_of = |batch: &[ClaimedJob], session: &str| -> Vec<String> {
+        batch
+            .iter()
+            .filter(|claimed| claimed.job.exchange.session_id == session)
+            .map(|claimed| claimed.job.id.key.clone())
+            .collect()
+    };
+    assert_eq!(first.len(), 4);
+    assert_eq!(run_of(&first, "a"), ["a1", "a2"]);
+    assert_eq!(run_of(&first, "b"), ["b1", "b2"]);
     let rest = store.claim_runs("c", lease, 10, 5).await.unwrap();
     assert_eq!(sessions_of(&rest), ["c"], "a and b are leased");
+    assert_eq!(run_of(&rest, "c"), ["c1", "c2"]);
+}
+
+/// A run's lease covers all its jobs until each is finished: while the first ones are
+/// finished, the others stay leased (no other claim takes them), and once the run is done the
+/// session's later jobs are claimable again, in order.
+pub async fn a_runs_lease_lasts_until_its_last_job(store: &dyn Store) {
+    let alice = UserKey::new("t", "alice");
+    for key in ["a1", "a2", "a3"] {
+        store.enqueue(&job_in(&alice, "a", key)).await.unwrap();
+    }
+    let lease = Duration::from_secs(30);
+    let run = store.claim_runs("w1", lease, 2, 1).await.unwrap();
+    let keys: Vec<&str> = run.iter().map(|c| c.job.id.key.as_str()).collect();
+    assert_eq!(keys, ["a1", "a2"], "the run is capped at 2 jobs");
+    // The job after the run waits behind it.
+    assert!(
+        store
+            .claim_runs("w2", lease, 10, 4)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    store.ack(&run[0].job.id).await.unwrap();
+    assert!(
+        store
+            .claim_runs("w2", lease, 10, 4)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a2 is still leased by the run, and a3 waits behind it"
+    );
+    store.ack(&run[1].job.id).await.unwrap();
+    let next = store.claim_runs("w2", lease, 10, 4).await.unwrap();
+    let keys: Vec<&str> = next.iter().map(|c| c.job.id.key.as_str()).collect();
+    assert_eq!(keys, ["a3"]);
+    assert_eq!(next[0].attempt, 1);
+    assert_eq!(store.queue_depth().await.unwrap(), 1);
 }
 
 /// A job in flight when its user is forgotten must not bring the memory back.

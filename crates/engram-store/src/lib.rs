@@ -360,8 +360,9 @@ pub trait JobQueue: Send + Sync + 'static {
     }
 
     /// Whether [`Self::claim_runs`] takes a session's queued jobs as one run (up to its `jobs`):
-    /// then a claim that comes back short took all there was. The provided body, and Redis,
-    /// lease one job per session per claim and come back short with more queued behind.
+    /// then a claim that comes back short took all there was. The provided body leases one job
+    /// per session per claim, and Redis returns once one queue shard gave jobs (and a run stops
+    /// before a turn still arriving): both come back short with more queued behind.
     fn claims_whole_runs(&self) -> bool {
         false
     }

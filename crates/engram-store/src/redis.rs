@@ -10,12 +10,13 @@
 //! and exchange, each session's backlog (ranked by the turns' arrival times) and the session's
 //! lease. A queue shard (`<prefix>:{queue-<n>-…}:tokens`, a Stream read by the consumer group
 //! `workers`; a user always maps to the same shard) holds *tokens*: "this session has work".
-//! A claim leases a token, then, in the user's slot, leases the session's head job; a token
-//! that finds the session empty, or its head leased under another token, is dropped. Finishing
-//! the leased job drops its token and, when the session has jobs left, adds a fresh one. So
-//! each session with work has a token (tokens are interchangeable: any of them serves the
-//! session's head), a session's jobs apply one at a time in arrival order, and a claim never
-//! looks at jobs waiting in a backlog.
+//! A claim leases a token, then, in the user's slot, leases a run of the session's jobs from its
+//! head (one job for `claim_batch`); a token that finds the session empty, or its head leased
+//! under another token, is dropped. Finishing a leased job passes the session's lease on to the
+//! run's next job; finishing the run's last drops its token and, when the session has jobs
+//! left, adds a fresh one. So each session with work has a token (tokens are interchangeable:
+//! any of them serves the session's head), a session's runs apply one at a time in arrival
+//! order, and a claim never looks at jobs waiting in a backlog.
 //!
 //! Leases: a token's lease is its pending-list entry, whose idle time a claim sets so that it
 //! reaches [`LEASE_HORIZON_MS`] exactly when the lease ends, so one `XAUTOCLAIM` with
@@ -257,6 +258,16 @@ impl Drop for InFlightGuard<'_> {
         }
     }
 }
+
+/// The lease step's answer: status, the wait in ms ('wait'), then per leased job its key,
+/// attempt and exchange JSON (`None` when the record does not hold it).
+type LeaseReply = (
+    String,
+    Option<String>,
+    Vec<String>,
+    Vec<u32>,
+    Vec<Option<Vec<u8>>>,
+);
 
 /// A token's fate, settled with the next claim step.
 enum Settle {
@@ -526,14 +537,60 @@ impl RedisStore {
         }
     }
 
-    /// One claim from one shard: leases tokens until one yields a job or the shard has none
-    /// left (or [`TOKENS_PER_CLAIM`] were looked at).
+    /// Up to `jobs` jobs from at most `sessions` sessions, in runs of at most `run` jobs of one
+    /// session each. Shards take turns being looked at first, and the call returns once a shard
+    /// gave jobs (the worker calls again as soon as it has room, so an idle shard costs a call
+    /// only when the ones before it had nothing). A shard that fails is skipped; the call fails
+    /// only when nothing was claimed and a shard failed.
+    async fn claim_from_shards(
+        &self,
+        consumer: &str,
+        lease: Duration,
+        jobs: usize,
+        sessions: usize,
+        run: usize,
+    ) -> Result<Vec<ClaimedJob>> {
+        self.prune_now_and_then().await;
+        let shards = self.shards.len();
+        let start = self.next_shard.fetch_add(1, Ordering::Relaxed);
+        let mut claimed = Vec::new();
+        let mut runs = 0;
+        let mut failure = None;
+        for offset in 0..shards {
+            let shard = (start + offset) % shards;
+            while claimed.len() < jobs && runs < sessions {
+                let room = run.min(jobs - claimed.len());
+                match self.claim_from_shard(shard, consumer, lease, room).await {
+                    Ok(taken) if taken.is_empty() => break,
+                    Ok(taken) => {
+                        claimed.extend(taken);
+                        runs += 1;
+                    }
+                    Err(error) => {
+                        failure.get_or_insert(error);
+                        break;
+                    }
+                }
+            }
+            if !claimed.is_empty() {
+                break;
+            }
+        }
+        match failure {
+            Some(error) if claimed.is_empty() => Err(error),
+            _ => Ok(claimed),
+        }
+    }
+
+    /// One claim from one shard: leases tokens until one yields a run of up to `jobs` of its
+    /// session's jobs, or the shard has none left (or [`TOKENS_PER_CLAIM`] were looked at).
     async fn claim_from_shard(
         &self,
         shard: usize,
         consumer: &str,
         lease: Duration,
-    ) -> Result<Option<ClaimedJob>> {
+        jobs: usize,
+    ) -> Result<Vec<ClaimedJob>> {
         let stream = self.shard_key(shard, "tokens");
         let mut settle = Settle::Nothing;
         for _ in 0..TOKENS_PER_CLAIM {
@@ -541,7 +598,7 @@ impl RedisStore {
                 .claim_token(&stream, consumer, lease, &settle, false)
                 .await?
             else {
-                return Ok(None);
+                return Ok(Vec::new());
             };
             let Some(user) = parse_tag(&tag) else {
                 tracing::warn!(entry, "malformed token on the job queue; dropped");
@@ -549,12 +606,7 @@ impl RedisStore {
                 continue;
             };
             let prefix = self.tag_prefix(&tag);
-            let (status, key, attempt, exchange): (
-                String,
-                Option<String>,
-                Option<u32>,
-                Option<Vec<u8>>,
-            ) = self
+            let (status, wait_ms, keys, attempts, exchanges): LeaseReply = self
                 .scripts
                 .lease
                 .key(format!("{prefix}session:{session}"))
@@ -565,29 +617,38 @@ impl RedisStore {
                 .arg(&entry)
                 .arg(duration_ms(lease))
                 .arg(duration_us(self.order_grace))
+                .arg(jobs.max(1))
                 .invoke_async(&mut self.connection())
                 .await
                 .map_err(redis_error)?;
-            match (status.as_str(), key, attempt, exchange) {
-                ("job", Some(key), Some(attempt), exchange) => {
-                    let id = JobId { user, key };
-                    let exchange = match exchange {
-                        Some(exchange) => exchange,
-                        None => self.stored_exchange(&id).await?,
-                    };
-                    let claimed: ClaimedExchange = decode(&exchange)?;
-                    return Ok(Some(ClaimedJob {
-                        job: Job {
-                            id,
-                            exchange: claimed.exchange,
-                            trace: claimed.trace,
-                        },
-                        attempt,
-                    }));
+            match status.as_str() {
+                "job" if !keys.is_empty() => {
+                    let mut run = Vec::with_capacity(keys.len());
+                    for ((key, attempt), exchange) in keys.into_iter().zip(attempts).zip(exchanges)
+                    {
+                        let id = JobId {
+                            user: user.clone(),
+                            key,
+                        };
+                        let exchange = match exchange {
+                            Some(exchange) => exchange,
+                            None => self.stored_exchange(&id).await?,
+                        };
+                        let claimed: ClaimedExchange = decode(&exchange)?;
+                        run.push(ClaimedJob {
+                            job: Job {
+                                id,
+                                exchange: claimed.exchange,
+                                trace: claimed.trace,
+                            },
+                            attempt,
+                        });
+                    }
+                    return Ok(run);
                 }
-                ("wait", Some(wait_ms), _, _) => {
+                "wait" => {
                     let wait = wait_ms
-                        .parse()
+                        .and_then(|wait_ms| wait_ms.parse().ok())
                         .map_or(self.order_grace, Duration::from_millis);
                     settle = Settle::Postpone(entry, wait);
                 }
@@ -597,7 +658,7 @@ impl RedisStore {
         // Looked at enough tokens for one claim: settle the last one and move on.
         self.claim_token(&stream, consumer, lease, &settle, true)
             .await?;
-        Ok(None)
+        Ok(Vec::new())
     }
 
     /// A leased job's large exchange, which its record does not hold: read with a plain
@@ -1273,43 +1334,26 @@ impl JobQueue for RedisStore {
         Box::pin(async move { Ok(self.claim_batch(consumer, lease, 1).await?.pop()) })
     }
 
-    /// At most one job per session (its head); shards take turns being looked at first, and
-    /// the call returns once a shard gave jobs (the worker calls again as soon as it has room,
-    /// so an idle shard costs a call only when the ones before it had nothing). A shard that
-    /// fails is skipped; the call fails only when nothing was claimed and a shard failed.
+    /// At most one job per session (its head); see [`RedisStore::claim_runs`].
     fn claim_batch<'a>(
         &'a self,
         consumer: &'a str,
         lease: Duration,
         max: usize,
     ) -> BoxFuture<'a, Result<Vec<ClaimedJob>>> {
-        Box::pin(async move {
-            self.prune_now_and_then().await;
-            let shards = self.shards.len();
-            let start = self.next_shard.fetch_add(1, Ordering::Relaxed);
-            let mut claimed = Vec::new();
-            let mut failure = None;
-            for offset in 0..shards {
-                let shard = (start + offset) % shards;
-                while claimed.len() < max {
-                    match self.claim_from_shard(shard, consumer, lease).await {
-                        Ok(Some(job)) => claimed.push(job),
-                        Ok(None) => break,
-                        Err(error) => {
-                            failure.get_or_insert(error);
-                            break;
-                        }
-                    }
-                }
-                if !claimed.is_empty() {
-                    break;
-                }
-            }
-            match failure {
-                Some(error) if claimed.is_empty() => Err(error),
-                _ => Ok(claimed),
-            }
-        })
+        Box::pin(self.claim_from_shards(consumer, lease, max, max, 1))
+    }
+
+    /// Up to `jobs` jobs, in runs of one session's consecutive jobs from its head, from at most
+    /// `sessions` sessions.
+    fn claim_runs<'a>(
+        &'a self,
+        consumer: &'a str,
+        lease: Duration,
+        jobs: usize,
+        sessions: usize,
+    ) -> BoxFuture<'a, Result<Vec<ClaimedJob>>> {
+        Box::pin(self.claim_from_shards(consumer, lease, jobs, sessions, jobs))
     }
 
     fn finish<'a>(&'a self, job: &'a JobId, state: JobState) -> BoxFuture<'a, Result<bool>> {

@@ -14,8 +14,7 @@ pub struct WorkerConfig {
     /// Jobs claimed at once, so the longest run: a run's jobs share one state read, one prefetch,
     /// one encode and one commit, so a session with a backlog is applied in long runs. With an
     /// LLM summarizer a run's jobs wait for their model calls one after another, so the claim
-    /// is then `concurrency` jobs instead. Redis leases one job per session per claim, so there
-    /// a session's runs stay one job long.
+    /// is then `concurrency` jobs instead.
     pub run_jobs: usize,
     /// How long a claimed job stays leased; a worker that dies holding it loses it after this.
     pub lease_ms: u64,

@@ -295,9 +295,9 @@ impl Worker {
         // on the store's one write lock, which the recorded answers' enqueues wait for: with
         // the other processes' load, those transactions took the core and answers waited
         // seconds. A backlog is claimed as fast as before: a full claim does not wait, nor
-        // does any claim of a store that leases one job per session at a time (Redis), whose
-        // claims come back short with more queued: waiting after each held one user's
-        // catch-up to ten jobs a second.
+        // does any claim of a store whose claims come back short with more queued (Redis,
+        // which returns once one queue shard gave jobs): waiting after each, when Redis leased
+        // one job a session, held one user's catch-up to ten jobs a second.
         let gather = Duration::from_millis(self.config.max_lag_ms / 10);
         let short_claims_took_all = self.store.claims_whole_runs();
         let mut next_claim: Option<Instant> = None;

@@ -40,8 +40,18 @@ local function finish_job(prefix, key, state, retention, now_ms, keep_exchange)
     local backlog = prefix .. 'session:' .. session
     redis.call('ZREM', backlog, key)
     if redis.call('HGET', prefix .. 'leases', session) == key then
-      redis.call('HDEL', prefix .. 'leases', session)
-      token = redis.call('HGET', record, 'token') or false
+      -- A run's lease moves on to its next job, which is the new head, while the run's
+      -- lease on it is live; the token is released with the run's last job.
+      local held = redis.call('HGET', record, 'token')
+      local following = redis.call('ZRANGE', backlog, 0, 0)[1]
+      local lease = following
+        and redis.call('HMGET', prefix .. 'job:' .. following, 'token', 'until')
+      if held and lease and lease[1] == held and lease[2] and tonumber(lease[2]) > now_ms then
+        redis.call('HSET', prefix .. 'leases', session, following)
+      else
+        redis.call('HDEL', prefix .. 'leases', session)
+        token = held or false
+      end
     end
     left = redis.call('ZCARD', backlog)
     redis.call('HDEL', record, 'session', 'attempts', 'token', 'until')
@@ -335,43 +345,62 @@ end
 return {id, fields['u'] or '', fields['s'] or ''}
 ";
 
-/// The user step of a claim, for a token of the session: leases the session's head unless
-/// the session has no job ('empty'), another token's lease on it is live ('busy'), or a turn
-/// of the session that arrived before the head is still being recorded ('wait', ms: until its
-/// marker is older than the grace). Returns {'job', key, attempt, exchange JSON} otherwise,
-/// with false for the exchange when it is not a field of the record: the client reads a large
-/// one from `jobx:<key>` with a plain GET, which copies it once instead of hashing it in Lua.
+/// The user step of a claim, for a token of the session: leases a run of the session's jobs
+/// from its head, up to ARGV[6] of them, unless the session has no job ('empty'), another
+/// token's lease on it is live ('busy'), or a turn of the session that arrived before the head
+/// is still being recorded ('wait', ms: until its marker is older than the grace). The run
+/// stops before a job that such a turn arrived before. `leases` names the run's first job,
+/// and moves on as its jobs finish (`finish_job`). Returns {'job', false, {key, …}, {attempt,
+/// …}, {exchange JSON, …}} otherwise, with false for an exchange that is not a field of its
+/// record: the client reads a large one from `jobx:<key>` with a plain GET, which copies it
+/// once instead of hashing it in Lua.
 /// KEYS: session backlog, leases, arriving. ARGV: user prefix, hex session, token, lease ms,
-/// grace µs.
+/// grace µs, jobs at most.
 const LEASE: &str = r"
-local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+local head = redis.call('ZRANGE', KEYS[1], 0, math.max(1, tonumber(ARGV[6])) - 1, 'WITHSCORES')
 if not head[1] then
-  return {'empty', false, false, false}
+  return {'empty', false, {}, {}, {}}
 end
 local now_ms, now_us = clock()
 local held = redis.call('HGET', KEYS[2], ARGV[2])
 if held then
   local lease = redis.call('HMGET', ARGV[1] .. 'job:' .. held, 'token', 'until')
   if lease[1] and lease[1] ~= ARGV[3] and tonumber(lease[2]) > now_ms then
-    return {'busy', false, false, false}
+    return {'busy', false, {}, {}, {}}
   end
 end
 local grace = tonumber(ARGV[5])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. int(now_us - grace))
+-- The session's earliest turn still being recorded: the run ends before the jobs after it.
 local mine = ARGV[2] .. ' '
-local earlier = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. head[2], 'WITHSCORES')
+local last = head[#head]
+local recording = false
+local earlier = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. last, 'WITHSCORES')
 for index = 1, #earlier, 2 do
   if string.sub(earlier[index], 1, #mine) == mine then
-    local wait_us = tonumber(earlier[index + 1]) + grace - now_us
-    return {'wait', math.max(1, math.ceil(wait_us / 1000)), false, false}
+    recording = tonumber(earlier[index + 1])
+    break
   end
 end
-local key = head[1]
-local record = ARGV[1] .. 'job:' .. key
-local attempt = redis.call('HINCRBY', record, 'attempts', 1)
-redis.call('HSET', record, 'token', ARGV[3], 'until', int(now_ms + tonumber(ARGV[4])))
-redis.call('HSET', KEYS[2], ARGV[2], key)
-return {'job', key, attempt, redis.call('HGET', record, 'exchange') or false}
+if recording and recording < tonumber(head[2]) then
+  local wait_us = recording + grace - now_us
+  return {'wait', math.max(1, math.ceil(wait_us / 1000)), {}, {}, {}}
+end
+local keys, attempts, exchanges = {}, {}, {}
+local until_ms = int(now_ms + tonumber(ARGV[4]))
+for index = 1, #head, 2 do
+  if recording and recording < tonumber(head[index + 1]) then
+    break
+  end
+  local key = head[index]
+  local record = ARGV[1] .. 'job:' .. key
+  table.insert(keys, key)
+  table.insert(attempts, redis.call('HINCRBY', record, 'attempts', 1))
+  redis.call('HSET', record, 'token', ARGV[3], 'until', until_ms)
+  table.insert(exchanges, redis.call('HGET', record, 'exchange') or false)
+end
+redis.call('HSET', KEYS[2], ARGV[2], head[1])
+return {'job', false, keys, attempts, exchanges}
 ";
 
 /// Ends one job. Returns nil when it is unknown, else what `finish_job` returns.
