@@ -1088,3 +1088,34 @@ async fn a_read_behind_our_own_commit_takes_no_delta() {
     let keys = keys_matching(&mut connection, &format!("*{}*", tag(&alice))).await;
     assert!(keys.is_empty(), "{keys:?}");
 }
+
+/// A process that dies between a finish's two steps leaves the shard's depth counter too high
+/// (its decrement is lost), and the worker's lag estimate then reads a queue that never
+/// shrinks. A claim that finds the shard without a token sets it back to 0; while a token is
+/// there (a job queued or leased), the counter is left as it is.
+#[tokio::test]
+async fn a_depth_left_too_high_is_reset_once_the_shard_has_no_token() {
+    let Some((store, mut connection, _server)) = store_and_connection(None).await else {
+        return;
+    };
+    let depth_key = format!("{PREFIX}:{{{}}}:depth", queue_tag(0, 1));
+    let alice = UserKey::new("acme", "alice");
+    let lease = Duration::from_secs(30);
+    let lost_decrement = async |connection: &mut MultiplexedConnection| {
+        let _: i64 = connection.incr(&depth_key, 3).await.unwrap();
+    };
+    store.enqueue(&job_in(&alice, "s1", "a1")).await.unwrap();
+    lost_decrement(&mut connection).await;
+    assert_eq!(store.queue_depth().await.unwrap(), 4);
+    let claimed = store.claim("w", lease).await.unwrap().unwrap();
+    assert!(store.claim("w", lease).await.unwrap().is_none());
+    assert_eq!(
+        store.queue_depth().await.unwrap(),
+        4,
+        "a leased job's token is still there"
+    );
+    store.ack(&claimed.job.id).await.unwrap();
+    assert_eq!(store.queue_depth().await.unwrap(), 3);
+    assert!(store.claim("w", lease).await.unwrap().is_none());
+    assert_eq!(store.queue_depth().await.unwrap(), 0);
+}

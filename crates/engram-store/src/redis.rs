@@ -591,11 +591,10 @@ impl RedisStore {
         lease: Duration,
         jobs: usize,
     ) -> Result<Vec<ClaimedJob>> {
-        let stream = self.shard_key(shard, "tokens");
         let mut settle = Settle::Nothing;
         for _ in 0..TOKENS_PER_CLAIM {
             let Some((entry, tag, session)) = self
-                .claim_token(&stream, consumer, lease, &settle, false)
+                .claim_token(shard, consumer, lease, &settle, false)
                 .await?
             else {
                 return Ok(Vec::new());
@@ -656,7 +655,7 @@ impl RedisStore {
             }
         }
         // Looked at enough tokens for one claim: settle the last one and move on.
-        self.claim_token(&stream, consumer, lease, &settle, true)
+        self.claim_token(shard, consumer, lease, &settle, true)
             .await?;
         Ok(Vec::new())
     }
@@ -676,7 +675,7 @@ impl RedisStore {
     /// (entry id, user tag, hex session).
     async fn claim_token(
         &self,
-        stream: &str,
+        shard: usize,
         consumer: &str,
         lease: Duration,
         settle: &Settle,
@@ -689,7 +688,8 @@ impl RedisStore {
         };
         self.scripts
             .claim_token
-            .key(stream)
+            .key(self.shard_key(shard, "tokens"))
+            .key(self.shard_key(shard, "depth"))
             .arg(GROUP)
             .arg(consumer)
             .arg(LEASE_HORIZON_MS)

@@ -305,9 +305,13 @@ return 1
 /// Settles the previous token of a claim (drops it, or postpones it by setting its idle time),
 /// then, unless ARGV[8] is '1', leases the next one: first one whose lease ended
 /// (XAUTOCLAIM), else a new one (XREADGROUP); its idle time is set so that it reaches the
-/// horizon when this lease ends. Returns {entry id, user tag, hex session} or nil.
-/// KEYS: stream. ARGV: group, consumer, lease horizon ms, idle to set (horizon − lease),
-/// drop id or '', postpone id or '', postpone idle, settle only.
+/// horizon when this lease ends. Returns {entry id, user tag, hex session} or nil. A shard
+/// left with no token has no job queued or leased (a session with work holds one until its
+/// last job's finish releases it, in the step that lowers the depth), so its depth is set to
+/// 0: a process that died between the two steps of a finish left it too high, and the lag
+/// estimate read a queue that never shrank.
+/// KEYS: stream, depth. ARGV: group, consumer, lease horizon ms, idle to set (horizon −
+/// lease), drop id or '', postpone id or '', postpone idle, settle only.
 const CLAIM_TOKEN: &str = r"
 if ARGV[5] ~= '' then
   redis.call('XACK', KEYS[1], ARGV[1], ARGV[5])
@@ -316,7 +320,13 @@ end
 if ARGV[6] ~= '' then
   redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[6], 'IDLE', ARGV[7], 'JUSTID')
 end
-if ARGV[8] == '1' or redis.call('EXISTS', KEYS[1]) == 0 then
+if redis.call('XLEN', KEYS[1]) == 0 then
+  if tonumber(redis.call('GET', KEYS[2]) or '0') ~= 0 then
+    redis.call('SET', KEYS[2], 0)
+  end
+  return false
+end
+if ARGV[8] == '1' then
   return false
 end
 local entry = false
