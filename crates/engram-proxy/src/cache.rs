@@ -314,7 +314,8 @@ impl MemoryCache {
     /// to `state`) to be cached the moment the store tells of that write's commit
     /// ([`CommitListener`]), which may be before the writer hears back. The writer
     /// calls [`Staged::publish`] once its commit returned, which caches it if the store did not
-    /// (a store without a listener); dropping the guard instead (the commit failed) forgets it.
+    /// tell (a store without a listener); dropping the guard instead (the commit failed)
+    /// forgets it. The memory stays staged until then, however often the store tells.
     pub fn stage<'a>(
         &'a self,
         user: &'a UserKey,
@@ -330,6 +331,7 @@ impl MemoryCache {
                 expected_version,
                 state: state.clone(),
                 memory: Arc::clone(&memory),
+                told: false,
             });
         Staged {
             cache: self,
@@ -338,14 +340,14 @@ impl MemoryCache {
         }
     }
 
-    /// Takes `memory` out of the staged ones; false when it is not there (cached on its
-    /// commit already, or never staged).
-    fn unstage(&self, memory: &Arc<CachedMemory>) -> bool {
+    /// Takes `memory` out of the staged ones: whether the store told of its commit, `None`
+    /// when it was not staged.
+    fn unstage(&self, memory: &Arc<CachedMemory>) -> Option<bool> {
         let mut staged = self.staged.lock().unwrap_or_else(PoisonError::into_inner);
-        let found = staged
+        let at = staged
             .iter()
-            .position(|staged| Arc::ptr_eq(&staged.memory, memory));
-        found.map(|at| staged.swap_remove(at)).is_some()
+            .position(|staged| Arc::ptr_eq(&staged.memory, memory))?;
+        Some(staged.swap_remove(at).told)
     }
 
     pub fn remove(&self, user: &UserKey) {
@@ -388,6 +390,8 @@ struct StagedMemory {
     /// `expected_version` is one memory).
     state: EncodedState,
     memory: Arc<CachedMemory>,
+    /// The store told of its commit (and it was cached then).
+    told: bool,
 }
 
 /// The guard of a staged memory: [`Staged::publish`] once the commit returned; dropped
@@ -400,9 +404,10 @@ pub struct Staged<'a> {
 }
 
 impl Staged<'_> {
-    /// After the commit returned: caches the memory unless the store did on its commit.
+    /// After the commit returned: caches the memory unless the store told of the commit.
     pub fn publish(self) {
-        if self.cache.unstage(&self.memory) {
+        // Not again when the store told: the user may have been forgotten since.
+        if self.cache.unstage(&self.memory) == Some(false) {
             self.cache.put(self.user, Arc::clone(&self.memory));
         }
     }
@@ -415,22 +420,27 @@ impl Drop for Staged<'_> {
 }
 
 /// The store's word that a write committed: the memory staged for exactly that write, if any,
-/// becomes the user's cached memory, here on the committing thread.
+/// becomes the user's cached memory, here on the telling thread.
 impl CommitListener for MemoryCache {
     fn committed(&self, user: &UserKey, expected_version: u64, state: &EncodedState) {
-        let committed = {
-            let mut staged = self.staged.lock().unwrap_or_else(PoisonError::into_inner);
-            staged
-                .iter()
-                .position(|staged| {
-                    staged.user == *user
-                        && staged.expected_version == expected_version
-                        && staged.state == *state
-                })
-                .map(|at| staged.swap_remove(at))
-        };
-        if let Some(staged) = committed {
-            self.put(user, staged.memory);
+        // Left staged: the store may tell of one commit more than once (Redis: each read that
+        // finds it), and the writer's guard takes it out.
+        let committed = self
+            .staged
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter_mut()
+            .find(|staged| {
+                staged.user == *user
+                    && staged.expected_version == expected_version
+                    && staged.state == *state
+            })
+            .map(|staged| {
+                staged.told = true;
+                Arc::clone(&staged.memory)
+            });
+        if let Some(memory) = committed {
+            self.put(user, memory);
         }
     }
 }
@@ -652,8 +662,9 @@ mod tests {
     }
 
     /// A staged memory is cached when the store tells of exactly its write (user, version it
-    /// started from, what it wrote), and not on another write that reached the same version;
-    /// its writer's `publish` then caches nothing more, and a dropped guard forgets it.
+    /// started from, what it wrote), as often as it tells, and not on another write that
+    /// reached the same version; its writer's `publish` then caches nothing more, and a dropped
+    /// guard forgets it.
     #[test]
     fn a_staged_memory_is_cached_on_its_own_commit_only() {
         let cache = MemoryCache::new(8, usize::MAX);
@@ -673,6 +684,10 @@ mod tests {
                 .get(&user)
                 .is_some_and(|cached| Arc::ptr_eq(&cached, &memory))
         );
+        // Told again (Redis: another read found the commit): still staged, cached again.
+        cache.remove(&user);
+        cache.committed(&user, 10, &encoded);
+        assert!(!cache.is_empty(), "a second telling finds it staged");
         cache.remove(&user);
         staged.publish();
         assert!(cache.is_empty(), "published twice");

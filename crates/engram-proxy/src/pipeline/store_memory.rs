@@ -168,9 +168,8 @@ impl StoreMemory {
             }
         };
         if record.update.is_none()
-            && cached
-                .as_ref()
-                .is_some_and(|memory| memory.version() != record.version)
+            && record.version != 0
+            && cached.as_ref().map(|memory| memory.version()) != Some(record.version)
         {
             // The store told the cache of the commit that made this version during the read
             // (Redis: the read found this process's own commit landed, see `CommitListener`),
