@@ -284,6 +284,13 @@ async fn tokens_are_interchangeable_and_surplus_ones_are_dropped() {
     assert_eq!(store.queue_depth().await.unwrap(), 3);
 }
 
+/// A job of `user`'s session s1 whose turn arrived at `arrival` (µs since the epoch).
+fn arrived(user: &UserKey, key: &str, arrival: u64) -> Job {
+    let mut job = job_in(user, "s1", key);
+    job.exchange.arrival = Some(arrival);
+    job
+}
+
 #[tokio::test]
 async fn a_sessions_jobs_apply_in_arrival_order_and_wait_for_a_turn_still_recording() {
     let Some((store, _connection, _server)) = store_with(RedisOptions {
@@ -296,11 +303,7 @@ async fn a_sessions_jobs_apply_in_arrival_order_and_wait_for_a_turn_still_record
     };
     let alice = UserKey::new("acme", "alice");
     let lease = Duration::from_secs(30);
-    let arriving = |key: &str, arrival: u64| {
-        let mut job = job_in(&alice, "s1", key);
-        job.exchange.arrival = Some(arrival);
-        job
-    };
+    let arriving = |key: &str, arrival: u64| arrived(&alice, key, arrival);
     let now = engram_proxy::cache::first_version();
 
     // Recorded out of order (another replica was slower): applied in arrival order.
@@ -389,11 +392,7 @@ async fn a_run_stops_before_a_turn_still_recording() {
     };
     let alice = UserKey::new("acme", "alice");
     let lease = Duration::from_secs(30);
-    let arriving = |key: &str, arrival: u64| {
-        let mut job = job_in(&alice, "s1", key);
-        job.exchange.arrival = Some(arrival);
-        job
-    };
+    let arriving = |key: &str, arrival: u64| arrived(&alice, key, arrival);
     let at = engram_proxy::cache::first_version();
     let (t1, t2) = (arriving("t1", at), arriving("t2", at + 1_000));
     store.enqueue(&t1).await.unwrap();

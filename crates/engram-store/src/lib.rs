@@ -482,7 +482,8 @@ fn commit_owner(jobs: &[Job]) -> Result<Option<(&UserKey, &Job)>> {
 /// commit landed or the commit's answer comes back. Without one, the worker caches the state
 /// itself once the commit returns.
 pub trait CommitListener: Send + Sync + 'static {
-    /// `user`'s memory went from `expected_version` to `state` (what the commit wrote).
+    /// `user`'s memory went from `expected_version` to `state` (what the commit wrote). Redis
+    /// may tell of one commit more than once.
     fn committed(&self, user: &UserKey, expected_version: u64, state: &EncodedState);
 }
 

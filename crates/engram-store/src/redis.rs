@@ -398,7 +398,8 @@ impl RedisStore {
         listed
     }
 
-    /// The commit `landed` names has landed: tells the listener, unless this was already told.
+    /// The commit `landed` names has landed: tells the listener, if it is still in flight (once
+    /// its guard dropped, the answer has told it).
     fn landed(&self, landed: &str) {
         let Some(listener) = &self.listener else {
             return;
