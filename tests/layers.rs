@@ -82,6 +82,8 @@ const CRATES: &[Crate] = &[
         name: "engram-proxy",
         dir: "crates/engram-proxy",
         layers: &[
+            // Tests only: a store for the recorder's and the hot path's tests.
+            &["test_store"],
             // Clients with no memory in them.
             &["upstream"],
             &["telemetry"],

@@ -16,5 +16,7 @@ pub mod ratelimit;
 pub mod recorder;
 pub mod summarizer;
 pub mod telemetry;
+#[cfg(test)]
+mod test_store;
 pub mod upstream;
 pub mod worker;

@@ -312,6 +312,16 @@ pub trait JobQueue: Send + Sync + 'static {
     /// with every job placed before (made them durable elsewhere, in their order).
     fn resume_placing(&self) {}
 
+    /// Whether the queue orders a session's jobs by their turns' arrival
+    /// ([`ExchangeInput::arrival`]) whatever order they are enqueued in, and holds a session's
+    /// head while a turn that arrived before it is noted as arriving
+    /// ([`MemoryRecords::hot_record_arriving`]): then a caller may enqueue the session's jobs
+    /// concurrently once each turn's note is written (Redis; the recorder's one job at a time
+    /// held one identity's recordings to one round trip each).
+    fn orders_by_arrival(&self) -> bool {
+        false
+    }
+
     /// Leases the oldest queued job that no live lease holds, for `lease`, skipping jobs of a
     /// session whose earlier job is leased (a session's jobs apply in order). A consumer that
     /// dies holding a job loses it when the lease ends. "Oldest" is by enqueue time in the

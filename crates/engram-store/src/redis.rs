@@ -1348,6 +1348,11 @@ impl JobQueue for RedisStore {
         })
     }
 
+    /// The backlog's score is the turn's arrival, and a claim waits for a noted earlier turn.
+    fn orders_by_arrival(&self) -> bool {
+        true
+    }
+
     fn claim<'a>(
         &'a self,
         consumer: &'a str,

@@ -280,6 +280,10 @@ impl JobQueue for MeteredStore {
     fn claims_whole_runs(&self) -> bool {
         self.inner.claims_whole_runs()
     }
+
+    fn orders_by_arrival(&self) -> bool {
+        self.inner.orders_by_arrival()
+    }
 }
 
 impl Store for MeteredStore {

@@ -152,7 +152,12 @@ impl StoreMemory {
         };
         let read = tokio::time::timeout(deadline, hot_record).await;
         let mut record = match read {
-            Ok(Ok(record)) => record,
+            Ok(Ok(record)) => {
+                if let Some(arrival) = plan.as_ref().and_then(|plan| plan.arrival.as_ref()) {
+                    arrival.noted();
+                }
+                record
+            }
             Ok(Err(error)) => {
                 load.fail("store_error");
                 tracing::warn!(%error, "memory read failed; answering without memory");
@@ -314,5 +319,76 @@ fn degraded(reason: &'static str, turn_id: String, plan: Option<RecordPlan>) -> 
         turn_id: Some(turn_id),
         record: plan,
         ..Rewrite::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::identity::{Identity, Mode};
+    use crate::recorder::outbox::{Outbox, Spool};
+    use crate::test_store::ByArrival;
+    use engram_memory::openai::ChatMessage;
+    use engram_store::EmbeddedStore;
+    use std::sync::atomic::Ordering;
+
+    async fn layer(store: Arc<ByArrival>) -> StoreMemory {
+        let spool = Spool::Memory {
+            store: Arc::new(EmbeddedStore::in_memory().unwrap()),
+            capacity: 16,
+        };
+        let queued = Arc::new(tokio::sync::Notify::new());
+        let outbox = Arc::new(Outbox::new(store.clone(), spool, queued).await);
+        StoreMemory::new(
+            store,
+            Arc::new(MemoryCache::new(16, 1 << 20)),
+            Recorder::new(outbox, Duration::from_secs(1)),
+            Arc::new(MemoryConfig::default()),
+            IdentityConfig::default(),
+            Duration::from_millis(50),
+            Arc::new(ExplainLog::new(16)),
+        )
+    }
+
+    fn turn() -> (RequestIdentity, ChatRequest) {
+        let resolved = RequestIdentity {
+            identity: Some(Identity {
+                tenant: "t".into(),
+                user: "ana".into(),
+                session: "s".into(),
+            }),
+            mode: Mode::Normal,
+            event_time: None,
+        };
+        let request = ChatRequest {
+            model: "m".into(),
+            messages: vec![ChatMessage::new("user", "I like tea.")],
+            stream: None,
+            stream_options: None,
+            extra: serde_json::Map::new(),
+        };
+        (resolved, request)
+    }
+
+    /// The recorder lets a turn's session go on before its enqueue only once the store holds
+    /// the session's later jobs behind it: so a turn is noted as arriving only when the read
+    /// that writes the note answered, not when it failed or missed its deadline.
+    #[tokio::test]
+    async fn a_turn_is_noted_as_arriving_only_when_its_read_answered() {
+        for answers in [true, false] {
+            let store = Arc::new(ByArrival::new());
+            let memory = layer(Arc::clone(&store)).await;
+            // Read once, so that the cold load is done and the turn's read is the hot one.
+            let (resolved, request) = turn();
+            memory.rewrite_for(resolved, &request).await.unwrap();
+            store.reads_hang.store(!answers, Ordering::Release);
+            let (resolved, request) = turn();
+            let rewrite = memory.rewrite_for(resolved, &request).await.unwrap();
+            let answered = rewrite.outcome != MemoryOutcome::Degraded;
+            assert_eq!(answered, answers, "{:?}", rewrite.reason);
+            let plan = rewrite.record.expect("the turn is recorded either way");
+            let arrival = plan.arrival.expect("a recorded turn has an arrival note");
+            assert_eq!(arrival.is_noted(), answers);
+        }
     }
 }

@@ -255,15 +255,16 @@ impl Recorder {
             };
             // The enqueue ends the arrival note (or, spooled, keeps holding the session's
             // later jobs until it is forwarded).
-            if let Some(arrival) = &arrival {
+            let noted = arrival.as_ref().is_some_and(|arrival| {
                 arrival.recorded();
-            }
+                arrival.is_noted()
+            });
             // With the session's ticket, the session's next recording is placed behind this
             // one as soon as this one's place in the store's queue is fixed (see
             // `Outbox::submit_in_order`).
             let submit = async {
                 match ticket {
-                    Some(ticket) => outbox.submit_in_order(job, ticket).await,
+                    Some(ticket) => outbox.submit_in_order(job, ticket, noted).await,
                     None => outbox.submit(job).await,
                 }
             };
@@ -383,10 +384,11 @@ mod tests {
     use super::order::Ticket;
     use super::outbox::Spool;
     use super::*;
+    use crate::test_store::ByArrival;
     use engram_memory::chain::{CHAIN_ORIGIN, link, pair};
     use engram_memory::history::request_shape;
     use engram_memory::openai::{ChatMessage, ToolCall};
-    use engram_store::{EmbeddedStore, Store, UserKey};
+    use engram_store::{EmbeddedStore, JobQueue, Store, UserKey};
 
     fn message(value: serde_json::Value) -> ChatMessage {
         serde_json::from_value(value).unwrap()
@@ -547,6 +549,16 @@ mod tests {
         ticket: Ticket,
         turn: usize,
     ) -> impl std::future::Future<Output = (usize, Receipt)> + Send + 'static {
+        record_noted_turn(recorder, ticket, turn, None)
+    }
+
+    /// [`record_turn`] for a turn noted in the store as arriving (`arrival`).
+    fn record_noted_turn(
+        recorder: &Arc<Recorder>,
+        ticket: Ticket,
+        turn: usize,
+        arrival: Option<Arc<Arrival>>,
+    ) -> impl std::future::Future<Output = (usize, Receipt)> + Send + 'static {
         let answer = AssistantMessage {
             content: format!("noted, turn {turn}"),
             ..AssistantMessage::default()
@@ -559,6 +571,7 @@ mod tests {
         );
         if let Some(plan) = exchange.record.as_mut() {
             plan.ticket = Some(Arc::new(ticket));
+            plan.arrival = arrival;
         }
         let (receipt, told) = tokio::sync::oneshot::channel();
         exchange.receipt = Some(receipt);
@@ -566,6 +579,53 @@ mod tests {
         async move {
             recording.await;
             (turn, told.await.unwrap_or(Receipt::Lost))
+        }
+    }
+
+    /// Over a store that orders a session's jobs by arrival, a recording whose arrival note is
+    /// written gives up its session's turn before its enqueue, so the next recording's enqueue
+    /// starts while the first is still on its way; without a written note (its read failed or
+    /// timed out) the next one waits for the first to be durable, as over any store.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_noted_turn_does_not_hold_its_sessions_next_enqueue() {
+        for noted in [true, false] {
+            let store = Arc::new(ByArrival::new());
+            let spool = Spool::Memory {
+                store: Arc::new(EmbeddedStore::in_memory().unwrap()),
+                capacity: 16,
+            };
+            let outbox = Outbox::new(store.clone(), spool, Arc::new(Notify::new())).await;
+            let recorder = Arc::new(Recorder::new(Arc::new(outbox), Duration::from_secs(10)));
+            let order = order::SessionOrder::new();
+            let mut recordings = tokio::task::JoinSet::new();
+            for turn in 0..2 {
+                let arrival = Arc::new(Arrival::new(
+                    store.clone(),
+                    UserKey::new("tenant", "ana"),
+                    "s".into(),
+                    format!("t{turn:03}"),
+                ));
+                if noted {
+                    arrival.noted();
+                }
+                let ticket = order.ticket("s".into());
+                recordings.spawn(record_noted_turn(&recorder, ticket, turn, Some(arrival)));
+            }
+            let both_started = tokio::time::timeout(Duration::from_millis(500), async {
+                while store.started.load(Ordering::Acquire) < 2 {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            })
+            .await
+            .is_ok();
+            assert_eq!(both_started, noted, "noted: {noted}");
+            store.open.add_permits(2);
+            while let Some(done) = recordings.join_next().await {
+                // The second answer ended while the first recording was going: `pending`.
+                let (_, receipt) = done.unwrap();
+                assert!(matches!(receipt, Receipt::Queued | Receipt::Pending));
+            }
+            assert_eq!(store.queue_depth().await.unwrap(), 2);
         }
     }
 

@@ -170,6 +170,8 @@ pub struct Arrival {
     user: UserKey,
     session: String,
     turn_id: String,
+    /// The store answered the read that wrote the note.
+    noted: std::sync::atomic::AtomicBool,
     recorded: std::sync::atomic::AtomicBool,
 }
 
@@ -185,8 +187,21 @@ impl Arrival {
             user,
             session,
             turn_id,
+            noted: std::sync::atomic::AtomicBool::new(false),
             recorded: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// The note is written: the read that writes it answered (a read that failed or missed
+    /// its deadline may or may not have written it).
+    pub fn noted(&self) {
+        self.noted.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Whether the note is known to be written, so that the store holds the session's later
+    /// jobs behind this turn's.
+    pub fn is_noted(&self) -> bool {
+        self.noted.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// The turn's job is on its way to the store (its enqueue ends the note).

@@ -187,8 +187,12 @@ impl Outbox {
     /// rather than one durable commit later; the receipt still waits for the job to be durable.
     /// If a placed job fails, the store holds back the jobs placed behind it; each goes to the
     /// spool in its session's order (`settle`, the ticket's follower). A store that cannot
-    /// place (Redis) is submitted to one job at a time, the ticket held until it is durable.
-    pub async fn submit_in_order(&self, job: Job, ticket: Arc<Ticket>) -> Receipt {
+    /// place is submitted to one job at a time, the ticket held until it is durable; unless it
+    /// orders a session's jobs by arrival itself (Redis) and the turn's arrival note is written
+    /// (`noted`): then the ticket goes before the enqueue, and the session's recordings are
+    /// enqueued concurrently (one at a time, one identity at 1,000 requests a second outran
+    /// its enqueues' round trips on a busy core and went to the spool).
+    pub async fn submit_in_order(&self, job: Job, ticket: Arc<Ticket>, noted: bool) -> Receipt {
         // Taken while the session's turn is held, so followers go in the session's order.
         let settle = ticket.follower();
         let placement = {
@@ -210,6 +214,12 @@ impl Outbox {
             }
         };
         match placement {
+            Placed::OneAtATime(job) if noted && self.store.orders_by_arrival() => {
+                // The store holds the session's later jobs behind this one's note until this
+                // one is queued, or spooled and forwarded (within `order_grace`).
+                drop(ticket);
+                self.submit(job).await
+            }
             Placed::OneAtATime(job) => {
                 let recorded = self.submit(job).await;
                 drop(ticket);
