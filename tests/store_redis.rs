@@ -1088,6 +1088,68 @@ async fn a_read_behind_our_own_commit_takes_no_delta() {
     assert!(keys.is_empty(), "{keys:?}");
 }
 
+/// A reader catching its copy up by another read (`hot_record_catching_up`) gets no changes
+/// for a memory that moved on, just its version: each request in flight fetching the same
+/// changes kept Redis saturated after a stall (see `MemoryCache::catch_up`). A plain read
+/// still gets them, and an arriving turn is still noted.
+#[tokio::test]
+async fn a_read_catching_up_takes_no_delta() {
+    let Some((store, mut connection, _server)) = store_with(RedisOptions::default()).await else {
+        return;
+    };
+    let alice = UserKey::new("acme", "alice");
+    let lease = Duration::from_secs(30);
+    let mut state = engram_memory::MemoryState::new();
+    state.version = engram_proxy::cache::first_version();
+    // Nothing stored yet: the first commit expects version 0.
+    let mut expected = 0;
+    let mut committed = Vec::new();
+    for key in ["a1", "a2"] {
+        store.enqueue(&job_in(&alice, "s1", key)).await.unwrap();
+        let claimed = store.claim("w", lease).await.unwrap().unwrap();
+        engram_memory::record_exchange(
+            &mut state,
+            &claimed.job.exchange,
+            &engram_memory::HeuristicExtractor,
+            &engram_memory::MemoryConfig::default(),
+        );
+        let encoded = engram_store::EncodedState::of(&state).unwrap();
+        store
+            .commit_jobs(std::slice::from_ref(&claimed.job), &encoded, expected, &[])
+            .await
+            .unwrap();
+        expected = state.version;
+        committed.push(state.version);
+    }
+    let (behind, current) = (committed[0], committed[1]);
+    assert_ne!(behind, current);
+
+    let lean = store
+        .hot_record_catching_up(&alice, "s1", behind, Some(("t9", 1)))
+        .await
+        .unwrap();
+    assert_eq!(lean.version, current);
+    assert!(lean.update.is_none());
+    let arriving: Vec<String> = connection
+        .zrange(user_key(&alice, "arriving"), 0, -1)
+        .await
+        .unwrap();
+    assert_eq!(arriving.len(), 1, "the turn was not noted as arriving");
+    let full = store.hot_record(&alice, "s1", Some(behind)).await.unwrap();
+    assert_eq!(full.version, current);
+    assert!(matches!(
+        full.update,
+        Some(engram_store::MemoryUpdate::Delta(_))
+    ));
+    // Up to date: nothing either way.
+    let current_read = store
+        .hot_record_catching_up(&alice, "s1", current, None)
+        .await
+        .unwrap();
+    assert_eq!(current_read.version, current);
+    assert!(current_read.update.is_none());
+}
+
 /// A process that dies between a finish's two steps leaves the shard's depth counter too high
 /// (its decrement is lost), and the worker's lag estimate then reads a queue that never
 /// shrinks. A claim that finds the shard without a token sets it back to 0; while a token is

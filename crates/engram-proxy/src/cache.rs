@@ -150,13 +150,19 @@ pub struct MemoryCache {
     /// in flight.
     staged: Mutex<Vec<StagedMemory>>,
     /// Users whose whole memory is being read into the cache, each with word of the end.
-    cold_loads: Mutex<HashMap<UserKey, watch::Receiver<bool>>>,
+    cold_loads: Loads,
+    /// Users whose cached memory is being brought up to date by a read of its own (see
+    /// [`MemoryCache::catch_up`]), each with word of the end.
+    catch_ups: Loads,
     /// Where cold loads run whoever starts them; `None`: the caller's runtime.
     load_runtime: Option<tokio::runtime::Handle>,
     capacity: usize,
     budget_bytes: usize,
     clock: AtomicU64,
 }
+
+/// Reads into the cache in flight, one per user, each with word of its end.
+type Loads = Arc<Mutex<HashMap<UserKey, watch::Receiver<bool>>>>;
 
 #[derive(Debug, Default)]
 struct Entries {
@@ -177,7 +183,8 @@ impl MemoryCache {
         MemoryCache {
             entries: Mutex::new(Entries::default()),
             staged: Mutex::new(Vec::new()),
-            cold_loads: Mutex::default(),
+            cold_loads: Loads::default(),
+            catch_ups: Loads::default(),
             load_runtime: None,
             capacity: capacity.max(1),
             budget_bytes,
@@ -206,49 +213,113 @@ impl MemoryCache {
         user: &UserKey,
         background: &TaskTracker,
     ) -> watch::Receiver<bool> {
-        let mut loads = self
-            .cold_loads
+        let store = Arc::clone(store);
+        let cache = Arc::clone(self);
+        let reader = user.clone();
+        self.once(&self.cold_loads, user, background, async move {
+            let Some(state) = store.load_state(&reader).await? else {
+                return Ok(());
+            };
+            let version = state.version;
+            let update = Some(MemoryUpdate::Whole(Box::new(state)));
+            cache.resolve_and_put(&reader, None, version, update).await
+        })
+    }
+
+    /// Word of the end of a read that brings `user`'s cached memory (`from`) up to date: the
+    /// one in flight, or a new one, run to the end like a cold load. Started when a request's
+    /// read missed its deadline; while it runs, requests read without asking for the changes
+    /// (`Store::hot_record_catching_up`) and wait for it. Each asking for them instead cost
+    /// Redis a millisecond or more once the memory had moved by a write the cache was not told
+    /// of: after Redis stalled for 8 s under one user at 1,000 req/s, every request's read
+    /// asked for the same changes, none came back within its deadline, so none brought the
+    /// cache up to date, and Redis stayed saturated until the load ended.
+    pub fn catch_up(
+        self: &Arc<Self>,
+        store: &Arc<dyn Store>,
+        user: &UserKey,
+        from: Arc<CachedMemory>,
+        background: &TaskTracker,
+    ) -> watch::Receiver<bool> {
+        let store = Arc::clone(store);
+        let cache = Arc::clone(self);
+        let reader = user.clone();
+        self.once(&self.catch_ups, user, background, async move {
+            // No session: nothing of one is wanted.
+            let record = store.hot_record(&reader, "", Some(from.version())).await?;
+            if record.version == 0 {
+                // Forgotten: the next request finds that out itself.
+                return Ok(());
+            }
+            cache
+                .resolve_and_put(&reader, Some(from), record.version, record.update)
+                .await
+        })
+    }
+
+    /// Word of the end of the catch-up of `user`'s memory in flight, if one is.
+    pub fn catching_up(&self, user: &UserKey) -> Option<watch::Receiver<bool>> {
+        self.catch_ups
             .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(done) = loads.get(user) {
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(user)
+            .cloned()
+    }
+
+    /// Caches what the store's answer leads to from `cached` (see [`CachedMemory::resolve`]),
+    /// indexing a whole memory on a blocking thread.
+    async fn resolve_and_put(
+        &self,
+        user: &UserKey,
+        cached: Option<Arc<CachedMemory>>,
+        version: u64,
+        update: Option<MemoryUpdate>,
+    ) -> Result<()> {
+        let memory = if matches!(update, Some(MemoryUpdate::Whole(_))) {
+            tokio::task::spawn_blocking(move || CachedMemory::resolve(cached, version, update))
+                .await
+                .map_err(|error| Error::Internal(format!("indexing task failed: {error}")))??
+        } else {
+            CachedMemory::resolve(cached, version, update)?
+        };
+        if let Some(memory) = memory {
+            self.put(user, memory);
+        }
+        Ok(())
+    }
+
+    /// Runs `work` for `user` unless `loads` holds one in flight for them, tracked by
+    /// `background` (where [`MemoryCache::loading_on`] says) and to the end whoever waits;
+    /// word of the end of the one in flight.
+    fn once(
+        &self,
+        loads: &Loads,
+        user: &UserKey,
+        background: &TaskTracker,
+        work: impl Future<Output = Result<()>> + Send + 'static,
+    ) -> watch::Receiver<bool> {
+        let mut in_flight = loads.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(done) = in_flight.get(user) {
             return done.clone();
         }
         let (finished, done) = watch::channel(false);
-        loads.insert(user.clone(), done.clone());
-        drop(loads);
-        let store = Arc::clone(store);
-        let cache = Arc::clone(self);
+        in_flight.insert(user.clone(), done.clone());
+        drop(in_flight);
         let user = user.clone();
-        let load = async move {
-            let loaded = async {
-                let Some(state) = store.load_state(&user).await? else {
-                    return Ok(());
-                };
-                let version = state.version;
-                let update = Some(MemoryUpdate::Whole(Box::new(state)));
-                let memory = tokio::task::spawn_blocking(move || {
-                    CachedMemory::resolve(None, version, update)
-                })
-                .await
-                .map_err(|error| Error::Internal(format!("indexing task failed: {error}")))??;
-                if let Some(memory) = memory {
-                    cache.put(&user, memory);
-                }
-                Ok::<(), Error>(())
-            };
-            if let Err(error) = loaded.await {
+        let loads = Arc::clone(loads);
+        let run = async move {
+            if let Err(error) = work.await {
                 tracing::warn!(%error, "reading a memory into the cache failed");
             }
-            cache
-                .cold_loads
+            loads
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .remove(&user);
             let _ = finished.send(true);
         };
         match &self.load_runtime {
-            Some(runtime) => drop(background.spawn_on(load, runtime)),
-            None => drop(background.spawn(load)),
+            Some(runtime) => drop(background.spawn_on(run, runtime)),
+            None => drop(background.spawn(run)),
         }
         done
     }
@@ -782,6 +853,41 @@ mod tests {
 
         let third = cache.cold_load(&store, &user, &background);
         assert!(!third.same_channel(&first));
+    }
+
+    /// A copy behind the store by a write the cache was not told of is brought up to date by
+    /// one read, however many callers ask while it runs; meanwhile `catching_up` says so.
+    #[tokio::test]
+    async fn one_read_catches_a_copy_up() {
+        use engram_store::{EmbeddedStore, Store};
+
+        let store: Arc<dyn Store> = Arc::new(EmbeddedStore::in_memory().unwrap());
+        let user = UserKey::new("t", "u");
+        let (memory, _) = written(10, "I live in Lisbon.");
+        store.save_state(&user, &memory.state, 0).await.unwrap();
+        let cache = Arc::new(MemoryCache::new(8, usize::MAX));
+        cache.put(&user, Arc::clone(&memory));
+        let mut newer = memory.state.clone();
+        record(&mut newer, "s", 1, "I moved to Porto.", "Noted.");
+        assert!(newer.version > memory.version());
+        store
+            .save_state(&user, &newer, memory.version())
+            .await
+            .unwrap();
+
+        assert!(cache.catching_up(&user).is_none());
+        let background = TaskTracker::new();
+        // One thread: the read cannot end before the second caller asks.
+        let first = cache.catch_up(&store, &user, Arc::clone(&memory), &background);
+        let mut second = cache.catch_up(&store, &user, Arc::clone(&memory), &background);
+        assert!(first.same_channel(&second));
+        assert!(cache.catching_up(&user).is_some());
+        second.wait_for(|done| *done).await.unwrap();
+        assert_eq!(
+            cache.get(&user).map(|cached| cached.version()),
+            Some(newer.version)
+        );
+        assert!(cache.catching_up(&user).is_none());
     }
 
     #[test]

@@ -16,13 +16,14 @@ use engram_store::{
 };
 
 /// Orders by arrival (it says so; the embedded queue underneath orders by enqueue). Each
-/// enqueue is counted in `started`, then waits for a permit of `open`; while `reads_hang`,
-/// hot reads never answer.
+/// enqueue is counted in `started`, then waits for a permit of `open`. Hot reads wait while `reads_hang`; a read for a caller catching
+/// up does not, brings no update (as Redis's), and is counted in `catching_up_reads`.
 pub struct ByArrival {
     inner: EmbeddedStore,
     pub started: AtomicUsize,
     pub open: Semaphore,
     pub reads_hang: AtomicBool,
+    pub catching_up_reads: AtomicUsize,
 }
 
 impl ByArrival {
@@ -33,6 +34,7 @@ impl ByArrival {
             started: AtomicUsize::new(0),
             open: Semaphore::new(0),
             reads_hang: AtomicBool::new(false),
+            catching_up_reads: AtomicUsize::new(0),
         }
     }
 }
@@ -44,10 +46,32 @@ impl MemoryRecords for ByArrival {
         session_id: &'a str,
         cached_version: Option<u64>,
     ) -> BoxFuture<'a, Result<HotRecord>> {
-        if self.reads_hang.load(Ordering::Acquire) {
-            return Box::pin(std::future::pending());
-        }
-        self.inner.hot_record(user, session_id, cached_version)
+        Box::pin(async move {
+            while self.reads_hang.load(Ordering::Acquire) {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            self.inner
+                .hot_record(user, session_id, cached_version)
+                .await
+        })
+    }
+
+    fn hot_record_catching_up<'a>(
+        &'a self,
+        user: &'a UserKey,
+        session_id: &'a str,
+        cached_version: u64,
+        _arriving: Option<(&'a str, u64)>,
+    ) -> BoxFuture<'a, Result<HotRecord>> {
+        Box::pin(async move {
+            self.catching_up_reads.fetch_add(1, Ordering::AcqRel);
+            let mut record = self
+                .inner
+                .hot_record(user, session_id, Some(cached_version))
+                .await?;
+            record.update = None;
+            Ok(record)
+        })
     }
 
     fn load_state<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<Option<MemoryState>>> {

@@ -230,6 +230,30 @@ pub trait MemoryRecords: Send + Sync + 'static {
         self.hot_record(user, session_id, cached_version)
     }
 
+    /// [`Self::hot_record`], or with `arriving` (turn id, arrival µs) [`Self::hot_record_arriving`],
+    /// for a caller already bringing its copy at `cached_version` up to date by another read:
+    /// a memory that moved on by a write that is not the caller's in flight comes back with no
+    /// update (`update: None` at the store's version), where sending one is costly (Redis: the
+    /// items changed since, to every request in flight). The default reads as usual.
+    fn hot_record_catching_up<'a>(
+        &'a self,
+        user: &'a UserKey,
+        session_id: &'a str,
+        cached_version: u64,
+        arriving: Option<(&'a str, u64)>,
+    ) -> BoxFuture<'a, Result<HotRecord>> {
+        match arriving {
+            Some((turn_id, arrival_us)) => self.hot_record_arriving(
+                user,
+                session_id,
+                Some(cached_version),
+                turn_id,
+                arrival_us,
+            ),
+            None => self.hot_record(user, session_id, Some(cached_version)),
+        }
+    }
+
     /// Ends the arrival note of a turn that will not be recorded (its request failed), so the
     /// session's later jobs stop waiting for it. The default does nothing.
     fn end_arrival<'a>(

@@ -793,6 +793,7 @@ impl RedisStore {
         session_id: &str,
         cached_version: Option<u64>,
         arriving: Option<(&str, u64)>,
+        catching_up: bool,
     ) -> Result<HotRecord> {
         let (marker, arrival) = match arriving {
             Some((turn_id, arrival_us)) => {
@@ -841,6 +842,7 @@ impl RedisStore {
             } else {
                 String::new()
             })
+            .arg(if catching_up { "1" } else { "0" })
             .invoke_async(&mut self.connection())
             .await
             .map_err(redis_error)?;
@@ -850,7 +852,8 @@ impl RedisStore {
             + prefetched.as_ref().map_or(0, Vec::len)
             + unapplied.iter().map(Vec::len).sum::<usize>();
         let update = match status.as_str() {
-            "none" => None,
+            // Behind: the caller is catching up by another read.
+            "none" | "behind" => None,
             "landed" => {
                 // Our own commit: the listener caches the memory it wrote, now.
                 let landed = meta.as_deref().map(String::from_utf8_lossy);
@@ -1113,7 +1116,18 @@ impl MemoryRecords for RedisStore {
         session_id: &'a str,
         cached_version: Option<u64>,
     ) -> BoxFuture<'a, Result<HotRecord>> {
-        Box::pin(self.hot_record_with(user, session_id, cached_version, None))
+        Box::pin(self.hot_record_with(user, session_id, cached_version, None, false))
+    }
+
+    /// A memory that moved by another's write answers 'behind', without the changed items.
+    fn hot_record_catching_up<'a>(
+        &'a self,
+        user: &'a UserKey,
+        session_id: &'a str,
+        cached_version: u64,
+        arriving: Option<(&'a str, u64)>,
+    ) -> BoxFuture<'a, Result<HotRecord>> {
+        Box::pin(self.hot_record_with(user, session_id, Some(cached_version), arriving, true))
     }
 
     fn hot_record_arriving<'a>(
@@ -1129,6 +1143,7 @@ impl MemoryRecords for RedisStore {
             session_id,
             cached_version,
             Some((turn_id, arrival_us)),
+            false,
         ))
     }
 

@@ -217,6 +217,12 @@ impl MemoryRecords for MeteredStore {
             turn_id: &'a str,
             arrival_us: u64
         ) -> HotRecord = timed_read(HotRecord);
+        fn hot_record_catching_up(
+            user: &'a UserKey,
+            session_id: &'a str,
+            cached_version: u64,
+            arriving: Option<(&'a str, u64)>
+        ) -> HotRecord = timed_read(HotRecord);
         fn end_arrival(user: &'a UserKey, session_id: &'a str, turn_id: &'a str)
             -> () = timed(EndArrival);
         fn load_state(user: &'a UserKey) -> Option<MemoryState> = timed(LoadState);

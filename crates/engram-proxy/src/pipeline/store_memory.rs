@@ -140,15 +140,25 @@ impl StoreMemory {
         let cached_version = cached.as_ref().map(|m| m.version());
         // A turn that will be recorded is noted as arriving in the same read, so the session's
         // later turns, whichever replica records them, queue behind its job.
-        let hot_record = match &plan {
-            Some(plan) => self.store.hot_record_arriving(
-                &user,
-                &session,
-                cached_version,
-                &plan.turn_id,
-                arrival_us,
-            ),
-            None => self.store.hot_record(&user, &session, cached_version),
+        let arriving = plan
+            .as_ref()
+            .map(|plan| (plan.turn_id.as_str(), arrival_us));
+        let hot_record = match (&cached, self.cache.catching_up(&user)) {
+            // Another read is bringing the cached copy up to date: not the changes again.
+            (Some(memory), Some(_)) => {
+                self.store
+                    .hot_record_catching_up(&user, &session, memory.version(), arriving)
+            }
+            _ => match arriving {
+                Some((turn_id, arrival_us)) => self.store.hot_record_arriving(
+                    &user,
+                    &session,
+                    cached_version,
+                    turn_id,
+                    arrival_us,
+                ),
+                None => self.store.hot_record(&user, &session, cached_version),
+            },
         };
         let read = tokio::time::timeout(deadline, hot_record).await;
         let mut record = match read {
@@ -165,6 +175,13 @@ impl StoreMemory {
             }
             Err(_) => {
                 load.fail("store_timeout");
+                // Whatever kept the read, the copy may be behind by a write this process was
+                // not told of (one whose answer never came): one read catches it up, and the
+                // requests meanwhile read without asking for the changes.
+                if let Some(memory) = &cached {
+                    self.cache
+                        .catch_up(&self.store, &user, Arc::clone(memory), &self.background);
+                }
                 tracing::warn!(
                     deadline_ms = self.deadline.as_millis() as u64,
                     "memory read missed the hot-path deadline; answering without memory"
@@ -181,11 +198,30 @@ impl StoreMemory {
             // or of a later one since (a busy core can poll the read after the next commit
             // landed): a newer memory serves as well, since the window leaves out the
             // unapplied exchanges that it holds.
-            if let Some(current) = self
-                .cache
-                .get(&user)
-                .filter(|memory| memory.version() >= record.version)
-            {
+            let newer = |cache: &MemoryCache| {
+                cache
+                    .get(&user)
+                    .filter(|memory| memory.version() >= record.version)
+            };
+            let mut current = newer(&self.cache);
+            if let (None, Some(memory)) = (&current, &cached) {
+                // Behind by a write the cache was not told of (another process's, or one whose
+                // answer never came): wait for the one read that catches the copy up.
+                let mut done =
+                    self.cache
+                        .catch_up(&self.store, &user, Arc::clone(memory), &self.background);
+                let left = self.deadline.saturating_sub(started.elapsed());
+                if tokio::time::timeout(left, done.wait_for(|done| *done))
+                    .await
+                    .is_err()
+                {
+                    load.fail("store_timeout");
+                    tracing::info!("memory is being brought up to date; answering without it");
+                    return Ok(degraded("store_timeout", turn_id, plan));
+                }
+                current = newer(&self.cache);
+            }
+            if let Some(current) = current {
                 record.version = current.version();
                 cached = Some(current);
             }
@@ -329,7 +365,7 @@ mod tests {
     use crate::recorder::outbox::{Outbox, Spool};
     use crate::test_store::ByArrival;
     use engram_memory::openai::ChatMessage;
-    use engram_store::EmbeddedStore;
+    use engram_store::{EmbeddedStore, MemoryRecords};
     use std::sync::atomic::Ordering;
 
     async fn layer(store: Arc<ByArrival>) -> StoreMemory {
@@ -348,6 +384,77 @@ mod tests {
             Duration::from_millis(50),
             Arc::new(ExplainLog::new(16)),
         )
+    }
+
+    /// A read that misses its deadline starts one read that catches the cached copy up to
+    /// a write it was not told of; the requests meanwhile read without asking for the changes
+    /// and wait for that one (without memory past their deadline), and once it is done they
+    /// answer with the memory that write made.
+    #[tokio::test]
+    async fn after_a_missed_read_one_read_catches_the_copy_up() {
+        let store = Arc::new(ByArrival::new());
+        let user = UserKey::new("t", "ana");
+        let mut state = MemoryState::new();
+        memory::record_exchange(
+            &mut state,
+            &memory::ExchangeInput {
+                session_id: "s".into(),
+                turn_id: "t0".into(),
+                user_text: "I live in Lisbon.".into(),
+                assistant_text: "Noted.".into(),
+                ..memory::ExchangeInput::default()
+            },
+            &memory::HeuristicExtractor,
+            &MemoryConfig::default(),
+        );
+        store.save_state(&user, &state, 0).await.unwrap();
+        let layer = layer(Arc::clone(&store)).await;
+        let (resolved, request) = turn();
+        layer.rewrite_for(resolved, &request).await.unwrap();
+        let cached = layer.cache.get(&user).map(|memory| memory.version());
+        assert_eq!(cached, Some(state.version));
+
+        // Written by another process: this one's cache is not told.
+        let before = state.version;
+        memory::record_exchange(
+            &mut state,
+            &memory::ExchangeInput {
+                session_id: "s".into(),
+                turn_id: "t1".into(),
+                user_text: "I moved to Porto.".into(),
+                assistant_text: "Noted.".into(),
+                ..memory::ExchangeInput::default()
+            },
+            &memory::HeuristicExtractor,
+            &MemoryConfig::default(),
+        );
+        store.save_state(&user, &state, before).await.unwrap();
+
+        store.reads_hang.store(true, Ordering::Release);
+        let (resolved, request) = turn();
+        let missed = layer.rewrite_for(resolved, &request).await.unwrap();
+        assert_eq!(missed.reason, Some("store_timeout"));
+        assert!(layer.cache.catching_up(&user).is_some());
+        // The catch-up's own read hangs too: the next request does not ask for the changes,
+        // and gives up waiting for the catch-up at its deadline.
+        let (resolved, request) = turn();
+        let waited = layer.rewrite_for(resolved, &request).await.unwrap();
+        assert_eq!(waited.reason, Some("store_timeout"));
+        assert_eq!(store.catching_up_reads.load(Ordering::Acquire), 1);
+
+        store.reads_hang.store(false, Ordering::Release);
+        let caught_up = tokio::time::timeout(Duration::from_secs(5), async {
+            while layer.cache.catching_up(&user).is_some() {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await;
+        assert!(caught_up.is_ok(), "the catch-up never ended");
+        let (resolved, request) = turn();
+        let answered = layer.rewrite_for(resolved, &request).await.unwrap();
+        assert_eq!(answered.outcome, MemoryOutcome::Injected);
+        let cached = layer.cache.get(&user).map(|memory| memory.version());
+        assert_eq!(cached, Some(state.version));
     }
 
     fn turn() -> (RequestIdentity, ChatRequest) {

@@ -114,10 +114,13 @@ end
 /// its queued exchange JSON. When the newest job commit is one the caller has in flight
 /// (`committed` holds one of the `<version>:<fingerprint>` it lists, at the current version),
 /// the status is 'landed' and the hot state's place holds that entry: the caller has the memory
-/// already, and a long run's items need not travel back to the process that wrote them.
+/// already, and a long run's items need not travel back to the process that wrote them. With
+/// ARGV[10] = '1' (the caller is catching its copy up by another read) and a cached version,
+/// a memory that moved otherwise answers 'behind', with nothing to bring it up to date.
 /// KEYS: version, state, items, changes, prefetched, arriving, session backlog, committed.
 /// ARGV: cached version or '', session id, marker or '', arrival µs, marker ttl ms, user
-/// prefix, most jobs, most bytes, the caller's job commits in flight (comma-separated) or ''.
+/// prefix, most jobs, most bytes, the caller's job commits in flight (comma-separated) or '',
+/// '1' for no update.
 const HOT_RECORD: &str = r"
 local version = redis.call('GET', KEYS[1]) or '0'
 local status, meta, fields, values = 'none', false, {}, {}
@@ -131,6 +134,8 @@ if version ~= '0' and version ~= ARGV[1] and ARGV[9] ~= '' then
 end
 if landed then
   status, meta = 'landed', landed
+elseif version ~= '0' and version ~= ARGV[1] and ARGV[1] ~= '' and ARGV[10] == '1' then
+  status = 'behind'
 elseif version ~= '0' and version ~= ARGV[1] then
   status = 'whole'
   if ARGV[1] ~= '' then
