@@ -15,6 +15,7 @@
     reason = "test suite: a failure should fail the test loudly"
 )]
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use engram::error::Error;
@@ -63,6 +64,7 @@ macro_rules! store_suite {
             raw_log_appends_once_in_order,
             large_exchanges_and_states_round_trip,
             enqueue_is_idempotent_by_job_key,
+            an_enqueue_run_queues_its_jobs_in_order_once,
             a_jobs_trace_context_survives_the_queue,
             expired_lease_is_claimed_again,
             claims_keep_each_session_in_order,
@@ -907,6 +909,54 @@ pub async fn large_exchanges_and_states_round_trip(store: &dyn Store) {
         entries,
         [(0, "long", &long.exchange), (1, "pasted", &pasted)]
     );
+    assert_eq!(store.queue_depth().await.unwrap(), 0);
+}
+
+/// An enqueue run queues its jobs as an enqueue of each in turn would (Redis: one script for
+/// a user's jobs, a token per session): every job once, a job queued before counted once, a
+/// large exchange intact, the depth counting each job once, and each session's jobs taken
+/// in the run's order.
+pub async fn an_enqueue_run_queues_its_jobs_in_order_once(store: &dyn Store) {
+    let (alice, bob) = (UserKey::new("acme", "alice"), UserKey::new("acme", "bob"));
+    let mut jobs: Vec<Job> = (0..70)
+        .map(|n| job_in(&alice, ["s1", "s2"][n % 2], &format!("a{n:03}")))
+        .collect();
+    jobs.insert(33, large_job(&alice, "s1", "a-large"));
+    jobs.extend((0..3).map(|n| job_in(&bob, "s1", &format!("b{n}"))));
+    // Queued before the run: still first, and once.
+    store.enqueue(&jobs[0]).await.unwrap();
+    assert_eq!(store.enqueue_run(&jobs).await.unwrap(), jobs.len());
+    assert_eq!(store.queue_depth().await.unwrap(), jobs.len() as u64);
+    assert_eq!(store.enqueue_run(&jobs[..5]).await.unwrap(), 5);
+    assert_eq!(store.queue_depth().await.unwrap(), jobs.len() as u64);
+
+    let mut taken: BTreeMap<(String, String), Vec<Job>> = BTreeMap::new();
+    while let Some(claimed) = store.claim("w", Duration::from_secs(60)).await.unwrap() {
+        store.ack(&claimed.job.id).await.unwrap();
+        let session = (
+            claimed.job.id.user.user.clone(),
+            claimed.job.exchange.session_id.clone(),
+        );
+        taken.entry(session).or_default().push(claimed.job);
+    }
+    let mut run: BTreeMap<(String, String), Vec<Job>> = BTreeMap::new();
+    for job in jobs {
+        let session = (job.id.user.user.clone(), job.exchange.session_id.clone());
+        run.entry(session).or_default().push(job);
+    }
+    let keys = |sessions: &BTreeMap<(String, String), Vec<Job>>| -> Vec<Vec<String>> {
+        sessions
+            .values()
+            .map(|jobs| jobs.iter().map(|job| job.id.key.clone()).collect())
+            .collect()
+    };
+    assert_eq!(keys(&taken), keys(&run));
+    let large = taken
+        .values()
+        .flatten()
+        .find(|job| job.id.key == "a-large")
+        .unwrap();
+    assert_eq!(large.exchange, large_job(&alice, "s1", "a-large").exchange);
     assert_eq!(store.queue_depth().await.unwrap(), 0);
 }
 

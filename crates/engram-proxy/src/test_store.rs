@@ -3,25 +3,28 @@
 //! reads back.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::Semaphore;
 
 use engram_memory::{CandidateId, ExchangeInput, MemoryState};
 use engram_runtime::BoxFuture;
-use engram_runtime::error::Result;
+use engram_runtime::error::{Error, Result};
 use engram_store::{
     Appended, ClaimedJob, EmbeddedStore, EncodedState, Enqueued, ForgetReport, HotRecord, Job,
     JobId, JobQueue, JobState, MemoryRecords, RawEntry, Store, UserKey,
 };
 
 /// Orders by arrival (it says so; the embedded queue underneath orders by enqueue). Each
-/// enqueue is counted in `started`, then waits for a permit of `open`. Hot reads wait while `reads_hang`; a read for a caller catching
+/// enqueue is counted in `started`, then waits for a permit of `open`, and fails if its count
+/// (from 0) is in `failing`. Hot reads wait while `reads_hang`; a read for a caller catching
 /// up does not, brings no update (as Redis's), and is counted in `catching_up_reads`.
 pub struct ByArrival {
     inner: EmbeddedStore,
     pub started: AtomicUsize,
     pub open: Semaphore,
+    pub failing: Mutex<Vec<usize>>,
     pub reads_hang: AtomicBool,
     pub catching_up_reads: AtomicUsize,
 }
@@ -33,6 +36,7 @@ impl ByArrival {
             inner: EmbeddedStore::in_memory().expect("an in-memory store opens"),
             started: AtomicUsize::new(0),
             open: Semaphore::new(0),
+            failing: Mutex::default(),
             reads_hang: AtomicBool::new(false),
             catching_up_reads: AtomicUsize::new(0),
         }
@@ -113,8 +117,16 @@ impl MemoryRecords for ByArrival {
 impl JobQueue for ByArrival {
     fn enqueue<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Enqueued>> {
         Box::pin(async move {
-            self.started.fetch_add(1, Ordering::AcqRel);
+            let count = self.started.fetch_add(1, Ordering::AcqRel);
             let _permit = self.open.acquire().await;
+            if self
+                .failing
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .contains(&count)
+            {
+                return Err(Error::Store("refused, as the test asked".into()));
+            }
             self.inner.enqueue(job).await
         })
     }

@@ -320,6 +320,25 @@ pub trait JobQueue: Send + Sync + 'static {
     /// Queues a job, once per job id.
     fn enqueue<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Enqueued>>;
 
+    /// Queues `jobs` in their order, as [`Self::enqueue`] of each one after another would;
+    /// how many of them, from the first, are queued (or were already). It stops at the first
+    /// that fails, leaving it and the rest unwritten (an error when none was queued). For a
+    /// store that does not place (the outbox forwards a spool's backlog with it); the default
+    /// enqueues one at a time.
+    fn enqueue_run<'a>(&'a self, jobs: &'a [Job]) -> BoxFuture<'a, Result<usize>> {
+        Box::pin(async move {
+            for (queued, job) in jobs.iter().enumerate() {
+                if let Err(error) = self.enqueue(job).await {
+                    if queued == 0 {
+                        return Err(error);
+                    }
+                    return Ok(queued);
+                }
+            }
+            Ok(jobs.len())
+        })
+    }
+
     /// [`Self::enqueue`] in two steps, for a caller that keeps jobs in order (the recorder, a
     /// session's recordings) without waiting for each to be durable before placing the next:
     /// when `place` returns, the job's place is fixed behind every job placed before it, and

@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use redis::AsyncCommands;
+use redis::{AsyncCommands, ScriptInvocation};
 use serde::{Deserialize, Serialize};
 
 use self::connection::{Connection, Target};
@@ -53,6 +53,10 @@ pub use self::connection::{queue_tag, slot};
 
 /// The key prefix when none is given.
 pub const DEFAULT_PREFIX: &str = "engram";
+
+/// Jobs of one user an enqueue run sends in one script: a spool's batch is 256, and a script
+/// holds Redis for as long as it runs.
+const ENQUEUE_RUN: usize = 64;
 
 /// Exchanges with more text than this are encoded for the enqueue on the recorder's thread;
 /// smaller ones encode faster than a hand-off to that thread takes.
@@ -424,6 +428,113 @@ impl RedisStore {
         if let Some((user, expected_version, state)) = commit {
             listener.committed(&user, expected_version, &state);
         }
+    }
+
+    /// The keys and arguments of `job`'s user step (`enqueue_job` in the scripts), added to
+    /// `invocation`; a large exchange is staged first.
+    async fn user_step(&self, invocation: &mut ScriptInvocation<'_>, job: &Job) -> Result<()> {
+        let user = &job.id.user;
+        let exchange = &job.exchange;
+        let session = hex(&exchange.session_id);
+        let queued = self.encode_queued(job).await?;
+        let (inline, staged) = self.inline_or_staged(user, queued.as_bytes()).await?;
+        invocation
+            .key(self.job_record_key(&job.id))
+            .key(self.user_key(user, "job_index"))
+            .key(self.user_key(user, &format!("session:{session}")))
+            .key(self.user_key(user, "arriving"))
+            .key(staged)
+            .key(self.job_exchange_key(&job.id))
+            .arg(&job.id.key)
+            .arg(inline)
+            .arg(encode(&JobState::Queued)?)
+            .arg(&session)
+            .arg(
+                exchange
+                    .arrival
+                    .map(|us| us.to_string())
+                    .unwrap_or_default(),
+            )
+            .arg(arrival_marker(&exchange.session_id, &exchange.turn_id));
+        Ok(())
+    }
+
+    /// The queue step of an enqueue of `job` after its user step: a token for its session,
+    /// counting `new` jobs in the depth; both steps wait for the replicas when configured.
+    async fn queue_step(&self, job: &Job, new: u64) -> Result<()> {
+        let user = &job.id.user;
+        if !self.replicated(&self.job_record_key(&job.id)).await? {
+            return Err(Error::Store(
+                "redis: the job was not acknowledged by the replicas in time".into(),
+            ));
+        }
+        let tag = user_tag(user);
+        let shard = self.shard_of(&tag);
+        let stream = self.shard_key(shard, "tokens");
+        let _: i64 = self
+            .scripts
+            .add_token
+            .key(&stream)
+            .key(self.shard_key(shard, "depth"))
+            .arg(GROUP)
+            .arg(&tag)
+            .arg(hex(&job.exchange.session_id))
+            .arg(new)
+            .invoke_async(&mut self.writer())
+            .await
+            .map_err(redis_error)?;
+        if !self.replicated(&stream).await? {
+            return Err(Error::Store(
+                "redis: the job's token was not acknowledged by the replicas in time".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// [`JobQueue::enqueue_run`] for jobs of one user: one script for their user steps, then
+    /// one queue step per session that has a job still queued among them. How many of them,
+    /// from the first, are queued (or were already).
+    async fn enqueue_chunk(&self, jobs: &[Job]) -> Result<usize> {
+        let mut invocation = self.scripts.enqueue_many.prepare_invoke();
+        for job in jobs {
+            self.user_step(&mut invocation, job).await?;
+        }
+        let replies: Vec<redis::Value> = invocation
+            .invoke_async(&mut self.writer())
+            .await
+            .map_err(redis_error)?;
+        // Per session: its last job still queued, and how many of them are new.
+        let mut sessions: Vec<(&Job, u64)> = Vec::new();
+        let mut taken = 0;
+        for (job, reply) in jobs.iter().zip(&replies) {
+            let redis::Value::Array(outcome) = reply else {
+                let error = redis::from_redis_value::<String>(reply).unwrap_or_default();
+                tracing::debug!(%error, job = %job.id.key, "an enqueue in a run failed");
+                break;
+            };
+            let code: u8 = outcome
+                .first()
+                .map(redis::from_redis_value)
+                .transpose()
+                .map_err(redis_error)?
+                .unwrap_or(2);
+            taken += 1;
+            if code == 2 {
+                continue;
+            }
+            let new = u64::from(code == 0);
+            match sessions
+                .iter_mut()
+                .find(|(last, _)| last.exchange.session_id == job.exchange.session_id)
+            {
+                Some(entry) => *entry = (job, entry.1 + new),
+                None => sessions.push((job, new)),
+            }
+        }
+        for (job, new) in sessions {
+            self.queue_step(job, new).await?;
+        }
+        Ok(taken)
     }
 
     /// Puts `value` under a fresh key of `user`'s slot, for a script to rename into place (see
@@ -1298,32 +1409,9 @@ impl JobQueue for RedisStore {
     /// adds a token again, in case the first one's queue step was lost.
     fn enqueue<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Enqueued>> {
         Box::pin(async move {
-            let user = &job.id.user;
-            let exchange = &job.exchange;
-            let session = hex(&exchange.session_id);
-            let record_key = self.job_record_key(&job.id);
-            let queued = self.encode_queued(job).await?;
-            let (inline, staged) = self.inline_or_staged(user, queued.as_bytes()).await?;
-            let (outcome, state): (u8, Option<Vec<u8>>) = self
-                .scripts
-                .enqueue
-                .key(&record_key)
-                .key(self.user_key(user, "job_index"))
-                .key(self.user_key(user, &format!("session:{session}")))
-                .key(self.user_key(user, "arriving"))
-                .key(staged)
-                .key(self.job_exchange_key(&job.id))
-                .arg(&job.id.key)
-                .arg(inline)
-                .arg(encode(&JobState::Queued)?)
-                .arg(&session)
-                .arg(
-                    exchange
-                        .arrival
-                        .map(|us| us.to_string())
-                        .unwrap_or_default(),
-                )
-                .arg(arrival_marker(&exchange.session_id, &exchange.turn_id))
+            let mut invocation = self.scripts.enqueue.prepare_invoke();
+            self.user_step(&mut invocation, job).await?;
+            let (outcome, state): (u8, Option<Vec<u8>>) = invocation
                 .invoke_async(&mut self.writer())
                 .await
                 .map_err(redis_error)?;
@@ -1331,35 +1419,37 @@ impl JobQueue for RedisStore {
                 None => Enqueued::Queued,
                 Some(state) => Enqueued::Duplicate(decode(&state)?),
             };
-            if outcome == 2 {
-                return Ok(result);
-            }
-            if !self.replicated(&record_key).await? {
-                return Err(Error::Store(
-                    "redis: the job was not acknowledged by the replicas in time".into(),
-                ));
-            }
-            let tag = user_tag(user);
-            let shard = self.shard_of(&tag);
-            let stream = self.shard_key(shard, "tokens");
-            let _: i64 = self
-                .scripts
-                .add_token
-                .key(&stream)
-                .key(self.shard_key(shard, "depth"))
-                .arg(GROUP)
-                .arg(&tag)
-                .arg(&session)
-                .arg(if outcome == 0 { "1" } else { "0" })
-                .invoke_async(&mut self.writer())
-                .await
-                .map_err(redis_error)?;
-            if !self.replicated(&stream).await? {
-                return Err(Error::Store(
-                    "redis: the job's token was not acknowledged by the replicas in time".into(),
-                ));
+            if outcome != 2 {
+                self.queue_step(job, u64::from(outcome == 0)).await?;
             }
             Ok(result)
+        })
+    }
+
+    /// Consecutive jobs of one user go in one script (up to `ENQUEUE_RUN`, 64, at a time), then
+    /// one token per session: a spool's backlog forwarded one job at a time, two round trips
+    /// each on a busy core, went slower than one user's recordings came in.
+    fn enqueue_run<'a>(&'a self, jobs: &'a [Job]) -> BoxFuture<'a, Result<usize>> {
+        Box::pin(async move {
+            let mut queued = 0;
+            for chunk in jobs
+                .chunk_by(|a, b| a.id.user == b.id.user)
+                .flat_map(|same_user| same_user.chunks(ENQUEUE_RUN))
+            {
+                let taken = match self.enqueue_chunk(chunk).await {
+                    Ok(taken) => taken,
+                    Err(error) if queued == 0 => return Err(error),
+                    Err(error) => {
+                        tracing::debug!(%error, queued, "an enqueue run stopped");
+                        0
+                    }
+                };
+                queued += taken;
+                if taken < chunk.len() {
+                    break;
+                }
+            }
+            Ok(queued)
         })
     }
 

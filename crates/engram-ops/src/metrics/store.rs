@@ -241,6 +241,8 @@ impl MemoryRecords for MeteredStore {
 impl JobQueue for MeteredStore {
     forward_metered! {
         fn enqueue(job: &'a Job) -> Enqueued = timed(Enqueue), wrote exchange_bytes(&job.exchange);
+        fn enqueue_run(jobs: &'a [Job]) -> usize = timed(Enqueue),
+            wrote jobs.iter().map(|job| exchange_bytes(&job.exchange)).sum();
         fn claim(consumer: &'a str, lease: Duration) -> Option<ClaimedJob> = timed(Claim);
         fn claim_batch(consumer: &'a str, lease: Duration, max: usize)
             -> Vec<ClaimedJob> = timed(ClaimBatch);

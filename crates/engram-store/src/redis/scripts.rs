@@ -259,50 +259,75 @@ return {seq, 0}
 /// by arrival time (or, without one, after the backlog's last job); the turn's arrival marker
 /// goes. A small exchange is a field of the record; a large one was staged and moves to
 /// `jobx:<key>`. Returns {0} for a new job, {1, state} for a known job still queued, {2, state}
-/// for a finished one.
-/// KEYS: job record, job index, session backlog, arriving, staged exchange, job exchange.
-/// ARGV: job key, exchange JSON or '' (staged), queued state JSON, hex session, arrival µs or
-/// '', marker.
+/// for a finished one, or an error reply (nothing written).
+/// k: job record, job index, session backlog, arriving, staged exchange, job exchange.
+/// a: job key, exchange JSON or '' (staged), queued state JSON, hex session, arrival µs or '',
+/// marker.
+const ENQUEUE_JOB: &str = r"
+local function enqueue_job(k, a)
+  local known = redis.call('HMGET', k[1], 'state', 'session')
+  if known[1] then
+    redis.call('DEL', k[5])
+    if known[2] then
+      return {1, known[1]}
+    end
+    return {2, known[1]}
+  end
+  if staged_missing(a[2], k[5]) then
+    return redis.error_reply(STAGED_EXPIRED)
+  end
+  redis.call('ZREM', k[4], a[6])
+  local score = tonumber(a[5])
+  if not score then
+    local _, now_us = clock()
+    score = now_us
+    local last = redis.call('ZRANGE', k[3], -1, -1, 'WITHSCORES')
+    if last[2] and tonumber(last[2]) >= score then
+      score = tonumber(last[2]) + 1
+    end
+  end
+  redis.call('ZADD', k[2], '+inf', a[1])
+  redis.call('ZADD', k[3], int(score), a[1])
+  redis.call('HSET', k[1], 'state', a[3], 'session', a[4])
+  if a[2] ~= '' then
+    redis.call('HSET', k[1], 'exchange', a[2])
+  else
+    place(k[6], '', k[5])
+  end
+  return {0, false}
+end
+";
+
+/// One job's user step (see `enqueue_job`). KEYS and ARGV: its six each.
 const ENQUEUE: &str = r"
-local known = redis.call('HMGET', KEYS[1], 'state', 'session')
-if known[1] then
-  redis.call('DEL', KEYS[5])
-  if known[2] then
-    return {1, known[1]}
+return enqueue_job(KEYS, ARGV)
+";
+
+/// The user steps of several jobs of one user, in order (see `enqueue_job`), six keys and six
+/// arguments each; stops at the first that fails. Returns {outcome, state or false} per job
+/// written, then the failure's message if one failed (the jobs after it are not tried).
+const ENQUEUE_MANY: &str = r"
+local results = {}
+for first = 1, #KEYS, 6 do
+  local result = enqueue_job(
+    {unpack(KEYS, first, first + 5)},
+    {unpack(ARGV, first, first + 5)})
+  if result.err then
+    table.insert(results, result.err)
+    return results
   end
-  return {2, known[1]}
+  table.insert(results, {result[1], result[2] or false})
 end
-if staged_missing(ARGV[2], KEYS[5]) then
-  return redis.error_reply(STAGED_EXPIRED)
-end
-redis.call('ZREM', KEYS[4], ARGV[6])
-local score = tonumber(ARGV[5])
-if not score then
-  local _, now_us = clock()
-  score = now_us
-  local last = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')
-  if last[2] and tonumber(last[2]) >= score then
-    score = tonumber(last[2]) + 1
-  end
-end
-redis.call('ZADD', KEYS[2], '+inf', ARGV[1])
-redis.call('ZADD', KEYS[3], int(score), ARGV[1])
-redis.call('HSET', KEYS[1], 'state', ARGV[3], 'session', ARGV[4])
-if ARGV[2] ~= '' then
-  redis.call('HSET', KEYS[1], 'exchange', ARGV[2])
-else
-  place(KEYS[6], '', KEYS[5])
-end
-return {0, false}
+return results
 ";
 
 /// The queue step of an enqueue: a token saying the session has work, and the depth.
-/// KEYS: stream, depth. ARGV: group, user tag, hex session, count (0/1).
+/// KEYS: stream, depth. ARGV: group, user tag, hex session, new jobs to count.
 const ADD_TOKEN: &str = r"
 ensure_group(KEYS[1], ARGV[1])
 redis.call('XADD', KEYS[1], '*', 'u', ARGV[2], 's', ARGV[3])
-if ARGV[4] == '1' then
-  redis.call('INCR', KEYS[2])
+if tonumber(ARGV[4]) > 0 then
+  redis.call('INCRBY', KEYS[2], ARGV[4])
 end
 return 1
 ";
@@ -608,6 +633,7 @@ pub struct Scripts {
     pub save_state: Script,
     pub append_raw: Script,
     pub enqueue: Script,
+    pub enqueue_many: Script,
     pub add_token: Script,
     pub claim_token: Script,
     pub lease: Script,
@@ -627,7 +653,8 @@ impl Scripts {
             read_whole: Script::new(READ_WHOLE),
             save_state: with(&[WRITE_MEMORY, SAVE_STATE]),
             append_raw: with(&[PLACE, APPEND_RAW]),
-            enqueue: with(&[COMMON, PLACE, ENQUEUE]),
+            enqueue: with(&[COMMON, PLACE, ENQUEUE_JOB, ENQUEUE]),
+            enqueue_many: with(&[COMMON, PLACE, ENQUEUE_JOB, ENQUEUE_MANY]),
             add_token: with(&[ENSURE_GROUP, ADD_TOKEN]),
             claim_token: Script::new(CLAIM_TOKEN),
             lease: with(&[COMMON, LEASE]),
