@@ -230,8 +230,9 @@ pub trait MemoryRecords: Send + Sync + 'static {
         self.hot_record(user, session_id, cached_version)
     }
 
-    /// [`Self::hot_record`], or with `arriving` (turn id, arrival µs) [`Self::hot_record_arriving`],
-    /// for a caller already bringing its copy at `cached_version` up to date by another read:
+    /// [`Self::hot_record`], or with `arriving` (turn id, arrival µs)
+    /// [`Self::hot_record_arriving`], for a caller already bringing its copy at
+    /// `cached_version` up to date by another read:
     /// a memory that moved on by a write that is not the caller's in flight comes back with no
     /// update (`update: None` at the store's version), where sending one is costly (Redis: the
     /// items changed since, to every request in flight). The default reads as usual.

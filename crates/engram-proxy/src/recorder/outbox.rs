@@ -304,11 +304,11 @@ impl Outbox {
     /// [`Outbox::spool`] for the recording that holds its session's `ticket` and its follower
     /// (`settle`, which the session's next recording bound for the spool waits for), both
     /// released once the job's place in the spool's queue is fixed: a session's recordings
-    /// then share the spool's commits. One at a time, one fsync each, one identity's recordings reached the
-    /// spool about 300 a second after a Redis stall at 1,000 req/s, and the rest waited in
-    /// memory (7 KB each, RSS up to 310 MiB). A placed job that fails, or is held back behind
-    /// one that did, is tried once more on its own: a failing spool may then keep a session's
-    /// jobs out of order, as it is losing them.
+    /// then share the spool's commits. One at a time, one fsync each, one identity's
+    /// recordings reached the spool about 300 a second after a Redis stall at 1,000 req/s,
+    /// and the rest waited in memory (7 KB each, RSS up to 310 MiB). A placed job that fails,
+    /// or is held back behind one that did, is tried once more on its own: a failing spool
+    /// may then keep a session's jobs out of order, as it is losing them.
     async fn spool_placed(&self, job: Job, ticket: Arc<Ticket>, settle: Ticket) -> Receipt {
         if let Some(lost) = self.spool_full(&job) {
             return lost;
@@ -330,7 +330,11 @@ impl Outbox {
         match answer.await {
             Ok(_) => self.spooled_receipt(&alone, before),
             Err(error) => {
-                tracing::debug!(%error, job = %alone.id.key, "placing in the spool failed; trying alone");
+                tracing::debug!(
+                    %error,
+                    job = %alone.id.key,
+                    "placing in the spool failed; trying alone"
+                );
                 self.spooled.fetch_sub(1, Ordering::AcqRel);
                 spool.resume_placing();
                 self.spool(alone).await
