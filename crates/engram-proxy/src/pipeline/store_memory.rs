@@ -395,18 +395,7 @@ mod tests {
         let store = Arc::new(ByArrival::new());
         let user = UserKey::new("t", "ana");
         let mut state = MemoryState::new();
-        memory::record_exchange(
-            &mut state,
-            &memory::ExchangeInput {
-                session_id: "s".into(),
-                turn_id: "t0".into(),
-                user_text: "I live in Lisbon.".into(),
-                assistant_text: "Noted.".into(),
-                ..memory::ExchangeInput::default()
-            },
-            &memory::HeuristicExtractor,
-            &MemoryConfig::default(),
-        );
+        remember(&mut state, "t0", "I live in Lisbon.");
         store.save_state(&user, &state, 0).await.unwrap();
         let layer = layer(Arc::clone(&store)).await;
         let (resolved, request) = turn();
@@ -416,18 +405,7 @@ mod tests {
 
         // Written by another process: this one's cache is not told.
         let before = state.version;
-        memory::record_exchange(
-            &mut state,
-            &memory::ExchangeInput {
-                session_id: "s".into(),
-                turn_id: "t1".into(),
-                user_text: "I moved to Porto.".into(),
-                assistant_text: "Noted.".into(),
-                ..memory::ExchangeInput::default()
-            },
-            &memory::HeuristicExtractor,
-            &MemoryConfig::default(),
-        );
+        remember(&mut state, "t1", "I moved to Porto.");
         store.save_state(&user, &state, before).await.unwrap();
 
         store.reads_hang.store(true, Ordering::Release);
@@ -455,6 +433,19 @@ mod tests {
         assert_eq!(answered.outcome, MemoryOutcome::Injected);
         let cached = layer.cache.get(&user).map(|memory| memory.version());
         assert_eq!(cached, Some(state.version));
+    }
+
+    /// Records the user's `text` as turn `turn_id` of session `s` into `state`.
+    fn remember(state: &mut MemoryState, turn_id: &str, text: &str) {
+        let exchange = memory::ExchangeInput {
+            session_id: "s".into(),
+            turn_id: turn_id.into(),
+            user_text: text.into(),
+            assistant_text: "Noted.".into(),
+            ..memory::ExchangeInput::default()
+        };
+        let config = MemoryConfig::default();
+        memory::record_exchange(state, &exchange, &memory::HeuristicExtractor, &config);
     }
 
     fn turn() -> (RequestIdentity, ChatRequest) {

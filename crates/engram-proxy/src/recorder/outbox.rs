@@ -619,6 +619,23 @@ mod tests {
         drop(recordings);
     }
 
+    /// Waits (20 s at most) until the forwarder emptied the spool, then stops it.
+    async fn forwarded(
+        outbox: &Outbox,
+        cancel: CancellationToken,
+        mut forwarder: tokio::task::JoinSet<()>,
+    ) {
+        tokio::time::timeout(Duration::from_secs(20), async {
+            while outbox.spooled() > 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("the spool was not forwarded");
+        cancel.cancel();
+        while forwarder.join_next().await.is_some() {}
+    }
+
     /// A spool's backlog is forwarded in batches placed in order (sharing commits), and keeps
     /// its order when the store fails a commit in the middle: the jobs placed behind the
     /// failed one are held back and follow it. Placing resumes once they are through.
@@ -644,15 +661,7 @@ mod tests {
         let cancel = CancellationToken::new();
         let mut forwarder = tokio::task::JoinSet::new();
         forwarder.spawn(Arc::clone(&outbox).forward(cancel.clone()));
-        tokio::time::timeout(Duration::from_secs(20), async {
-            while outbox.spooled() > 0 {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await
-        .expect("the spool was not forwarded");
-        cancel.cancel();
-        while forwarder.join_next().await.is_some() {}
+        forwarded(&outbox, cancel, forwarder).await;
         assert_eq!(outbox.stats().forwarded.load(Ordering::Relaxed), 600);
         assert_eq!(spool_store.queue_depth().await.unwrap(), 0);
 
@@ -701,15 +710,7 @@ mod tests {
         })
         .await
         .expect("the jobs before the failed one stayed in the spool");
-        tokio::time::timeout(Duration::from_secs(20), async {
-            while outbox.spooled() > 0 {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await
-        .expect("the spool was not forwarded");
-        cancel.cancel();
-        while forwarder.join_next().await.is_some() {}
+        forwarded(&outbox, cancel, forwarder).await;
         assert_eq!(outbox.stats().forwarded.load(Ordering::Relaxed), 300);
         assert_eq!(spool_store.queue_depth().await.unwrap(), 0);
         assert_eq!(store.queue_depth().await.unwrap(), 300);
