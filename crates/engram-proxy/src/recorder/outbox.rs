@@ -8,7 +8,10 @@
 //! each to be durable ([`Outbox::submit_in_order`]), so they share commits. A failure keeps
 //! their order: the store holds back every job placed behind a failed one, those jobs go to
 //! the spool in the order they were placed (the failed one first), and placing resumes once
-//! each of them has been dealt with, while the spool then takes new jobs until it is empty.
+//! each of them has been dealt with, while the spool then takes new jobs until it is empty,
+//! placed in its queue the same way. Redis does not place but orders a session's jobs by
+//! arrival itself, so there a recording whose arrival note is written is enqueued without
+//! waiting for the one before it.
 //!
 //! With Redis the spool is a file in the data directory. With the embedded store the spool
 //! would be on the very disk that is failing, so it is in memory, bounded by
