@@ -230,11 +230,7 @@ impl Outbox {
             }
             Placed::Spool(job) => {
                 // Before the session's next recording.
-                if !settle.wait_turn().await {
-                    tracing::warn!(
-                        "an earlier failed recording of this session is stuck; spooling anyway"
-                    );
-                }
+                after_earlier_failures(&settle).await;
                 self.spool_placed(job, ticket, settle).await
             }
             Placed::Store(answer, job) => {
@@ -287,9 +283,7 @@ impl Outbox {
     /// Spools the job after the session's earlier jobs that failed (`settle`, the recording's
     /// follower ticket).
     async fn spool_in_order(&self, settle: &Ticket, job: Job) -> Receipt {
-        if !settle.wait_turn().await {
-            tracing::warn!("an earlier failed recording of this session is stuck; spooling anyway");
-        }
+        after_earlier_failures(settle).await;
         self.spool(job).await
     }
 
@@ -535,6 +529,14 @@ impl Outbox {
         }
         self.stats.forwarded.fetch_add(count, Ordering::Relaxed);
         self.queued.notify_one();
+    }
+}
+
+/// Waits until the session's earlier recordings that failed were spooled (`settle`, the
+/// recording's follower ticket); past the longest wait, says so and goes on.
+async fn after_earlier_failures(settle: &Ticket) {
+    if !settle.wait_turn().await {
+        tracing::warn!("an earlier failed recording of this session is stuck; spooling anyway");
     }
 }
 
