@@ -284,6 +284,16 @@ async fn tokens_are_interchangeable_and_surplus_ones_are_dropped() {
     assert_eq!(store.queue_depth().await.unwrap(), 3);
 }
 
+/// A store whose arrival notes hold a session's later jobs for `grace`.
+async fn store_with_grace(grace: Duration) -> Option<(RedisStore, RedisServer)> {
+    let options = RedisOptions {
+        order_grace: grace,
+        ..RedisOptions::default()
+    };
+    let (store, _connection, server) = store_with(options).await?;
+    Some((store, server))
+}
+
 /// A job of `user`'s session s1 whose turn arrived at `arrival` (µs since the epoch).
 fn arrived(user: &UserKey, key: &str, arrival: u64) -> Job {
     let mut job = job_in(user, "s1", key);
@@ -293,12 +303,7 @@ fn arrived(user: &UserKey, key: &str, arrival: u64) -> Job {
 
 #[tokio::test]
 async fn a_sessions_jobs_apply_in_arrival_order_and_wait_for_a_turn_still_recording() {
-    let Some((store, _connection, _server)) = store_with(RedisOptions {
-        order_grace: Duration::from_millis(400),
-        ..RedisOptions::default()
-    })
-    .await
-    else {
+    let Some((store, _server)) = store_with_grace(Duration::from_millis(400)).await else {
         return;
     };
     let alice = UserKey::new("acme", "alice");
@@ -382,12 +387,7 @@ async fn a_sessions_jobs_apply_in_arrival_order_and_wait_for_a_turn_still_record
 /// before, so that turn's job still applies in its place.
 #[tokio::test]
 async fn a_run_stops_before_a_turn_still_recording() {
-    let Some((store, _connection, _server)) = store_with(RedisOptions {
-        order_grace: Duration::from_secs(60),
-        ..RedisOptions::default()
-    })
-    .await
-    else {
+    let Some((store, _server)) = store_with_grace(Duration::from_secs(60)).await else {
         return;
     };
     let alice = UserKey::new("acme", "alice");
