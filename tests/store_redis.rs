@@ -1088,6 +1088,81 @@ async fn a_read_behind_our_own_commit_takes_no_delta() {
     assert!(keys.is_empty(), "{keys:?}");
 }
 
+/// A job commit whose answer times out (Redis stalled) but which Redis then runs has landed:
+/// the committer learns so from the `answer` the commit left, counts it done, and runs its
+/// queue step, so its jobs leave the depth and their tokens the stream. Before, it returned
+/// the timeout, and the run's jobs stayed in the depth long after the stall.
+#[tokio::test]
+async fn a_commit_whose_answer_timed_out_but_landed_is_done() {
+    let response_timeout = Duration::from_millis(200);
+    let Some((store, mut connection, _server)) = store_with(RedisOptions {
+        response_timeout,
+        ..RedisOptions::default()
+    })
+    .await
+    else {
+        return;
+    };
+    let heard = std::sync::Arc::new(HeardCommits::default());
+    let store = store.with_commit_listener(heard.clone());
+    let alice = UserKey::new("acme", "alice");
+    let lease = Duration::from_secs(30);
+    let config = engram_memory::MemoryConfig::default();
+    let mut state = engram_memory::MemoryState::new();
+    state.version = engram_proxy::cache::first_version();
+    let mut expected = 0;
+    for key in ["a1", "a2"] {
+        store.enqueue(&job_in(&alice, "s1", key)).await.unwrap();
+        let claimed = store.claim("w", lease).await.unwrap().unwrap();
+        engram_memory::record_exchange(
+            &mut state,
+            &claimed.job.exchange,
+            &engram_memory::HeuristicExtractor,
+            &config,
+        );
+        let encoded = engram_store::EncodedState::of(&state).unwrap();
+        if key == "a2" {
+            // The first commit loaded the script; now Redis stalls past three timeouts.
+            let _: () = redis::cmd("CLIENT")
+                .arg("PAUSE")
+                .arg(700)
+                .arg("ALL")
+                .query_async(&mut connection)
+                .await
+                .unwrap();
+        }
+        let started = std::time::Instant::now();
+        store
+            .commit_jobs(std::slice::from_ref(&claimed.job), &encoded, expected, &[])
+            .await
+            .unwrap();
+        if key == "a2" {
+            assert!(
+                started.elapsed() > response_timeout,
+                "the commit was answered in time ({:?}): nothing timed out",
+                started.elapsed()
+            );
+        }
+        assert_eq!(
+            store.job_state(&claimed.job.id).await.unwrap(),
+            Some(JobState::Applied)
+        );
+        expected = encoded.version;
+    }
+    assert_eq!(store.queue_depth().await.unwrap(), 0);
+    assert!(tokens(&mut connection).await.is_empty());
+    assert!(pending(&mut connection).await.is_empty());
+    assert_eq!(heard.0.lock().unwrap().len(), 2, "both commits were heard");
+    assert_eq!(
+        store.load_state(&alice).await.unwrap().unwrap().version,
+        expected
+    );
+    // The stored answer goes with the user.
+    store.forget_user(&alice).await.unwrap();
+    let keys = keys_matching(&mut connection, &format!("*{}*", tag(&alice))).await;
+    assert!(keys.is_empty(), "{keys:?}");
+}
+
 /// A reader catching its copy up by another read (`hot_record_catching_up`) gets no changes
 /// for a memory that moved on, just its version: each request in flight fetching the same
 /// changes kept Redis saturated after a stall (see `MemoryCache::catch_up`). A plain read

@@ -142,6 +142,11 @@ const FORGET_CHUNK: usize = 1000;
 /// How often a process removes idle consumers from the group.
 const PRUNE_EVERY_MS: u64 = 5 * 60 * 1000;
 
+/// Reads of a timed-out job commit's `answer` before giving up on telling whether it landed:
+/// each waits up to the response timeout, so with the default 2 s about half a minute of a
+/// stalled server.
+const ANSWER_READS: usize = 15;
+
 /// Settings of a [`RedisStore`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisOptions {
@@ -354,30 +359,61 @@ impl RedisStore {
         self
     }
 
-    /// Registers a job commit about to be sent; the guard takes it out again (answered,
-    /// failed or dropped). `None` without a listener, which has no use for it.
+    /// Registers a job commit about to be sent, `landed` its [`commit_marker`]; the guard
+    /// takes it out again (answered, failed or dropped). `None` without a listener, which has
+    /// no use for it.
     fn commit_in_flight(
         &self,
         user: &UserKey,
         expected_version: u64,
         state: &EncodedState,
+        landed: &str,
     ) -> Option<InFlightGuard<'_>> {
         self.listener.as_ref()?;
-        let landed = format!(
-            "{}:{:016x}",
-            state.version,
-            state.fingerprint(expected_version)
-        );
         self.in_flight_list().push(InFlight {
             user: user.clone(),
             expected_version,
             state: Arc::new(state.clone()),
-            landed: landed.clone(),
+            landed: landed.to_owned(),
         });
         Some(InFlightGuard {
             store: self,
-            landed,
+            landed: landed.to_owned(),
         })
+    }
+
+    /// After a job commit's answer timed out: its queue step (queued jobs finished, released
+    /// tokens) if the commit named `landed` landed, read from the `answer` it left; `None` if
+    /// it did not, or if that cannot be told. A timeout leaves the connection open, and the
+    /// read follows the commit on it, so the read is answered after the commit ran (a stalled
+    /// server, a long script ahead of it); it is retried while it too times out. Without this
+    /// a commit that landed late went uncounted, and its jobs stayed in the queue's depth
+    /// (its tokens were dropped later by the claims that found them).
+    async fn answer_of_landed(&self, user: &UserKey, landed: &str) -> Option<(u64, Vec<String>)> {
+        let key = self.user_key(user, "answer");
+        for _ in 0..ANSWER_READS {
+            let read: redis::RedisResult<Option<String>> = self.writer().get(&key).await;
+            let answer = match read {
+                Ok(answer) => answer?,
+                Err(error) if error.is_timeout() => continue,
+                Err(error) => {
+                    tracing::warn!(%error, "could not tell whether a timed-out job commit landed");
+                    return None;
+                }
+            };
+            let mut lines = answer.split('\n');
+            if lines.next() != Some(landed) {
+                return None;
+            }
+            let queued = lines.next()?.parse().ok()?;
+            tracing::info!("a job commit's answer timed out, but the commit had landed");
+            return Some((queued, lines.map(str::to_owned).collect()));
+        }
+        tracing::warn!(
+            reads = ANSWER_READS,
+            "could not tell whether a timed-out job commit landed: every read timed out"
+        );
+        None
     }
 
     fn in_flight_list(&self) -> std::sync::MutexGuard<'_, Vec<InFlight>> {
@@ -1194,6 +1230,15 @@ fn random_id() -> String {
     )
 }
 
+/// A job commit's `<version>:<fingerprint>`, which it writes to `committed` and `answer`.
+fn commit_marker(expected_version: u64, state: &EncodedState) -> String {
+    format!(
+        "{}:{:016x}",
+        state.version,
+        state.fingerprint(expected_version)
+    )
+}
+
 fn redis_error(error: redis::RedisError) -> Error {
     Error::Store(format!("redis: {error}"))
 }
@@ -1573,10 +1618,8 @@ impl Store for RedisStore {
             // Large exchanges are referenced, not sent: the script moves each from its job's
             // record to the raw log. If one has gone missing, the entries go whole.
             let mut whole = false;
-            let in_flight = self.commit_in_flight(user, expected_version, state);
-            let landed = in_flight
-                .as_ref()
-                .map_or("", |in_flight| in_flight.landed.as_str());
+            let landed = commit_marker(expected_version, state);
+            let in_flight = self.commit_in_flight(user, expected_version, state, &landed);
             let (queued, released) = loop {
                 let mut invocation = self.scripts.commit.prepare_invoke();
                 invocation
@@ -1588,6 +1631,7 @@ impl Store for RedisStore {
                     .key(self.user_key(user, "items"))
                     .key(self.user_key(user, "changes"))
                     .key(self.user_key(user, "committed"))
+                    .key(self.user_key(user, "answer"))
                     .arg(self.user_prefix(user))
                     .arg(expected_version.to_string())
                     .arg(state.version.to_string())
@@ -1599,7 +1643,7 @@ impl Store for RedisStore {
                     .arg(state.change(expected_version).encode())
                     .arg(layout::RING)
                     .arg(state.items.len())
-                    .arg(landed);
+                    .arg(&landed);
                 for (key, json) in &state.items {
                     invocation.arg(key.field()).arg(json.as_ref());
                 }
@@ -1611,11 +1655,20 @@ impl Store for RedisStore {
                         .arg(raw_element(&job.id.key, exchange)?)
                         .arg(if reference { "1" } else { "0" });
                 }
-                let (status, detail, queued, released): (String, String, u64, Vec<String>) =
-                    invocation
-                        .invoke_async(&mut self.writer())
-                        .await
-                        .map_err(redis_error)?;
+                let answer: redis::RedisResult<(String, String, u64, Vec<String>)> =
+                    invocation.invoke_async(&mut self.writer()).await;
+                let (status, detail, queued, released) = match answer {
+                    Ok(answer) => answer,
+                    Err(error) if error.is_timeout() => {
+                        match self.answer_of_landed(user, &landed).await {
+                            Some((queued, released)) => {
+                                ("ok".to_owned(), String::new(), queued, released)
+                            }
+                            None => return Err(redis_error(error)),
+                        }
+                    }
+                    Err(error) => return Err(redis_error(error)),
+                };
                 match status.as_str() {
                     "ok" => break (queued, released),
                     "gone" => return Err(Error::JobGone(detail)),
@@ -1667,6 +1720,7 @@ impl Store for RedisStore {
                 "items",
                 "changes",
                 "committed",
+                "answer",
             ] {
                 invocation.key(self.user_key(user, kind));
             }

@@ -461,8 +461,10 @@ return finish_job(ARGV[1], ARGV[2], ARGV[3], ARGV[4], now_ms, ARGV[5] == '1') or
 /// written, send the entry whole) or {'ok', '', queued jobs finished, {token, session, jobs
 /// left, …}}.
 /// `committed` takes the commit's `<version>:<fingerprint>`, by which the committing process's
-/// hot reads know their own commit (see HOT_RECORD).
-/// KEYS: version, state, raw, raw ids, prefetched, items, changes, committed. ARGV: user
+/// hot reads know their own commit (see HOT_RECORD). `answer` keeps that and the 'ok' answer's
+/// queue step (one line each: queued, then token, session, jobs left per lease) for ten
+/// minutes, so a committer whose answer timed out can learn that the commit landed.
+/// KEYS: version, state, raw, raw ids, prefetched, items, changes, committed, answer. ARGV: user
 /// prefix, expected version, new version, hot state JSON, prefetched session, prefetched JSON,
 /// applied state JSON, retention, change entry, ring size, item count N, the commit's
 /// `<version>:<fingerprint>`, then (field, item JSON) per item, then (job key, raw-log element
@@ -520,6 +522,11 @@ for index = jobs_from, #ARGV, 3 do
     end
   end
 end
+local answer = ARGV[12] .. '\n' .. queued
+if #tokens > 0 then
+  answer = answer .. '\n' .. table.concat(tokens, '\n')
+end
+redis.call('SET', KEYS[9], answer, 'PX', 600000)
 return {'ok', '', queued, tokens}
 ";
 
@@ -546,7 +553,7 @@ return 1
 
 /// Deletes every key of one user; returns counts per kind and the queued jobs among them.
 /// KEYS: state, version, prefetched, raw, raw ids, job index, leases, arriving, items,
-/// changes, committed. ARGV: user prefix.
+/// changes, committed, answer. ARGV: user prefix.
 const FORGET: &str = r"
 local states = redis.call('EXISTS', KEYS[1])
 local prefetched = redis.call('HLEN', KEYS[3])
@@ -566,7 +573,7 @@ for _, key in ipairs(redis.call('ZRANGE', KEYS[6], 0, -1)) do
   jobs = jobs + redis.call('DEL', record)
 end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8])
-redis.call('DEL', KEYS[9], KEYS[10], KEYS[11])
+redis.call('DEL', KEYS[9], KEYS[10], KEYS[11], KEYS[12])
 return {states, prefetched, raw, jobs, queued}
 ";
 
