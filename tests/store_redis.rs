@@ -1163,6 +1163,79 @@ async fn a_commit_whose_answer_timed_out_but_landed_is_done() {
     assert!(keys.is_empty(), "{keys:?}");
 }
 
+/// An enqueue whose user step times out (Redis stalled) but which Redis then runs has queued
+/// its jobs without their queue step, so nothing counted them in the depth; the retry finds
+/// them queued and counts them then, once. Before, the depth read low until the queue emptied
+/// (a backlog after a stall reported drained with runs still queued).
+#[tokio::test]
+async fn an_enqueue_that_timed_out_but_landed_is_counted_by_its_retry() {
+    let response_timeout = Duration::from_millis(200);
+    let Some((store, mut connection, _server)) = store_with(RedisOptions {
+        response_timeout,
+        ..RedisOptions::default()
+    })
+    .await
+    else {
+        return;
+    };
+    let (alice, bob) = (UserKey::new("acme", "alice"), UserKey::new("acme", "bob"));
+    let lease = Duration::from_secs(30);
+    let drain = async || {
+        while let Some(claimed) = store.claim("w", lease).await.unwrap() {
+            store.ack(&claimed.job.id).await.unwrap();
+        }
+    };
+    // Both enqueue scripts loaded first (a load would not survive the timeout).
+    store.enqueue(&job_in(&bob, "s1", "w1")).await.unwrap();
+    store
+        .enqueue_run(&[job_in(&bob, "s1", "w2")])
+        .await
+        .unwrap();
+    drain().await;
+    assert_eq!(store.queue_depth().await.unwrap(), 0);
+
+    let single = job_in(&alice, "s1", "a1");
+    let run = [job_in(&alice, "s2", "b1"), job_in(&alice, "s2", "b2")];
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(700)
+        .arg("ALL")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let paused = std::time::Instant::now();
+    assert!(store.enqueue(&single).await.is_err());
+    assert!(store.enqueue_run(&run).await.is_err());
+    assert!(
+        paused.elapsed() < Duration::from_millis(700),
+        "the enqueues did not time out within the pause"
+    );
+    tokio::time::sleep(Duration::from_millis(700).saturating_sub(paused.elapsed())).await;
+    assert_eq!(
+        store.queue_depth().await.unwrap(),
+        0,
+        "the user steps landed without their queue steps"
+    );
+    assert_eq!(
+        store.enqueue(&single).await.unwrap(),
+        Enqueued::Duplicate(JobState::Queued)
+    );
+    assert_eq!(store.enqueue_run(&run).await.unwrap(), 2);
+    assert_eq!(store.queue_depth().await.unwrap(), 3);
+    // Counted once: another retry adds nothing.
+    store.enqueue(&single).await.unwrap();
+    assert_eq!(store.enqueue_run(&run).await.unwrap(), 2);
+    assert_eq!(store.queue_depth().await.unwrap(), 3);
+    drain().await;
+    assert_eq!(store.queue_depth().await.unwrap(), 0);
+    for job in [&single, &run[0], &run[1]] {
+        assert_eq!(
+            store.job_state(&job.id).await.unwrap(),
+            Some(JobState::Applied)
+        );
+    }
+}
+
 /// A reader catching its copy up by another read (`hot_record_catching_up`) gets no changes
 /// for a memory that moved on, just its version: each request in flight fetching the same
 /// changes kept Redis saturated after a stall (see `MemoryCache::catch_up`). A plain read

@@ -28,6 +28,7 @@
 mod connection;
 mod scripts;
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -142,6 +143,10 @@ const FORGET_CHUNK: usize = 1000;
 /// How often a process removes idle consumers from the group.
 const PRUNE_EVERY_MS: u64 = 5 * 60 * 1000;
 
+/// The most jobs [`RedisStore`] remembers as possibly enqueued without their depth (see
+/// `uncounted`); past it a timed-out user step is forgotten, leaving the depth short.
+const UNCOUNTED_MAX: usize = 65_536;
+
 /// Reads of a timed-out job commit's `answer` before giving up on telling whether it landed:
 /// each waits up to the response timeout, so with the default 2 s about half a minute of a
 /// stalled server.
@@ -228,6 +233,9 @@ pub struct RedisStore {
     listener: Option<Arc<dyn CommitListener>>,
     /// This process's job commits sent and not yet answered, when there is a listener.
     in_flight: Arc<Mutex<Vec<InFlight>>>,
+    /// Jobs (record keys) whose user step timed out here: it may have landed later without
+    /// its queue step, so an enqueue of one that finds it queued counts it in the depth.
+    uncounted: Arc<Mutex<HashSet<String>>>,
 }
 
 /// A job commit sent and not yet answered. A hot read that finds it landed (the user's
@@ -348,6 +356,7 @@ impl RedisStore {
             next_staged: Arc::default(),
             listener: None,
             in_flight: Arc::default(),
+            uncounted: Arc::default(),
         })
     }
 
@@ -495,6 +504,40 @@ impl RedisStore {
         Ok(())
     }
 
+    /// Notes that `jobs`' user step failed with `error`: when it timed out, Redis may still run
+    /// it (a stall), and the queue step that counts them in the depth never ran.
+    fn user_step_failed(&self, jobs: &[Job], error: &redis::RedisError) {
+        if !error.is_timeout() {
+            return;
+        }
+        let mut uncounted = self.uncounted_list();
+        for job in jobs {
+            if uncounted.len() >= UNCOUNTED_MAX {
+                tracing::warn!(
+                    "too many timed-out enqueues to remember; the queue depth may read low"
+                );
+                return;
+            }
+            uncounted.insert(self.job_record_key(&job.id));
+        }
+    }
+
+    /// How many jobs an enqueue's answer `code` (0 new, 1 queued already, 2 finished) adds to
+    /// the depth: a new one, or one queued already by a user step of ours that timed out.
+    fn counted(&self, job: &Job, code: u8) -> u64 {
+        let late = {
+            let mut uncounted = self.uncounted_list();
+            !uncounted.is_empty() && uncounted.remove(&self.job_record_key(&job.id))
+        };
+        u64::from(code == 0 || (late && code == 1))
+    }
+
+    fn uncounted_list(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.uncounted
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// The queue step of an enqueue of `job` after its user step: a token for its session,
     /// counting `new` jobs in the depth; both steps wait for the replicas when configured.
     async fn queue_step(&self, job: &Job, new: u64) -> Result<()> {
@@ -535,10 +578,13 @@ impl RedisStore {
         for job in jobs {
             self.user_step(&mut invocation, job).await?;
         }
-        let replies: Vec<redis::Value> = invocation
-            .invoke_async(&mut self.writer())
-            .await
-            .map_err(redis_error)?;
+        let replies: Vec<redis::Value> = match invocation.invoke_async(&mut self.writer()).await {
+            Ok(replies) => replies,
+            Err(error) => {
+                self.user_step_failed(jobs, &error);
+                return Err(redis_error(error));
+            }
+        };
         // Per session: its last job still queued, and how many of them are new.
         let mut sessions: Vec<(&Job, u64)> = Vec::new();
         let mut taken = 0;
@@ -558,7 +604,7 @@ impl RedisStore {
             if code == 2 {
                 continue;
             }
-            let new = u64::from(code == 0);
+            let new = self.counted(job, code);
             match sessions
                 .iter_mut()
                 .find(|(last, _)| last.exchange.session_id == job.exchange.session_id)
@@ -1456,16 +1502,19 @@ impl JobQueue for RedisStore {
         Box::pin(async move {
             let mut invocation = self.scripts.enqueue.prepare_invoke();
             self.user_step(&mut invocation, job).await?;
-            let (outcome, state): (u8, Option<Vec<u8>>) = invocation
-                .invoke_async(&mut self.writer())
-                .await
-                .map_err(redis_error)?;
+            let answer: redis::RedisResult<(u8, Option<Vec<u8>>)> =
+                invocation.invoke_async(&mut self.writer()).await;
+            let (outcome, state) = answer.map_err(|error| {
+                self.user_step_failed(std::slice::from_ref(job), &error);
+                redis_error(error)
+            })?;
             let result = match state {
                 None => Enqueued::Queued,
                 Some(state) => Enqueued::Duplicate(decode(&state)?),
             };
+            let new = self.counted(job, outcome);
             if outcome != 2 {
-                self.queue_step(job, u64::from(outcome == 0)).await?;
+                self.queue_step(job, new).await?;
             }
             Ok(result)
         })
