@@ -873,8 +873,9 @@ async fn cluster_run(mock: &Process, args: &Args) {
     }
     // Bytes per user and per turn, from the keys of a sample of users (MEMORY USAGE).
     let (mut sampled_bytes, mut sampled_turns, mut sampled_users) = (0u64, 0u64, 0u64);
-    // Bytes by kind: memory state, raw log (with its id index), finished job records (with
-    // the job index), the rest.
+    // Bytes by kind: memory (hot state, items, change ring), raw log (with its id index),
+    // finished job records (with the job index), the rest. Large raw entries kept apart
+    // (`rawx:`) are not sampled.
     let mut by_kind = [0u64; 4];
     let mut connection = redis.clone();
     for user in 0..args.users.min(50) {
@@ -897,11 +898,17 @@ async fn cluster_run(mock: &Process, args: &Args) {
             .unwrap_or(0);
         let mut keys: Vec<String> = [
             "state",
+            "items",
+            "changes",
             "version",
+            "committed",
+            "answer",
             "prefetched",
             "raw",
             "raw_ids",
             "job_index",
+            "leases",
+            "arriving",
         ]
         .iter()
         .map(|kind| format!("{prefix}{kind}"))
@@ -920,7 +927,8 @@ async fn cluster_run(mock: &Process, args: &Args) {
             sampled_bytes += bytes;
             let kind = &key[prefix.len()..];
             let slot = match kind {
-                "state" | "version" => 0,
+                // The hot state, its items and change ring (docs/storage.md, key layout).
+                "state" | "items" | "changes" | "version" | "committed" => 0,
                 "raw" | "raw_ids" => 1,
                 _ if kind == "job_index" || kind.starts_with("job:") => 2,
                 _ => 3,
@@ -932,7 +940,7 @@ async fn cluster_run(mock: &Process, args: &Args) {
     }
     let per_turn = |bytes: u64| bytes as f64 / sampled_turns.max(1) as f64;
     println!(
-        "Redis bytes per user (MEMORY USAGE of {sampled_users} users' keys): {:.0} bytes per user with {:.1} turns each, {:.0} bytes per turn: memory state {:.0}, raw log {:.0}, finished job records {:.0}, other {:.0}",
+        "Redis bytes per user (MEMORY USAGE of {sampled_users} users' keys): {:.0} bytes per user with {:.1} turns each, {:.0} bytes per turn: memory (hot state, items, change ring) {:.0}, raw log {:.0}, finished job records {:.0}, other {:.0}",
         sampled_bytes as f64 / sampled_users.max(1) as f64,
         sampled_turns as f64 / sampled_users.max(1) as f64,
         per_turn(sampled_bytes),
