@@ -601,10 +601,10 @@ impl RedisStore {
                 .map_err(redis_error)?
                 .unwrap_or(2);
             taken += 1;
+            let new = self.counted(job, code);
             if code == 2 {
                 continue;
             }
-            let new = self.counted(job, code);
             match sessions
                 .iter_mut()
                 .find(|(last, _)| last.exchange.session_id == job.exchange.session_id)
