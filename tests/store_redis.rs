@@ -173,6 +173,30 @@ async fn raw_elements(
         .collect()
 }
 
+/// Enqueues job `key` in `session` of `user`, claims it and records its exchange in `state`:
+/// the claimed job and the state to commit for it.
+async fn claim_and_record(
+    store: &RedisStore,
+    user: &UserKey,
+    session: &str,
+    key: &str,
+    state: &mut engram_memory::MemoryState,
+) -> (Job, engram_store::EncodedState) {
+    store.enqueue(&job_in(user, session, key)).await.unwrap();
+    let claimed = store
+        .claim("w", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .unwrap();
+    engram_memory::record_exchange(
+        state,
+        &claimed.job.exchange,
+        &engram_memory::HeuristicExtractor,
+        &engram_memory::MemoryConfig::default(),
+    );
+    (claimed.job, engram_store::EncodedState::of(state).unwrap())
+}
+
 /// A state large enough to be staged.
 fn large_state(user: &UserKey) -> engram_memory::MemoryState {
     let mut state = state_with(&["I live in Lisbon."]);
@@ -986,25 +1010,15 @@ async fn a_read_behind_our_own_commit_takes_no_delta() {
     let heard = std::sync::Arc::new(HeardCommits::default());
     let store = std::sync::Arc::new(store.with_commit_listener(heard.clone()));
     let alice = UserKey::new("acme", "alice");
-    let lease = Duration::from_secs(30);
-    let config = engram_memory::MemoryConfig::default();
     let mut state = engram_memory::MemoryState::new();
     state.version = engram_proxy::cache::first_version();
     // Nothing stored yet: the first commit expects version 0.
     let start = 0;
     let mut applied = Vec::new();
     for (key, session) in [("a1", "s1"), ("a2", "s2")] {
-        store.enqueue(&job_in(&alice, session, key)).await.unwrap();
-        let claimed = store.claim("w", lease).await.unwrap().unwrap();
         let before = state.version;
-        engram_memory::record_exchange(
-            &mut state,
-            &claimed.job.exchange,
-            &engram_memory::HeuristicExtractor,
-            &config,
-        );
-        let encoded = engram_store::EncodedState::of(&state).unwrap();
-        applied.push((claimed.job, encoded, before));
+        let (job, encoded) = claim_and_record(&store, &alice, session, key, &mut state).await;
+        applied.push((job, encoded, before));
     }
     let (second, second_state, first_version) = applied.pop().unwrap();
     let (first, first_state, _) = applied.pop().unwrap();
@@ -1083,8 +1097,43 @@ async fn a_read_behind_our_own_commit_takes_no_delta() {
         keys_matching(&mut connection, &user_key(&alice, "committed")).await,
         [user_key(&alice, "committed")]
     );
-    store.forget_user(&alice).await.unwrap();
-    let keys = keys_matching(&mut connection, &format!("*{}*", tag(&alice))).await;
+    forget_leaves_no_key(&store, &mut connection, &alice).await;
+}
+
+/// The response timeout of the stall tests' stores...
+const QUICK_TIMEOUT: Duration = Duration::from_millis(200);
+/// ...and how long they stall the server: past three timeouts.
+const STALL: Duration = Duration::from_millis(700);
+
+/// A store whose commands time out after [`QUICK_TIMEOUT`], and a plain connection.
+async fn store_timing_out() -> Option<(RedisStore, MultiplexedConnection, RedisServer)> {
+    store_with(RedisOptions {
+        response_timeout: QUICK_TIMEOUT,
+        ..RedisOptions::default()
+    })
+    .await
+}
+
+/// Stalls the server for `stall`: it runs no client's command meanwhile, then runs them in
+/// the order they came.
+async fn pause(connection: &mut MultiplexedConnection, stall: Duration) {
+    let () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(u64::try_from(stall.as_millis()).unwrap())
+        .arg("ALL")
+        .query_async(connection)
+        .await
+        .unwrap();
+}
+
+/// Forgets `user` and checks that no key of theirs is left.
+async fn forget_leaves_no_key(
+    store: &RedisStore,
+    connection: &mut MultiplexedConnection,
+    user: &UserKey,
+) {
+    store.forget_user(user).await.unwrap();
+    let keys = keys_matching(connection, &format!("*{}*", tag(user))).await;
     assert!(keys.is_empty(), "{keys:?}");
 }
 
@@ -1094,57 +1143,35 @@ async fn a_read_behind_our_own_commit_takes_no_delta() {
 /// the timeout, and the run's jobs stayed in the depth long after the stall.
 #[tokio::test]
 async fn a_commit_whose_answer_timed_out_but_landed_is_done() {
-    let response_timeout = Duration::from_millis(200);
-    let Some((store, mut connection, _server)) = store_with(RedisOptions {
-        response_timeout,
-        ..RedisOptions::default()
-    })
-    .await
-    else {
+    let Some((store, mut connection, _server)) = store_timing_out().await else {
         return;
     };
     let heard = std::sync::Arc::new(HeardCommits::default());
     let store = store.with_commit_listener(heard.clone());
     let alice = UserKey::new("acme", "alice");
-    let lease = Duration::from_secs(30);
-    let config = engram_memory::MemoryConfig::default();
     let mut state = engram_memory::MemoryState::new();
     state.version = engram_proxy::cache::first_version();
     let mut expected = 0;
     for key in ["a1", "a2"] {
-        store.enqueue(&job_in(&alice, "s1", key)).await.unwrap();
-        let claimed = store.claim("w", lease).await.unwrap().unwrap();
-        engram_memory::record_exchange(
-            &mut state,
-            &claimed.job.exchange,
-            &engram_memory::HeuristicExtractor,
-            &config,
-        );
-        let encoded = engram_store::EncodedState::of(&state).unwrap();
+        let (job, encoded) = claim_and_record(&store, &alice, "s1", key, &mut state).await;
         if key == "a2" {
             // The first commit loaded the script; now Redis stalls past three timeouts.
-            let _: () = redis::cmd("CLIENT")
-                .arg("PAUSE")
-                .arg(700)
-                .arg("ALL")
-                .query_async(&mut connection)
-                .await
-                .unwrap();
+            pause(&mut connection, STALL).await;
         }
         let started = std::time::Instant::now();
         store
-            .commit_jobs(std::slice::from_ref(&claimed.job), &encoded, expected, &[])
+            .commit_jobs(std::slice::from_ref(&job), &encoded, expected, &[])
             .await
             .unwrap();
         if key == "a2" {
             assert!(
-                started.elapsed() > response_timeout,
+                started.elapsed() > QUICK_TIMEOUT,
                 "the commit was answered in time ({:?}): nothing timed out",
                 started.elapsed()
             );
         }
         assert_eq!(
-            store.job_state(&claimed.job.id).await.unwrap(),
+            store.job_state(&job.id).await.unwrap(),
             Some(JobState::Applied)
         );
         expected = encoded.version;
@@ -1158,9 +1185,7 @@ async fn a_commit_whose_answer_timed_out_but_landed_is_done() {
         expected
     );
     // The stored answer goes with the user.
-    store.forget_user(&alice).await.unwrap();
-    let keys = keys_matching(&mut connection, &format!("*{}*", tag(&alice))).await;
-    assert!(keys.is_empty(), "{keys:?}");
+    forget_leaves_no_key(&store, &mut connection, &alice).await;
 }
 
 /// An enqueue whose user step times out (Redis stalled) but which Redis then runs has queued
@@ -1169,13 +1194,7 @@ async fn a_commit_whose_answer_timed_out_but_landed_is_done() {
 /// (a backlog after a stall reported drained with runs still queued).
 #[tokio::test]
 async fn an_enqueue_that_timed_out_but_landed_is_counted_by_its_retry() {
-    let response_timeout = Duration::from_millis(200);
-    let Some((store, mut connection, _server)) = store_with(RedisOptions {
-        response_timeout,
-        ..RedisOptions::default()
-    })
-    .await
-    else {
+    let Some((store, mut connection, _server)) = store_timing_out().await else {
         return;
     };
     let (alice, bob) = (UserKey::new("acme", "alice"), UserKey::new("acme", "bob"));
@@ -1196,21 +1215,15 @@ async fn an_enqueue_that_timed_out_but_landed_is_counted_by_its_retry() {
 
     let single = job_in(&alice, "s1", "a1");
     let run = [job_in(&alice, "s2", "b1"), job_in(&alice, "s2", "b2")];
-    let _: () = redis::cmd("CLIENT")
-        .arg("PAUSE")
-        .arg(700)
-        .arg("ALL")
-        .query_async(&mut connection)
-        .await
-        .unwrap();
+    pause(&mut connection, STALL).await;
     let paused = std::time::Instant::now();
     assert!(store.enqueue(&single).await.is_err());
     assert!(store.enqueue_run(&run).await.is_err());
     assert!(
-        paused.elapsed() < Duration::from_millis(700),
+        paused.elapsed() < STALL,
         "the enqueues did not time out within the pause"
     );
-    tokio::time::sleep(Duration::from_millis(700).saturating_sub(paused.elapsed())).await;
+    tokio::time::sleep(STALL.saturating_sub(paused.elapsed())).await;
     assert_eq!(
         store.queue_depth().await.unwrap(),
         0,
@@ -1246,24 +1259,15 @@ async fn a_read_catching_up_takes_no_delta() {
         return;
     };
     let alice = UserKey::new("acme", "alice");
-    let lease = Duration::from_secs(30);
     let mut state = engram_memory::MemoryState::new();
     state.version = engram_proxy::cache::first_version();
     // Nothing stored yet: the first commit expects version 0.
     let mut expected = 0;
     let mut committed = Vec::new();
     for key in ["a1", "a2"] {
-        store.enqueue(&job_in(&alice, "s1", key)).await.unwrap();
-        let claimed = store.claim("w", lease).await.unwrap().unwrap();
-        engram_memory::record_exchange(
-            &mut state,
-            &claimed.job.exchange,
-            &engram_memory::HeuristicExtractor,
-            &engram_memory::MemoryConfig::default(),
-        );
-        let encoded = engram_store::EncodedState::of(&state).unwrap();
+        let (job, encoded) = claim_and_record(&store, &alice, "s1", key, &mut state).await;
         store
-            .commit_jobs(std::slice::from_ref(&claimed.job), &encoded, expected, &[])
+            .commit_jobs(std::slice::from_ref(&job), &encoded, expected, &[])
             .await
             .unwrap();
         expected = state.version;
