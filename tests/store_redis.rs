@@ -1249,6 +1249,38 @@ async fn an_enqueue_that_timed_out_but_landed_is_counted_by_its_retry() {
     }
 }
 
+/// A claim whose answer times out (Redis stalled) but which Redis then runs has leased a
+/// token: the claimer learns which from the note the claim left and takes its run, rather than
+/// leaving the token, and with it the session, leased to nobody until the lease ends.
+#[tokio::test]
+async fn a_claim_whose_answer_timed_out_still_takes_its_run() {
+    let Some((store, mut connection, _server)) = store_timing_out().await else {
+        return;
+    };
+    let alice = UserKey::new("acme", "alice");
+    let lease = Duration::from_secs(30);
+    // Both claim scripts loaded first (a load would not survive the timeout).
+    store.enqueue(&job_in(&alice, "s0", "w1")).await.unwrap();
+    let warm = store.claim("w", lease).await.unwrap().unwrap();
+    store.ack(&warm.job.id).await.unwrap();
+
+    let job = job_in(&alice, "s1", "a1");
+    store.enqueue(&job).await.unwrap();
+    pause(&mut connection, STALL).await;
+    let started = std::time::Instant::now();
+    let claimed = store.claim("w", lease).await.unwrap().unwrap();
+    assert!(
+        started.elapsed() > QUICK_TIMEOUT,
+        "the claim was answered in time ({:?}): nothing timed out",
+        started.elapsed()
+    );
+    assert_eq!((claimed.job.id, claimed.attempt), (job.id.clone(), 1));
+    store.ack(&job.id).await.unwrap();
+    assert_eq!(store.queue_depth().await.unwrap(), 0);
+    assert!(pending(&mut connection).await.is_empty());
+    assert!(store.claim("w", lease).await.unwrap().is_none());
+}
+
 /// A reader catching its copy up by another read (`hot_record_catching_up`) gets no changes
 /// for a memory that moved on, just its version: each request in flight fetching the same
 /// changes kept Redis saturated after a stall (see `MemoryCache::catch_up`). A plain read

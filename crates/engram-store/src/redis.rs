@@ -147,9 +147,9 @@ const PRUNE_EVERY_MS: u64 = 5 * 60 * 1000;
 /// `uncounted`); past it a timed-out user step is forgotten, leaving the depth short.
 const UNCOUNTED_MAX: usize = 65_536;
 
-/// Reads of a timed-out job commit's `answer` before giving up on telling whether it landed:
-/// each waits up to the response timeout, so with the default 2 s about half a minute of a
-/// stalled server.
+/// Reads after a script's answer timed out (a commit's `answer`, a claim's token), or asks of
+/// a claim's lease step, before giving up: each waits up to the response timeout, so with the
+/// default 2 s about half a minute of a stalled server.
 const ANSWER_READS: usize = 15;
 
 /// Settings of a [`RedisStore`].
@@ -228,6 +228,9 @@ pub struct RedisStore {
     staging_id: Arc<str>,
     /// ...with a counter.
     next_staged: Arc<AtomicU64>,
+    /// Numbers this process's claims (after `staging_id`), so a claimer whose answer timed out
+    /// knows its own (see CLAIM_TOKEN).
+    next_claim: Arc<AtomicU64>,
     /// Told of each job commit of this process the moment one of its reads, or the commit's
     /// own answer, shows it landed (see [`InFlight`]).
     listener: Option<Arc<dyn CommitListener>>,
@@ -354,6 +357,7 @@ impl RedisStore {
             )?),
             staging_id: random_id().into(),
             next_staged: Arc::default(),
+            next_claim: Arc::default(),
             listener: None,
             in_flight: Arc::default(),
             uncounted: Arc::default(),
@@ -400,29 +404,11 @@ impl RedisStore {
     /// (its tokens were dropped later by the claims that found them).
     async fn answer_of_landed(&self, user: &UserKey, landed: &str) -> Option<(u64, Vec<String>)> {
         let key = self.user_key(user, "answer");
-        for _ in 0..ANSWER_READS {
-            let read: redis::RedisResult<Option<String>> = self.writer().get(&key).await;
-            let answer = match read {
-                Ok(answer) => answer?,
-                Err(error) if error.is_timeout() => continue,
-                Err(error) => {
-                    tracing::warn!(%error, "could not tell whether a timed-out job commit landed");
-                    return None;
-                }
-            };
-            let mut lines = answer.split('\n');
-            if lines.next() != Some(landed) {
-                return None;
-            }
-            let queued = lines.next()?.parse().ok()?;
-            tracing::info!("a job commit's answer timed out, but the commit had landed");
-            return Some((queued, lines.map(str::to_owned).collect()));
-        }
-        tracing::warn!(
-            reads = ANSWER_READS,
-            "could not tell whether a timed-out job commit landed: every read timed out"
-        );
-        None
+        let answer = read_after_timeout(self.writer(), &key, landed, "a job commit").await?;
+        let mut lines = answer.split('\n');
+        let queued = lines.next()?.parse().ok()?;
+        tracing::info!("a job commit's answer timed out, but the commit had landed");
+        Some((queued, lines.map(str::to_owned).collect()))
     }
 
     fn in_flight_list(&self) -> std::sync::MutexGuard<'_, Vec<InFlight>> {
@@ -814,21 +800,9 @@ impl RedisStore {
                 continue;
             };
             let prefix = self.tag_prefix(&tag);
-            let (status, wait_ms, keys, attempts, exchanges): LeaseReply = self
-                .scripts
-                .lease
-                .key(format!("{prefix}session:{session}"))
-                .key(format!("{prefix}leases"))
-                .key(format!("{prefix}arriving"))
-                .arg(&prefix)
-                .arg(&session)
-                .arg(&entry)
-                .arg(duration_ms(lease))
-                .arg(duration_us(self.order_grace))
-                .arg(jobs.max(1))
-                .invoke_async(&mut self.connection())
-                .await
-                .map_err(redis_error)?;
+            let (status, wait_ms, keys, attempts, exchanges) = self
+                .lease_run(&prefix, &session, &entry, lease, jobs)
+                .await?;
             match status.as_str() {
                 "job" if !keys.is_empty() => {
                     let mut run = Vec::with_capacity(keys.len());
@@ -869,6 +843,43 @@ impl RedisStore {
         Ok(Vec::new())
     }
 
+    /// The lease step of a claim under the token `entry`: a run of up to `jobs` of the
+    /// session's jobs (see LEASE). Asked again while its answer times out: under the same token
+    /// a lease that landed is taken again, with no attempt counted, and one that did not is
+    /// made; without this, a run leased in a stall waited for nobody until its lease ended.
+    async fn lease_run(
+        &self,
+        prefix: &str,
+        session: &str,
+        entry: &str,
+        lease: Duration,
+        jobs: usize,
+    ) -> Result<LeaseReply> {
+        let mut asked = 0;
+        loop {
+            asked += 1;
+            let reply = self
+                .scripts
+                .lease
+                .key(format!("{prefix}session:{session}"))
+                .key(format!("{prefix}leases"))
+                .key(format!("{prefix}arriving"))
+                .arg(prefix)
+                .arg(session)
+                .arg(entry)
+                .arg(duration_ms(lease))
+                .arg(duration_us(self.order_grace))
+                .arg(jobs.max(1))
+                .invoke_async(&mut self.connection())
+                .await;
+            match reply {
+                Ok(reply) => return Ok(reply),
+                Err(error) if error.is_timeout() && asked < ANSWER_READS => {}
+                Err(error) => return Err(redis_error(error)),
+            }
+        }
+    }
+
     /// A leased job's large exchange, which its record does not hold: read with a plain
     /// `GET`, not in the lease script (see [`STAGE_FROM_BYTES`]).
     async fn stored_exchange(&self, job: &JobId) -> Result<Vec<u8>> {
@@ -895,10 +906,20 @@ impl RedisStore {
             Settle::Drop(entry) => (entry.as_str(), "", 0),
             Settle::Postpone(entry, wait) => ("", entry.as_str(), lease_idle_ms(*wait)),
         };
-        self.scripts
+        // A key per claim: the worker's claim loops share a consumer, and one claim's note
+        // must not overwrite another's.
+        let claim = format!(
+            "{}-{}",
+            self.staging_id,
+            self.next_claim.fetch_add(1, Ordering::Relaxed)
+        );
+        let claimed = self.shard_key(shard, &format!("claimed:{claim}"));
+        let answer: redis::RedisResult<Option<(String, String, String)>> = self
+            .scripts
             .claim_token
             .key(self.shard_key(shard, "tokens"))
             .key(self.shard_key(shard, "depth"))
+            .key(&claimed)
             .arg(GROUP)
             .arg(consumer)
             .arg(LEASE_HORIZON_MS)
@@ -907,9 +928,41 @@ impl RedisStore {
             .arg(postpone)
             .arg(postpone_idle)
             .arg(if settle_only { "1" } else { "0" })
+            .arg(&claim)
             .invoke_async(&mut self.connection())
-            .await
-            .map_err(redis_error)
+            .await;
+        match answer {
+            Ok(token) => Ok(token),
+            // The token it leased would wait for nobody until the lease ended, and with it
+            // the session's work (28 s of a 30 s lease after a stall in `memory_redis`).
+            Err(error) if error.is_timeout() && !settle_only => {
+                let left = read_after_timeout(self.connection(), &claimed, &claim, "a claim");
+                let Some(entry) = left.await else {
+                    return Err(redis_error(error));
+                };
+                // The entry's fields, if it is still there (a forget deletes it).
+                let entries: Vec<(String, Vec<String>)> = redis::cmd("XRANGE")
+                    .arg(self.shard_key(shard, "tokens"))
+                    .arg(&entry)
+                    .arg(&entry)
+                    .query_async(&mut self.connection())
+                    .await
+                    .map_err(redis_error)?;
+                let token = entries.into_iter().next().map(|(entry, fields)| {
+                    let field = |name: &str| {
+                        fields
+                            .chunks(2)
+                            .find(|pair| pair.first().map(String::as_str) == Some(name))
+                            .and_then(|pair| pair.get(1).cloned())
+                            .unwrap_or_default()
+                    };
+                    let (tag, session) = (field("u"), field("s"));
+                    (entry, tag, session)
+                });
+                Ok(token)
+            }
+            Err(error) => Err(redis_error(error)),
+        }
     }
 
     /// The queue step after jobs of `user` finished: drops the released tokens (adding fresh
@@ -1274,6 +1327,38 @@ fn random_id() -> String {
         "{:016x}",
         std::collections::hash_map::RandomState::new().hash_one(nanos)
     )
+}
+
+/// After a script's answer timed out on `connection`: the rest of what it left under `key`
+/// if its first line is `id` (the script ran), else `None` (it did not, or that cannot be
+/// told). A timeout leaves the connection open, and this read follows the script on it, so it
+/// is answered after the script ran (a stalled server, a long script ahead of it); it is
+/// retried while it too times out, up to [`ANSWER_READS`] times.
+async fn read_after_timeout(
+    mut connection: Connection,
+    key: &str,
+    id: &str,
+    what: &str,
+) -> Option<String> {
+    for _ in 0..ANSWER_READS {
+        let read: redis::RedisResult<Option<String>> = connection.get(key).await;
+        let left = match read {
+            Ok(left) => left?,
+            Err(error) if error.is_timeout() => continue,
+            Err(error) => {
+                tracing::warn!(%error, what, "could not tell whether a timed-out script ran");
+                return None;
+            }
+        };
+        let (first, rest) = left.split_once('\n')?;
+        return (first == id).then(|| rest.to_owned());
+    }
+    tracing::warn!(
+        reads = ANSWER_READS,
+        what,
+        "could not tell whether a timed-out script ran: every read timed out"
+    );
+    None
 }
 
 /// A job commit's `<version>:<fingerprint>`, which it writes to `committed` and `answer`.

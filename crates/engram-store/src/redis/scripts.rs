@@ -339,9 +339,13 @@ return 1
 /// left with no token has no job queued or leased (a session with work holds one until its
 /// last job's finish releases it, in the step that lowers the depth), so its depth is set to
 /// 0: a process that died between the two steps of a finish left it too high, and the lag
-/// estimate read a queue that never shrank.
-/// KEYS: stream, depth. ARGV: group, consumer, lease horizon ms, idle to set (horizon −
-/// lease), drop id or '', postpone id or '', postpone idle, settle only.
+/// estimate read a queue that never shrank. The token leased is also noted under the claim's
+/// own `claimed` key (the claim's id and the entry id, one per line, nothing of the user, so
+/// a forget leaves nothing behind; two minutes, while the reads after a timeout take up to 15
+/// response timeouts), so a claimer whose answer timed out can learn which token it holds
+/// instead of leaving it leased to nobody.
+/// KEYS: stream, depth, claimed. ARGV: group, consumer, lease horizon ms, idle to set (horizon
+/// − lease), drop id or '', postpone id or '', postpone idle, settle only, claim id.
 const CLAIM_TOKEN: &str = r"
 if ARGV[5] ~= '' then
   redis.call('XACK', KEYS[1], ARGV[1], ARGV[5])
@@ -382,6 +386,7 @@ local fields = {}
 for index = 1, #entry[2], 2 do
   fields[entry[2][index]] = entry[2][index + 1]
 end
+redis.call('SET', KEYS[3], ARGV[9] .. '\n' .. id, 'PX', 120000)
 return {id, fields['u'] or '', fields['s'] or ''}
 ";
 
@@ -390,7 +395,9 @@ return {id, fields['u'] or '', fields['s'] or ''}
 /// token's lease on it is live ('busy'), or a turn of the session that arrived before the head
 /// is still being recorded ('wait', ms: until its marker is older than the grace). The run
 /// stops before a job that such a turn arrived before. `leases` names the run's first job,
-/// and moves on as its jobs finish (`finish_job`). Returns {'job', false, {key, …}, {attempt,
+/// and moves on as its jobs finish (`finish_job`). Leasing again under a token whose lease on
+/// a job is live (a claimer whose answer timed out, asking again) does not count an attempt.
+/// Returns {'job', false, {key, …}, {attempt,
 /// …}, {exchange JSON, …}} otherwise, with false for an exchange that is not a field of its
 /// record: the client reads a large one from `jobx:<key>` with a plain GET, which copies it
 /// once instead of hashing it in Lua.
@@ -435,7 +442,12 @@ for index = 1, #head, 2 do
   local key = head[index]
   local record = ARGV[1] .. 'job:' .. key
   table.insert(keys, key)
-  table.insert(attempts, redis.call('HINCRBY', record, 'attempts', 1))
+  local live = redis.call('HMGET', record, 'token', 'until', 'attempts')
+  if live[1] == ARGV[3] and tonumber(live[2] or '0') > now_ms then
+    table.insert(attempts, tonumber(live[3] or '1'))
+  else
+    table.insert(attempts, redis.call('HINCRBY', record, 'attempts', 1))
+  end
   redis.call('HSET', record, 'token', ARGV[3], 'until', until_ms)
   table.insert(exchanges, redis.call('HGET', record, 'exchange') or false)
 end
