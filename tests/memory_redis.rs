@@ -220,3 +220,57 @@ async fn the_redis_backend_carries_a_fact_across_sessions_and_proxies() {
     assert!(memory_part(recorded(&record).last().unwrap()).contains("Bergen"));
     wait_applied(&writer, "acme", "pia", &reply).await;
 }
+
+/// Redis stalled past the store's response timeout, twice, while one session's turns keep
+/// coming and the worker applies them: afterwards every answered turn is applied once and in
+/// order, the worker counted each, and the queue reads empty. A job commit whose answer timed
+/// out but which Redis ran after the stall used to go uncounted, its jobs left in the depth;
+/// an enqueue that did the same left the depth low. Where a stall falls among the worker's
+/// commands varies from run to run; what is asserted holds wherever it falls.
+#[tokio::test]
+async fn stalls_past_the_response_timeout_leave_every_turn_applied_and_counted() {
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let upstream = mock(&[]);
+    let url = redis.url();
+    let proxy = proxy(
+        &upstream.address,
+        &[
+            ("ENGRAM_STORE__BACKEND", "redis"),
+            ("ENGRAM_STORE__REDIS_URL", url.as_str()),
+            ("ENGRAM_STORE__REDIS_RESPONSE_TIMEOUT_MS", "200"),
+        ],
+    );
+    let sender = async {
+        let mut turn_ids = Vec::new();
+        for turn in 0..60 {
+            let text = format!("I keep a diary, entry {turn}.");
+            let reply = say(&proxy, "acme", "rui", "s", &text).await;
+            turn_ids.push(header(&reply, "x-engram-turn-id").to_owned());
+        }
+        turn_ids
+    };
+    let staller = async {
+        for _ in 0..2 {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            redis.pause();
+            tokio::time::sleep(Duration::from_millis(700)).await;
+            redis.resume();
+        }
+    };
+    let (turn_ids, ()) = tokio::join!(sender, staller);
+
+    // Within a third of the 30 s lease: a run or token leased in a stall, its answer lost,
+    // used to wait for nobody until its lease ended.
+    let queue = wait_drained(&proxy, Duration::from_secs(10)).await;
+    assert_eq!(queue["recorded"]["lost"], 0, "{queue}");
+    let memory = export(&proxy, "acme", "rui").await;
+    let raw = common::memory::raw_turn_ids(&memory);
+    assert_eq!(raw, turn_ids, "every turn once, in order");
+    assert_eq!(
+        queue["worker"]["applied"].as_u64(),
+        Some(turn_ids.len() as u64),
+        "every applied turn counted: {queue}"
+    );
+}

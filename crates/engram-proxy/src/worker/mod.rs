@@ -53,6 +53,13 @@ use lag::{Claimer, LagGate, Progress};
 /// Version conflicts tolerated per job before it is left for a later claim.
 const CONFLICT_RETRIES: u32 = 8;
 const ERROR_BACKOFF_MAX: Duration = Duration::from_secs(2);
+/// Waits before a run whose store failed is applied again, its lease still held: left leased,
+/// a session's jobs waited for the whole lease (30 s by default) after a Redis stall.
+const STORE_RETRIES: [Duration; 3] = [
+    Duration::from_millis(200),
+    Duration::from_millis(400),
+    Duration::from_millis(800),
+];
 
 /// Who applies a run: the claim loop that claimed it, or the catch-up taking it over from a
 /// starved idle loop (see [`held`]).
@@ -493,7 +500,15 @@ impl Worker {
             jobs.iter().filter_map(|job| job.trace),
         );
         let started = std::time::Instant::now();
-        match self.apply_run(&jobs, applier).await {
+        let mut result = self.apply_run(&jobs, applier).await;
+        for wait in STORE_RETRIES {
+            if !matches!(result, Err(Error::Store(_))) {
+                break;
+            }
+            tokio::time::sleep(wait).await;
+            result = self.apply_run(&jobs, applier).await;
+        }
+        match result {
             Ok(applied) => {
                 self.stats.runs.fetch_add(1, Ordering::Relaxed);
                 if let Some(metrics) = &self.metrics {
@@ -531,7 +546,8 @@ impl Worker {
             }
             Err(error) => {
                 span.fail(error.error_type());
-                // Left leased: another claim retries them once the lease ends.
+                // Left leased (after `STORE_RETRIES` for a failing store): another claim
+                // retries them once the lease ends.
                 self.stats
                     .errors
                     .fetch_add(jobs.len() as u64, Ordering::Relaxed);
