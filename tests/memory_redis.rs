@@ -112,19 +112,11 @@ async fn redis_stopped_while_serving_answers_without_memory_and_loses_no_recorde
 
 #[tokio::test]
 async fn a_stalled_redis_costs_requests_no_more_than_the_deadline_and_loses_no_turn() {
-    let Some(redis) = RedisServer::start().await else {
+    let Some((redis, _upstream, proxy)) =
+        proxy_on_redis(("ENGRAM_STORE__HOT_PATH_DEADLINE_MS", "150")).await
+    else {
         return;
     };
-    let upstream = mock(&[]);
-    let url = redis.url();
-    let proxy = proxy(
-        &upstream.address,
-        &[
-            ("ENGRAM_STORE__BACKEND", "redis"),
-            ("ENGRAM_STORE__REDIS_URL", url.as_str()),
-            ("ENGRAM_STORE__HOT_PATH_DEADLINE_MS", "150"),
-        ],
-    );
     let mut turn_ids = Vec::new();
     let first = say(
         &proxy,
@@ -223,25 +215,19 @@ async fn the_redis_backend_carries_a_fact_across_sessions_and_proxies() {
 
 /// Redis stalled past the store's response timeout, twice, while one session's turns keep
 /// coming and the worker applies them: afterwards every answered turn is applied once and in
-/// order, the worker counted each, and the queue reads empty. A job commit whose answer timed
-/// out but which Redis ran after the stall used to go uncounted, its jobs left in the depth;
-/// an enqueue that did the same left the depth low. Where a stall falls among the worker's
-/// commands varies from run to run; what is asserted holds wherever it falls.
+/// order, the worker counted each, and the queue drains well within the 30 s lease. A job
+/// commit whose answer timed out but which Redis ran after the stall used to go uncounted, its
+/// jobs left in the depth; an enqueue that did the same left the depth low; a claim that did
+/// the same, or a run whose store failed, left the session's work leased to nobody until the
+/// lease ended. Where a stall falls among the worker's commands varies from run to run; what
+/// is asserted holds wherever it falls.
 #[tokio::test]
 async fn stalls_past_the_response_timeout_leave_every_turn_applied_and_counted() {
-    let Some(redis) = RedisServer::start().await else {
+    let Some((redis, _upstream, proxy)) =
+        proxy_on_redis(("ENGRAM_STORE__REDIS_RESPONSE_TIMEOUT_MS", "200")).await
+    else {
         return;
     };
-    let upstream = mock(&[]);
-    let url = redis.url();
-    let proxy = proxy(
-        &upstream.address,
-        &[
-            ("ENGRAM_STORE__BACKEND", "redis"),
-            ("ENGRAM_STORE__REDIS_URL", url.as_str()),
-            ("ENGRAM_STORE__REDIS_RESPONSE_TIMEOUT_MS", "200"),
-        ],
-    );
     let sender = async {
         let mut turn_ids = Vec::new();
         for turn in 0..60 {
@@ -273,4 +259,23 @@ async fn stalls_past_the_response_timeout_leave_every_turn_applied_and_counted()
         Some(turn_ids.len() as u64),
         "every applied turn counted: {queue}"
     );
+}
+
+/// A Redis server and the proxy on it (with one more setting) before a mock upstream; `None`
+/// without `redis-server`.
+async fn proxy_on_redis(
+    setting: (&str, &str),
+) -> Option<(RedisServer, common::Mock, common::Process)> {
+    let redis = RedisServer::start().await?;
+    let upstream = mock(&[]);
+    let url = redis.url();
+    let proxy = proxy(
+        &upstream.address,
+        &[
+            ("ENGRAM_STORE__BACKEND", "redis"),
+            ("ENGRAM_STORE__REDIS_URL", url.as_str()),
+            setting,
+        ],
+    );
+    Some((redis, upstream, proxy))
 }
