@@ -855,11 +855,8 @@ impl RedisStore {
         lease: Duration,
         jobs: usize,
     ) -> Result<LeaseReply> {
-        let mut asked = 0;
-        loop {
-            asked += 1;
-            let reply = self
-                .scripts
+        until_answered(|| async move {
+            self.scripts
                 .lease
                 .key(format!("{prefix}session:{session}"))
                 .key(format!("{prefix}leases"))
@@ -871,13 +868,10 @@ impl RedisStore {
                 .arg(duration_us(self.order_grace))
                 .arg(jobs.max(1))
                 .invoke_async(&mut self.connection())
-                .await;
-            match reply {
-                Ok(reply) => return Ok(reply),
-                Err(error) if error.is_timeout() && asked < ANSWER_READS => {}
-                Err(error) => return Err(redis_error(error)),
-            }
-        }
+                .await
+        })
+        .await
+        .map_err(redis_error)
     }
 
     /// A leased job's large exchange, which its record does not hold: read with a plain
@@ -1335,30 +1329,42 @@ fn random_id() -> String {
 /// is answered after the script ran (a stalled server, a long script ahead of it); it is
 /// retried while it too times out, up to [`ANSWER_READS`] times.
 async fn read_after_timeout(
-    mut connection: Connection,
+    connection: Connection,
     key: &str,
     id: &str,
     what: &str,
 ) -> Option<String> {
-    for _ in 0..ANSWER_READS {
-        let read: redis::RedisResult<Option<String>> = connection.get(key).await;
-        let left = match read {
-            Ok(left) => left?,
-            Err(error) if error.is_timeout() => continue,
-            Err(error) => {
-                tracing::warn!(%error, what, "could not tell whether a timed-out script ran");
-                return None;
-            }
-        };
-        let (first, rest) = left.split_once('\n')?;
-        return (first == id).then(|| rest.to_owned());
+    let read: redis::RedisResult<Option<String>> = until_answered(|| {
+        let mut connection = connection.clone();
+        async move { connection.get(key).await }
+    })
+    .await;
+    let left = match read {
+        Ok(left) => left?,
+        Err(error) => {
+            tracing::warn!(%error, what, "could not tell whether a timed-out script ran");
+            return None;
+        }
+    };
+    let (first, rest) = left.split_once('\n')?;
+    (first == id).then(|| rest.to_owned())
+}
+
+/// Sends `command` again while its answer times out, [`ANSWER_READS`] times at most, for
+/// commands that tell what an earlier one on the same connection did (each runs after it) or
+/// that may run twice.
+async fn until_answered<T, F, Fut>(mut command: F) -> redis::RedisResult<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = redis::RedisResult<T>>,
+{
+    let mut sent = 1;
+    loop {
+        match command().await {
+            Err(error) if error.is_timeout() && sent < ANSWER_READS => sent += 1,
+            answer => return answer,
+        }
     }
-    tracing::warn!(
-        reads = ANSWER_READS,
-        what,
-        "could not tell whether a timed-out script ran: every read timed out"
-    );
-    None
 }
 
 /// A job commit's `<version>:<fingerprint>`, which it writes to `committed` and `answer`.
