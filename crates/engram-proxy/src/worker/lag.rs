@@ -19,6 +19,14 @@
 //! bounds. While they are starved and the lag is still smaller, neither claims, so the idle
 //! loop cannot lease jobs it would then hold for seconds, blocking their sessions for the
 //! catch-up; the runs it already holds then go to the catch-up (see `super::held`).
+//!
+//! The ten bounds are for other processes, which give the idle threads moments of CPU and take
+//! them back. A late probe while this process itself used nearly all of its cores ([`OwnCpu`]:
+//! its requests, a cold memory decoded for one) says nothing of them: when every late look of
+//! the last ten bounds was such, both holds are one bound. A cold start's stall, a few hundred
+//! ms decoding a 10,000-turn memory, otherwise held the catch-up at normal priority for twenty
+//! seconds, the whole of a 20 s run, with the added p99 at 200 req/s 8.5–10.6 ms against 4.1
+//! (`./benches/history.sh`, 2026-12-06).
 
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -37,6 +45,10 @@ pub const PROMPT: Duration = Duration::from_millis(50);
 /// process blocking briefly), and a job they lease in one may then wait seconds for the next,
 /// its session blocked for the catch-up: a short hold let that happen every few seconds.
 const HOLD_BOUNDS: u32 = 10;
+
+/// A late look counts as this process's own doing when it used at least this share of its
+/// cores meanwhile.
+pub const OWN_BUSY: f64 = 0.8;
 
 /// Which claim loop may claim jobs now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,6 +78,10 @@ pub struct LagGate {
     calm_since: Option<Instant>,
     /// When a probe last found the idle threads starved.
     starved_at: Option<Instant>,
+    /// When a late look last came while this process kept its cores busy itself, and when one
+    /// last came while it did not (another process's doing).
+    own_late_at: Option<Instant>,
+    other_late_at: Option<Instant>,
 }
 
 impl LagGate {
@@ -78,15 +94,24 @@ impl LagGate {
             engaged: false,
             calm_since: None,
             starved_at: None,
+            own_late_at: None,
+            other_late_at: None,
         }
     }
 
     /// Who may claim, given the estimated lag and whether a probe of the idle threads just
-    /// found them starved (which counts for the hold after it was seen).
-    pub fn update(&mut self, lag: Duration, starved_now: bool, now: Instant) -> Claimer {
+    /// found them starved (which counts for the hold after it was seen), and if so whether this
+    /// process kept its cores busy itself meanwhile (`own`).
+    pub fn update(&mut self, lag: Duration, starved_now: bool, own: bool, now: Instant) -> Claimer {
         if starved_now {
             self.starved_at = Some(now);
+            if own {
+                self.own_late_at = Some(now);
+            } else {
+                self.other_late_at = Some(now);
+            }
         }
+        let hold = self.hold(now);
         let starved = self.starved(now);
         if !self.engaged {
             let engage = if starved {
@@ -98,7 +123,7 @@ impl LagGate {
             self.calm_since = None;
         } else if lag < self.release && !starved {
             let since = *self.calm_since.get_or_insert(now);
-            if now.saturating_duration_since(since) >= self.hold {
+            if now.saturating_duration_since(since) >= hold {
                 self.engaged = false;
                 self.calm_since = None;
             }
@@ -117,10 +142,26 @@ impl LagGate {
         lag >= self.release
     }
 
-    /// Whether the idle threads count as starved: a probe was late within the last ten bounds.
+    /// Whether the idle threads count as starved: a probe was late within the last ten bounds
+    /// (one, when every late look of the last ten was this process's own doing).
     pub fn starved(&self, now: Instant) -> bool {
+        let hold = self.hold(now);
         self.starved_at
-            .is_some_and(|at| now.saturating_duration_since(at) < self.hold)
+            .is_some_and(|at| now.saturating_duration_since(at) < hold)
+    }
+
+    /// The calm the catch-up needs, and how long the idle threads count as starved after a
+    /// late look: ten bounds, or one when every late look of the last ten bounds came while
+    /// this process kept its cores busy itself.
+    fn hold(&self, now: Instant) -> Duration {
+        let recent = |at: Option<Instant>| {
+            at.is_some_and(|at| now.saturating_duration_since(at) < self.hold)
+        };
+        if recent(self.own_late_at) && !recent(self.other_late_at) {
+            self.hold / HOLD_BOUNDS
+        } else {
+            self.hold
+        }
     }
 }
 
@@ -179,6 +220,52 @@ impl Progress {
     }
 }
 
+/// The CPU this process used, as a share of the cores it may run on, between two looks.
+#[derive(Debug)]
+pub struct OwnCpu {
+    last: Option<(Instant, u64)>,
+    cores: f64,
+}
+
+/// The kernel's clock ticks per second in `/proc/<pid>/stat` (`USER_HZ`): 100 on Linux's
+/// architectures.
+const USER_HZ: f64 = 100.0;
+
+impl Default for OwnCpu {
+    fn default() -> Self {
+        OwnCpu {
+            last: None,
+            cores: std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64),
+        }
+    }
+}
+
+impl OwnCpu {
+    /// The share of its cores (affinity and CPU quota) the process used since the last look,
+    /// `0..=1` or a little over from the ticks' rounding; `None` at the first look, or where
+    /// `/proc` does not tell.
+    pub fn share(&mut self, now: Instant) -> Option<f64> {
+        let ticks = std::fs::read_to_string("/proc/self/stat")
+            .ok()
+            .and_then(|stat| cpu_ticks(&stat));
+        let last = std::mem::replace(&mut self.last, ticks.map(|ticks| (now, ticks)));
+        let ((then, before), ticks) = (last?, ticks?);
+        let elapsed = now.saturating_duration_since(then).as_secs_f64();
+        (elapsed > 0.0)
+            .then(|| ticks.saturating_sub(before) as f64 / USER_HZ / (elapsed * self.cores))
+    }
+}
+
+/// User and system time, in clock ticks, from a `/proc/<pid>/stat` line: the 14th and 15th
+/// fields, counted after the command name, which may hold spaces and parentheses.
+fn cpu_ticks(stat: &str) -> Option<u64> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    let mut fields = rest.split_whitespace().skip(11);
+    let user: u64 = fields.next()?.parse().ok()?;
+    let system: u64 = fields.next()?.parse().ok()?;
+    Some(user + system)
+}
+
 /// How long ago the request of a turn id this proxy made arrived; `None` for other ids.
 pub fn turn_lag(turn_id: &str) -> Option<Duration> {
     let made = turn_time_micros(turn_id)?;
@@ -204,17 +291,35 @@ mod tests {
         let start = Instant::now();
         let at = |n: u64| start + ms(n);
         let mut gate = LagGate::new(BOUND);
-        assert_eq!(gate.update(ms(0), false, at(0)), Claimer::Idle);
-        assert_eq!(gate.update(ms(499), false, at(100)), Claimer::Idle);
-        assert_eq!(gate.update(ms(500), false, at(200)), Claimer::CatchUp);
+        assert_eq!(gate.update(ms(0), false, false, at(0)), Claimer::Idle);
+        assert_eq!(gate.update(ms(499), false, false, at(100)), Claimer::Idle);
+        assert_eq!(
+            gate.update(ms(500), false, false, at(200)),
+            Claimer::CatchUp
+        );
         // Between a quarter and a half of the bound it keeps going: hysteresis.
-        assert_eq!(gate.update(ms(300), false, at(300)), Claimer::CatchUp);
+        assert_eq!(
+            gate.update(ms(300), false, false, at(300)),
+            Claimer::CatchUp
+        );
         // Calm from 400 ms on; ten bounds later it stops.
-        assert_eq!(gate.update(ms(100), false, at(400)), Claimer::CatchUp);
-        assert_eq!(gate.update(ms(100), false, at(10_399)), Claimer::CatchUp);
-        assert_eq!(gate.update(ms(100), false, at(10_400)), Claimer::Idle);
+        assert_eq!(
+            gate.update(ms(100), false, false, at(400)),
+            Claimer::CatchUp
+        );
+        assert_eq!(
+            gate.update(ms(100), false, false, at(10_399)),
+            Claimer::CatchUp
+        );
+        assert_eq!(
+            gate.update(ms(100), false, false, at(10_400)),
+            Claimer::Idle
+        );
         // And starts again only at half the bound.
-        assert_eq!(gate.update(ms(400), false, at(10_500)), Claimer::Idle);
+        assert_eq!(
+            gate.update(ms(400), false, false, at(10_500)),
+            Claimer::Idle
+        );
     }
 
     #[test]
@@ -222,21 +327,45 @@ mod tests {
         let start = Instant::now();
         let at = |n: u64| start + ms(n);
         let mut gate = LagGate::new(BOUND);
-        assert_eq!(gate.update(ms(600), false, at(0)), Claimer::CatchUp);
-        assert_eq!(gate.update(ms(0), false, at(100)), Claimer::CatchUp);
+        assert_eq!(gate.update(ms(600), false, false, at(0)), Claimer::CatchUp);
+        assert_eq!(gate.update(ms(0), false, false, at(100)), Claimer::CatchUp);
         // Over a quarter of the bound: the calm starts again.
-        assert_eq!(gate.update(ms(250), false, at(9_000)), Claimer::CatchUp);
-        assert_eq!(gate.update(ms(0), false, at(9_100)), Claimer::CatchUp);
-        assert_eq!(gate.update(ms(0), false, at(19_099)), Claimer::CatchUp);
+        assert_eq!(
+            gate.update(ms(250), false, false, at(9_000)),
+            Claimer::CatchUp
+        );
+        assert_eq!(
+            gate.update(ms(0), false, false, at(9_100)),
+            Claimer::CatchUp
+        );
+        assert_eq!(
+            gate.update(ms(0), false, false, at(19_099)),
+            Claimer::CatchUp
+        );
         // Starved idle threads too, even with the queue caught up: they could not take over.
-        assert_eq!(gate.update(ms(0), true, at(19_099)), Claimer::CatchUp);
+        assert_eq!(
+            gate.update(ms(0), true, false, at(19_099)),
+            Claimer::CatchUp
+        );
         // And they count as starved for ten bounds after the last late probe.
-        assert_eq!(gate.update(ms(0), false, at(19_200)), Claimer::CatchUp);
-        assert_eq!(gate.update(ms(0), false, at(29_098)), Claimer::CatchUp);
+        assert_eq!(
+            gate.update(ms(0), false, false, at(19_200)),
+            Claimer::CatchUp
+        );
+        assert_eq!(
+            gate.update(ms(0), false, false, at(29_098)),
+            Claimer::CatchUp
+        );
         // Calm from 29,099 on.
-        assert_eq!(gate.update(ms(0), false, at(29_099)), Claimer::CatchUp);
-        assert_eq!(gate.update(ms(0), false, at(39_098)), Claimer::CatchUp);
-        assert_eq!(gate.update(ms(0), false, at(39_099)), Claimer::Idle);
+        assert_eq!(
+            gate.update(ms(0), false, false, at(29_099)),
+            Claimer::CatchUp
+        );
+        assert_eq!(
+            gate.update(ms(0), false, false, at(39_098)),
+            Claimer::CatchUp
+        );
+        assert_eq!(gate.update(ms(0), false, false, at(39_099)), Claimer::Idle);
     }
 
     #[test]
@@ -244,17 +373,35 @@ mod tests {
         let start = Instant::now();
         let at = |n: u64| start + ms(n);
         let mut gate = LagGate::new(BOUND);
-        assert_eq!(gate.update(ms(0), true, at(0)), Claimer::Neither);
-        assert_eq!(gate.update(ms(200), false, at(200)), Claimer::Neither);
+        assert_eq!(gate.update(ms(0), true, false, at(0)), Claimer::Neither);
+        assert_eq!(
+            gate.update(ms(200), false, false, at(200)),
+            Claimer::Neither
+        );
         // A prompt probe now and then does not hand the jobs back to them.
-        assert_eq!(gate.update(ms(0), false, at(9_999)), Claimer::Neither);
-        assert_eq!(gate.update(ms(0), false, at(10_000)), Claimer::Idle);
+        assert_eq!(
+            gate.update(ms(0), false, false, at(9_999)),
+            Claimer::Neither
+        );
+        assert_eq!(gate.update(ms(0), false, false, at(10_000)), Claimer::Idle);
         // Fed, the idle threads keep the jobs up to half the bound...
-        assert_eq!(gate.update(ms(300), false, at(10_100)), Claimer::Idle);
+        assert_eq!(
+            gate.update(ms(300), false, false, at(10_100)),
+            Claimer::Idle
+        );
         // ...starved, the catch-up takes them from a quarter of it.
-        assert_eq!(gate.update(ms(100), true, at(10_200)), Claimer::Neither);
-        assert_eq!(gate.update(ms(249), false, at(10_300)), Claimer::Neither);
-        assert_eq!(gate.update(ms(250), false, at(10_400)), Claimer::CatchUp);
+        assert_eq!(
+            gate.update(ms(100), true, false, at(10_200)),
+            Claimer::Neither
+        );
+        assert_eq!(
+            gate.update(ms(249), false, false, at(10_300)),
+            Claimer::Neither
+        );
+        assert_eq!(
+            gate.update(ms(250), false, false, at(10_400)),
+            Claimer::CatchUp
+        );
         assert!(!gate.behind(ms(249)) && gate.behind(ms(250)));
     }
 
@@ -294,5 +441,82 @@ mod tests {
         // A turn made in the future (another proxy's clock): no lag.
         let future = u128::from(u64::MAX >> 8);
         assert_eq!(turn_lag(&format!("t{future:x}-0-1")), Some(Duration::ZERO));
+    }
+
+    /// Late looks while this process kept its cores busy itself (its requests, a cold memory
+    /// decoded for one) hold for a bound, not ten: starved for a bound after the last, then a
+    /// bound of calm.
+    #[test]
+    fn late_probes_of_the_process_own_doing_hold_for_one_bound() {
+        let start = Instant::now();
+        let at = |n: u64| start + ms(n);
+        let mut gate = LagGate::new(BOUND);
+        assert_eq!(gate.update(ms(0), true, true, at(0)), Claimer::Neither);
+        assert_eq!(gate.update(ms(300), true, true, at(100)), Claimer::CatchUp);
+        assert!(gate.starved(at(1_099)));
+        assert!(!gate.starved(at(1_100)));
+        // Calm from 1,100 on, for a bound.
+        assert_eq!(
+            gate.update(ms(0), false, false, at(1_100)),
+            Claimer::CatchUp
+        );
+        assert_eq!(
+            gate.update(ms(0), false, false, at(2_099)),
+            Claimer::CatchUp
+        );
+        assert_eq!(gate.update(ms(0), false, false, at(2_100)), Claimer::Idle);
+    }
+
+    /// One late look of another process's doing in the last ten bounds brings the ten-bound
+    /// holds back, whatever the process itself did since; once it is ten bounds old, the
+    /// process's own look holds for a bound again.
+    #[test]
+    fn a_late_probe_of_another_process_keeps_the_ten_bound_holds() {
+        let start = Instant::now();
+        let at = |n: u64| start + ms(n);
+        let mut gate = LagGate::new(BOUND);
+        assert_eq!(gate.update(ms(300), true, false, at(0)), Claimer::CatchUp);
+        assert_eq!(gate.update(ms(0), true, true, at(100)), Claimer::CatchUp);
+        // The process's own look alone would have let go at 1,100.
+        assert!(gate.starved(at(1_200)));
+        assert!(gate.starved(at(9_999)));
+        assert_eq!(
+            gate.update(ms(0), false, false, at(9_999)),
+            Claimer::CatchUp
+        );
+        assert!(!gate.starved(at(10_000)));
+        // Calm from 10,000 on; no late look is recent by 10,100, so ten bounds of it.
+        assert_eq!(
+            gate.update(ms(0), false, false, at(10_000)),
+            Claimer::CatchUp
+        );
+        assert_eq!(
+            gate.update(ms(0), false, false, at(19_999)),
+            Claimer::CatchUp
+        );
+        assert_eq!(gate.update(ms(0), false, false, at(20_000)), Claimer::Idle);
+    }
+
+    #[test]
+    fn cpu_ticks_are_read_after_the_command_name() {
+        let stat = "4242 (engram (serve) x) S 1 4242 4242 0 -1 4194560 2573 0 0 0 \
+                    731 264 0 0 20 0 9 0 5077 123456789 4321 18446744073709551615";
+        assert_eq!(cpu_ticks(stat), Some(995));
+        assert_eq!(cpu_ticks("4242 (engram) S 1"), None);
+        assert_eq!(cpu_ticks("no name"), None);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_process_share_of_its_cores_counts_its_own_work() {
+        let mut own = OwnCpu::default();
+        let start = Instant::now();
+        assert_eq!(own.share(start), None);
+        let mut spun = 0u64;
+        while start.elapsed() < ms(300) {
+            spun = std::hint::black_box(spun.wrapping_add(1));
+        }
+        let share = own.share(Instant::now());
+        assert!(share.is_some_and(|share| share > 0.0), "{share:?}");
     }
 }

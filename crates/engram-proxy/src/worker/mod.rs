@@ -48,7 +48,7 @@ use engram_runtime::priority;
 use engram_store::{ClaimedJob, EncodedState, Job, MemoryRecords, MemoryUpdate, Store, UserKey};
 
 use held::HeldRuns;
-use lag::{Claimer, LagGate, Progress};
+use lag::{Claimer, LagGate, OwnCpu, Progress};
 
 /// Version conflicts tolerated per job before it is left for a later claim.
 const CONFLICT_RETRIES: u32 = 8;
@@ -414,6 +414,7 @@ impl Worker {
     ) {
         let mut gate = LagGate::new(max_lag);
         let mut probe = Probe::default();
+        let mut own_cpu = OwnCpu::default();
         let mut ticks = tokio::time::interval(lag::TICK);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -430,8 +431,11 @@ impl Worker {
                 }
             };
             let now = Instant::now();
+            // The share since the last look, which a late probe waited through.
+            let own_share = own_cpu.share(now);
+            let own = own_share.is_some_and(|share| share >= lag::OWN_BUSY);
             let lag = self.progress.estimate(depth, now);
-            let claimer = gate.update(lag, starved, now);
+            let claimer = gate.update(lag, starved, own, now);
             self.behind.store(gate.behind(lag), Ordering::Relaxed);
             let idle_starved = gate.starved(now);
             self.idle_starved.store(idle_starved, Ordering::Relaxed);
@@ -450,6 +454,7 @@ impl Worker {
                     lag_ms = lag.as_millis() as u64,
                     depth,
                     starved,
+                    own_cpu = own_share.unwrap_or(0.0),
                     "update path: claims moved"
                 );
             }
