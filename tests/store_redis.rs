@@ -1004,7 +1004,13 @@ impl engram_store::CommitListener for HeardCommits {
 /// and the read is sent after it on the store's one connection, so Redis runs them in order.
 #[tokio::test]
 async fn a_read_behind_our_own_commit_takes_no_delta() {
-    let Some((store, mut connection, _server)) = store_with(RedisOptions::default()).await else {
+    // Ordering, not timeouts: the busy script took past the default 2 s on a loaded machine,
+    // and the commit and the read behind it timed out.
+    let options = RedisOptions {
+        response_timeout: Duration::from_secs(20),
+        ..RedisOptions::default()
+    };
+    let Some((store, mut connection, _server)) = store_with(options).await else {
         return;
     };
     let heard = std::sync::Arc::new(HeardCommits::default());
