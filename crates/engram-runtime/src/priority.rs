@@ -90,6 +90,26 @@ pub fn process_cpu_time() -> Option<Duration> {
     }
 }
 
+/// The kernel's id of the calling thread, read once per thread from `/proc/thread-self`; `None`
+/// where `/proc` does not tell (not Linux).
+pub fn thread_id() -> Option<u32> {
+    thread_local! {
+        static ID: Option<u32> = std::fs::read_link("/proc/thread-self")
+            .ok()
+            .and_then(|link| link.file_name()?.to_str()?.parse().ok());
+    }
+    ID.with(|id| *id)
+}
+
+/// How long thread `id` of this process has run on a core: the first field of
+/// `/proc/self/task/<id>/schedstat`, in ns. `None` where that cannot be read (not Linux, a
+/// kernel without scheduler statistics, or the thread is gone).
+pub fn thread_run_time(id: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/self/task/{id}/schedstat")).ok()?;
+    let nanos = stat.split_whitespace().next()?.parse().ok()?;
+    Some(Duration::from_nanos(nanos))
+}
+
 /// Lets the yields of the threads that hold them back tell whether they helped this process
 /// (Linux only: elsewhere every yield is made).
 fn install_process_clock() {

@@ -9,7 +9,7 @@
 //! - the lag: how long the queue has held work without progress (a job applied, the queue seen
 //!   empty or shrinking), or the lag of the last applied job, whichever is more ([`Progress`]);
 //! - whether the idle threads get the CPU at all: a probe task sent to their runtime must run
-//!   within [`PROMPT`].
+//!   within [`PROMPT`], and a run they are computing must have run (see `super::stall`).
 //!
 //! [`LagGate`] turns those into who may claim: the catch-up once the lag reaches half the bound
 //! (the other half is for applying the job), or a quarter of it while the idle threads are

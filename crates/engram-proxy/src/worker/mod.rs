@@ -24,6 +24,7 @@ mod config;
 mod held;
 pub mod lag;
 mod metrics;
+mod stall;
 
 pub use config::WorkerConfig;
 pub use metrics::WorkerMetrics;
@@ -49,6 +50,7 @@ use engram_store::{ClaimedJob, EncodedState, Job, MemoryRecords, MemoryUpdate, S
 
 use held::HeldRuns;
 use lag::{Claimer, LagGate, OwnCpu, Progress};
+use stall::{Computing, Stalls};
 
 /// Version conflicts tolerated per job before it is left for a later claim.
 const CONFLICT_RETRIES: u32 = 8;
@@ -117,6 +119,8 @@ pub struct Worker {
     /// With a catch-up: the idle loop's runs in hand, which the catch-up takes over while
     /// the idle threads are starved (see [`held`]).
     held: HeldRuns,
+    /// The idle loop's runs being computed, which the monitor watches (see [`stall`]).
+    computing: Arc<Computing>,
     /// Set by the catch-up's monitor while the idle threads count as starved.
     idle_starved: AtomicBool,
     /// Set by the catch-up's monitor while it is behind ([`LagGate::behind`]).
@@ -212,6 +216,7 @@ impl Worker {
             telemetry: Telemetry::default(),
             progress: Progress::default(),
             held: HeldRuns::default(),
+            computing: Arc::default(),
             idle_starved: AtomicBool::new(false),
             behind: AtomicBool::new(false),
             applying: (0..APPLY_STRIPES)
@@ -403,7 +408,8 @@ impl Worker {
         }
     }
 
-    /// Every [`lag::TICK`]: estimates the job lag, probes whether the idle threads get the CPU,
+    /// Every [`lag::TICK`]: estimates the job lag, probes whether the idle threads get the CPU
+    /// (a probe task must run promptly, and a run being computed must have run; see [`stall`]),
     /// and tells the claim loops whose turn it is (see [`LagGate`]).
     async fn monitor(
         self: Arc<Self>,
@@ -415,6 +421,7 @@ impl Worker {
         let mut gate = LagGate::new(max_lag);
         let mut probe = Probe::default();
         let mut own_cpu = OwnCpu::default();
+        let mut stalls = Stalls::default();
         let mut ticks = tokio::time::interval(lag::TICK);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -422,7 +429,7 @@ impl Worker {
                 _ = ticks.tick() => {}
                 () = cancel.cancelled() => return,
             }
-            let starved = probe.starved(&idle);
+            let late = probe.starved(&idle);
             let depth = match self.store.queue_depth().await {
                 Ok(depth) => depth,
                 Err(error) => {
@@ -431,6 +438,8 @@ impl Worker {
                 }
             };
             let now = Instant::now();
+            let stalled = stalls.look(&self.computing, now);
+            let starved = late || stalled;
             // The share since the last look, which a late probe waited through.
             let own_share = own_cpu.share(now);
             let own = own_share.is_some_and(|share| share >= lag::OWN_BUSY);
@@ -453,7 +462,8 @@ impl Worker {
                     claimer = ?claimer,
                     lag_ms = lag.as_millis() as u64,
                     depth,
-                    starved,
+                    late,
+                    stalled,
                     own_cpu = own_share.unwrap_or(0.0),
                     "update path: claims moved"
                 );
@@ -713,10 +723,13 @@ impl Worker {
             let memory = Arc::clone(&self.memory);
             let inputs: Vec<ExchangeInput> = jobs.iter().map(|job| job.exchange.clone()).collect();
             let extractors = extractions.to_vec();
+            // The idle loop's (which leaves the yields as they are) are watched for stalls.
+            let computing = hold_back.is_none().then(|| Arc::clone(&self.computing));
             let computed = tokio::task::spawn_blocking(move || {
                 if let Some(in_a_row) = hold_back {
                     engram_memory::yielding::hold_back_after_foreign_yields(in_a_row);
                 }
+                let _in_flight = computing.as_ref().and_then(Computing::enter);
                 compute(start, &inputs, &extractors, &memory)
             })
             .await
