@@ -245,6 +245,13 @@ impl EmbeddedStore {
         self.writes.fail_next_commits(commits);
     }
 
+    /// Makes each injected commit failure take `delay` on the write thread first (the
+    /// `faults` feature).
+    #[cfg(any(test, feature = "faults"))]
+    pub fn delay_failed_commits(&self, delay: Duration) {
+        self.writes.delay_failures(delay);
+    }
+
     /// Runs a blocking redb read on the caller's runtime's blocking pool; writes go through
     /// [`EmbeddedStore::blocking_write`].
     fn blocking<T, F>(&self, operation: F) -> BoxFuture<'static, Result<T>>

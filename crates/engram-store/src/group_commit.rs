@@ -48,6 +48,9 @@ pub struct GroupCommit<Op, Out> {
     /// Transactions left to fail (`fail_next_commits`).
     #[cfg(any(test, feature = "faults"))]
     faults: std::sync::atomic::AtomicU32,
+    /// How long an injected failure takes, in µs (`delay_failures`).
+    #[cfg(any(test, feature = "faults"))]
+    fault_delay_micros: std::sync::atomic::AtomicU64,
 }
 
 /// An operation waiting for its round, with its caller's answer.
@@ -107,6 +110,8 @@ where
             pool,
             #[cfg(any(test, feature = "faults"))]
             faults: std::sync::atomic::AtomicU32::new(0),
+            #[cfg(any(test, feature = "faults"))]
+            fault_delay_micros: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -334,6 +339,15 @@ where
             .store(commits, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// Makes each injected failure take `delay` on the write thread first, as a failing disk's
+    /// write would: a test can then act while the failing commit is in flight.
+    #[cfg(any(test, feature = "faults"))]
+    pub fn delay_failures(&self, delay: Duration) {
+        let micros = u64::try_from(delay.as_micros()).unwrap_or(u64::MAX);
+        self.fault_delay_micros
+            .store(micros, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// A failure injected by `fail_next_commits`, aborting the transaction.
     fn fault(&self) -> Result<()> {
         #[cfg(any(test, feature = "faults"))]
@@ -346,6 +360,10 @@ where
             )
             .is_ok()
         {
+            let delay = self
+                .fault_delay_micros
+                .load(std::sync::atomic::Ordering::SeqCst);
+            std::thread::sleep(Duration::from_micros(delay));
             return Err(Error::Store("injected commit failure".to_owned()));
         }
         Ok(())

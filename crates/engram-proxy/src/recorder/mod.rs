@@ -816,7 +816,9 @@ mod tests {
         let order = order::SessionOrder::new();
 
         // Polled once: the job is placed, then the recording is dropped. When the failed
-        // commit answers within that first poll, the recording deals with it; try again.
+        // commit answers within that first poll, the recording deals with it; try again. The
+        // failure takes 20 ms, or an optimised build's commit thread answered every first poll.
+        embedded.delay_failed_commits(Duration::from_millis(20));
         let mut dropped = false;
         for turn in 0..100 {
             embedded.fail_next_enqueue_commits(1);
