@@ -55,11 +55,13 @@ if __name__ == "__main__":
 Please remember it."""
 
 
-def question(turn):
-    """The user's message of a turn: a question with a marker word of its own."""
+def question(turn, first_marker=0):
+    """The user's message of a turn: a question with a marker word of its own
+    (`mk<first_marker + turn>x`)."""
+    marker = first_marker + turn
     if turn == 2:
-        return CODE + f" Marker mk{turn}x."
-    return f"Question mk{turn}x: what rhymes with orange number {turn}?"
+        return CODE + f" Marker mk{marker}x."
+    return f"Question mk{marker}x: what rhymes with orange number {turn}?"
 
 
 def headers_of(raw):
@@ -132,16 +134,19 @@ def wait_applied(base):
         time.sleep(0.05)
 
 
-def chat_loop(client, pattern, user, session, turns, resend, stream_of, settle_from=None, window=None):
+def chat_loop(
+    client, pattern, user, session, turns, resend, stream_of, settle_from=None, window=None, first_marker=0
+):
     """A chat loop; from turn `settle_from` on, each turn waits for the worker first (a user
     who reads the answer), the turns before it follow at once. A resending client with a
-    `window` resends only its last `window` exchanges."""
+    `window` resends only its last `window` exchanges. Its turns' markers start at
+    `first_marker`."""
     headers = {"x-engram-user": user, "x-engram-session": session, "x-mock-script": "parrot"}
     history = [SYSTEM]
     for turn in range(turns):
         if settle_from is not None and turn >= settle_from:
             wait_applied(str(client.base_url))
-        asked = {"role": "user", "content": question(turn)}
+        asked = {"role": "user", "content": question(turn, first_marker)}
         kept = history[1:] if window is None else history[1:][-2 * window:]
         messages = [SYSTEM] + kept + [asked] if resend else [SYSTEM, asked]
         raw, answer = create(client, headers, stream_of(turn), messages=messages)
@@ -203,13 +208,15 @@ def main():
     elif pattern == "parallel":
         errors = []
 
-        def run(session):
+        # Each session its own markers: a session asking what another already asked may be shown
+        # that exchange in its recall, and one marker would then count it twice.
+        def run(n):
             try:
-                chat_loop(client, pattern, "parallel", session, 4, True, lambda t: t % 2 == 0)
+                chat_loop(client, pattern, "parallel", f"p{n}", 4, True, lambda t: t % 2 == 0, first_marker=10 * n)
             except Exception as error:  # noqa: BLE001 - reported below
                 errors.append(repr(error))
 
-        threads = [threading.Thread(target=run, args=(f"p{n}",)) for n in range(4)]
+        threads = [threading.Thread(target=run, args=(n,)) for n in range(4)]
         for thread in threads:
             thread.start()
         for thread in threads:
