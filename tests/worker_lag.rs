@@ -22,8 +22,8 @@ use common::memory::{recorded, say, wait_applied};
 use common::redis::RedisServer;
 use common::{Process, mock, proxy, send, temp_path};
 
-/// One user's conversation: 60 turns at 20 a second. Without the catch-up, 22-52 of them waited
-/// over a second (five runs, 2026-12-06); at 2 a second the idle worker of an optimised build
+/// One user's conversation: 60 turns at 20 a second. Without the catch-up, 22-59 of them waited
+/// over a second (six runs, 2026-12-06); at 2 a second the idle worker of an optimised build
 /// kept up alone.
 const TURNS: u32 = 60;
 const TURN_EVERY: Duration = Duration::from_millis(50);
