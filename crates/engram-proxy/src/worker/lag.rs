@@ -31,6 +31,8 @@
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use engram_runtime::priority::process_cpu_time;
+
 use crate::recorder::ids::turn_time_micros;
 
 /// How often the monitor looks at the queue and probes the idle threads.
@@ -76,8 +78,6 @@ pub struct LagGate {
     hold: Duration,
     engaged: bool,
     calm_since: Option<Instant>,
-    /// When a probe last found the idle threads starved.
-    starved_at: Option<Instant>,
     /// When a late look last came while this process kept its cores busy itself, and when one
     /// last came while it did not (another process's doing).
     own_late_at: Option<Instant>,
@@ -93,7 +93,6 @@ impl LagGate {
             hold: max_lag * HOLD_BOUNDS,
             engaged: false,
             calm_since: None,
-            starved_at: None,
             own_late_at: None,
             other_late_at: None,
         }
@@ -104,7 +103,6 @@ impl LagGate {
     /// process kept its cores busy itself meanwhile (`own`).
     pub fn update(&mut self, lag: Duration, starved_now: bool, own: bool, now: Instant) -> Claimer {
         if starved_now {
-            self.starved_at = Some(now);
             if own {
                 self.own_late_at = Some(now);
             } else {
@@ -146,7 +144,9 @@ impl LagGate {
     /// (one, when every late look of the last ten was this process's own doing).
     pub fn starved(&self, now: Instant) -> bool {
         let hold = self.hold(now);
-        self.starved_at
+        // The last late look, whoever's doing it was.
+        self.own_late_at
+            .max(self.other_late_at)
             .is_some_and(|at| now.saturating_duration_since(at) < hold)
     }
 
@@ -223,13 +223,9 @@ impl Progress {
 /// The CPU this process used, as a share of the cores it may run on, between two looks.
 #[derive(Debug)]
 pub struct OwnCpu {
-    last: Option<(Instant, u64)>,
+    last: Option<(Instant, Duration)>,
     cores: f64,
 }
-
-/// The kernel's clock ticks per second in `/proc/<pid>/stat` (`USER_HZ`): 100 on Linux's
-/// architectures.
-const USER_HZ: f64 = 100.0;
 
 impl Default for OwnCpu {
     fn default() -> Self {
@@ -242,28 +238,14 @@ impl Default for OwnCpu {
 
 impl OwnCpu {
     /// The share of its cores (affinity and CPU quota) the process used since the last look,
-    /// `0..=1` or a little over from the ticks' rounding; `None` at the first look, or where
-    /// `/proc` does not tell.
+    /// `0..=1`; `None` at the first look, or where the process's CPU clock cannot be read.
     pub fn share(&mut self, now: Instant) -> Option<f64> {
-        let ticks = std::fs::read_to_string("/proc/self/stat")
-            .ok()
-            .and_then(|stat| cpu_ticks(&stat));
-        let last = std::mem::replace(&mut self.last, ticks.map(|ticks| (now, ticks)));
-        let ((then, before), ticks) = (last?, ticks?);
+        let used = process_cpu_time();
+        let last = std::mem::replace(&mut self.last, used.map(|used| (now, used)));
+        let ((then, before), used) = (last?, used?);
         let elapsed = now.saturating_duration_since(then).as_secs_f64();
-        (elapsed > 0.0)
-            .then(|| ticks.saturating_sub(before) as f64 / USER_HZ / (elapsed * self.cores))
+        (elapsed > 0.0).then(|| used.saturating_sub(before).as_secs_f64() / (elapsed * self.cores))
     }
-}
-
-/// User and system time, in clock ticks, from a `/proc/<pid>/stat` line: the 14th and 15th
-/// fields, counted after the command name, which may hold spaces and parentheses.
-fn cpu_ticks(stat: &str) -> Option<u64> {
-    let (_, rest) = stat.rsplit_once(')')?;
-    let mut fields = rest.split_whitespace().skip(11);
-    let user: u64 = fields.next()?.parse().ok()?;
-    let system: u64 = fields.next()?.parse().ok()?;
-    Some(user + system)
 }
 
 /// How long ago the request of a turn id this proxy made arrived; `None` for other ids.
@@ -495,15 +477,6 @@ mod tests {
             Claimer::CatchUp
         );
         assert_eq!(gate.update(ms(0), false, false, at(20_000)), Claimer::Idle);
-    }
-
-    #[test]
-    fn cpu_ticks_are_read_after_the_command_name() {
-        let stat = "4242 (engram (serve) x) S 1 4242 4242 0 -1 4194560 2573 0 0 0 \
-                    731 264 0 0 20 0 9 0 5077 123456789 4321 18446744073709551615";
-        assert_eq!(cpu_ticks(stat), Some(995));
-        assert_eq!(cpu_ticks("4242 (engram) S 1"), None);
-        assert_eq!(cpu_ticks("no name"), None);
     }
 
     #[cfg(target_os = "linux")]
