@@ -319,6 +319,42 @@ async fn a_run_applied_by_both_loops_at_once_is_recorded_once() {
     assert_eq!(state.turn_log.len(), 3, "each turn once");
 }
 
+/// The monitor counts the idle threads as starved when a run they compute gets no CPU, though
+/// the idle runtime answers every probe at once: here the computing thread sleeps, which is
+/// to the monitor what waiting behind busy cores is (`super::stall`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_computation_that_gets_no_cpu_starves_the_idle_threads_though_probes_answer() {
+    let (_dir, cache, store) = queued_store(&["solo"], 0).await;
+    let config = WorkerConfig {
+        max_lag_ms: 400,
+        ..WorkerConfig::default()
+    };
+    let (worker, tasks, cancel) = worker(&store, cache, config, Summarizer::heuristic());
+    // Normal priority: its probes run at once.
+    let idle = priority::worker_runtime(false).unwrap();
+    let catch_up = priority::catch_up_runtime().unwrap();
+    worker.start(idle.handle().unwrap(), catch_up.handle());
+
+    let computing = Arc::clone(&worker.computing);
+    let (done, finished) = std::sync::mpsc::channel::<()>();
+    let stalled_thread = std::thread::spawn(move || {
+        let _in_flight = computing.enter();
+        // Up to 3 s, or until the test has seen what it waits for.
+        let _ = finished.recv_timeout(Duration::from_secs(3));
+    });
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while !worker.idle_starved.load(Ordering::Relaxed) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let starved = worker.idle_starved.load(Ordering::Relaxed);
+    let _ = done.send(());
+    stalled_thread.join().unwrap();
+    cancel.cancel();
+    tasks.close();
+    tasks.wait().await;
+    assert!(starved, "a computing thread that never ran was not seen");
+}
+
 #[test]
 fn only_the_catch_up_holds_its_yields_back_and_only_while_behind() {
     use super::{Applier, Claimer};
