@@ -24,7 +24,7 @@ use super::embed::{self, Packed, Vector};
 use crate::layered::LayeredMap;
 use crate::model::{ItemRef, MemoryState, TurnSeq};
 use crate::segmented::Segmented;
-use crate::text::{date_search_text, distinct_terms};
+use crate::text::{date_search_text, distinct_terms, terms};
 
 pub type TermId = u32;
 
@@ -306,11 +306,6 @@ impl Segment {
     /// Live documents.
     pub fn len(&self) -> usize {
         self.docs as usize
-    }
-
-    /// One past the highest key that ever had a vector slot.
-    pub fn vector_keys(&self) -> usize {
-        self.vectors.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -1078,8 +1073,6 @@ pub struct MemoryIndex {
     terms: u32,
     /// Approximate heap size of the vocabulary.
     vocabulary_bytes: usize,
-    /// Each term's vector: the static embedding of the word it was first seen as.
-    term_vectors: Vec<Option<Packed>>,
     pub raw: Segment,
     pub summaries: Segment,
     pub facts: Segment,
@@ -1100,7 +1093,6 @@ impl Default for MemoryIndex {
             vocabulary: Vocabulary::default(),
             terms: 0,
             vocabulary_bytes: 0,
-            term_vectors: Vec::new(),
             raw: Segment::default(),
             // Only raw turns' words are read back, and a summary is replaced only when the
             // management API erases it.
@@ -1267,39 +1259,20 @@ impl MemoryIndex {
 
     fn term_ids(&mut self, text: &str) -> Vec<TermId> {
         let mut ids = Vec::new();
-        for word in crate::text::words(text) {
-            if crate::text::is_stop_word(&word) {
-                continue;
-            }
-            let term = crate::text::stem(&word);
-            if term.is_empty() {
-                continue;
-            }
+        for term in terms(text) {
             let id = match self.vocabulary.get(term.as_str()) {
                 Some(id) => *id,
                 None => {
                     let id = self.terms;
                     self.terms = self.terms.saturating_add(1);
-                    self.vocabulary_bytes += term.len() + 40 + 184;
+                    self.vocabulary_bytes += term.len() + 40;
                     self.vocabulary.insert(term, id);
-                    let vector = embed::model().and_then(|model| model.embed(&word));
-                    self.term_vectors.push(vector.as_ref().map(Packed::of));
                     id
                 }
             };
             ids.push(id);
         }
         ids
-    }
-
-    /// The vector of the word `term` was first seen as.
-    pub fn term_vector(&self, term: TermId) -> Option<&Packed> {
-        self.term_vectors.get(term as usize)?.as_ref()
-    }
-
-    /// The term of `word`, if this memory holds it.
-    pub fn term_of(&self, word: &str) -> Option<TermId> {
-        self.vocabulary.get(word).copied()
     }
 
     /// The query's known terms (deduplicated, in first-seen order) and how many terms it had.

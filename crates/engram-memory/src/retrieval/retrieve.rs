@@ -196,16 +196,7 @@ pub(crate) fn retrieve_unordered(
     if config.feedback_turns > 0 && config.feedback_weight > 0.0 {
         raw_hits = with_feedback(index, &terms, &raw_hits, config);
     }
-    let words = maxsim_words(index, query, config);
-    let maxsim = (semantic.is_some() && !words.is_empty()).then_some((index, words.as_slice()));
-    let raw_hits = hybrid_with(
-        &index.raw,
-        semantic,
-        raw_hits,
-        config,
-        config.top_raw_turns,
-        maxsim,
-    );
+    let raw_hits = hybrid(&index.raw, semantic, raw_hits, config, config.top_raw_turns);
     for (key, relevance) in raw_hits {
         offer(
             &mut best,
@@ -279,74 +270,12 @@ fn query_vector(query: &str, config: &RetrievalConfig) -> Option<Vector> {
 /// query), the sum put back on the best BM25 hit's scale so segments still compare as before.
 /// The `top` best of both lists, best first, ties by key. Lexical hits as they are when there
 /// is no query vector.
-fn maxsim_weight() -> f32 {
-    std::env::var("ENGRAM_EXP_MAXSIM")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
-}
-
-fn maxsim_common() -> f32 {
-    std::env::var("ENGRAM_EXP_MAXSIM_COMMON")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.5)
-}
-
-/// The query's content words' vectors, without words in more than a share of the raw turns.
-fn maxsim_words(index: &MemoryIndex, query: &str, config: &RetrievalConfig) -> Vec<(Vector, f32)> {
-    if config.mode != RetrievalMode::Hybrid || maxsim_weight() <= 0.0 {
-        return Vec::new();
-    }
-    let Some(model) = embed::model() else {
-        return Vec::new();
-    };
-    let docs = index.raw.len().max(1) as f32;
-    let common = maxsim_common();
-    let mut seen = std::collections::HashSet::new();
-    let mut out = Vec::new();
-    for word in crate::text::words(query) {
-        if crate::text::is_stop_word(&word) || !seen.insert(word.clone()) {
-            continue;
-        }
-        let term = crate::text::stem(&word);
-        let id = index.term_of(&term);
-        if let Some(id) = id
-            && index.raw.doc_freq(id) as f32 > common * docs
-        {
-            continue;
-        }
-        let weight = if std::env::var("ENGRAM_EXP_MAXSIM_IDF").is_ok() {
-            (docs / (1.0 + id.map_or(0, |id| index.raw.doc_freq(id)) as f32))
-                .ln()
-                .max(0.1)
-        } else {
-            1.0
-        };
-        if let Some(vector) = model.embed(&word) {
-            out.push((vector, weight));
-        }
-    }
-    out
-}
-
 fn hybrid(
     segment: &Segment,
     query: Option<&Vector>,
     lexical: Vec<(u32, f32)>,
     config: &RetrievalConfig,
     top: usize,
-) -> Vec<(u32, f32)> {
-    hybrid_with(segment, query, lexical, config, top, None)
-}
-
-fn hybrid_with(
-    segment: &Segment,
-    query: Option<&Vector>,
-    lexical: Vec<(u32, f32)>,
-    config: &RetrievalConfig,
-    top: usize,
-    maxsim: Option<(&MemoryIndex, &[(Vector, f32)])>,
 ) -> Vec<(u32, f32)> {
     let Some(query) = query else {
         return lexical;
@@ -377,49 +306,6 @@ fn hybrid_with(
         high.max(0.0)
     };
     let w = config.lexical_weight;
-    // Each key's best match per query word, averaged over the words, min-max scaled.
-    let m = maxsim_weight();
-    let mut ms: HashMap<u32, f32> = HashMap::new();
-    if let Some((index, words)) = maxsim {
-        for key in 0..segment.vector_keys() {
-            let key = key as u32;
-            let terms = segment.terms_of(key);
-            if terms.is_empty() {
-                continue;
-            }
-            let mut total = 0.0;
-            let mut weights = 0.0;
-            for (word, weight) in words {
-                let best = terms
-                    .iter()
-                    .filter_map(|term| index.term_vector(*term))
-                    .map(|vector| vector.cosine(word))
-                    .fold(f32::MIN, f32::max);
-                total += weight * best.max(0.0);
-                weights += weight;
-            }
-            ms.insert(key, total / weights.max(1e-6));
-        }
-    }
-    let (ms_high, ms_low) = ms
-        .values()
-        .fold((f32::MIN, f32::MAX), |(h, l), v| (h.max(*v), l.min(*v)));
-    let ms_scaled = |key: u32| {
-        ms.get(&key).map_or(0.0, |v| {
-            if ms_high > ms_low {
-                (v - ms_low) / (ms_high - ms_low)
-            } else {
-                0.0
-            }
-        })
-    };
-    let semantic = |key: u32, cosine: f32| {
-        if ms.is_empty() {
-            scaled(cosine)
-        } else {
-            (1.0 - m) * scaled(cosine) + m * ms_scaled(key)
-        }
-    };
     let mut mixed: BTreeMap<u32, f32> = BTreeMap::new();
     for (key, relevance) in &lexical {
         let lexical = if lexical_best > 0.0 {
@@ -427,26 +313,13 @@ fn hybrid_with(
         } else {
             0.0
         };
-        let cosine = segment
-            .cosine(*key, query)
-            .map_or(0.0, |c| semantic(*key, c));
+        let cosine = segment.cosine(*key, query).map_or(0.0, scaled);
         mixed.insert(*key, scale * (w * lexical + (1.0 - w) * cosine));
     }
     for (key, cosine) in &nearest.best {
         mixed
             .entry(*key)
-            .or_insert(scale * (1.0 - w) * semantic(*key, *cosine));
-    }
-    if !ms.is_empty() {
-        let mut by_ms: Vec<(u32, f32)> = ms.iter().map(|(k, v)| (*k, *v)).collect();
-        by_ms.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        for (key, _) in by_ms.into_iter().take(top) {
-            if let Some(cosine) = segment.cosine(key, query) {
-                mixed
-                    .entry(key)
-                    .or_insert(scale * (1.0 - w) * semantic(key, cosine));
-            }
-        }
+            .or_insert(scale * (1.0 - w) * scaled(*cosine));
     }
     let mut out: Vec<(u32, f32)> = mixed.into_iter().filter(|(_, s)| *s > 0.0).collect();
     out.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
