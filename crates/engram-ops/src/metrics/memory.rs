@@ -8,11 +8,12 @@ use crate::error::Result;
 use engram_proxy::pipeline::{MemoryOutcome, Rewrite};
 
 /// `x-engram-memory-reason` values of a degraded answer (the store failed open).
-const FAIL_OPEN_REASONS: [&str; 5] = [
+const FAIL_OPEN_REASONS: [&str; 6] = [
     "store_error",
     "store_timeout",
     "store_race",
     "memory_loading",
+    "recording_backlog",
     "other",
 ];
 /// `x-engram-memory-reason` values of a skipped one.

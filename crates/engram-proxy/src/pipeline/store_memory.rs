@@ -121,6 +121,11 @@ impl StoreMemory {
             ))),
         });
 
+        if self.recorder.shedding_reads() {
+            // A recorded turn is still recorded; only the memory read is left out.
+            tracing::debug!("recordings are behind; answering without memory");
+            return Ok(degraded("recording_backlog", turn_id, plan));
+        }
         let mut load = self.telemetry.child("engram.memory.load");
         let mut cached = self.cache.get(&user);
         let started = tokio::time::Instant::now();
@@ -369,12 +374,20 @@ mod tests {
     use std::sync::atomic::Ordering;
 
     async fn layer(store: Arc<ByArrival>) -> StoreMemory {
+        let outbox = outbox(&store).await;
+        layer_with(store, outbox)
+    }
+
+    async fn outbox(store: &Arc<ByArrival>) -> Arc<Outbox> {
         let spool = Spool::Memory {
             store: Arc::new(EmbeddedStore::in_memory().unwrap()),
             capacity: 16,
         };
         let queued = Arc::new(tokio::sync::Notify::new());
-        let outbox = Arc::new(Outbox::new(store.clone(), spool, queued).await);
+        Arc::new(Outbox::new(store.clone(), spool, queued).await)
+    }
+
+    fn layer_with(store: Arc<ByArrival>, outbox: Arc<Outbox>) -> StoreMemory {
         StoreMemory::new(
             store,
             Arc::new(MemoryCache::new(16, 1 << 20)),
@@ -384,6 +397,39 @@ mod tests {
             Duration::from_millis(50),
             Arc::new(ExplainLog::new(16)),
         )
+    }
+
+    /// While recordings are behind (half the backlog bound in flight), a request answers
+    /// without memory, and its turn is still planned for recording; once they catch up,
+    /// memory comes back.
+    #[tokio::test]
+    async fn while_recordings_are_behind_requests_answer_without_memory_and_still_record() {
+        use crate::recorder::outbox::SHED_READS_IN_FLIGHT;
+        let store = Arc::new(ByArrival::new());
+        let user = UserKey::new("t", "ana");
+        let mut state = MemoryState::new();
+        remember(&mut state, "t0", "I live in Lisbon.");
+        store.save_state(&user, &state, 0).await.unwrap();
+        let outbox = outbox(&store).await;
+        let layer = layer_with(Arc::clone(&store), Arc::clone(&outbox));
+        let behind: Vec<_> = (0..=SHED_READS_IN_FLIGHT)
+            .map(|n| {
+                outbox.recording(&JobId {
+                    user: user.clone(),
+                    key: format!("behind-{n}"),
+                })
+            })
+            .collect();
+        let (resolved, request) = turn();
+        let shed = layer.rewrite_for(resolved, &request).await.unwrap();
+        assert_eq!(shed.outcome, MemoryOutcome::Degraded);
+        assert_eq!(shed.reason, Some("recording_backlog"));
+        assert!(shed.record.is_some(), "the turn is still recorded");
+
+        drop(behind);
+        let (resolved, request) = turn();
+        let answered = layer.rewrite_for(resolved, &request).await.unwrap();
+        assert_eq!(answered.outcome, MemoryOutcome::Injected);
     }
 
     /// A read that misses its deadline starts one read that catches the cached copy up to

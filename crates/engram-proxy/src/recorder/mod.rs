@@ -165,6 +165,12 @@ pub struct Recorder {
 }
 
 impl Recorder {
+    /// Whether requests should answer without memory so that recordings catch up (see
+    /// [`Outbox::shedding_reads`]).
+    pub fn shedding_reads(&self) -> bool {
+        self.outbox.shedding_reads()
+    }
+
     pub fn new(outbox: Arc<Outbox>, receipt_wait: Duration) -> Recorder {
         Recorder {
             outbox,

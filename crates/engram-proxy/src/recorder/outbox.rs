@@ -51,6 +51,9 @@ pub const MEMORY_SPOOL_JOBS: u64 = 10_000;
 /// backlog is kept as compact jobs rather than captured exchanges. About 7 KB each for
 /// chat-sized turns.
 pub const MAX_RECORDINGS_IN_FLIGHT: u64 = 8_192;
+/// Recordings in flight past which requests answer without memory ([`Outbox::shedding_reads`]),
+/// before the backlog reaches [`MAX_RECORDINGS_IN_FLIGHT`] and the spool.
+pub const SHED_READS_IN_FLIGHT: u64 = MAX_RECORDINGS_IN_FLIGHT / 2;
 
 /// Where jobs wait while the store will not take them.
 pub enum Spool {
@@ -159,6 +162,18 @@ impl Outbox {
     /// Whether the recordings in flight have passed [`MAX_RECORDINGS_IN_FLIGHT`].
     fn backlogged(&self) -> bool {
         self.stats.in_flight.load(Ordering::Acquire) > MAX_RECORDINGS_IN_FLIGHT
+    }
+
+    /// Whether requests should answer without memory so that recordings catch up: past
+    /// [`SHED_READS_IN_FLIGHT`] recordings in flight, or while the in-memory spool holds any
+    /// (every recording then goes there, and past its bound they are lost). A process short of
+    /// CPU otherwise lost turns: one user at 1,000 req/s on a core that could not keep up sent
+    /// recordings to the spool, which filled, and 7,419 of 40,000 were lost
+    /// (`./benches/history.sh`, 2026-12-06). Reading and composing memory is about half of a
+    /// request's CPU there; a recording is the turn itself.
+    pub fn shedding_reads(&self) -> bool {
+        self.stats.in_flight.load(Ordering::Acquire) > SHED_READS_IN_FLIGHT
+            || (matches!(self.spool, Spool::Memory { .. }) && self.spooled() > 0)
     }
 
     /// Jobs waiting in the local spool.
@@ -622,6 +637,31 @@ mod tests {
         assert_eq!(outbox.spooled(), 1);
         assert_eq!(outbox.stats().spooled.load(Ordering::Relaxed), 1);
         drop(recordings);
+    }
+
+    /// Reads are shed past half the backlog bound, and while the in-memory spool holds a job.
+    #[tokio::test]
+    async fn reads_are_shed_past_half_the_backlog_or_while_the_memory_spool_holds_a_job() {
+        let store: Arc<dyn Store> = Arc::new(EmbeddedStore::in_memory().unwrap());
+        let spool = Spool::Memory {
+            store: Arc::new(EmbeddedStore::in_memory().unwrap()),
+            capacity: MEMORY_SPOOL_JOBS,
+        };
+        let outbox =
+            Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::new(Notify::new())).await);
+        let user = UserKey::new("t", "u");
+        let mut recordings: Vec<InFlight> = (0..SHED_READS_IN_FLIGHT)
+            .map(|n| outbox.recording(&job(&user, &format!("r{n}")).id))
+            .collect();
+        assert!(!outbox.shedding_reads());
+        recordings.push(outbox.recording(&job(&user, "past").id));
+        assert!(outbox.shedding_reads());
+        drop(recordings);
+        assert!(!outbox.shedding_reads());
+
+        outbox.spool(job(&user, "spooled")).await;
+        assert_eq!(outbox.spooled(), 1);
+        assert!(outbox.shedding_reads());
     }
 
     /// Waits (20 s at most) until the forwarder emptied the spool, then stops it.
