@@ -158,6 +158,7 @@ mod tests {
         let metrics = MemoryMetrics::new(&Registry::new()).unwrap();
         for (outcome, reason) in [
             (MemoryOutcome::Degraded, Some("store_timeout")),
+            (MemoryOutcome::Degraded, Some("recording_backlog")),
             (MemoryOutcome::Degraded, Some("something_new")),
             (MemoryOutcome::Skipped, Some("no_user")),
             (MemoryOutcome::Skipped, None),
@@ -169,7 +170,7 @@ mod tests {
             });
         }
         let fail_open: Vec<u64> = metrics.fail_open.iter().map(IntCounter::get).collect();
-        assert_eq!(fail_open, [0, 1, 0, 0, 1]);
+        assert_eq!(fail_open, [0, 1, 0, 0, 1, 1]);
         let skipped: Vec<u64> = metrics.skipped.iter().map(IntCounter::get).collect();
         assert_eq!(skipped, [1, 0, 0, 0, 1]);
         assert_eq!(metrics.injected_tokens[0].get_sample_count(), 0);
