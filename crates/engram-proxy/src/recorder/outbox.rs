@@ -606,20 +606,29 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn past_the_backlog_bound_a_recording_goes_to_the_spool_without_waiting() {
-        let store_dir = tempfile::tempdir().unwrap();
-        let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(store_dir.path()).unwrap());
+    /// An outbox over `store` with an in-memory spool of the shipped size.
+    async fn memory_spooled(store: &Arc<dyn Store>) -> Arc<Outbox> {
         let spool = Spool::Memory {
             store: Arc::new(EmbeddedStore::in_memory().unwrap()),
             capacity: MEMORY_SPOOL_JOBS,
         };
-        let outbox =
-            Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::new(Notify::new())).await);
+        Arc::new(Outbox::new(Arc::clone(store), spool, Arc::new(Notify::new())).await)
+    }
+
+    /// `count` recordings of `user` in flight until the marks drop.
+    fn in_flight(outbox: &Arc<Outbox>, user: &UserKey, count: u64) -> Vec<InFlight> {
+        (0..count)
+            .map(|n| outbox.recording(&job(user, &format!("r{n}")).id))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn past_the_backlog_bound_a_recording_goes_to_the_spool_without_waiting() {
+        let store_dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(store_dir.path()).unwrap());
+        let outbox = memory_spooled(&store).await;
         let user = UserKey::new("t", "u");
-        let mut recordings: Vec<InFlight> = (0..MAX_RECORDINGS_IN_FLIGHT)
-            .map(|n| outbox.recording(&job(&user, &format!("r{n}")).id))
-            .collect();
+        let mut recordings = in_flight(&outbox, &user, MAX_RECORDINGS_IN_FLIGHT);
         // At the bound: the store takes it.
         outbox.submit(job(&user, "at-bound")).await;
         assert_eq!(store.queue_depth().await.unwrap(), 1);
@@ -643,16 +652,9 @@ mod tests {
     #[tokio::test]
     async fn reads_are_shed_past_half_the_backlog_or_while_the_memory_spool_holds_a_job() {
         let store: Arc<dyn Store> = Arc::new(EmbeddedStore::in_memory().unwrap());
-        let spool = Spool::Memory {
-            store: Arc::new(EmbeddedStore::in_memory().unwrap()),
-            capacity: MEMORY_SPOOL_JOBS,
-        };
-        let outbox =
-            Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::new(Notify::new())).await);
+        let outbox = memory_spooled(&store).await;
         let user = UserKey::new("t", "u");
-        let mut recordings: Vec<InFlight> = (0..SHED_READS_IN_FLIGHT)
-            .map(|n| outbox.recording(&job(&user, &format!("r{n}")).id))
-            .collect();
+        let mut recordings = in_flight(&outbox, &user, SHED_READS_IN_FLIGHT);
         assert!(!outbox.shedding_reads());
         recordings.push(outbox.recording(&job(&user, "past").id));
         assert!(outbox.shedding_reads());
