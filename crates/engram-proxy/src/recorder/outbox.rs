@@ -151,6 +151,19 @@ impl Outbox {
         }
     }
 
+    /// `count` recordings of `user` marked in flight until the marks drop: a backlog for tests.
+    #[cfg(test)]
+    pub(crate) fn backlog(self: &Arc<Self>, user: &UserKey, count: u64) -> Vec<InFlight> {
+        (0..count)
+            .map(|n| {
+                self.recording(&JobId {
+                    user: user.clone(),
+                    key: format!("r{n}"),
+                })
+            })
+            .collect()
+    }
+
     /// Whether `job` is being recorded by this process (answered, not yet in the store).
     pub fn is_recording(&self, job: &JobId) -> bool {
         self.recording
@@ -615,20 +628,13 @@ mod tests {
         Arc::new(Outbox::new(Arc::clone(store), spool, Arc::new(Notify::new())).await)
     }
 
-    /// `count` recordings of `user` in flight until the marks drop.
-    fn in_flight(outbox: &Arc<Outbox>, user: &UserKey, count: u64) -> Vec<InFlight> {
-        (0..count)
-            .map(|n| outbox.recording(&job(user, &format!("r{n}")).id))
-            .collect()
-    }
-
     #[tokio::test]
     async fn past_the_backlog_bound_a_recording_goes_to_the_spool_without_waiting() {
         let store_dir = tempfile::tempdir().unwrap();
         let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(store_dir.path()).unwrap());
         let outbox = memory_spooled(&store).await;
         let user = UserKey::new("t", "u");
-        let mut recordings = in_flight(&outbox, &user, MAX_RECORDINGS_IN_FLIGHT);
+        let mut recordings = outbox.backlog(&user, MAX_RECORDINGS_IN_FLIGHT);
         // At the bound: the store takes it.
         outbox.submit(job(&user, "at-bound")).await;
         assert_eq!(store.queue_depth().await.unwrap(), 1);
@@ -654,7 +660,7 @@ mod tests {
         let store: Arc<dyn Store> = Arc::new(EmbeddedStore::in_memory().unwrap());
         let outbox = memory_spooled(&store).await;
         let user = UserKey::new("t", "u");
-        let mut recordings = in_flight(&outbox, &user, SHED_READS_IN_FLIGHT);
+        let mut recordings = outbox.backlog(&user, SHED_READS_IN_FLIGHT);
         assert!(!outbox.shedding_reads());
         recordings.push(outbox.recording(&job(&user, "past").id));
         assert!(outbox.shedding_reads());
