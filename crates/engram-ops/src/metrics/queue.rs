@@ -25,6 +25,7 @@ pub(super) struct StatsCollector {
     outbox_jobs: Desc,
     spooled: Desc,
     in_flight: Desc,
+    in_flight_bytes: Desc,
     unrecorded_at_start: Desc,
     yields_held_back: Desc,
     /// Only with a worker: jobs, runs, conflicts, summarizer refinements, the catch-up's jobs
@@ -92,6 +93,11 @@ impl StatsCollector {
                 "Answered exchanges not yet durable as jobs.",
                 None,
             )?,
+            in_flight_bytes: desc(
+                "engram_recordings_in_flight_bytes",
+                "Bytes of the turns' texts (the user's message and the answer) the recordings in flight hold; past 64 MiB a recording goes to the local spool and past 32 MiB requests answer without memory (recording_backlog).",
+                None,
+            )?,
             unrecorded_at_start: desc(
                 "engram_turns_unrecorded_at_start",
                 "Turns the previous process answered (receipt pending or lost) and never recorded: lost by a crash or a failing store before this start.",
@@ -113,6 +119,7 @@ impl Collector for StatsCollector {
             &self.outbox_jobs,
             &self.spooled,
             &self.in_flight,
+            &self.in_flight_bytes,
             &self.unrecorded_at_start,
             &self.yields_held_back,
         ];
@@ -138,6 +145,7 @@ impl Collector for StatsCollector {
             ),
             gauge(&self.spooled, self.outbox.spooled()),
             gauge(&self.in_flight, load(&outbox.in_flight)),
+            gauge(&self.in_flight_bytes, load(&outbox.in_flight_bytes)),
             gauge(&self.unrecorded_at_start, load(&outbox.unrecorded_at_start)),
             counters(
                 &self.yields_held_back,
@@ -267,10 +275,11 @@ mod tests {
             .unwrap();
         outbox.stats().queued.store(3, Ordering::Relaxed);
         outbox.stats().lost.store(1, Ordering::Relaxed);
-        let _recording = outbox.recording(&engram_store::JobId {
+        let job = engram_store::JobId {
             user: engram_store::UserKey::new("t", "u"),
             key: "k".into(),
-        });
+        };
+        let _recording = outbox.recording(&job, 42);
         outbox
             .stats()
             .unrecorded_at_start
@@ -286,6 +295,7 @@ mod tests {
         );
         assert!(page.contains("engram_outbox_jobs_total{result=\"lost\"} 1"));
         assert!(page.contains("engram_recordings_in_flight 1"));
+        assert!(page.contains("engram_recordings_in_flight_bytes 42"));
         assert!(page.contains("engram_outbox_spooled_jobs 0"));
         assert!(page.contains("engram_turns_unrecorded_at_start 2"));
         // No worker in this process: no worker series.

@@ -412,7 +412,7 @@ mod tests {
         store.save_state(&user, &state, 0).await.unwrap();
         let outbox = outbox(&store).await;
         let layer = layer_with(Arc::clone(&store), Arc::clone(&outbox));
-        let behind = outbox.backlog(&user, SHED_READS_IN_FLIGHT + 1);
+        let behind = outbox.backlog(&user, SHED_READS_IN_FLIGHT + 1, 1);
         let (resolved, request) = turn();
         let shed = layer.rewrite_for(resolved, &request).await.unwrap();
         assert_eq!(shed.outcome, MemoryOutcome::Degraded);

@@ -198,21 +198,40 @@ impl Recorder {
     /// goes on.
     pub fn record(&self, exchange: Exchange) -> BoxFuture<'static, ()> {
         log_capture(&exchange);
+        let Exchange {
+            request,
+            capture,
+            record,
+            receipt,
+            ..
+        } = exchange;
+        // The turn's texts are taken now, and the request and the captured answer dropped,
+        // before the recording waits for its session's turn and for the store: a client that
+        // resends its history sends all of it with every turn, and a backlog of recordings
+        // each holding that grew with the history, where it now holds what its job will.
+        let calls_tools = !capture.message.tool_calls.is_empty();
+        let incomplete = capture.incomplete.is_some();
+        let texts = if record.is_some() && !calls_tools {
+            turn_texts(&request, &capture.message)
+        } else {
+            (String::new(), String::new())
+        };
+        drop((request, capture));
         let outbox = Arc::clone(&self.outbox);
-        let in_flight = exchange
-            .record
+        let bytes = (texts.0.len() + texts.1.len()) as u64;
+        let in_flight = record
             .as_ref()
-            .map(|plan| outbox.recording(&plan.job));
+            .map(|plan| outbox.recording(&plan.job, bytes));
         let telemetry = self.telemetry.clone();
         let mut answer = AnswerEnd {
-            receipt: exchange.receipt,
+            receipt,
             journal: self.journal.clone(),
             deadline: tokio::time::Instant::now() + self.receipt_wait,
             released_pending: false,
         };
         Box::pin(async move {
             let _in_flight = in_flight;
-            let Some(mut plan) = exchange.record else {
+            let Some(mut plan) = record else {
                 return;
             };
             let _span = telemetry.child("engram.memory.record");
@@ -221,8 +240,7 @@ impl Recorder {
             // recording queues after this one.
             let ticket = plan.ticket.take();
             let arrival = plan.arrival.take();
-            let answered = &exchange.capture.message;
-            if !answered.tool_calls.is_empty() {
+            if calls_tools {
                 // A round of an agent's tool loop: the turn is recorded once, whole, with the
                 // round that answers it.
                 answer.send(&key, Receipt::Deferred);
@@ -240,7 +258,7 @@ impl Recorder {
                     );
                 }
             }
-            let (user_text, assistant_text) = turn_texts(&exchange.request, answered);
+            let (user_text, assistant_text) = texts;
             if user_text.trim().is_empty() && assistant_text.trim().is_empty() {
                 answer.send(&key, Receipt::Unrecorded);
                 return;
@@ -254,7 +272,7 @@ impl Recorder {
                     assistant_text,
                     event_time: plan.event_time,
                     prior_chain: plan.prior_chain,
-                    incomplete: exchange.capture.incomplete.is_some(),
+                    incomplete,
                     arrival: Some(plan.arrival_us),
                 },
                 trace: telemetry.current_trace_parent(),
@@ -523,6 +541,33 @@ mod tests {
         };
         let last_round = exchange(tool_loop(), answer, "t2");
         assert_eq!(recorded(&recorder, last_round).await, Receipt::Queued);
+        assert_eq!(store.queue_depth().await.unwrap(), 1);
+    }
+
+    /// A client that resends its history: the recording in flight counts (and holds) its
+    /// turn's texts, not the history the request carried.
+    #[tokio::test]
+    async fn a_recording_in_flight_holds_its_turn_not_the_resent_history() {
+        let (store, recorder) = in_memory_recorder(Duration::from_secs(1)).await;
+        let mut messages: Vec<ChatMessage> = (0..100)
+            .map(|n| {
+                let role = if n % 2 == 0 { "user" } else { "assistant" };
+                ChatMessage::new(role, "an earlier turn of the conversation ".repeat(30))
+            })
+            .collect();
+        messages.push(ChatMessage::new("user", "And tomorrow?"));
+        let answer = AssistantMessage {
+            content: "Sunny.".into(),
+            ..AssistantMessage::default()
+        };
+        let recording = recorder.record(exchange(messages, answer, "t1"));
+        let in_flight = &recorder.outbox.stats().in_flight_bytes;
+        assert_eq!(
+            in_flight.load(std::sync::atomic::Ordering::Acquire),
+            ("And tomorrow?".len() + "Sunny.".len()) as u64
+        );
+        recording.await;
+        assert_eq!(in_flight.load(std::sync::atomic::Ordering::Acquire), 0);
         assert_eq!(store.queue_depth().await.unwrap(), 1);
     }
 

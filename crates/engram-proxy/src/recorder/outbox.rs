@@ -48,12 +48,17 @@ const FORWARD_BATCH: usize = 256;
 pub const MEMORY_SPOOL_JOBS: u64 = 10_000;
 /// Recordings held in memory waiting for their enqueue, past which a recording goes straight
 /// to the spool instead of retrying the store: requests never wait for the update path, and a
-/// backlog is kept as compact jobs rather than captured exchanges. About 7 KB each for
-/// chat-sized turns.
+/// backlog is kept as compact jobs. A recording holds its turn's texts only (the recorder
+/// drops the request and the captured response first).
 pub const MAX_RECORDINGS_IN_FLIGHT: u64 = 8_192;
+/// Bytes of turn text (the user's message and the answer) the recordings in flight may hold
+/// before a recording goes straight to the spool, as past [`MAX_RECORDINGS_IN_FLIGHT`]: the
+/// count alone let 8,192 pasted documents of a megabyte each be held in memory.
+pub const MAX_RECORDING_BYTES_IN_FLIGHT: u64 = 64 * 1024 * 1024;
 /// Recordings in flight past which requests answer without memory ([`Outbox::shedding_reads`]),
-/// before the backlog reaches [`MAX_RECORDINGS_IN_FLIGHT`] and the spool.
+/// before the backlog reaches [`MAX_RECORDINGS_IN_FLIGHT`] and the spool; and their bytes.
 pub const SHED_READS_IN_FLIGHT: u64 = MAX_RECORDINGS_IN_FLIGHT / 2;
+pub const SHED_READS_BYTES_IN_FLIGHT: u64 = MAX_RECORDING_BYTES_IN_FLIGHT / 2;
 
 /// Where jobs wait while the store will not take them.
 pub enum Spool {
@@ -106,6 +111,8 @@ pub struct Outbox {
 pub struct OutboxStats {
     /// Recordings between the end of their response and their job being durable.
     pub in_flight: AtomicU64,
+    /// The bytes of their turns' texts.
+    pub in_flight_bytes: AtomicU64,
     pub queued: AtomicU64,
     pub spooled: AtomicU64,
     pub forwarded: AtomicU64,
@@ -136,11 +143,14 @@ impl Outbox {
         &self.stats
     }
 
-    /// Counts the recording of `job` as in flight until the guard drops (the admin API reports
-    /// it, so "nothing in flight and the queue empty" means every answered turn is applied, and
-    /// answers `pending` for the job meanwhile).
-    pub fn recording(self: &Arc<Self>, job: &JobId) -> InFlight {
+    /// Counts the recording of `job`, whose turn's texts are `bytes` long, as in flight until
+    /// the guard drops (the admin API reports it, so "nothing in flight and the queue empty"
+    /// means every answered turn is applied, and answers `pending` for the job meanwhile).
+    pub fn recording(self: &Arc<Self>, job: &JobId, bytes: u64) -> InFlight {
         self.stats.in_flight.fetch_add(1, Ordering::AcqRel);
+        self.stats
+            .in_flight_bytes
+            .fetch_add(bytes, Ordering::AcqRel);
         self.recording
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -148,18 +158,26 @@ impl Outbox {
         InFlight {
             outbox: Arc::clone(self),
             job: job.clone(),
+            bytes,
         }
     }
 
-    /// `count` recordings of `user` marked in flight until the marks drop: a backlog for tests.
+    /// `count` recordings of `user`, of `bytes` each, marked in flight until the marks drop: a
+    /// backlog for tests.
     #[cfg(test)]
-    pub(crate) fn backlog(self: &Arc<Self>, user: &UserKey, count: u64) -> Vec<InFlight> {
+    pub(crate) fn backlog(
+        self: &Arc<Self>,
+        user: &UserKey,
+        count: u64,
+        bytes: u64,
+    ) -> Vec<InFlight> {
         (0..count)
             .map(|n| {
-                self.recording(&JobId {
+                let job = JobId {
                     user: user.clone(),
                     key: format!("r{n}"),
-                })
+                };
+                self.recording(&job, bytes)
             })
             .collect()
     }
@@ -172,20 +190,28 @@ impl Outbox {
             .contains(job)
     }
 
-    /// Whether the recordings in flight have passed [`MAX_RECORDINGS_IN_FLIGHT`].
+    /// Whether the recordings in flight have passed [`MAX_RECORDINGS_IN_FLIGHT`] or
+    /// [`MAX_RECORDING_BYTES_IN_FLIGHT`].
     fn backlogged(&self) -> bool {
-        self.stats.in_flight.load(Ordering::Acquire) > MAX_RECORDINGS_IN_FLIGHT
+        self.in_flight_past(MAX_RECORDINGS_IN_FLIGHT, MAX_RECORDING_BYTES_IN_FLIGHT)
+    }
+
+    /// Whether more than `count` recordings, or more than `bytes` of their texts, are in flight.
+    fn in_flight_past(&self, count: u64, bytes: u64) -> bool {
+        self.stats.in_flight.load(Ordering::Acquire) > count
+            || self.stats.in_flight_bytes.load(Ordering::Acquire) > bytes
     }
 
     /// Whether requests should answer without memory so that recordings catch up: past
-    /// [`SHED_READS_IN_FLIGHT`] recordings in flight, or while the in-memory spool holds any
+    /// [`SHED_READS_IN_FLIGHT`] recordings in flight (or [`SHED_READS_BYTES_IN_FLIGHT`] of
+    /// their texts), or while the in-memory spool holds any
     /// (every recording then goes there, and past its bound they are lost). A process short of
     /// CPU otherwise lost turns: one user at 1,000 req/s on a core that could not keep up sent
     /// recordings to the spool, which filled, and 7,419 of 40,000 were lost
     /// (`./benches/history.sh`, 2026-12-06). Reading and composing memory is about half of a
     /// request's CPU there; a recording is the turn itself.
     pub fn shedding_reads(&self) -> bool {
-        self.stats.in_flight.load(Ordering::Acquire) > SHED_READS_IN_FLIGHT
+        self.in_flight_past(SHED_READS_IN_FLIGHT, SHED_READS_BYTES_IN_FLIGHT)
             || (matches!(self.spool, Spool::Memory { .. }) && self.spooled() > 0)
     }
 
@@ -584,6 +610,7 @@ enum Placed {
 pub struct InFlight {
     outbox: Arc<Outbox>,
     job: JobId,
+    bytes: u64,
 }
 
 impl Drop for InFlight {
@@ -593,7 +620,11 @@ impl Drop for InFlight {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&self.job);
-        self.outbox.stats.in_flight.fetch_sub(1, Ordering::AcqRel);
+        let stats = &self.outbox.stats;
+        stats.in_flight.fetch_sub(1, Ordering::AcqRel);
+        stats
+            .in_flight_bytes
+            .fetch_sub(self.bytes, Ordering::AcqRel);
     }
 }
 
@@ -634,14 +665,14 @@ mod tests {
         let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(store_dir.path()).unwrap());
         let outbox = memory_spooled(&store).await;
         let user = UserKey::new("t", "u");
-        let mut recordings = outbox.backlog(&user, MAX_RECORDINGS_IN_FLIGHT);
+        let mut recordings = outbox.backlog(&user, MAX_RECORDINGS_IN_FLIGHT, 1);
         // At the bound: the store takes it.
         outbox.submit(job(&user, "at-bound")).await;
         assert_eq!(store.queue_depth().await.unwrap(), 1);
         assert_eq!(outbox.spooled(), 0);
 
         // Past it: the spool does, at once, and the forwarder moves it on later.
-        recordings.push(outbox.recording(&job(&user, "past").id));
+        recordings.push(outbox.recording(&job(&user, "past").id, 1));
         tokio::time::timeout(
             Duration::from_secs(1),
             outbox.submit(job(&user, "past-bound")),
@@ -654,15 +685,46 @@ mod tests {
         drop(recordings);
     }
 
+    /// Large turns reach the backlog's byte bound long before its count: past it, the next
+    /// recording goes to the spool as past the count.
+    #[tokio::test]
+    async fn past_the_backlog_byte_bound_a_recording_goes_to_the_spool() {
+        let store: Arc<dyn Store> = Arc::new(EmbeddedStore::in_memory().unwrap());
+        let outbox = memory_spooled(&store).await;
+        let user = UserKey::new("t", "u");
+        let mut recordings = outbox.backlog(&user, 64, MAX_RECORDING_BYTES_IN_FLIGHT / 64);
+        outbox.submit(job(&user, "at-bound")).await;
+        assert_eq!(store.queue_depth().await.unwrap(), 1);
+        assert_eq!(outbox.spooled(), 0);
+
+        recordings.push(outbox.recording(&job(&user, "past").id, 1));
+        outbox.submit(job(&user, "past-bound")).await;
+        assert_eq!(store.queue_depth().await.unwrap(), 1);
+        assert_eq!(outbox.spooled(), 1);
+
+        // The bytes leave with their recordings.
+        drop(recordings);
+        assert_eq!(outbox.stats().in_flight_bytes.load(Ordering::Acquire), 0);
+    }
+
     /// Reads are shed past half the backlog bound, and while the in-memory spool holds a job.
     #[tokio::test]
     async fn reads_are_shed_past_half_the_backlog_or_while_the_memory_spool_holds_a_job() {
         let store: Arc<dyn Store> = Arc::new(EmbeddedStore::in_memory().unwrap());
         let outbox = memory_spooled(&store).await;
         let user = UserKey::new("t", "u");
-        let mut recordings = outbox.backlog(&user, SHED_READS_IN_FLIGHT);
+        let mut recordings = outbox.backlog(&user, SHED_READS_IN_FLIGHT, 1);
         assert!(!outbox.shedding_reads());
-        recordings.push(outbox.recording(&job(&user, "past").id));
+        recordings.push(outbox.recording(&job(&user, "past").id, 1));
+        assert!(outbox.shedding_reads());
+        drop(recordings);
+        assert!(!outbox.shedding_reads());
+
+        // A few large turns reach the bytes' half first.
+        let large = SHED_READS_BYTES_IN_FLIGHT / 4;
+        let mut recordings = outbox.backlog(&user, 4, large);
+        assert!(!outbox.shedding_reads());
+        recordings.push(outbox.recording(&job(&user, "past").id, 1));
         assert!(outbox.shedding_reads());
         drop(recordings);
         assert!(!outbox.shedding_reads());
