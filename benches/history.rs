@@ -340,6 +340,15 @@ fn describe(args: &Args, pinned: bool, raw: &[String]) -> Vec<String> {
                 .to_owned(),
         );
     }
+    if args.resent_history_bytes > 0 {
+        lines.push(format!(
+            "resent history: every measured request carries about {} bytes of earlier \
+             conversation (user and assistant messages in turn, the same for every request) \
+             before its new message, as a client that keeps its history does; the warm-up \
+             requests do not",
+            thousands(args.resent_history_bytes as f64)
+        ));
+    }
     if args.scenarios.contains(&Scenario::Adversarial) {
         lines.push(format!(
             "adversarial: one user (`solo`) at {} for {} s from an empty store ({}); the \
@@ -636,21 +645,54 @@ fn log_tail(path: &Path) -> String {
     lines[lines.len().saturating_sub(5)..].join(" / ")
 }
 
-/// A non-streaming chat request with one user message.
-fn chat_body(text: &str) -> String {
+/// A non-streaming chat request: `history` (earlier messages the client resends), then one
+/// user message.
+fn chat_body(history: &[serde_json::Value], text: &str) -> String {
+    let mut messages = history.to_vec();
+    messages.push(serde_json::json!({"role": "user", "content": text}));
     serde_json::json!({
         "model": systems::MODEL,
-        "messages": [{"role": "user", "content": text}],
+        "messages": messages,
         "stream": false,
     })
     .to_string()
 }
 
-/// The run's request bodies, one per line, each a different short message.
-fn write_bodies(path: &Path, count: u64) -> Result<(), String> {
+/// Seeds the resent history's turns apart from the recorded and the measured ones.
+const HISTORY_SEED: u64 = 1 << 42;
+/// The most a run's body file holds; with a resent history, fewer distinct lines.
+const MAX_BODY_FILE_BYTES: u64 = 64 << 20;
+
+/// Earlier turns as chat messages, user and assistant in turn, about `bytes` of text.
+fn resent_history(bytes: u64) -> Vec<serde_json::Value> {
+    let mut messages = Vec::new();
+    let mut written = 0;
+    let mut n = HISTORY_SEED;
+    while written < bytes {
+        for (role, content) in [
+            ("user", text::user_text(n)),
+            ("assistant", text::assistant_text(n)),
+        ] {
+            written += content.len() as u64;
+            messages.push(serde_json::json!({"role": role, "content": content}));
+        }
+        n += 1;
+    }
+    messages
+}
+
+/// The run's request bodies, one per line, each a different short message after the
+/// history every request resends (`history_bytes`, 0 for none): up to `count` lines, fewer
+/// when a long history would make the file larger than `MAX_BODY_FILE_BYTES`.
+fn write_bodies(path: &Path, count: u64, history_bytes: u64) -> Result<(), String> {
+    let history = resent_history(history_bytes);
+    let count = count.min((MAX_BODY_FILE_BYTES / (history_bytes + 1_000)).max(100));
     let mut lines = String::new();
     for i in 0..count {
-        lines.push_str(&chat_body(&text::user_text(text::REQUEST_SEED + i)));
+        lines.push_str(&chat_body(
+            &history,
+            &text::user_text(text::REQUEST_SEED + i),
+        ));
         lines.push('\n');
     }
     std::fs::write(path, lines).map_err(|e| format!("writing {}: {e}", path.display()))
@@ -667,7 +709,7 @@ fn headers(user: &str) -> [String; 2] {
 async fn warm_up(client: &load::HttpClient, base_url: &str, user: &str, count: u64) -> u64 {
     let mut ok = 0;
     for i in 0..count {
-        let body = chat_body(&text::user_text(WARM_UP_SEED + i));
+        let body = chat_body(&[], &text::user_text(WARM_UP_SEED + i));
         let Ok(request) = http::Request::post(format!("{base_url}/v1/chat/completions"))
             .header("content-type", "application/json")
             .header("authorization", format!("Bearer {}", load::API_KEY))
@@ -815,6 +857,7 @@ fn measure(
     write_bodies(
         &body_file,
         (rate * duration.as_secs()).clamp(1_000, MAX_BODIES),
+        args.resent_history_bytes,
     )?;
     let mut notes = Vec::new();
     let warmed = runtime.block_on(warm_up(client, &base, warm_user, WARM_UP));

@@ -27,10 +27,14 @@ usage: ./benches/history.sh [options]
   --busy-cores                 one busy loop per core (normal priority) through each measured run
                                and its drain, as on a node whose other pods keep every core
                                busy; compare with a run without it
+  --resent-history-bytes N     every measured request resends about N bytes of earlier
+                               conversation before its new message, as a client that keeps the
+                               history does (k = 1,000; default none)
   --out DIR                    where history.md, history.json and history.svg go (default
                                docs/benchmarks; target/bench-quick with --quick, and
                                target/bench-partial when --sizes, --scenarios or --systems
-                               differ from the defaults or --busy-cores is given, so a partial
+                               differ from the defaults or --busy-cores or
+                               --resent-history-bytes is given, so a partial
                                run never replaces the full report)
   --help                       this text
 ";
@@ -92,6 +96,9 @@ pub struct Args {
     pub drain_timeout: Duration,
     /// One busy loop per core through each measured run and its drain.
     pub busy_cores: bool,
+    /// Bytes of earlier conversation every measured request resends before its new message
+    /// (0: the new message alone).
+    pub resent_history_bytes: u64,
     pub out_dir: PathBuf,
     pub quick: bool,
     pub help: bool,
@@ -110,6 +117,7 @@ impl Args {
             adversarial_duration: Duration::from_secs(60),
             drain_timeout: Duration::from_secs(120),
             busy_cores: false,
+            resent_history_bytes: 0,
             out_dir: PathBuf::from("docs/benchmarks"),
             quick: false,
             help: false,
@@ -199,6 +207,9 @@ pub fn parse(args: &[String]) -> Result<Args, String> {
             "--adversarial-secs" => {
                 parsed.adversarial_duration = Duration::from_secs(positive(flag, value()?)?);
             }
+            "--resent-history-bytes" => {
+                parsed.resent_history_bytes = parse_count(flag, value()?)?;
+            }
             "--drain-timeout-secs" => {
                 parsed.drain_timeout = Duration::from_secs(positive(flag, value()?)?);
             }
@@ -213,7 +224,8 @@ pub fn parse(args: &[String]) -> Result<Args, String> {
     let partial = parsed.sizes != DEFAULT_SIZES
         || parsed.scenarios != Scenario::ALL
         || parsed.systems != Backend::ALL
-        || parsed.busy_cores;
+        || parsed.busy_cores
+        || parsed.resent_history_bytes > 0;
     if partial && !parsed.quick && !out_given {
         parsed.out_dir = PathBuf::from("target/bench-partial");
     }
