@@ -46,6 +46,9 @@ const FORWARD_BATCH: usize = 256;
 /// Jobs an in-memory spool holds at most (a few KB each); beyond it a recording is lost, and
 /// counted and logged as such.
 pub const MEMORY_SPOOL_JOBS: u64 = 10_000;
+/// Bytes of turn text an in-memory spool holds at most, as for its jobs: a user pasting
+/// megabyte documents would otherwise fill memory long before 10,000 jobs.
+pub const MEMORY_SPOOL_BYTES: u64 = 64 * 1024 * 1024;
 /// Recordings held in memory waiting for their enqueue, past which a recording goes straight
 /// to the spool instead of retrying the store: requests never wait for the update path, and a
 /// backlog is kept as compact jobs. A recording holds its turn's texts only (the recorder
@@ -95,6 +98,10 @@ pub struct Outbox {
     spool: Spool,
     /// Jobs in the spool, not yet forwarded.
     spooled: AtomicU64,
+    /// Bytes of their turns' texts (0 for a durable spool's jobs from before a restart).
+    spooled_bytes: AtomicU64,
+    /// Bytes an in-memory spool holds at most ([`MEMORY_SPOOL_BYTES`]).
+    memory_spool_bytes: u64,
     /// Wakes the local worker when a job was queued.
     queued: Arc<Notify>,
     /// Wakes the forwarder when a job was spooled.
@@ -131,6 +138,8 @@ impl Outbox {
             store,
             spool,
             spooled: AtomicU64::new(already),
+            spooled_bytes: AtomicU64::new(0),
+            memory_spool_bytes: MEMORY_SPOOL_BYTES,
             queued,
             spooled_signal: Notify::new(),
             stats: OutboxStats::default(),
@@ -215,6 +224,13 @@ impl Outbox {
             || (matches!(self.spool, Spool::Memory { .. }) && self.spooled() > 0)
     }
 
+    /// An outbox whose in-memory spool holds at most `bytes` (tests).
+    #[cfg(test)]
+    pub(crate) fn with_memory_spool_bytes(mut self, bytes: u64) -> Outbox {
+        self.memory_spool_bytes = bytes;
+        self
+    }
+
     /// Jobs waiting in the local spool.
     pub fn spooled(&self) -> u64 {
         self.spooled.load(Ordering::Acquire)
@@ -225,7 +241,14 @@ impl Outbox {
         let spool = self.spool.store();
         let report = spool.forget_user(user).await?;
         let left = spool.queue_depth().await?;
-        self.spooled.store(left, Ordering::Release);
+        let before = self.spooled.swap(left, Ordering::AcqRel);
+        // The forgotten jobs' sizes are not known here: the bytes shrink in proportion (to 0,
+        // exactly, when nothing is left).
+        let _ = self
+            .spooled_bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |bytes| {
+                Some(bytes.saturating_mul(left) / before.max(1))
+            });
         Ok(report)
     }
 
@@ -377,6 +400,8 @@ impl Outbox {
         // Counted from its placement: the session's next recording must not find the spool
         // empty (and go to the store ahead of this one) while this one's commit is running.
         let before = self.spooled.fetch_add(1, Ordering::AcqRel);
+        self.spooled_bytes
+            .fetch_add(text_bytes(&alone), Ordering::AcqRel);
         drop((ticket, settle));
         match answer.await {
             Ok(_) => self.spooled_receipt(&alone, before),
@@ -387,18 +412,24 @@ impl Outbox {
                     "placing in the spool failed; trying alone"
                 );
                 self.spooled.fetch_sub(1, Ordering::AcqRel);
+                self.spooled_bytes
+                    .fetch_sub(text_bytes(&alone), Ordering::AcqRel);
                 spool.resume_placing();
                 self.spool(alone).await
             }
         }
     }
 
-    /// `Some(Receipt::Lost)`, counted and logged, when the in-memory spool has no room.
+    /// `Some(Receipt::Lost)`, counted and logged, when the in-memory spool has no room: it
+    /// holds its capacity in jobs, or `job`'s texts would take it past its bytes.
     fn spool_full(&self, job: &Job) -> Option<Receipt> {
         let Spool::Memory { capacity, .. } = &self.spool else {
             return None;
         };
-        if self.spooled() < *capacity {
+        let bytes = self.spooled_bytes.load(Ordering::Acquire);
+        if self.spooled() < *capacity
+            && bytes.saturating_add(text_bytes(job)) <= self.memory_spool_bytes
+        {
             return None;
         }
         self.stats.lost.fetch_add(1, Ordering::Relaxed);
@@ -413,6 +444,8 @@ impl Outbox {
     /// Counts a job the spool took and wakes the forwarder; the recording's receipt.
     fn spooled_one(&self, job: &Job) -> Receipt {
         let before = self.spooled.fetch_add(1, Ordering::AcqRel);
+        self.spooled_bytes
+            .fetch_add(text_bytes(job), Ordering::AcqRel);
         self.spooled_receipt(job, before)
     }
 
@@ -578,12 +611,23 @@ impl Outbox {
                 Some(n.saturating_sub(count))
             })
             .unwrap_or_default();
+        let bytes: u64 = jobs.iter().map(text_bytes).sum();
+        let _ = self
+            .spooled_bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| {
+                Some(left.saturating_sub(bytes))
+            });
         if before > 0 && before <= count {
             tracing::info!("the local spool is forwarded; recordings go to the store again");
         }
         self.stats.forwarded.fetch_add(count, Ordering::Relaxed);
         self.queued.notify_one();
     }
+}
+
+/// Bytes of a job's turn texts, what the in-memory spool's byte bound counts.
+fn text_bytes(job: &Job) -> u64 {
+    (job.exchange.user_text.len() + job.exchange.assistant_text.len()) as u64
 }
 
 /// Waits until the session's earlier recordings that failed were spooled (`settle`, the
@@ -705,6 +749,50 @@ mod tests {
         // The bytes leave with their recordings.
         drop(recordings);
         assert_eq!(outbox.stats().in_flight_bytes.load(Ordering::Acquire), 0);
+    }
+
+    /// A job of `bytes` bytes of user text.
+    fn sized_job(user: &UserKey, key: &str, bytes: usize) -> Job {
+        let mut job = job(user, key);
+        job.exchange.user_text = "x".repeat(bytes);
+        job
+    }
+
+    /// The in-memory spool is bounded by its jobs' bytes as well as their count: a job that
+    /// would take it past its bytes is lost (counted), a smaller one still fits, and forwarded
+    /// jobs give their bytes back.
+    #[tokio::test]
+    async fn the_memory_spool_is_bounded_by_its_jobs_bytes() {
+        let store: Arc<dyn Store> = Arc::new(EmbeddedStore::in_memory().unwrap());
+        let spool = Spool::Memory {
+            store: Arc::new(EmbeddedStore::in_memory().unwrap()),
+            capacity: 1_000,
+        };
+        let outbox = Outbox::new(Arc::clone(&store), spool, Arc::new(Notify::new()))
+            .await
+            .with_memory_spool_bytes(100);
+        let outbox = Arc::new(outbox);
+        let user = UserKey::new("t", "u");
+        assert_eq!(
+            outbox.spool(sized_job(&user, "a", 60)).await,
+            Receipt::Pending
+        );
+        assert_eq!(outbox.spool(sized_job(&user, "b", 60)).await, Receipt::Lost);
+        assert_eq!(outbox.stats().lost.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            outbox.spool(sized_job(&user, "c", 40)).await,
+            Receipt::Pending
+        );
+        assert_eq!(outbox.spooled(), 2);
+
+        let cancel = CancellationToken::new();
+        let mut forwarder = tokio::task::JoinSet::new();
+        forwarder.spawn(Arc::clone(&outbox).forward(cancel.clone()));
+        forwarded(&outbox, cancel, forwarder).await;
+        assert_eq!(
+            outbox.spool(sized_job(&user, "d", 90)).await,
+            Receipt::Pending
+        );
     }
 
     /// Reads are shed past half the backlog bound, and while the in-memory spool holds a job.
