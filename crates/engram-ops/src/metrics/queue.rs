@@ -24,6 +24,7 @@ pub(super) struct StatsCollector {
     worker: Option<Arc<Worker>>,
     outbox_jobs: Desc,
     spooled: Desc,
+    spooled_bytes: Desc,
     in_flight: Desc,
     in_flight_bytes: Desc,
     unrecorded_at_start: Desc,
@@ -88,6 +89,11 @@ impl StatsCollector {
                 "Jobs waiting in the local spool for the store to come back.",
                 None,
             )?,
+            spooled_bytes: desc(
+                "engram_outbox_spooled_bytes",
+                "Bytes of the spooled jobs' turn texts; the embedded backend's in-memory spool holds at most 64 MiB (and 10,000 jobs), past which a recording is lost.",
+                None,
+            )?,
             in_flight: desc(
                 "engram_recordings_in_flight",
                 "Answered exchanges not yet durable as jobs.",
@@ -118,6 +124,7 @@ impl Collector for StatsCollector {
         let mut descs = vec![
             &self.outbox_jobs,
             &self.spooled,
+            &self.spooled_bytes,
             &self.in_flight,
             &self.in_flight_bytes,
             &self.unrecorded_at_start,
@@ -144,6 +151,7 @@ impl Collector for StatsCollector {
                 ],
             ),
             gauge(&self.spooled, self.outbox.spooled()),
+            gauge(&self.spooled_bytes, self.outbox.spooled_bytes()),
             gauge(&self.in_flight, load(&outbox.in_flight)),
             gauge(&self.in_flight_bytes, load(&outbox.in_flight_bytes)),
             gauge(&self.unrecorded_at_start, load(&outbox.unrecorded_at_start)),
@@ -297,6 +305,7 @@ mod tests {
         assert!(page.contains("engram_recordings_in_flight 1"));
         assert!(page.contains("engram_recordings_in_flight_bytes 42"));
         assert!(page.contains("engram_outbox_spooled_jobs 0"));
+        assert!(page.contains("engram_outbox_spooled_bytes 0"));
         assert!(page.contains("engram_turns_unrecorded_at_start 2"));
         // No worker in this process: no worker series.
         assert!(!page.contains("engram_jobs_total"));

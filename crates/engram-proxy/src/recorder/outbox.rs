@@ -236,6 +236,11 @@ impl Outbox {
         self.spooled.load(Ordering::Acquire)
     }
 
+    /// Bytes of their turns' texts (a durable spool's jobs from before a restart not counted).
+    pub fn spooled_bytes(&self) -> u64 {
+        self.spooled_bytes.load(Ordering::Acquire)
+    }
+
     /// Deletes the user's jobs from this process's local spool (part of forgetting a user).
     pub async fn forget_user(&self, user: &UserKey) -> Result<ForgetReport> {
         let spool = self.spool.store();
