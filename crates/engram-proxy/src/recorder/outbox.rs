@@ -417,8 +417,7 @@ impl Outbox {
                     "placing in the spool failed; trying alone"
                 );
                 self.spooled.fetch_sub(1, Ordering::AcqRel);
-                self.spooled_bytes
-                    .fetch_sub(text_bytes(&alone), Ordering::AcqRel);
+                self.unspooled_bytes(text_bytes(&alone));
                 spool.resume_placing();
                 self.spool(alone).await
             }
@@ -574,6 +573,16 @@ impl Outbox {
         }
     }
 
+    /// Takes `bytes` off the spool's, never below 0 (a forget's estimate may have taken them
+    /// already).
+    fn unspooled_bytes(&self, bytes: u64) {
+        let _ = self
+            .spooled_bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| {
+                Some(left.saturating_sub(bytes))
+            });
+    }
+
     /// Places spooled `jobs` in the store's queue in their order, so they share its commits;
     /// how many of them, from the first, are now durable there. The others were not written:
     /// a failed one holds back every job placed behind it, and a store that held placing back
@@ -616,12 +625,7 @@ impl Outbox {
                 Some(n.saturating_sub(count))
             })
             .unwrap_or_default();
-        let bytes: u64 = jobs.iter().map(text_bytes).sum();
-        let _ = self
-            .spooled_bytes
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| {
-                Some(left.saturating_sub(bytes))
-            });
+        self.unspooled_bytes(jobs.iter().map(text_bytes).sum());
         if before > 0 && before <= count {
             tracing::info!("the local spool is forwarded; recordings go to the store again");
         }
