@@ -85,7 +85,7 @@ for _ in $(seq 1 120); do
 done
 curl -s "$url/metrics" > "$dir/metrics.end"
 series='^engram_outbox_jobs_total|^engram_memory_fail_open_total|^engram_recordings_in_flight'
-echo "engram $("$engram" --version 2>/dev/null || echo "$engram"), $rate req/s for $secs s"
+echo "$("$engram" --version 2>/dev/null || echo "$engram"), $rate req/s for $secs s"
 echo "peak RSS: $(( $(cat "$dir/peak") / 1024 )) MiB"
 grep -E 'Success rate|Requests/sec' "$dir/oha.txt" | tr -s ' \t' ' '
 echo "at the end of the load:"
