@@ -804,6 +804,25 @@ mod tests {
         );
     }
 
+    /// Forgetting a user takes their jobs' bytes off the spool's (in proportion, the sizes of
+    /// the forgotten jobs being unknown there), and all of them once the spool is empty.
+    #[tokio::test]
+    async fn forgetting_a_user_gives_back_their_spooled_bytes() {
+        let store: Arc<dyn Store> = Arc::new(EmbeddedStore::in_memory().unwrap());
+        let outbox = memory_spooled(&store).await;
+        let (gone, kept) = (UserKey::new("t", "gone"), UserKey::new("t", "kept"));
+        for (user, key) in [(&gone, "a"), (&gone, "b"), (&kept, "c")] {
+            outbox.spool(sized_job(user, key, 60)).await;
+        }
+        assert_eq!(outbox.spooled_bytes(), 3 * 60);
+        outbox.forget_user(&gone).await.unwrap();
+        assert_eq!(outbox.spooled(), 1);
+        assert_eq!(outbox.spooled_bytes(), 60);
+        outbox.forget_user(&kept).await.unwrap();
+        assert_eq!(outbox.spooled(), 0);
+        assert_eq!(outbox.spooled_bytes(), 0);
+    }
+
     /// Reads are shed past half the backlog bound, and while the in-memory spool holds a job.
     #[tokio::test]
     async fn reads_are_shed_past_half_the_backlog_or_while_the_memory_spool_holds_a_job() {
