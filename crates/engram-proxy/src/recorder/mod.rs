@@ -218,7 +218,7 @@ impl Recorder {
         };
         drop((request, capture));
         let outbox = Arc::clone(&self.outbox);
-        let bytes = (texts.0.len() + texts.1.len()) as u64;
+        let bytes = outbox::turn_bytes(&texts.0, &texts.1);
         let in_flight = record
             .as_ref()
             .map(|plan| outbox.recording(&plan.job, bytes));

@@ -634,9 +634,15 @@ impl Outbox {
     }
 }
 
-/// Bytes of a job's turn texts, what the in-memory spool's byte bound counts.
+/// Bytes of a turn's texts (the user's message and the answer): what the recordings in
+/// flight and the in-memory spool are bounded by, counted the same way for both.
+pub fn turn_bytes(user_text: &str, assistant_text: &str) -> u64 {
+    (user_text.len() + assistant_text.len()) as u64
+}
+
+/// [`turn_bytes`] of a job's turn.
 fn text_bytes(job: &Job) -> u64 {
-    (job.exchange.user_text.len() + job.exchange.assistant_text.len()) as u64
+    turn_bytes(&job.exchange.user_text, &job.exchange.assistant_text)
 }
 
 /// Waits until the session's earlier recordings that failed were spooled (`settle`, the
