@@ -399,17 +399,23 @@ mod tests {
         )
     }
 
+    /// A store holding one memory: user `ana` lives in Lisbon.
+    async fn lisbon_stored() -> (Arc<ByArrival>, UserKey, MemoryState) {
+        let store = Arc::new(ByArrival::new());
+        let user = UserKey::new("t", "ana");
+        let mut state = MemoryState::new();
+        remember(&mut state, "t0", "I live in Lisbon.");
+        store.save_state(&user, &state, 0).await.unwrap();
+        (store, user, state)
+    }
+
     /// While recordings are behind (half the backlog bound in flight), a request answers
     /// without memory, and its turn is still planned for recording; once they catch up,
     /// memory comes back.
     #[tokio::test]
     async fn while_recordings_are_behind_requests_answer_without_memory_and_still_record() {
         use crate::recorder::outbox::SHED_READS_IN_FLIGHT;
-        let store = Arc::new(ByArrival::new());
-        let user = UserKey::new("t", "ana");
-        let mut state = MemoryState::new();
-        remember(&mut state, "t0", "I live in Lisbon.");
-        store.save_state(&user, &state, 0).await.unwrap();
+        let (store, user, _) = lisbon_stored().await;
         let outbox = outbox(&store).await;
         let layer = layer_with(Arc::clone(&store), Arc::clone(&outbox));
         let behind = outbox.backlog(&user, SHED_READS_IN_FLIGHT + 1, 1);
@@ -431,11 +437,7 @@ mod tests {
     /// answer with the memory that write made.
     #[tokio::test]
     async fn after_a_missed_read_one_read_catches_the_copy_up() {
-        let store = Arc::new(ByArrival::new());
-        let user = UserKey::new("t", "ana");
-        let mut state = MemoryState::new();
-        remember(&mut state, "t0", "I live in Lisbon.");
-        store.save_state(&user, &state, 0).await.unwrap();
+        let (store, user, mut state) = lisbon_stored().await;
         let layer = layer(Arc::clone(&store)).await;
         let (resolved, request) = turn();
         layer.rewrite_for(resolved, &request).await.unwrap();
