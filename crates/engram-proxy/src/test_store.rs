@@ -19,11 +19,15 @@ use engram_store::{
 /// Orders by arrival (it says so; the embedded queue underneath orders by enqueue). Each
 /// enqueue is counted in `started`, then waits for a permit of `open`, and fails if its count
 /// (from 0) is in `failing`. Hot reads wait while `reads_hang`; a read for a caller catching
-/// up does not, brings no update (as Redis's), and is counted in `catching_up_reads`.
+/// up does not, brings no update (as Redis's), and is counted in `catching_up_reads`. While
+/// `answers_held`, an enqueue that wrote its job waits for a permit of `answer` before it
+/// answers (the job is in the queue before its caller knows).
 pub struct ByArrival {
     inner: EmbeddedStore,
     pub started: AtomicUsize,
     pub open: Semaphore,
+    pub answers_held: AtomicBool,
+    pub answer: Semaphore,
     pub failing: Mutex<Vec<usize>>,
     pub reads_hang: AtomicBool,
     pub catching_up_reads: AtomicUsize,
@@ -36,6 +40,8 @@ impl ByArrival {
             inner: EmbeddedStore::in_memory().expect("an in-memory store opens"),
             started: AtomicUsize::new(0),
             open: Semaphore::new(0),
+            answers_held: AtomicBool::new(false),
+            answer: Semaphore::new(0),
             failing: Mutex::default(),
             reads_hang: AtomicBool::new(false),
             catching_up_reads: AtomicUsize::new(0),
@@ -127,7 +133,11 @@ impl JobQueue for ByArrival {
             {
                 return Err(Error::Store("refused, as the test asked".into()));
             }
-            self.inner.enqueue(job).await
+            let written = self.inner.enqueue(job).await;
+            if self.answers_held.load(Ordering::Acquire) {
+                let _answer = self.answer.acquire().await;
+            }
+            written
         })
     }
 
