@@ -837,8 +837,8 @@ mod tests {
         })
         .await;
         if forwarded.is_err() {
-            // What was stuck, should this fail again (it did about once in 30 runs of the
-            // whole suite, never alone).
+            // What was stuck, should this fail again: about once in 30 runs of the whole
+            // suite it once did, the spool's count one high (see `Outbox::count_spooled`).
             let stats = outbox.stats();
             panic!(
                 "the spool was not forwarded: spooled now {}, spool queue {:?}, store queue {:?}; \

@@ -787,7 +787,6 @@ mod tests {
         assert_eq!(outbox.stats().in_flight_bytes.load(Ordering::Acquire), 0);
     }
 
-    /// A job of `bytes` bytes of user text.
     /// A job the forwarder takes off the spool before its spooling task runs again (the
     /// spool's write landed; the task had not been polled since) leaves the spool's count at
     /// 0. Counted after the write, the count stayed one high with the spool empty, and every
@@ -841,6 +840,7 @@ mod tests {
         );
     }
 
+    /// A job of `bytes` bytes of user text.
     fn sized_job(user: &UserKey, key: &str, bytes: usize) -> Job {
         let mut job = job(user, key);
         job.exchange.user_text = "x".repeat(bytes);
