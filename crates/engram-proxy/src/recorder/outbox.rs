@@ -382,7 +382,7 @@ impl Outbox {
     /// ([`Outbox::count_spooled`], `before` it), taken back if the spool does not take it.
     async fn spool_counted(&self, job: Job, before: u64) -> Receipt {
         match self.spool.store().enqueue(&job).await {
-            Ok(_) => self.spooled_receipt(&job, before),
+            Ok(enqueued) => self.spool_took(&job, before, &enqueued),
             Err(error) => {
                 self.uncount_spooled(&job);
                 self.spool_lost(&job, &error)
@@ -439,7 +439,7 @@ impl Outbox {
         };
         drop((ticket, settle));
         match answer.await {
-            Ok(_) => self.spooled_receipt(&alone, before),
+            Ok(enqueued) => self.spool_took(&alone, before, &enqueued),
             Err(error) => {
                 tracing::debug!(
                     %error,
@@ -471,6 +471,16 @@ impl Outbox {
             "the store did not take a recorded exchange and the in-memory spool is full; it is lost"
         );
         Some(Receipt::Lost)
+    }
+
+    /// The receipt of a job the spool answered for, counted in `spooled` (`before` it). One
+    /// it had already (`Duplicate`: still there, or forwarded and counted off) is not counted
+    /// again, so the count stays the jobs the spool holds.
+    fn spool_took(&self, job: &Job, before: u64, enqueued: &Enqueued) -> Receipt {
+        if matches!(enqueued, Enqueued::Duplicate(_)) {
+            self.uncount_spooled(job);
+        }
+        self.spooled_receipt(job, before)
     }
 
     /// The receipt of a job the spool took, counted in `spooled` (`before` it); wakes the
@@ -838,6 +848,25 @@ mod tests {
             0,
             "the count says the empty spool holds a job"
         );
+    }
+
+    /// A job spooled again while the spool holds it is counted once: the count is the jobs
+    /// the spool holds, and one too many sends every later recording to the spool.
+    #[tokio::test]
+    async fn a_job_spooled_twice_is_counted_once() {
+        let store: Arc<dyn Store> = Arc::new(EmbeddedStore::in_memory().unwrap());
+        let spool: Arc<dyn Store> = Arc::new(EmbeddedStore::in_memory().unwrap());
+        let in_memory = Spool::Memory {
+            store: Arc::clone(&spool),
+            capacity: 16,
+        };
+        let outbox = Outbox::new(store, in_memory, Arc::new(Notify::new())).await;
+        let user = UserKey::new("tenant", "ana");
+        for _ in 0..2 {
+            assert_eq!(outbox.spool(job(&user, "twice")).await, Receipt::Pending);
+        }
+        assert_eq!(spool.queue_depth().await.unwrap(), 1);
+        assert_eq!(outbox.spooled(), 1);
     }
 
     /// A job of `bytes` bytes of user text.
