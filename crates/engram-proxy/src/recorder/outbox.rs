@@ -403,12 +403,7 @@ impl Outbox {
 
     /// Takes back what [`Outbox::count_spooled`] counted for a job the spool did not take.
     fn uncount_spooled(&self, job: &Job) {
-        let _ = self
-            .spooled
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                Some(n.saturating_sub(1))
-            });
-        self.unspooled_bytes(text_bytes(job));
+        self.unspool(1, text_bytes(job));
     }
 
     /// [`Outbox::spool`] for the recording that holds its session's `ticket` and its follower
@@ -604,14 +599,19 @@ impl Outbox {
         }
     }
 
-    /// Takes `bytes` off the spool's, never below 0 (a forget's estimate may have taken them
-    /// already).
-    fn unspooled_bytes(&self, bytes: u64) {
+    /// Takes `jobs` and `bytes` off the spool's figures, never below 0 (a forget's estimate
+    /// may have taken the bytes already); the jobs counted before.
+    fn unspool(&self, jobs: u64, bytes: u64) -> u64 {
         let _ = self
             .spooled_bytes
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| {
                 Some(left.saturating_sub(bytes))
             });
+        self.spooled
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                Some(n.saturating_sub(jobs))
+            })
+            .unwrap_or_default()
     }
 
     /// Places spooled `jobs` in the store's queue in their order, so they share its commits;
@@ -650,13 +650,7 @@ impl Outbox {
             tracing::warn!(%error, "could not clear forwarded jobs from the spool");
         }
         let count = jobs.len() as u64;
-        let before = self
-            .spooled
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                Some(n.saturating_sub(count))
-            })
-            .unwrap_or_default();
-        self.unspooled_bytes(jobs.iter().map(text_bytes).sum());
+        let before = self.unspool(count, jobs.iter().map(text_bytes).sum());
         if before > 0 && before <= count {
             tracing::info!("the local spool is forwarded; recordings go to the store again");
         }
