@@ -1036,13 +1036,13 @@ impl JobQueue for EmbeddedStore {
         })
     }
 
-    fn ack_all<'a>(&'a self, jobs: &'a [JobId]) -> BoxFuture<'a, Result<usize>> {
+    fn clear_forwarded<'a>(&'a self, jobs: &'a [JobId]) -> BoxFuture<'a, Result<usize>> {
         let ids = jobs.to_vec();
         self.blocking_write(move |db| {
             let txn = db.begin_write().map_err(db_error)?;
             let mut known = 0;
             for id in &ids {
-                if write_finish(&txn, id, JobState::Applied)? {
+                if write_clear(&txn, id)? {
                     known += 1;
                 }
             }
@@ -1592,6 +1592,28 @@ fn write_finish(txn: &WriteTransaction, id: &JobId, state: JobState) -> Result<b
     Ok(true)
 }
 
+/// Deletes a job and everything kept for it (its record, its exchange, its place in the
+/// queue); false when the job is unknown.
+fn write_clear(txn: &WriteTransaction, id: &JobId) -> Result<bool> {
+    let key = job_key(id);
+    let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
+    let Some(record) = decode_job(jobs.remove(key).map_err(db_error)?)? else {
+        return Ok(false);
+    };
+    if record.state == JobState::Queued {
+        txn.open_table(QUEUE)
+            .map_err(db_error)?
+            .remove(record.queue_position)
+            .map_err(db_error)?;
+        dequeue_session(txn, key, record.session(), record.queue_position)?;
+    }
+    txn.open_table(JOB_EXCHANGES)
+        .map_err(db_error)?
+        .remove(key)
+        .map_err(db_error)?;
+    Ok(true)
+}
+
 /// Takes a job that leaves the queue out of its session's index; when it was the session's head,
 /// the session's next queued job (if any) becomes the head.
 fn dequeue_session(
@@ -1749,24 +1771,30 @@ mod tests {
 
     const LEASE: Duration = Duration::from_secs(30);
 
-    /// One write acks a batch as `ack` does each of its jobs; an unknown one is not counted.
+    /// One write takes a forwarded batch off the queue, queued or leased, and keeps nothing of
+    /// it; an unknown job is not counted, and the jobs left are claimed as before.
     #[tokio::test]
-    async fn ack_all_takes_known_jobs_off_the_queue_as_ack_does() {
+    async fn clearing_forwarded_jobs_leaves_nothing_of_them() {
         let store = EmbeddedStore::in_memory().unwrap();
         let jobs: Vec<Job> = (0..3).map(|n| job(&format!("k{n}"), "a")).collect();
         for job in &jobs {
             store.enqueue(job).await.unwrap();
         }
+        // The first is leased, as a forwarder holds what it claimed.
+        assert_eq!(store.claim_batch("w", LEASE, 1).await.unwrap().len(), 1);
         let mut ids: Vec<JobId> = jobs[..2].iter().map(|job| job.id.clone()).collect();
         ids.push(job("never-queued", "b").id);
-        assert_eq!(store.ack_all(&ids).await.unwrap(), 2);
+        assert_eq!(store.clear_forwarded(&ids).await.unwrap(), 2);
         assert_eq!(store.queue_depth().await.unwrap(), 1);
         for id in &ids[..2] {
-            assert_eq!(store.job_state(id).await.unwrap(), Some(JobState::Applied));
+            assert_eq!(job_rows(&store, id), (None, None));
+            assert_eq!(store.job_state(id).await.unwrap(), None);
         }
         let left = store.claim_batch("w", LEASE, 4).await.unwrap();
         assert_eq!(left.len(), 1);
         assert_eq!(left[0].job.id, jobs[2].id);
+        // Spooled again later (a forward that crashed before its clear), a job is taken anew.
+        assert_eq!(store.enqueue(&jobs[0]).await.unwrap(), Enqueued::Queued);
     }
 
     #[tokio::test]

@@ -430,10 +430,12 @@ pub trait JobQueue: Send + Sync + 'static {
         self.finish(job, JobState::Applied)
     }
 
-    /// [`Self::ack`] for several jobs; how many were known. The provided loop acks one at a
-    /// time; a backend that can do it in one write overrides it (the embedded store: a
-    /// forwarder clearing a batch from its spool).
-    fn ack_all<'a>(&'a self, jobs: &'a [JobId]) -> BoxFuture<'a, Result<usize>> {
+    /// Takes jobs another store now holds off this queue, leaving nothing of them: what a
+    /// spool's forwarder does with a batch it forwarded; how many were known. A record kept
+    /// for each (as [`Self::ack`] keeps one) would grow a spool by every job it ever held.
+    /// The provided loop acks one at a time (Redis lets a finished job's record expire); the
+    /// embedded store deletes the batch in one write.
+    fn clear_forwarded<'a>(&'a self, jobs: &'a [JobId]) -> BoxFuture<'a, Result<usize>> {
         Box::pin(async move {
             let mut known = 0;
             for job in jobs {

@@ -645,7 +645,7 @@ impl Outbox {
             return;
         }
         let ids: Vec<JobId> = jobs.iter().map(|job| job.id.clone()).collect();
-        if let Err(error) = spool.ack_all(&ids).await {
+        if let Err(error) = spool.clear_forwarded(&ids).await {
             // Forwarded twice at worst; the store queues a job id once.
             tracing::warn!(%error, "could not clear forwarded jobs from the spool");
         }
