@@ -33,6 +33,7 @@ enum Operation {
     ClaimBatch,
     Finish,
     Ack,
+    ClearForwarded,
     Fail,
     CommitJobs,
     JobState,
@@ -40,7 +41,7 @@ enum Operation {
     ForgetUser,
 }
 
-const OPERATIONS: [&str; 18] = [
+const OPERATIONS: [&str; 19] = [
     "hot_record",
     "end_arrival",
     "load_state",
@@ -54,6 +55,7 @@ const OPERATIONS: [&str; 18] = [
     "claim_batch",
     "finish",
     "ack",
+    "clear_forwarded",
     "fail",
     "commit_jobs",
     "job_state",
@@ -250,6 +252,7 @@ impl JobQueue for MeteredStore {
             -> Vec<ClaimedJob> = timed(ClaimBatch);
         fn finish(job: &'a JobId, state: JobState) -> bool = timed(Finish);
         fn ack(job: &'a JobId) -> bool = timed(Ack);
+        fn clear_forwarded(jobs: &'a [JobId]) -> usize = timed(ClearForwarded);
         fn fail(job: &'a JobId, reason: &'a str) -> bool = timed(Fail);
         fn job_state(job: &'a JobId) -> Option<JobState> = timed(JobState);
         fn queue_depth() -> u64 = timed(QueueDepth);
@@ -359,5 +362,44 @@ mod tests {
                 .get_sample_count(),
             0
         );
+    }
+
+    /// A forwarder's clear reaches the wrapped store's own, one write for the batch: through
+    /// the provided loop it was an ack, a commit and (on disk) an fsync per job.
+    #[tokio::test]
+    async fn clearing_forwarded_jobs_is_the_wrapped_stores_one_write() {
+        let families = StoreFamilies::new(&Registry::new()).unwrap();
+        let inner = Arc::new(EmbeddedStore::in_memory().unwrap());
+        let store =
+            MeteredStore::new(Arc::clone(&inner) as Arc<dyn Store>, &families, "spool").unwrap();
+        let user = UserKey::new("t", "u");
+        let mut ids = Vec::new();
+        for n in 0..3 {
+            let job = Job {
+                id: JobId {
+                    user: user.clone(),
+                    key: format!("k{n}"),
+                },
+                exchange: ExchangeInput {
+                    session_id: "s".into(),
+                    turn_id: format!("e{n}"),
+                    user_text: "hello".into(),
+                    assistant_text: "hi".into(),
+                    ..ExchangeInput::default()
+                },
+                trace: None,
+            };
+            store.enqueue(&job).await.unwrap();
+            ids.push(job.id);
+        }
+        assert_eq!(store.clear_forwarded(&ids).await.unwrap(), 3);
+        let series = |operation: Operation| &store.series[operation as usize];
+        assert_eq!(
+            series(Operation::ClearForwarded).latency.get_sample_count(),
+            1
+        );
+        assert_eq!(series(Operation::Ack).latency.get_sample_count(), 0);
+        // The embedded store's own clear keeps nothing; the provided loop left applied records.
+        assert_eq!(inner.job_state(&ids[0]).await.unwrap(), None);
     }
 }
