@@ -24,7 +24,7 @@ use engram_proxy::pipeline::trust::Gate;
 use engram_proxy::ratelimit::{PRUNE_INTERVAL, TokenBudget};
 use engram_proxy::recorder::Recorder;
 use engram_proxy::recorder::journal::{self, Journal};
-use engram_proxy::recorder::outbox::{MEMORY_SPOOL_JOBS, Outbox, Spool};
+use engram_proxy::recorder::outbox::{MEMORY_SPOOL_JOBS, Outbox, Spool, SpoolBounds};
 use engram_proxy::summarizer::Summarizer;
 use engram_proxy::telemetry::Telemetry;
 use engram_proxy::upstream::Upstream;
@@ -139,7 +139,15 @@ impl Engram {
         };
         let store = metrics.metered_store(store, backend)?;
         let spool = match spool {
-            Spool::Durable(spool) => Spool::Durable(metrics.metered_store(spool, "spool")?),
+            Spool::Durable {
+                store,
+                bounds,
+                held_bytes,
+            } => Spool::Durable {
+                store: metrics.metered_store(store, "spool")?,
+                bounds,
+                held_bytes,
+            },
             Spool::Memory { store, capacity } => Spool::Memory {
                 store: metrics.metered_store(store, "spool")?,
                 capacity,
@@ -344,7 +352,17 @@ pub async fn open_store(
             let spool_dir = config.data_dir.join(SPOOL_DIR);
             let linger = Duration::from_millis(config.group_commit_ms);
             let spool = open_embedded(spool_dir, "store.data_dir", linger).await?;
-            Ok((Arc::new(store), Spool::Durable(Arc::new(spool))))
+            // Counted once: what an earlier process left in the spool takes its room.
+            let held_bytes = spool.queued_turn_bytes().await?;
+            let spool = Spool::Durable {
+                store: Arc::new(spool),
+                bounds: SpoolBounds {
+                    jobs: config.spool_max_jobs,
+                    bytes: config.spool_max_bytes,
+                },
+                held_bytes,
+            };
+            Ok((Arc::new(store), spool))
         }
     }
 }

@@ -110,6 +110,53 @@ async fn redis_stopped_while_serving_answers_without_memory_and_loses_no_recorde
     assert!(memory_part(prompts.last().unwrap()).contains("shellfish"));
 }
 
+/// The local spool holds at most `store.spool_max_jobs` jobs (a long outage would otherwise
+/// fill the disk): past it an outage's answer says its recording is `lost`, the admin API
+/// counts it, and the spooled ones still reach Redis once it is back.
+#[tokio::test]
+async fn past_the_spools_bound_an_outage_recording_is_lost_and_says_so() {
+    let redis_dir = tempfile::tempdir().unwrap();
+    let Some(mut redis) = RedisServer::start_durable(redis_dir.path()).await else {
+        return;
+    };
+    let upstream = mock(&[]);
+    let url = redis.url();
+    let proxy = proxy(
+        &upstream.address,
+        &[
+            ("ENGRAM_STORE__BACKEND", "redis"),
+            ("ENGRAM_STORE__REDIS_URL", url.as_str()),
+            ("ENGRAM_STORE__SPOOL_MAX_JOBS", "1"),
+            // Reconnects to the stopped server give up soon, so recordings reach the spool soon.
+            ("ENGRAM_STORE__REDIS_CONNECT_TIMEOUT_MS", "200"),
+            ("ENGRAM_STORE__REDIS_RESPONSE_TIMEOUT_MS", "500"),
+            // Each answer's end waits for its recording's fate, so its receipt is final.
+            ("ENGRAM_CAPTURE__RECEIPT_WAIT_MS", "20000"),
+        ],
+    );
+    let before = say(&proxy, "acme", "uma", "s", "Before the outage.").await;
+    wait_applied(&proxy, "acme", "uma", &before).await;
+
+    redis.kill();
+    let mut states = Vec::new();
+    for turn in 0..2 {
+        let text = format!("During the outage, turn {turn}.");
+        let reply = say(&proxy, "acme", "uma", "s", &text).await;
+        states.push(header(&reply, "x-engram-job-state").to_owned());
+    }
+    assert_eq!(states, ["spooled", "lost"]);
+    let queue = admin(&proxy, "/engram/v1/queue", "default").await.json();
+    assert_eq!(queue["recorded"]["spooled"], 1, "{queue}");
+    assert_eq!(queue["recorded"]["lost"], 1, "{queue}");
+
+    redis.restart().await;
+    let queue = wait_drained(&proxy, Duration::from_secs(30)).await;
+    assert_eq!(queue["recorded"]["forwarded"], 1, "{queue}");
+    let memory = export(&proxy, "acme", "uma").await;
+    let raw = memory["memory"]["raw_turns"].as_array().unwrap();
+    assert_eq!(raw.len(), 2, "{memory}");
+}
+
 #[tokio::test]
 async fn a_stalled_redis_costs_requests_no_more_than_the_deadline_and_loses_no_turn() {
     let Some((redis, _upstream, proxy)) =

@@ -237,6 +237,35 @@ impl EmbeddedStore {
         self.db.path()
     }
 
+    /// Bytes of the turn texts (the user's message and the answer) of the jobs queued or
+    /// leased: what a spool left by an earlier process holds, for its bound. Reads every
+    /// such job's exchange, so call it once, at start-up.
+    pub async fn queued_turn_bytes(&self) -> Result<u64> {
+        self.blocking(|db| {
+            let txn = db.begin_read().map_err(db_error)?;
+            let queue = txn.open_table(QUEUE).map_err(db_error)?;
+            let jobs = txn.open_table(JOBS).map_err(db_error)?;
+            let exchanges = txn.open_table(JOB_EXCHANGES).map_err(db_error)?;
+            let mut bytes = 0u64;
+            for entry in queue.iter().map_err(db_error)? {
+                let (_, key) = entry.map_err(db_error)?;
+                let key = key.value();
+                let exchange: Option<ExchangeInput> = match exchanges.get(key).map_err(db_error)? {
+                    Some(row) => Some(decode(row.value())?),
+                    // A record written before `JOB_EXCHANGES` holds its exchange.
+                    None => decode_job(jobs.get(key).map_err(db_error)?)?
+                        .and_then(|record| record.exchange),
+                };
+                if let Some(exchange) = exchange {
+                    let texts = exchange.user_text.len() + exchange.assistant_text.len();
+                    bytes = bytes.saturating_add(texts as u64);
+                }
+            }
+            Ok(bytes)
+        })
+        .await
+    }
+
     /// Makes the next `commits` transactions of the write thread fail (tests: a disk error
     /// mid-stream; the `faults` feature). Enqueues and job commits share them: a job commit
     /// committing meanwhile takes its share of the failures.
@@ -1795,6 +1824,29 @@ mod tests {
         assert_eq!(left[0].job.id, jobs[2].id);
         // Spooled again later (a forward that crashed before its clear), a job is taken anew.
         assert_eq!(store.enqueue(&jobs[0]).await.unwrap(), Enqueued::Queued);
+    }
+
+    /// A reopened spool knows its jobs' text bytes: the queued and the leased count, a job
+    /// taken off does not.
+    #[tokio::test]
+    async fn queued_turn_bytes_counts_the_jobs_still_in_the_queue() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(dir.path()).unwrap();
+        assert_eq!(store.queued_turn_bytes().await.unwrap(), 0);
+        let jobs: Vec<Job> = ["one", "three", "fifty"]
+            .iter()
+            .map(|text| job(text, &text.repeat(10)))
+            .collect();
+        for job in &jobs {
+            store.enqueue(job).await.unwrap();
+        }
+        assert_eq!(store.claim_batch("w", LEASE, 1).await.unwrap().len(), 1);
+        store.clear_forwarded(&[jobs[1].id.clone()]).await.unwrap();
+        drop(store);
+        let reopened = EmbeddedStore::open(dir.path()).unwrap();
+        // "Noted." is each job's answer.
+        let expected = "one".len() * 10 + "fifty".len() * 10 + 2 * "Noted.".len();
+        assert_eq!(reopened.queued_turn_bytes().await.unwrap(), expected as u64);
     }
 
     #[tokio::test]

@@ -78,6 +78,11 @@ pub struct StoreConfig {
     /// The hot path's store read must answer within this; past it (or on an error) the request
     /// goes upstream without memory (fail open).
     pub hot_path_deadline_ms: u64,
+    /// Jobs the Redis backend's local spool holds at most; past it a recording is lost.
+    pub spool_max_jobs: u64,
+    /// Bytes of turn text the Redis backend's local spool holds at most; past it a recording
+    /// is lost.
+    pub spool_max_bytes: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -213,6 +218,8 @@ impl Default for StoreConfig {
             redis_order_grace_ms: 60_000,
             group_commit_ms: 0,
             hot_path_deadline_ms: 20,
+            spool_max_jobs: 100_000,
+            spool_max_bytes: 128 << 20,
         }
     }
 }
@@ -415,6 +422,8 @@ impl Config {
             ("worker.max_attempts", u64::from(self.worker.max_attempts)),
             ("worker.cache_users", self.worker.cache_users as u64),
             ("worker.cache_bytes", self.worker.cache_bytes as u64),
+            ("store.spool_max_jobs", self.store.spool_max_jobs),
+            ("store.spool_max_bytes", self.store.spool_max_bytes),
         ] {
             if value == 0 {
                 return invalid(path, "must be greater than 0");
@@ -595,6 +604,11 @@ mod tests {
         assert!(error.to_string().contains("memory.weights"), "{error}");
         let error = Config::from_yaml("summarizer:\n  base_url: nowhere\n").unwrap_err();
         assert!(error.to_string().contains("summarizer.base_url"), "{error}");
+        let error = Config::from_yaml("store:\n  spool_max_bytes: 0\n").unwrap_err();
+        assert!(
+            error.to_string().contains("store.spool_max_bytes"),
+            "{error}"
+        );
         let error = Config::from_yaml("worker:\n  concurrency: 0\n").unwrap_err();
         assert!(error.to_string().contains("worker.concurrency"), "{error}");
         let error = Config::from_yaml("telemetry:\n  sample_ratio: 2\n").unwrap_err();

@@ -705,11 +705,15 @@ mod tests {
             trace: None,
         };
         spool.enqueue(&earlier).await.unwrap();
-        let outbox = Outbox::new(
-            store,
-            Spool::Durable(spool.clone()),
-            Arc::new(Notify::new()),
-        );
+        let durable = Spool::Durable {
+            store: spool.clone(),
+            bounds: outbox::SpoolBounds {
+                jobs: 1_000,
+                bytes: 1 << 20,
+            },
+            held_bytes: 0,
+        };
+        let outbox = Outbox::new(store, durable, Arc::new(Notify::new()));
         let outbox = Arc::new(outbox.await);
         let recorder = Arc::new(Recorder::new(Arc::clone(&outbox), Duration::from_secs(10)));
         let order = order::SessionOrder::new();

@@ -13,9 +13,11 @@
 //! arrival itself, so there a recording whose arrival note is written is enqueued without
 //! waiting for the one before it.
 //!
-//! With Redis the spool is a file in the data directory. With the embedded store the spool
-//! would be on the very disk that is failing, so it is in memory, bounded by
-//! [`MEMORY_SPOOL_JOBS`]: a recording survives a full or failing disk, not a crash during it.
+//! With Redis the spool is a file in the data directory, bounded by `store.spool_max_jobs`
+//! and `store.spool_max_bytes` ([`SpoolBounds`]). With the embedded store the spool would be
+//! on the very disk that is failing, so it is in memory, bounded by [`MEMORY_SPOOL_JOBS`] and
+//! [`MEMORY_SPOOL_BYTES`]: a recording survives a full or failing disk, not a crash during it.
+//! Past a spool's bound a recording is lost, counted and logged.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -63,10 +65,23 @@ pub const MAX_RECORDING_BYTES_IN_FLIGHT: u64 = 64 * 1024 * 1024;
 pub const SHED_READS_IN_FLIGHT: u64 = MAX_RECORDINGS_IN_FLIGHT / 2;
 pub const SHED_READS_BYTES_IN_FLIGHT: u64 = MAX_RECORDING_BYTES_IN_FLIGHT / 2;
 
+/// How much a durable spool holds at most: jobs, and bytes of their turns' texts (as
+/// [`turn_bytes`] counts them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpoolBounds {
+    pub jobs: u64,
+    pub bytes: u64,
+}
+
 /// Where jobs wait while the store will not take them.
 pub enum Spool {
-    /// A store of its own on another medium (the Redis backend's local file).
-    Durable(Arc<dyn Store>),
+    /// A store of its own on another medium (the Redis backend's local file), bounded, that
+    /// held `held_bytes` of turn text when the process started (a spool outlives it).
+    Durable {
+        store: Arc<dyn Store>,
+        bounds: SpoolBounds,
+        held_bytes: u64,
+    },
     /// A store in memory holding at most `capacity` jobs (the embedded backend).
     Memory {
         store: Arc<dyn Store>,
@@ -77,7 +92,7 @@ pub enum Spool {
 impl Spool {
     fn store(&self) -> &Arc<dyn Store> {
         match self {
-            Spool::Durable(store) | Spool::Memory { store, .. } => store,
+            Spool::Durable { store, .. } | Spool::Memory { store, .. } => store,
         }
     }
 }
@@ -98,7 +113,7 @@ pub struct Outbox {
     spool: Spool,
     /// Jobs in the spool, not yet forwarded.
     spooled: AtomicU64,
-    /// Bytes of their turns' texts (0 for a durable spool's jobs from before a restart).
+    /// Bytes of their turns' texts.
     spooled_bytes: AtomicU64,
     /// Bytes an in-memory spool holds at most ([`MEMORY_SPOOL_BYTES`]).
     memory_spool_bytes: u64,
@@ -134,11 +149,15 @@ impl Outbox {
     pub async fn new(store: Arc<dyn Store>, spool: Spool, queued: Arc<Notify>) -> Outbox {
         // A durable spool may hold jobs from before a restart.
         let already = spool.store().queue_depth().await.unwrap_or(0);
+        let held_bytes = match &spool {
+            Spool::Durable { held_bytes, .. } => *held_bytes,
+            Spool::Memory { .. } => 0,
+        };
         Outbox {
             store,
             spool,
             spooled: AtomicU64::new(already),
-            spooled_bytes: AtomicU64::new(0),
+            spooled_bytes: AtomicU64::new(held_bytes),
             memory_spool_bytes: MEMORY_SPOOL_BYTES,
             queued,
             spooled_signal: Notify::new(),
@@ -236,7 +255,7 @@ impl Outbox {
         self.spooled.load(Ordering::Acquire)
     }
 
-    /// Bytes of their turns' texts (a durable spool's jobs from before a restart not counted).
+    /// Bytes of their turns' texts.
     pub fn spooled_bytes(&self) -> u64 {
         self.spooled_bytes.load(Ordering::Acquire)
     }
@@ -447,23 +466,26 @@ impl Outbox {
         }
     }
 
-    /// `Some(Receipt::Lost)`, counted and logged, when the in-memory spool has no room: it
-    /// holds its capacity in jobs, or `job`'s texts would take it past its bytes.
+    /// `Some(Receipt::Lost)`, counted and logged, when the spool has no room: it holds its
+    /// bound in jobs, or `job`'s texts would take it past its bytes. A disk spool without a
+    /// bound filled the disk in a long Redis outage (and took the node's other pods with it).
     fn spool_full(&self, job: &Job) -> Option<Receipt> {
-        let Spool::Memory { capacity, .. } = &self.spool else {
-            return None;
+        let (max_jobs, max_bytes, spool) = match &self.spool {
+            Spool::Durable { bounds, .. } => (bounds.jobs, bounds.bytes, "local spool"),
+            Spool::Memory { capacity, .. } => {
+                (*capacity, self.memory_spool_bytes, "in-memory spool")
+            }
         };
         let bytes = self.spooled_bytes.load(Ordering::Acquire);
-        if self.spooled() < *capacity
-            && bytes.saturating_add(text_bytes(job)) <= self.memory_spool_bytes
-        {
+        if self.spooled() < max_jobs && bytes.saturating_add(text_bytes(job)) <= max_bytes {
             return None;
         }
         self.stats.lost.fetch_add(1, Ordering::Relaxed);
         tracing::error!(
             job = %job.id.key,
-            capacity,
-            "the store did not take a recorded exchange and the in-memory spool is full; it is lost"
+            max_jobs,
+            max_bytes,
+            "the store did not take a recorded exchange and the {spool} is full; it is lost"
         );
         Some(Receipt::Lost)
     }
@@ -495,7 +517,7 @@ impl Outbox {
             tracing::debug!(job = %job.id.key, "exchange kept in the local spool");
         }
         match self.spool {
-            Spool::Durable(_) => Receipt::Spooled,
+            Spool::Durable { .. } => Receipt::Spooled,
             Spool::Memory { .. } => Receipt::Pending,
         }
     }
@@ -734,6 +756,19 @@ mod tests {
         }
     }
 
+    const BOUNDS: SpoolBounds = SpoolBounds {
+        jobs: 1_000,
+        bytes: 1 << 20,
+    };
+
+    fn durable(spool: EmbeddedStore, bounds: SpoolBounds, held_bytes: u64) -> Spool {
+        Spool::Durable {
+            store: Arc::new(spool),
+            bounds,
+            held_bytes,
+        }
+    }
+
     /// An outbox over `store` with an in-memory spool of the shipped size.
     async fn memory_spooled(store: &Arc<dyn Store>) -> Arc<Outbox> {
         let spool = Spool::Memory {
@@ -907,6 +942,53 @@ mod tests {
         );
     }
 
+    /// The disk spool is bounded by its jobs and their bytes too, counting what it held when
+    /// the process started: past either bound a recording is lost (counted), and a reopened
+    /// spool's jobs leave the room they took once forwarded.
+    #[tokio::test]
+    async fn the_disk_spool_is_bounded_counting_what_it_held_at_start() {
+        let store: Arc<dyn Store> = Arc::new(EmbeddedStore::in_memory().unwrap());
+        let spool_dir = tempfile::tempdir().unwrap();
+        let user = UserKey::new("t", "u");
+        let spool = EmbeddedStore::open(spool_dir.path()).unwrap();
+        spool
+            .enqueue(&sized_job(&user, "before", 60))
+            .await
+            .unwrap();
+        drop(spool);
+        let spool = EmbeddedStore::open(spool_dir.path()).unwrap();
+        let held = spool.queued_turn_bytes().await.unwrap();
+        let bounds = SpoolBounds {
+            jobs: 3,
+            bytes: 150,
+        };
+        let outbox = Arc::new(
+            Outbox::new(
+                Arc::clone(&store),
+                durable(spool, bounds, held),
+                Arc::new(Notify::new()),
+            )
+            .await,
+        );
+        assert_eq!((outbox.spooled(), outbox.spooled_bytes()), (1, 60));
+        let spool = |key: &str, bytes: usize| outbox.spool(sized_job(&user, key, bytes));
+        assert_eq!(spool("a", 60).await, Receipt::Spooled);
+        // 180 bytes: past the bound.
+        assert_eq!(spool("b", 60).await, Receipt::Lost);
+        assert_eq!(spool("c", 30).await, Receipt::Spooled);
+        // Three jobs: the bound, however small the next.
+        assert_eq!(spool("d", 1).await, Receipt::Lost);
+        assert_eq!(outbox.stats().lost.load(Ordering::Relaxed), 2);
+
+        let cancel = CancellationToken::new();
+        let mut forwarder = tokio::task::JoinSet::new();
+        forwarder.spawn(Arc::clone(&outbox).forward(cancel.clone()));
+        forwarded(&outbox, cancel, forwarder).await;
+        assert_eq!((outbox.spooled(), outbox.spooled_bytes()), (0, 0));
+        assert_eq!(store.queue_depth().await.unwrap(), 3);
+        assert_eq!(spool("e", 150).await, Receipt::Spooled);
+    }
+
     /// Forgetting a user takes their jobs' bytes off the spool's (in proportion, the sizes of
     /// the forgotten jobs being unknown there), and all of them once the spool is empty.
     #[tokio::test]
@@ -1071,14 +1153,9 @@ mod tests {
         for job in [job(&gone, "a"), job(&gone, "b"), job(&kept, "c")] {
             spool.enqueue(&job).await.unwrap();
         }
-        // One spooled job was forwarded already: its applied record stays in the spool.
+        // One spooled job was forwarded by an earlier release, which left an applied record.
         spool.ack(&job(&gone, "a").id).await.unwrap();
-        let outbox = Outbox::new(
-            store,
-            Spool::Durable(Arc::new(spool)),
-            Arc::new(Notify::new()),
-        )
-        .await;
+        let outbox = Outbox::new(store, durable(spool, BOUNDS, 0), Arc::new(Notify::new())).await;
         assert_eq!(outbox.spooled(), 2);
 
         let report = outbox.forget_user(&gone).await.unwrap();
