@@ -154,7 +154,15 @@ impl Engram {
             },
         };
         let wake = Arc::new(Notify::new());
-        let outbox = Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::clone(&wake)).await);
+        let journal = open_journal(&config.store.data_dir)?;
+        let outbox = Outbox::new(Arc::clone(&store), spool, Arc::clone(&wake))
+            .await
+            .with_journal(Arc::clone(&journal));
+        outbox.stats().unrecorded_at_start.store(
+            journal.unrecorded_at_start().len() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        let outbox = Arc::new(outbox);
         let memory_config = Arc::new(config.memory.clone());
         let background = TaskTracker::new();
         let cancel = CancellationToken::new();
@@ -185,7 +193,6 @@ impl Engram {
             None
         };
         let explains = Arc::new(ExplainLog::new(EXPLAINED_TURNS));
-        let journal = open_journal(&config.store.data_dir, &outbox)?;
         let recorder = Recorder::new(
             Arc::clone(&outbox),
             Duration::from_millis(config.capture.receipt_wait_ms),
@@ -367,9 +374,9 @@ pub async fn open_store(
     }
 }
 
-/// The journal of answers released before their recording was durable; reports (log and
-/// metric) the turns the previous process answered and never recorded.
-fn open_journal(data_dir: &std::path::Path, outbox: &Outbox) -> Result<Arc<Journal>> {
+/// The journal of answers released before their recording was durable; logs the turns the
+/// previous process answered and never recorded.
+fn open_journal(data_dir: &std::path::Path) -> Result<Arc<Journal>> {
     let journal = Journal::open(data_dir).map_err(|error| Error::Config {
         path: "store.data_dir".into(),
         message: format!(
@@ -379,10 +386,6 @@ fn open_journal(data_dir: &std::path::Path, outbox: &Outbox) -> Result<Arc<Journ
         ),
     })?;
     let lost = journal.unrecorded_at_start();
-    outbox
-        .stats()
-        .unrecorded_at_start
-        .store(lost.len() as u64, std::sync::atomic::Ordering::Relaxed);
     if !lost.is_empty() {
         tracing::error!(
             turns = lost.len(),

@@ -28,6 +28,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::Receipt;
+use super::journal::Journal;
 use super::order::Ticket;
 use crate::error::Result;
 use engram_runtime::BoxFuture;
@@ -127,6 +128,9 @@ pub struct Outbox {
     /// Jobs placed in the store's queue whose outcome is not yet dealt with (durable, or
     /// spooled after a failure); placing resumes after a failure once it is 0.
     unsettled: Mutex<u64>,
+    /// Where answers released before their recording was durable are noted: a job forwarded
+    /// from the in-memory spool closes its note.
+    journal: Option<Arc<Journal>>,
 }
 
 #[derive(Debug, Default)]
@@ -164,7 +168,16 @@ impl Outbox {
             stats: OutboxStats::default(),
             recording: Mutex::default(),
             unsettled: Mutex::new(0),
+            journal: None,
         }
+    }
+
+    /// Notes in `journal` that a job whose answer went with `pending` from the in-memory spool
+    /// became durable once forwarded. Without it a restart reported every turn that had gone
+    /// through that spool as answered and never recorded.
+    pub fn with_journal(mut self, journal: Arc<Journal>) -> Outbox {
+        self.journal = Some(journal);
+        self
     }
 
     pub fn stats(&self) -> &OutboxStats {
@@ -671,6 +684,12 @@ impl Outbox {
             // Forwarded twice at worst; the store queues a job id once.
             tracing::warn!(%error, "could not clear forwarded jobs from the spool");
         }
+        // Their answers said `pending` (the in-memory spool is not durable); now they are.
+        if let (Spool::Memory { .. }, Some(journal)) = (&self.spool, &self.journal) {
+            for job in jobs {
+                journal.recorded(&job.id.key);
+            }
+        }
         let count = jobs.len() as u64;
         let before = self.unspool(count, jobs.iter().map(text_bytes).sum());
         if before > 0 && before <= count {
@@ -987,6 +1006,35 @@ mod tests {
         assert_eq!((outbox.spooled(), outbox.spooled_bytes()), (0, 0));
         assert_eq!(store.queue_depth().await.unwrap(), 3);
         assert_eq!(spool("e", 150).await, Receipt::Spooled);
+    }
+
+    /// A job forwarded from the in-memory spool closes the note its `pending` answer left in
+    /// the journal, so a restart does not report it as answered and never recorded.
+    #[tokio::test]
+    async fn a_job_forwarded_from_the_memory_spool_closes_its_journal_note() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Arc::new(Journal::open(dir.path()).unwrap());
+        let store: Arc<dyn Store> = Arc::new(EmbeddedStore::in_memory().unwrap());
+        let spool = Spool::Memory {
+            store: Arc::new(EmbeddedStore::in_memory().unwrap()),
+            capacity: MEMORY_SPOOL_JOBS,
+        };
+        let outbox = Outbox::new(Arc::clone(&store), spool, Arc::new(Notify::new())).await;
+        let outbox = Arc::new(outbox.with_journal(Arc::clone(&journal)));
+        let user = UserKey::new("t", "u");
+        assert_eq!(outbox.spool(job(&user, "spooled")).await, Receipt::Pending);
+        // What the recorder notes for a `pending` receipt, and one answer never recorded.
+        journal.answered("spooled");
+        journal.answered("never-recorded");
+
+        let cancel = CancellationToken::new();
+        let mut forwarder = tokio::task::JoinSet::new();
+        forwarder.spawn(Arc::clone(&outbox).forward(cancel.clone()));
+        forwarded(&outbox, cancel, forwarder).await;
+        assert_eq!(store.queue_depth().await.unwrap(), 1);
+        drop((outbox, journal));
+        let reopened = Journal::open(dir.path()).unwrap();
+        assert_eq!(reopened.unrecorded_at_start(), ["never-recorded"]);
     }
 
     /// Forgetting a user takes their jobs' bytes off the spool's (in proportion, the sizes of
