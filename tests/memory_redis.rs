@@ -120,12 +120,10 @@ async fn past_the_spools_bound_an_outage_recording_is_lost_and_says_so() {
         return;
     };
     let upstream = mock(&[]);
-    let url = redis.url();
-    let proxy = proxy(
-        &upstream.address,
+    let proxy = redis_proxy(
+        &upstream,
+        &redis,
         &[
-            ("ENGRAM_STORE__BACKEND", "redis"),
-            ("ENGRAM_STORE__REDIS_URL", url.as_str()),
             ("ENGRAM_STORE__SPOOL_MAX_JOBS", "1"),
             // Reconnects to the stopped server give up soon, so recordings reach the spool soon.
             ("ENGRAM_STORE__REDIS_CONNECT_TIMEOUT_MS", "200"),
@@ -338,14 +336,21 @@ async fn proxy_on_redis(
 ) -> Option<(RedisServer, common::Mock, common::Process)> {
     let redis = RedisServer::start().await?;
     let upstream = mock(&[]);
-    let url = redis.url();
-    let proxy = proxy(
-        &upstream.address,
-        &[
-            ("ENGRAM_STORE__BACKEND", "redis"),
-            ("ENGRAM_STORE__REDIS_URL", url.as_str()),
-            setting,
-        ],
-    );
+    let proxy = redis_proxy(&upstream, &redis, &[setting]);
     Some((redis, upstream, proxy))
+}
+
+/// The binary on `redis` in front of `upstream`, with `settings` besides.
+fn redis_proxy(
+    upstream: &common::Mock,
+    redis: &RedisServer,
+    settings: &[(&str, &str)],
+) -> common::Process {
+    let url = redis.url();
+    let mut env = vec![
+        ("ENGRAM_STORE__BACKEND", "redis"),
+        ("ENGRAM_STORE__REDIS_URL", url.as_str()),
+    ];
+    env.extend_from_slice(settings);
+    proxy(&upstream.address, &env)
 }

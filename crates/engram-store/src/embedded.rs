@@ -1596,13 +1596,7 @@ fn write_finish(txn: &WriteTransaction, id: &JobId, state: JobState) -> Result<b
     let Some(mut record) = known else {
         return Ok(false);
     };
-    if record.state == JobState::Queued {
-        txn.open_table(QUEUE)
-            .map_err(db_error)?
-            .remove(record.queue_position)
-            .map_err(db_error)?;
-        dequeue_session(txn, key, record.session(), record.queue_position)?;
-    }
+    dequeue(txn, key, &record)?;
     // The raw log keeps an applied exchange; a failed one stays with its job, the only copy.
     if state == JobState::Applied {
         txn.open_table(JOB_EXCHANGES)
@@ -1629,18 +1623,24 @@ fn write_clear(txn: &WriteTransaction, id: &JobId) -> Result<bool> {
     let Some(record) = decode_job(jobs.remove(key).map_err(db_error)?)? else {
         return Ok(false);
     };
-    if record.state == JobState::Queued {
-        txn.open_table(QUEUE)
-            .map_err(db_error)?
-            .remove(record.queue_position)
-            .map_err(db_error)?;
-        dequeue_session(txn, key, record.session(), record.queue_position)?;
-    }
+    dequeue(txn, key, &record)?;
     txn.open_table(JOB_EXCHANGES)
         .map_err(db_error)?
         .remove(key)
         .map_err(db_error)?;
     Ok(true)
+}
+
+/// Takes the job `record` describes off the queue and its session's index, if it is queued.
+fn dequeue(txn: &WriteTransaction, key: (&str, &str, &str), record: &JobRecord) -> Result<()> {
+    if record.state != JobState::Queued {
+        return Ok(());
+    }
+    txn.open_table(QUEUE)
+        .map_err(db_error)?
+        .remove(record.queue_position)
+        .map_err(db_error)?;
+    dequeue_session(txn, key, record.session(), record.queue_position)
 }
 
 /// Takes a job that leaves the queue out of its session's index; when it was the session's head,
