@@ -359,6 +359,13 @@ pub async fn open_store(
             let spool_dir = config.data_dir.join(SPOOL_DIR);
             let linger = Duration::from_millis(config.group_commit_ms);
             let spool = open_embedded(spool_dir, "store.data_dir", linger).await?;
+            let dropped = spool.drop_finished_jobs().await?;
+            if dropped > 0 {
+                tracing::info!(
+                    records = dropped,
+                    "dropped the records of jobs the spool forwarded before this release"
+                );
+            }
             // Counted once: what an earlier process left in the spool takes its room.
             let held_bytes = spool.queued_turn_bytes().await?;
             let spool = Spool::Durable {

@@ -237,6 +237,43 @@ impl EmbeddedStore {
         self.db.path()
     }
 
+    /// Deletes the records of jobs no longer queued (applied or failed), with their exchanges;
+    /// how many. For a spool only, once, at start-up: releases before `clear_forwarded` kept
+    /// an applied record of every job a spool forwarded, for good. (A store's own records
+    /// answer reads of a job's state, and stay.)
+    pub async fn drop_finished_jobs(&self) -> Result<u64> {
+        self.blocking_write(|db| {
+            let txn = db.begin_write().map_err(db_error)?;
+            let mut finished: Vec<(String, String, String)> = Vec::new();
+            {
+                let jobs = txn.open_table(JOBS).map_err(db_error)?;
+                for entry in jobs.iter().map_err(db_error)? {
+                    let (key, record) = entry.map_err(db_error)?;
+                    let record: JobRecord = decode(record.value())?;
+                    if record.state != JobState::Queued {
+                        let (tenant, user, job) = key.value();
+                        finished.push((tenant.to_owned(), user.to_owned(), job.to_owned()));
+                    }
+                }
+            }
+            if finished.is_empty() {
+                return Ok(0);
+            }
+            {
+                let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
+                let mut exchanges = txn.open_table(JOB_EXCHANGES).map_err(db_error)?;
+                for (tenant, user, job) in &finished {
+                    let key = (tenant.as_str(), user.as_str(), job.as_str());
+                    jobs.remove(key).map_err(db_error)?;
+                    exchanges.remove(key).map_err(db_error)?;
+                }
+            }
+            txn.commit().map_err(db_error)?;
+            Ok(finished.len() as u64)
+        })
+        .await
+    }
+
     /// Bytes of the turn texts (the user's message and the answer) of the jobs queued or
     /// leased: what a spool left by an earlier process holds, for its bound. Reads every
     /// such job's exchange, so call it once, at start-up.
@@ -1824,6 +1861,27 @@ mod tests {
         assert_eq!(left[0].job.id, jobs[2].id);
         // Spooled again later (a forward that crashed before its clear), a job is taken anew.
         assert_eq!(store.enqueue(&jobs[0]).await.unwrap(), Enqueued::Queued);
+    }
+
+    /// A spool's applied records (kept by releases before `clear_forwarded`) go at start-up;
+    /// its queued jobs stay and are claimed as before.
+    #[tokio::test]
+    async fn finished_jobs_are_dropped_and_queued_ones_kept() {
+        let store = EmbeddedStore::in_memory().unwrap();
+        let jobs: Vec<Job> = (0..3).map(|n| job(&format!("k{n}"), "a")).collect();
+        for job in &jobs {
+            store.enqueue(job).await.unwrap();
+        }
+        store.ack(&jobs[0].id).await.unwrap();
+        store.fail(&jobs[1].id, "gave up").await.unwrap();
+        assert_eq!(store.drop_finished_jobs().await.unwrap(), 2);
+        for job in &jobs[..2] {
+            assert_eq!(job_rows(&store, &job.id), (None, None));
+        }
+        assert_eq!(store.drop_finished_jobs().await.unwrap(), 0);
+        let left = store.claim_batch("w", LEASE, 4).await.unwrap();
+        assert_eq!(left.len(), 1);
+        assert_eq!(left[0].job.id, jobs[2].id);
     }
 
     /// A reopened spool knows its jobs' text bytes: the queued and the leased count, a job
