@@ -480,8 +480,9 @@ impl Outbox {
     }
 
     /// `Some(Receipt::Lost)`, counted and logged, when the spool has no room: it holds its
-    /// bound in jobs, or `job`'s texts would take it past its bytes. A disk spool without a
-    /// bound filled the disk in a long Redis outage (and took the node's other pods with it).
+    /// bound in jobs, or `job`'s texts would take it past its bytes. Without a bound a disk
+    /// spool would grow for as long as a Redis outage lasts, until the disk or the pod's data
+    /// volume is full.
     fn spool_full(&self, job: &Job) -> Option<Receipt> {
         let (max_jobs, max_bytes, spool) = match &self.spool {
             Spool::Durable { bounds, .. } => (bounds.jobs, bounds.bytes, "local spool"),
