@@ -3,9 +3,10 @@
 //! version; cold: the state is decoded), of state saves and raw-log appends, and the job
 //! queue's enqueue → claim → ack throughput. Every write is a committed, synced transaction.
 //!
-//! Last, what a recorded answer's end waits for when the worker is busy: enqueues timed one
+//! Then, what a recorded answer's end waits for when the worker is busy: enqueues timed one
 //! every 2 ms while a worker task claims, applies and commits the jobs as the sidecar's worker
-//! does (one user's memory of 2,000 turns growing by each job).
+//! does (one user's memory of 2,000 turns growing by each job). Last, a spool's backlog drained
+//! while answers keep ending, in memory and on disk, through the metrics' wrapper.
 //!
 //! `cargo bench --bench store`
 
@@ -22,7 +23,8 @@ use std::time::{Duration, Instant};
 use engram_memory::{
     ExchangeInput, HeuristicExtractor, ItemRef, MemoryConfig, MemoryState, record_exchange,
 };
-use engram_proxy::recorder::outbox::{MEMORY_SPOOL_JOBS, Outbox, Spool};
+use engram_ops::metrics::Metrics;
+use engram_proxy::recorder::outbox::{MEMORY_SPOOL_JOBS, Outbox, Spool, SpoolBounds};
 use engram_store::{
     EmbeddedStore, EncodedState, Job, JobId, JobQueue, MemoryRecords, Store, UserKey,
 };
@@ -165,23 +167,54 @@ async fn run() {
     );
 
     enqueue_beside_the_worker(state).await;
-    spool_drain_under_intake().await;
+    spool_drain_under_intake(false).await;
+    spool_drain_under_intake(true).await;
 }
 
-/// A spool of `BACKLOG` jobs drained while `INTAKE` more arrive at 1,000 a second.
-async fn spool_drain_under_intake() {
+/// A spool of `BACKLOG` jobs drained while `INTAKE` more arrive at 1,000 a second: the
+/// embedded backend's in-memory spool, or (`on_disk`) the Redis backend's spool file, whose
+/// store here is an embedded one on disk too. Both wrapped in the metrics as the proxy wraps
+/// them: a wrapper that did not pass the batch clear on cost a commit per forwarded job.
+async fn spool_drain_under_intake(on_disk: bool) {
     const BACKLOG: usize = 5_000;
     const INTAKE: usize = 5_000;
     let dir = tempfile::tempdir().unwrap();
-    let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(dir.path()).unwrap());
-    let spool_store = Arc::new(EmbeddedStore::in_memory().unwrap());
+    let spool_dir = tempfile::tempdir().unwrap();
+    let metrics = Metrics::new().unwrap();
+    let store = metrics
+        .metered_store(
+            Arc::new(EmbeddedStore::open(dir.path()).unwrap()),
+            "embedded",
+        )
+        .unwrap();
+    let spool_store = if on_disk {
+        EmbeddedStore::open(spool_dir.path()).unwrap()
+    } else {
+        EmbeddedStore::in_memory().unwrap()
+    };
     let user = UserKey::new("acme", "bob");
-    for index in 0..BACKLOG {
-        spool_store.enqueue(&job(&user, index)).await.unwrap();
+    let backlog: Vec<Job> = (0..BACKLOG).map(|index| job(&user, index)).collect();
+    for jobs in backlog.chunks(256) {
+        spool_store.enqueue_run(jobs).await.unwrap();
     }
-    let spool = Spool::Memory {
-        store: spool_store,
-        capacity: MEMORY_SPOOL_JOBS,
+    let held_bytes = spool_store.queued_turn_bytes().await.unwrap();
+    let spool_store = metrics
+        .metered_store(Arc::new(spool_store), "spool")
+        .unwrap();
+    let spool = if on_disk {
+        Spool::Durable {
+            store: spool_store,
+            bounds: SpoolBounds {
+                jobs: 100_000,
+                bytes: 128 << 20,
+            },
+            held_bytes,
+        }
+    } else {
+        Spool::Memory {
+            store: spool_store,
+            capacity: MEMORY_SPOOL_JOBS,
+        }
     };
     let outbox = Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::new(Notify::new())).await);
     let cancel = CancellationToken::new();
@@ -216,8 +249,9 @@ async fn spool_drain_under_intake() {
     while forwarder.join_next().await.is_some() {}
     let stats = outbox.stats();
     println!(
-        "spool drain: {BACKLOG} spooled, {INTAKE} more at 1,000/s (over {:.1} s): {}, \
+        "spool drain ({}): {BACKLOG} spooled, {INTAKE} more at 1,000/s (over {:.1} s): {}, \
          peak {peak} spooled, {} forwarded, {} lost",
+        if on_disk { "on disk" } else { "in memory" },
         intake_ended.as_secs_f64(),
         emptied.map_or_else(
             || "NOT empty after 120 s".to_owned(),
