@@ -24,6 +24,7 @@ use engram_memory::{
     ExchangeInput, HeuristicExtractor, ItemRef, MemoryConfig, MemoryState, record_exchange,
 };
 use engram_ops::metrics::Metrics;
+use engram_proxy::recorder::order::SessionOrder;
 use engram_proxy::recorder::outbox::{MEMORY_SPOOL_JOBS, Outbox, Spool, SpoolBounds};
 use engram_store::{
     EmbeddedStore, EncodedState, Job, JobId, JobQueue, MemoryRecords, Store, UserKey,
@@ -167,15 +168,18 @@ async fn run() {
     );
 
     enqueue_beside_the_worker(state).await;
-    spool_drain_under_intake(false).await;
-    spool_drain_under_intake(true).await;
+    spool_drain_under_intake(false, false).await;
+    spool_drain_under_intake(true, false).await;
+    spool_drain_under_intake(true, true).await;
 }
 
 /// A spool of `BACKLOG` jobs drained while `INTAKE` more arrive at 1,000 a second: the
 /// embedded backend's in-memory spool, or (`on_disk`) the Redis backend's spool file, whose
 /// store here is an embedded one on disk too. Both wrapped in the metrics as the proxy wraps
-/// them: a wrapper that did not pass the batch clear on cost a commit per forwarded job.
-async fn spool_drain_under_intake(on_disk: bool) {
+/// them: a wrapper that did not pass the batch clear on cost a commit per forwarded job. The
+/// intake is submitted job by job, or (`in_order`) as the proxy records one session's turns:
+/// each in its turn, placed so that consecutive ones share the spool's commits.
+async fn spool_drain_under_intake(on_disk: bool, in_order: bool) {
     const BACKLOG: usize = 5_000;
     const INTAKE: usize = 5_000;
     let dir = tempfile::tempdir().unwrap();
@@ -231,11 +235,23 @@ async fn spool_drain_under_intake(on_disk: bool) {
             emptied = Some(started.elapsed());
         }
     };
+    let order = SessionOrder::new();
     for index in BACKLOG..BACKLOG + INTAKE {
         ticks.tick().await;
         let submitter = Arc::clone(&outbox);
         let job = job(&user, index);
-        submits.spawn(async move { submitter.submit(job).await });
+        let ticket = in_order.then(|| order.ticket("s".to_owned()));
+        submits.spawn(async move {
+            match ticket {
+                Some(ticket) => {
+                    ticket.wait_turn().await;
+                    submitter
+                        .submit_in_order(job, Arc::new(ticket), false)
+                        .await
+                }
+                None => submitter.submit(job).await,
+            }
+        });
         watch(&outbox);
     }
     while submits.join_next().await.is_some() {}
@@ -251,7 +267,11 @@ async fn spool_drain_under_intake(on_disk: bool) {
     println!(
         "spool drain ({}): {BACKLOG} spooled, {INTAKE} more at 1,000/s (over {:.1} s): {}, \
          peak {peak} spooled, {} forwarded, {} lost",
-        if on_disk { "on disk" } else { "in memory" },
+        match (on_disk, in_order) {
+            (false, _) => "in memory",
+            (true, false) => "on disk",
+            (true, true) => "on disk, one session in order",
+        },
         intake_ended.as_secs_f64(),
         emptied.map_or_else(
             || "NOT empty after 120 s".to_owned(),
