@@ -294,8 +294,7 @@ impl EmbeddedStore {
                         .and_then(|record| record.exchange),
                 };
                 if let Some(exchange) = exchange {
-                    let texts = exchange.user_text.len() + exchange.assistant_text.len();
-                    bytes = bytes.saturating_add(texts as u64);
+                    bytes = bytes.saturating_add(exchange.text_bytes() as u64);
                 }
             }
             Ok(bytes)

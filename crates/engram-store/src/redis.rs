@@ -94,7 +94,7 @@ struct RawElement<'a> {
 /// Whether an exchange is large enough for its raw-log entry to be a reference (and so, at
 /// the enqueue, for its JSON to have been staged into `jobx:<key>`).
 fn is_large(exchange: &ExchangeInput) -> bool {
-    exchange.user_text.len() + exchange.assistant_text.len() >= STAGE_FROM_BYTES
+    exchange.text_bytes() >= STAGE_FROM_BYTES
 }
 
 /// A queued job's exchange as the job record and stream entry hold it: the exchange's own
@@ -643,7 +643,7 @@ impl RedisStore {
 
     /// A job's exchange as its record holds it; a large one is encoded on [`Self::encoder`].
     async fn encode_queued(&self, job: &Job) -> Result<String> {
-        let text_bytes = job.exchange.user_text.len() + job.exchange.assistant_text.len();
+        let text_bytes = job.exchange.text_bytes();
         let pool = self.encoder.handle();
         let Some(pool) = pool.filter(|_| text_bytes > ENCODE_IN_BACKGROUND_BYTES) else {
             return queued_json(&job.exchange, job.trace);

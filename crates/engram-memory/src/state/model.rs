@@ -843,6 +843,14 @@ pub struct ExchangeInput {
     pub arrival: Option<u64>,
 }
 
+impl ExchangeInput {
+    /// Bytes of the turn's texts (the user's message and the answer): what the stores and the
+    /// recorder size an exchange by.
+    pub fn text_bytes(&self) -> usize {
+        self.user_text.len() + self.assistant_text.len()
+    }
+}
+
 /// Memories built by hand for tests.
 #[cfg(test)]
 pub(crate) mod test_support {

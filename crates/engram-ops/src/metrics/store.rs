@@ -175,11 +175,6 @@ impl MeteredStore {
     }
 }
 
-/// Bytes of an exchange's texts.
-fn exchange_bytes(exchange: &ExchangeInput) -> usize {
-    exchange.user_text.len() + exchange.assistant_text.len()
-}
-
 /// Observes on drop, so an operation its caller gave up on (the hot-path deadline) is timed
 /// too, up to the moment it was abandoned.
 struct Timer<'a> {
@@ -235,16 +230,16 @@ impl MemoryRecords for MeteredStore {
         fn save_prefetched(user: &'a UserKey, session_id: &'a str, candidates: &'a [CandidateId])
             -> () = timed(SavePrefetched);
         fn append_raw(user: &'a UserKey, exchange_id: &'a str, exchange: &'a ExchangeInput)
-            -> Appended = timed(AppendRaw), wrote exchange_bytes(exchange);
+            -> Appended = timed(AppendRaw), wrote exchange.text_bytes();
         fn read_raw(user: &'a UserKey) -> Vec<RawEntry> = timed(ReadRaw);
     }
 }
 
 impl JobQueue for MeteredStore {
     forward_metered! {
-        fn enqueue(job: &'a Job) -> Enqueued = timed(Enqueue), wrote exchange_bytes(&job.exchange);
+        fn enqueue(job: &'a Job) -> Enqueued = timed(Enqueue), wrote job.exchange.text_bytes();
         fn enqueue_run(jobs: &'a [Job]) -> usize = timed(Enqueue),
-            wrote jobs.iter().map(|job| exchange_bytes(&job.exchange)).sum();
+            wrote jobs.iter().map(|job| job.exchange.text_bytes()).sum();
         fn claim(consumer: &'a str, lease: Duration) -> Option<ClaimedJob> = timed(Claim);
         fn claim_batch(consumer: &'a str, lease: Duration, max: usize)
             -> Vec<ClaimedJob> = timed(ClaimBatch);
@@ -261,7 +256,7 @@ impl JobQueue for MeteredStore {
     /// Timed as an enqueue, from the placement to the answer.
     fn place(&self, job: Job) -> Placement {
         let series = &self.series[Operation::Enqueue as usize];
-        let bytes = exchange_bytes(&job.exchange);
+        let bytes = job.exchange.text_bytes();
         let started = Instant::now();
         match self.inner.place(job) {
             Placement::Placed(answer) => {
@@ -311,7 +306,7 @@ impl Store for MeteredStore {
 
 /// Bytes of the jobs' exchanges.
 fn jobs_bytes(jobs: &[Job]) -> usize {
-    jobs.iter().map(|job| exchange_bytes(&job.exchange)).sum()
+    jobs.iter().map(|job| job.exchange.text_bytes()).sum()
 }
 
 #[cfg(test)]

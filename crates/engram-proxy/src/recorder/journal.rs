@@ -139,7 +139,7 @@ impl Journal {
     }
 
     fn append(&self, written: &mut Written, mark: char, job_key: &str) {
-        let line = format!("{mark}{job_key}\n");
+        let line = line(mark, job_key);
         // One write of a short line to a file opened for appending lands whole.
         match written.file.write_all(line.as_bytes()) {
             Ok(()) => written.bytes += line.len() as u64,
@@ -154,7 +154,7 @@ impl Journal {
     fn compact(&self, written: &mut Written) {
         let mut open: Vec<(&u64, &String)> = written.open.iter().map(|(k, o)| (o, k)).collect();
         open.sort_unstable();
-        let text: String = open.iter().map(|(_, key)| format!("+{key}\n")).collect();
+        let text: String = open.iter().map(|(_, key)| line('+', key)).collect();
         let staged = self.path.with_extension("log.new");
         // Opened before the rename, so the handle appends to the file that takes the name.
         let rewritten = match std::fs::remove_file(&staged) {
@@ -180,6 +180,11 @@ impl Journal {
             }
         }
     }
+}
+
+/// A note: its mark (`+` answered, `-` recorded) and the job's key, one line.
+fn line(mark: char, job_key: &str) -> String {
+    format!("{mark}{job_key}\n")
 }
 
 /// Bytes of a key's `+` line.

@@ -709,7 +709,7 @@ pub fn turn_bytes(user_text: &str, assistant_text: &str) -> u64 {
 
 /// [`turn_bytes`] of a job's turn.
 fn text_bytes(job: &Job) -> u64 {
-    turn_bytes(&job.exchange.user_text, &job.exchange.assistant_text)
+    job.exchange.text_bytes() as u64
 }
 
 /// Waits until the session's earlier recordings that failed were spooled (`settle`, the
