@@ -9,7 +9,9 @@
 //! their order: the store holds back every job placed behind a failed one, those jobs go to
 //! the spool in the order they were placed (the failed one first), and placing resumes once
 //! each of them has been dealt with, while the spool then takes new jobs until it is empty,
-//! placed in its queue the same way. Redis does not place but orders a session's jobs by
+//! placed in its queue the same way. To let it empty under a steady intake, new recordings wait
+//! (briefly, `DRAIN_WAIT`) while the forwarder moves what is left in one round
+//! ([`Outbox::forward`]), then go to the store behind it. Redis does not place but orders a session's jobs by
 //! arrival itself, so there a recording whose arrival note is written is enqueued without
 //! waiting for the one before it.
 //!
@@ -20,7 +22,7 @@
 //! Past a spool's bound a recording is lost, counted and logged.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -46,6 +48,10 @@ const FORWARD_RETRY: Duration = Duration::from_millis(500);
 /// about 430 a second on a busy core (`cargo bench --bench store`), and at a busier intake a
 /// spool, once started, only grew.
 const FORWARD_BATCH: usize = 256;
+/// How long a recording bound for the spool waits, at most, while the forwarder moves the
+/// spool's last round to the store: then it goes to the store behind them, not the spool. Past
+/// it the recording is spooled as before (the round is slow or the store failed).
+const DRAIN_WAIT: Duration = Duration::from_millis(200);
 /// Jobs an in-memory spool holds at most (a few KB each); beyond it a recording is lost, and
 /// counted and logged as such.
 pub const MEMORY_SPOOL_JOBS: u64 = 10_000;
@@ -122,6 +128,13 @@ pub struct Outbox {
     queued: Arc<Notify>,
     /// Wakes the forwarder when a job was spooled.
     spooled_signal: Notify,
+    /// Set while the forwarder moves what it takes for the spool's last round, after a round
+    /// the store took whole: recordings bound for the spool wait for it ([`DRAIN_WAIT`]).
+    /// Without it a spool under a steady intake emptied only when the intake ended: every
+    /// recording went to it while it held anything, and each round found new ones.
+    closing: AtomicBool,
+    /// Wakes the recordings waiting on `closing` when it is cleared.
+    closed: Notify,
     stats: OutboxStats,
     /// The jobs of the recordings in flight.
     recording: Mutex<HashSet<JobId>>,
@@ -165,6 +178,8 @@ impl Outbox {
             memory_spool_bytes: MEMORY_SPOOL_BYTES,
             queued,
             spooled_signal: Notify::new(),
+            closing: AtomicBool::new(false),
+            closed: Notify::new(),
             stats: OutboxStats::default(),
             recording: Mutex::default(),
             unsettled: Mutex::new(0),
@@ -292,6 +307,7 @@ impl Outbox {
     /// Makes the job durable: in the store, or else in the spool; says which. Logs (never
     /// panics) if neither takes it.
     pub async fn submit(&self, job: Job) -> Receipt {
+        self.wait_while_closing().await;
         if self.spooled() == 0 && !self.backlogged() && self.enqueue_with_retry(&job).await {
             return self.queued();
         }
@@ -312,6 +328,8 @@ impl Outbox {
     pub async fn submit_in_order(&self, job: Job, ticket: Arc<Ticket>, noted: bool) -> Receipt {
         // Taken while the session's turn is held, so followers go in the session's order.
         let settle = ticket.follower();
+        // Holding the session's turn, so its later recordings queue behind this one.
+        self.wait_while_closing().await;
         let placement = {
             let mut unsettled = self
                 .unsettled
@@ -358,6 +376,31 @@ impl Outbox {
                     }
                 }
             }
+        }
+    }
+
+    /// Waits while the forwarder moves the spool's last round (`closing`), at most
+    /// [`DRAIN_WAIT`], if this recording would go to the spool only because it holds jobs.
+    async fn wait_while_closing(&self) {
+        let deadline = tokio::time::Instant::now() + DRAIN_WAIT;
+        loop {
+            let closed = self.closed.notified();
+            tokio::pin!(closed);
+            // Registered before the flag is read, so a clear in between still wakes it.
+            closed.as_mut().enable();
+            if !self.closing.load(Ordering::Acquire) || self.spooled() == 0 || self.backlogged() {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, closed).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Sets or clears `closing`; a clear wakes the recordings waiting on it.
+    fn set_closing(&self, closing: bool) {
+        if self.closing.swap(closing, Ordering::AcqRel) && !closing {
+            self.closed.notify_waiters();
         }
     }
 
@@ -566,14 +609,22 @@ impl Outbox {
     }
 
     /// Moves spooled jobs to the store, oldest first, until cancelled: up to
-    /// 256 at a time (`FORWARD_BATCH`), placed in their order so they share commits.
+    /// 256 at a time (`FORWARD_BATCH`), placed in their order so they share commits. When what
+    /// is left fits in one round and the store took the last round whole, new recordings wait
+    /// for this round (`closing`), so the spool empties under a steady intake.
     pub async fn forward(self: Arc<Self>, cancel: CancellationToken) {
         let spool = Arc::clone(self.spool.store());
         let consumer = format!("forwarder-{}", std::process::id());
+        // Whether the store took the last round whole: only then do recordings wait for the
+        // next (during an outage each would wait for nothing).
+        let mut store_took_last = false;
         loop {
             if cancel.is_cancelled() {
+                self.set_closing(false);
                 return;
             }
+            let left = self.spooled();
+            self.set_closing(store_took_last && (1..=FORWARD_BATCH as u64).contains(&left));
             let claimed = match spool
                 .claim_batch(&consumer, SPOOL_LEASE, FORWARD_BATCH)
                 .await
@@ -585,6 +636,9 @@ impl Outbox {
                 }
             };
             if claimed.is_empty() {
+                // The next job spooled may be the first of an outage.
+                store_took_last = false;
+                self.set_closing(false);
                 self.resume_if_settled();
                 tokio::select! {
                     () = self.spooled_signal.notified() => {}
@@ -596,6 +650,7 @@ impl Outbox {
             let jobs: Vec<Job> = claimed.into_iter().map(|claimed| claimed.job).collect();
             let placed = self.place_forwarded(&jobs).await;
             self.forwarded(&spool, &jobs[..placed]).await;
+            store_took_last = true;
             // The rest in one run where the store can (one that does not place: Redis), then
             // one at a time, each tried until the store takes it, so order is kept; then
             // placing may resume, these having been dealt with. They leave the spool
@@ -608,6 +663,7 @@ impl Outbox {
                 Ok(queued) => queued,
                 Err(error) => {
                     tracing::debug!(%error, "store still unreachable; spool kept");
+                    store_took_last = false;
                     0
                 }
             };
@@ -618,6 +674,8 @@ impl Outbox {
                         Ok(_) => break,
                         Err(error) => {
                             tracing::debug!(%error, "store still unreachable; spool kept");
+                            store_took_last = false;
+                            self.set_closing(false);
                             self.forwarded(&spool, &rest[cleared..at]).await;
                             cleared = at;
                             tokio::select! {
@@ -631,6 +689,9 @@ impl Outbox {
             self.forwarded(&spool, &rest[cleared..]).await;
             if !rest.is_empty() {
                 self.resume_if_settled();
+            }
+            if self.spooled() == 0 {
+                self.set_closing(false);
             }
         }
     }
@@ -1141,6 +1202,66 @@ mod tests {
             store.place(job(&user, "after")),
             Placement::Placed(_)
         ));
+    }
+
+    /// A spool on disk under a steady intake empties while the intake goes on: new recordings
+    /// wait while the forwarder moves its last round, then go to the store. Without the wait
+    /// every round found new jobs (each round's fsyncs take longer than a job's interval) and
+    /// the spool emptied only when the intake ended.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_disk_spool_empties_under_a_steady_intake() {
+        const BACKLOG: usize = 1_000;
+        const INTAKE: usize = 3_000;
+        let (store_dir, spool_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(store_dir.path()).unwrap());
+        let spool = EmbeddedStore::open(spool_dir.path()).unwrap();
+        let user = UserKey::new("t", "u");
+        let backlog: Vec<Job> = (0..BACKLOG)
+            .map(|n| job(&user, &format!("j{n:05}")))
+            .collect();
+        for jobs in backlog.chunks(256) {
+            spool.enqueue_run(jobs).await.unwrap();
+        }
+        let bounds = SpoolBounds {
+            jobs: 100_000,
+            bytes: 1 << 30,
+        };
+        let spool = durable(spool, bounds, 0);
+        let outbox = Arc::new(Outbox::new(store, spool, Arc::new(Notify::new())).await);
+        let cancel = CancellationToken::new();
+        let mut forwarder = tokio::task::JoinSet::new();
+        forwarder.spawn(Arc::clone(&outbox).forward(cancel.clone()));
+
+        let mut ticks = tokio::time::interval(Duration::from_millis(1));
+        let mut submits = tokio::task::JoinSet::new();
+        let mut emptied_at = None;
+        for n in BACKLOG..BACKLOG + INTAKE {
+            ticks.tick().await;
+            let submitter = Arc::clone(&outbox);
+            let job = job(&user, &format!("j{n:05}"));
+            submits.spawn(async move { (n, submitter.submit(job).await) });
+            if emptied_at.is_none() && outbox.spooled() == 0 {
+                emptied_at = Some(n);
+            }
+        }
+        let mut receipts = vec![None; BACKLOG + INTAKE];
+        while let Some(submitted) = submits.join_next().await {
+            let (n, receipt) = submitted.unwrap();
+            receipts[n] = Some(receipt);
+        }
+        assert!(
+            emptied_at.is_some(),
+            "the spool held jobs through the whole intake ({} left)",
+            outbox.spooled()
+        );
+        let last = &receipts[BACKLOG + INTAKE - 500..];
+        let queued = last
+            .iter()
+            .filter(|receipt| **receipt == Some(Receipt::Queued))
+            .count();
+        assert!(queued >= 450, "{queued} of the last 500 went to the store");
+        forwarded(&outbox, cancel, forwarder).await;
+        assert_eq!(outbox.stats().lost.load(Ordering::Relaxed), 0);
     }
 
     /// A store that does not place (Redis) takes a spool's backlog in runs (the default run:
