@@ -50,8 +50,12 @@ const FORWARD_RETRY: Duration = Duration::from_millis(500);
 const FORWARD_BATCH: usize = 256;
 /// How long a recording bound for the spool waits, at most, while the forwarder moves the
 /// spool's last round to the store: then it goes to the store behind them, not the spool. Past
-/// it the recording is spooled as before (the round is slow or the store failed).
+/// it the recording is spooled as before (the round is slow or the store failed), and the
+/// recordings still waiting go on too.
 const DRAIN_WAIT: Duration = Duration::from_millis(200);
+/// How long a round may have taken, at most, for recordings to wait for the next: a round
+/// slower than [`DRAIN_WAIT`] would keep them waiting for nothing.
+const QUICK_ROUND: Duration = Duration::from_millis(50);
 /// Jobs an in-memory spool holds at most (a few KB each); beyond it a recording is lost, and
 /// counted and logged as such.
 pub const MEMORY_SPOOL_JOBS: u64 = 10_000;
@@ -128,8 +132,9 @@ pub struct Outbox {
     queued: Arc<Notify>,
     /// Wakes the forwarder when a job was spooled.
     spooled_signal: Notify,
-    /// Set while the forwarder moves what it takes for the spool's last round, after a round
-    /// the store took whole: recordings bound for the spool wait for it ([`DRAIN_WAIT`]).
+    /// Set while the forwarder moves what it takes for the spool's last round, after a quick
+    /// round the store took whole: recordings bound for the spool wait for it ([`DRAIN_WAIT`];
+    /// the first to wait that long clears it).
     /// Without it a spool under a steady intake emptied only when the intake ended: every
     /// recording went to it while it held anything, and each round found new ones.
     closing: AtomicBool,
@@ -392,6 +397,9 @@ impl Outbox {
                 return;
             }
             if tokio::time::timeout_at(deadline, closed).await.is_err() {
+                // The round is slow or stuck (a store hanging mid-round): the others waiting
+                // go on too, and new recordings do not wait for it.
+                self.set_closing(false);
                 return;
             }
         }
@@ -610,21 +618,23 @@ impl Outbox {
 
     /// Moves spooled jobs to the store, oldest first, until cancelled: up to
     /// 256 at a time (`FORWARD_BATCH`), placed in their order so they share commits. When what
-    /// is left fits in one round and the store took the last round whole, new recordings wait
-    /// for this round (`closing`), so the spool empties under a steady intake.
+    /// is left fits in one round and the store took the last round whole and quickly, new
+    /// recordings wait for this round (`closing`), so the spool empties under a steady intake.
     pub async fn forward(self: Arc<Self>, cancel: CancellationToken) {
         let spool = Arc::clone(self.spool.store());
         let consumer = format!("forwarder-{}", std::process::id());
-        // Whether the store took the last round whole: only then do recordings wait for the
-        // next (during an outage each would wait for nothing).
-        let mut store_took_last = false;
+        // Whether the store took the last round whole within `QUICK_ROUND`: only then do
+        // recordings wait for the next (during an outage, or behind a slow store, they would
+        // wait for nothing).
+        let mut quick_last = false;
         loop {
             if cancel.is_cancelled() {
                 self.set_closing(false);
                 return;
             }
             let left = self.spooled();
-            self.set_closing(store_took_last && (1..=FORWARD_BATCH as u64).contains(&left));
+            self.set_closing(quick_last && (1..=FORWARD_BATCH as u64).contains(&left));
+            let round = tokio::time::Instant::now();
             let claimed = match spool
                 .claim_batch(&consumer, SPOOL_LEASE, FORWARD_BATCH)
                 .await
@@ -637,7 +647,7 @@ impl Outbox {
             };
             if claimed.is_empty() {
                 // The next job spooled may be the first of an outage.
-                store_took_last = false;
+                quick_last = false;
                 self.set_closing(false);
                 self.resume_if_settled();
                 tokio::select! {
@@ -650,7 +660,7 @@ impl Outbox {
             let jobs: Vec<Job> = claimed.into_iter().map(|claimed| claimed.job).collect();
             let placed = self.place_forwarded(&jobs).await;
             self.forwarded(&spool, &jobs[..placed]).await;
-            store_took_last = true;
+            let mut store_took_all = true;
             // The rest in one run where the store can (one that does not place: Redis), then
             // one at a time, each tried until the store takes it, so order is kept; then
             // placing may resume, these having been dealt with. They leave the spool
@@ -663,7 +673,8 @@ impl Outbox {
                 Ok(queued) => queued,
                 Err(error) => {
                     tracing::debug!(%error, "store still unreachable; spool kept");
-                    store_took_last = false;
+                    store_took_all = false;
+                    self.set_closing(false);
                     0
                 }
             };
@@ -674,7 +685,7 @@ impl Outbox {
                         Ok(_) => break,
                         Err(error) => {
                             tracing::debug!(%error, "store still unreachable; spool kept");
-                            store_took_last = false;
+                            store_took_all = false;
                             self.set_closing(false);
                             self.forwarded(&spool, &rest[cleared..at]).await;
                             cleared = at;
@@ -690,7 +701,8 @@ impl Outbox {
             if !rest.is_empty() {
                 self.resume_if_settled();
             }
-            if self.spooled() == 0 {
+            quick_last = store_took_all && round.elapsed() <= QUICK_ROUND;
+            if self.spooled() == 0 || !quick_last {
                 self.set_closing(false);
             }
         }
@@ -1207,11 +1219,32 @@ mod tests {
     /// A spool on disk under a steady intake empties while the intake goes on: new recordings
     /// wait while the forwarder moves its last round, then go to the store. Without the wait
     /// every round found new jobs (each round's fsyncs take longer than a job's interval) and
-    /// the spool emptied only when the intake ended.
+    /// the spool emptied only when the intake ended. Job by job, and as the proxy records one
+    /// session (each in its turn), whose order the store keeps.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_disk_spool_empties_under_a_steady_intake() {
+        steady_intake(false).await;
+        let store = steady_intake(true).await;
+        let mut queued = Vec::new();
+        while let Some(claimed) = store.claim("test", Duration::from_secs(60)).await.unwrap() {
+            queued.push(claimed.job.id.key.clone());
+            store.ack(&claimed.job.id).await.unwrap();
+        }
+        let mut in_order = queued.clone();
+        in_order.sort();
+        assert_eq!(queued.len(), 3_000);
+        assert!(
+            queued == in_order,
+            "the session's jobs reached the store out of order"
+        );
+    }
+
+    /// 1,000 jobs spooled on disk and 2,000 more recorded at 1,000 a second, `in_order` as one
+    /// session or else job by job, while the forwarder runs: the spool must empty during the
+    /// intake and the last 500 go (nearly all) to the store. The store they went to.
+    async fn steady_intake(in_order: bool) -> Arc<dyn Store> {
         const BACKLOG: usize = 1_000;
-        const INTAKE: usize = 3_000;
+        const INTAKE: usize = 2_000;
         let (store_dir, spool_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(store_dir.path()).unwrap());
         let spool = EmbeddedStore::open(spool_dir.path()).unwrap();
@@ -1227,11 +1260,13 @@ mod tests {
             bytes: 1 << 30,
         };
         let spool = durable(spool, bounds, 0);
-        let outbox = Arc::new(Outbox::new(store, spool, Arc::new(Notify::new())).await);
+        let outbox =
+            Arc::new(Outbox::new(Arc::clone(&store), spool, Arc::new(Notify::new())).await);
         let cancel = CancellationToken::new();
         let mut forwarder = tokio::task::JoinSet::new();
         forwarder.spawn(Arc::clone(&outbox).forward(cancel.clone()));
 
+        let order = super::super::order::SessionOrder::new();
         let mut ticks = tokio::time::interval(Duration::from_millis(1));
         let mut submits = tokio::task::JoinSet::new();
         let mut emptied_at = None;
@@ -1239,7 +1274,19 @@ mod tests {
             ticks.tick().await;
             let submitter = Arc::clone(&outbox);
             let job = job(&user, &format!("j{n:05}"));
-            submits.spawn(async move { (n, submitter.submit(job).await) });
+            let ticket = in_order.then(|| order.ticket("s".to_owned()));
+            submits.spawn(async move {
+                let receipt = match ticket {
+                    Some(ticket) => {
+                        ticket.wait_turn().await;
+                        submitter
+                            .submit_in_order(job, Arc::new(ticket), false)
+                            .await
+                    }
+                    None => submitter.submit(job).await,
+                };
+                (n, receipt)
+            });
             if emptied_at.is_none() && outbox.spooled() == 0 {
                 emptied_at = Some(n);
             }
@@ -1251,7 +1298,7 @@ mod tests {
         }
         assert!(
             emptied_at.is_some(),
-            "the spool held jobs through the whole intake ({} left)",
+            "the spool held jobs through the whole intake ({} left; in order: {in_order})",
             outbox.spooled()
         );
         let last = &receipts[BACKLOG + INTAKE - 500..];
@@ -1262,6 +1309,28 @@ mod tests {
         assert!(queued >= 450, "{queued} of the last 500 went to the store");
         forwarded(&outbox, cancel, forwarder).await;
         assert_eq!(outbox.stats().lost.load(Ordering::Relaxed), 0);
+        store
+    }
+
+    /// A recording that waited `DRAIN_WAIT` for the spool's last round goes to the spool and
+    /// lifts the wait for every other: a round that is slow or stuck (a store hanging
+    /// mid-round) must not hold each recording in turn.
+    #[tokio::test]
+    async fn a_wait_for_the_last_round_that_times_out_lifts_it() {
+        let store: Arc<dyn Store> = Arc::new(EmbeddedStore::in_memory().unwrap());
+        let outbox = memory_spooled(&store).await;
+        let user = UserKey::new("t", "u");
+        outbox.spool(job(&user, "spooled")).await;
+        // As the forwarder sets it before a round that never ends.
+        outbox.set_closing(true);
+        let started = tokio::time::Instant::now();
+        assert_eq!(outbox.submit(job(&user, "first")).await, Receipt::Pending);
+        assert!(started.elapsed() >= DRAIN_WAIT);
+        assert!(!outbox.closing.load(Ordering::Acquire));
+        let started = tokio::time::Instant::now();
+        assert_eq!(outbox.submit(job(&user, "second")).await, Receipt::Pending);
+        assert!(started.elapsed() < DRAIN_WAIT);
+        assert_eq!(outbox.spooled(), 3);
     }
 
     /// A store that does not place (Redis) takes a spool's backlog in runs (the default run:
