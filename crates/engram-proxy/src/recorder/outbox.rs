@@ -9,11 +9,11 @@
 //! their order: the store holds back every job placed behind a failed one, those jobs go to
 //! the spool in the order they were placed (the failed one first), and placing resumes once
 //! each of them has been dealt with, while the spool then takes new jobs until it is empty,
-//! placed in its queue the same way. To let it empty under a steady intake, new recordings wait
-//! (briefly, `DRAIN_WAIT`) while the forwarder moves what is left in one round
-//! ([`Outbox::forward`]), then go to the store behind it. Redis does not place but orders a session's jobs by
-//! arrival itself, so there a recording whose arrival note is written is enqueued without
-//! waiting for the one before it.
+//! placed in its queue the same way. To let it empty under a steady intake, new recordings
+//! wait (briefly, `DRAIN_WAIT`) while the forwarder moves what is left in one round
+//! ([`Outbox::forward`]), then go to the store behind it. Redis does not place but orders a
+//! session's jobs by arrival itself, so there a recording whose arrival note is written is
+//! enqueued without waiting for the one before it.
 //!
 //! With Redis the spool is a file in the data directory, bounded by `store.spool_max_jobs`
 //! and `store.spool_max_bytes` ([`SpoolBounds`]). With the embedded store the spool would be
@@ -134,9 +134,9 @@ pub struct Outbox {
     spooled_signal: Notify,
     /// Set while the forwarder moves what it takes for the spool's last round, after a quick
     /// round the store took whole: recordings bound for the spool wait for it ([`DRAIN_WAIT`];
-    /// the first to wait that long clears it).
-    /// Without it a spool under a steady intake emptied only when the intake ended: every
-    /// recording went to it while it held anything, and each round found new ones.
+    /// the first to wait that long clears it). Without it a spool under a steady intake
+    /// emptied only when the intake ended: every recording went to it while it held anything,
+    /// and each round found new ones.
     closing: AtomicBool,
     /// Wakes the recordings waiting on `closing` when it is cleared.
     closed: Notify,
