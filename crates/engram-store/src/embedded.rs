@@ -244,7 +244,7 @@ impl EmbeddedStore {
     pub async fn drop_finished_jobs(&self) -> Result<u64> {
         self.blocking_write(|db| {
             let txn = db.begin_write().map_err(db_error)?;
-            let mut finished: Vec<(String, String, String)> = Vec::new();
+            let mut finished: Vec<JobId> = Vec::new();
             {
                 let jobs = txn.open_table(JOBS).map_err(db_error)?;
                 for entry in jobs.iter().map_err(db_error)? {
@@ -252,21 +252,18 @@ impl EmbeddedStore {
                     let record: JobRecord = decode(record.value())?;
                     if record.state != JobState::Queued {
                         let (tenant, user, job) = key.value();
-                        finished.push((tenant.to_owned(), user.to_owned(), job.to_owned()));
+                        finished.push(JobId {
+                            user: UserKey::new(tenant, user),
+                            key: job.to_owned(),
+                        });
                     }
                 }
             }
             if finished.is_empty() {
                 return Ok(0);
             }
-            {
-                let mut jobs = txn.open_table(JOBS).map_err(db_error)?;
-                let mut exchanges = txn.open_table(JOB_EXCHANGES).map_err(db_error)?;
-                for (tenant, user, job) in &finished {
-                    let key = (tenant.as_str(), user.as_str(), job.as_str());
-                    jobs.remove(key).map_err(db_error)?;
-                    exchanges.remove(key).map_err(db_error)?;
-                }
+            for id in &finished {
+                write_clear(&txn, id)?;
             }
             txn.commit().map_err(db_error)?;
             Ok(finished.len() as u64)

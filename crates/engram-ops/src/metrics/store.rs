@@ -239,7 +239,7 @@ impl JobQueue for MeteredStore {
     forward_metered! {
         fn enqueue(job: &'a Job) -> Enqueued = timed(Enqueue), wrote job.exchange.text_bytes();
         fn enqueue_run(jobs: &'a [Job]) -> usize = timed(Enqueue),
-            wrote jobs.iter().map(|job| job.exchange.text_bytes()).sum();
+            wrote jobs_bytes(jobs);
         fn claim(consumer: &'a str, lease: Duration) -> Option<ClaimedJob> = timed(Claim);
         fn claim_batch(consumer: &'a str, lease: Duration, max: usize)
             -> Vec<ClaimedJob> = timed(ClaimBatch);
