@@ -240,17 +240,12 @@ async fn spool_drain_under_intake(on_disk: bool, in_order: bool) {
         ticks.tick().await;
         let submitter = Arc::clone(&outbox);
         let job = job(&user, index);
-        let ticket = in_order.then(|| order.ticket("s".to_owned()));
+        let ticket = in_order.then(|| Arc::new(order.ticket("s".to_owned())));
         submits.spawn(async move {
-            match ticket {
-                Some(ticket) => {
-                    ticket.wait_turn().await;
-                    submitter
-                        .submit_in_order(job, Arc::new(ticket), false)
-                        .await
-                }
-                None => submitter.submit(job).await,
+            if let Some(ticket) = &ticket {
+                ticket.wait_turn().await;
             }
+            submitter.submit_with(job, ticket, false).await
         });
         watch(&outbox);
     }

@@ -286,12 +286,7 @@ impl Recorder {
             // With the session's ticket, the session's next recording is placed behind this
             // one as soon as this one's place in the store's queue is fixed (see
             // `Outbox::submit_in_order`).
-            let submit = async {
-                match ticket {
-                    Some(ticket) => outbox.submit_in_order(job, ticket, noted).await,
-                    None => outbox.submit(job).await,
-                }
-            };
+            let submit = outbox.submit_with(job, ticket, noted);
             tokio::pin!(submit);
             if answer.deadline <= tokio::time::Instant::now() {
                 // No wait configured (`receipt_wait_ms: 0`): a timer would still hold the

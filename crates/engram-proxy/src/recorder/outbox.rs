@@ -319,6 +319,15 @@ impl Outbox {
         self.spool(job).await
     }
 
+    /// [`Outbox::submit_in_order`] with the session's `ticket` (its turn has come), else
+    /// [`Outbox::submit`].
+    pub async fn submit_with(&self, job: Job, ticket: Option<Arc<Ticket>>, noted: bool) -> Receipt {
+        match ticket {
+            Some(ticket) => self.submit_in_order(job, ticket, noted).await,
+            None => self.submit(job).await,
+        }
+    }
+
     /// [`Outbox::submit`] for the recording that holds its session's `ticket` (its turn has
     /// come): the ticket is released as soon as the job's place in the store's queue is fixed,
     /// so the session's next recording is placed behind it, in the same commit or the next,
@@ -1274,18 +1283,12 @@ mod tests {
             ticks.tick().await;
             let submitter = Arc::clone(&outbox);
             let job = job(&user, &format!("j{n:05}"));
-            let ticket = in_order.then(|| order.ticket("s".to_owned()));
+            let ticket = in_order.then(|| Arc::new(order.ticket("s".to_owned())));
             submits.spawn(async move {
-                let receipt = match ticket {
-                    Some(ticket) => {
-                        ticket.wait_turn().await;
-                        submitter
-                            .submit_in_order(job, Arc::new(ticket), false)
-                            .await
-                    }
-                    None => submitter.submit(job).await,
-                };
-                (n, receipt)
+                if let Some(ticket) = &ticket {
+                    ticket.wait_turn().await;
+                }
+                (n, submitter.submit_with(job, ticket, false).await)
             });
             if emptied_at.is_none() && outbox.spooled() == 0 {
                 emptied_at = Some(n);
