@@ -168,6 +168,7 @@ fn main() {
         duration_secs: args.duration.as_secs(),
         adversarial_rate: args.adversarial_rate,
         adversarial_secs: args.adversarial_duration.as_secs(),
+        floor: None,
         sizes: Vec::new(),
         adversarial: Vec::new(),
     };
@@ -176,6 +177,16 @@ fn main() {
     }
     let started = Instant::now();
     if args.scenarios.contains(&Scenario::Sizes) {
+        report.floor = match floor(&context) {
+            Ok(floor) => {
+                println!("[floor] {}", floor.summary());
+                Some(floor)
+            }
+            Err(why) => {
+                println!("[floor] not measured: {why}");
+                None
+            }
+        };
         report.sizes = sizes(&context);
     }
     if args.scenarios.contains(&Scenario::Adversarial) {
@@ -484,6 +495,72 @@ fn sizes(context: &Context) -> Vec<SizeResult> {
         let _ = std::fs::remove_dir_all(&dir);
     }
     results
+}
+
+/// A bare hyper pass-through (`engram-mock --forward`) on engram's core, at the sizes' rate and
+/// length with the same bodies and its own paired baseline: what one more hop costs on this
+/// machine, the part of every added figure that no memory change can take away.
+fn floor(context: &Context) -> Result<results::Floor, String> {
+    let args = context.args;
+    let (mut child, base) = systems::start_engram(
+        context.cores.system,
+        &[
+            mock_process::ARG,
+            "--listen",
+            "127.0.0.1:0",
+            "--worker-threads",
+            "1",
+            "--forward",
+            &context.mock.address,
+        ],
+        &[],
+        None,
+    )?;
+    let measured = (|| {
+        let body_file = context.scratch.join("floor-bodies.jsonl");
+        write_bodies(
+            &body_file,
+            (args.rate * args.duration.as_secs()).clamp(1_000, MAX_BODIES),
+            args.resent_history_bytes,
+        )?;
+        let warmed =
+            context
+                .runtime
+                .block_on(warm_up(&context.client, &base, preload::USER, WARM_UP));
+        if warmed == 0 {
+            return Err("no successful warm-up request".to_owned());
+        }
+        let url = format!("{base}/v1/chat/completions");
+        let twin_url = format!("{}/v1/chat/completions", context.mock.address);
+        let headers = headers(preload::USER);
+        let header_refs: Vec<&str> = headers.iter().map(String::as_str).collect();
+        let run = OhaRun {
+            url: &url,
+            body_file: &body_file,
+            body_lines: true,
+            headers: &header_refs,
+            rate: Some(args.rate),
+            connections: CONNECTIONS,
+            duration: args.duration,
+            pin_core: context.cores.rest,
+        };
+        let twin = OhaRun {
+            url: &twin_url,
+            ..run
+        };
+        let result = load::run_oha(&run, Some(&twin))?;
+        Ok(results::Floor {
+            offered_rate: args.rate,
+            duration_secs: args.duration.as_secs(),
+            latency_us: result.latency_us,
+            baseline_us: result.baseline.as_deref().map(|b| b.latency_us),
+            ok: result.ok,
+            errors: result.errors,
+        })
+    })();
+    let _ = child.kill();
+    let _ = child.wait();
+    measured
 }
 
 fn adversarial(context: &Context, system: Backend) -> AdversarialResult {

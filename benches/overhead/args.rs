@@ -17,8 +17,9 @@ usage: ./benches/overhead.sh [options]
   --min-requests N             open-loop runs at low rates last until they have sent N
                                requests, so a p99 rests on N / 100 of them (default 1500;
                                60 s at 25 req/s; 0 with --quick)
-  --systems LIST               of direct,off,embedded,redis,litellm (default all; direct is
-                               always measured, it is the baseline)
+  --systems LIST               of direct,floor,off,embedded,redis,litellm (default all;
+                               direct is always measured, it is the baseline; floor is a
+                               bare hyper pass-through on engram's core)
   --scenarios LIST             of rates,saturation,stream,body,inflight (default all)
   --rates LIST                 non-streaming open-loop rates, req/s
                                (default 25,50,100,500,1000,2000)
@@ -174,7 +175,9 @@ pub fn parse(args: &[String]) -> Result<Args, String> {
                 let mut systems = vec![System::Direct];
                 for name in list(value()?) {
                     let system = System::parse(name).ok_or_else(|| {
-                        format!("unknown system {name:?} (direct, off, embedded, redis, litellm)")
+                        format!(
+                            "unknown system {name:?} (direct, floor, off, embedded, redis, litellm)"
+                        )
                     })?;
                     if !systems.contains(&system) {
                         systems.push(system);

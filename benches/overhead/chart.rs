@@ -17,6 +17,7 @@ const FLOOR_MS: f64 = 0.01;
 fn colour(system: System) -> &'static str {
     match system {
         System::Direct => "#777777",
+        System::Floor => "#bbbbbb",
         System::Off => "#1b7837",
         System::Embedded => "#2166ac",
         System::Redis => "#b2182b",

@@ -18,6 +18,9 @@ pub const MIN_THROUGHPUT_SHARE: f64 = 0.95;
 #[serde(rename_all = "lowercase")]
 pub enum System {
     Direct,
+    /// A bare hyper pass-through (`engram-mock --forward`): what one more hop costs on this
+    /// machine, the floor for engram's added latency.
+    Floor,
     Off,
     Embedded,
     Redis,
@@ -25,8 +28,9 @@ pub enum System {
 }
 
 impl System {
-    pub const ALL: [System; 5] = [
+    pub const ALL: [System; 6] = [
         System::Direct,
+        System::Floor,
         System::Off,
         System::Embedded,
         System::Redis,
@@ -36,6 +40,7 @@ impl System {
     pub fn name(self) -> &'static str {
         match self {
             System::Direct => "direct",
+            System::Floor => "floor",
             System::Off => "off",
             System::Embedded => "embedded",
             System::Redis => "redis",
@@ -46,6 +51,7 @@ impl System {
     pub fn label(self) -> &'static str {
         match self {
             System::Direct => "direct (absolute)",
+            System::Floor => "bare hyper pass-through (the floor)",
             System::Off => "engram, memory off",
             System::Embedded => "engram, memory on (embedded)",
             System::Redis => "engram, memory on (Redis)",

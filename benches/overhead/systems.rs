@@ -1,5 +1,5 @@
-//! The processes of a run: the mock upstream, and one system under test at a time (engram in
-//! its three configurations, LiteLLM's proxy), each pinned to its core, with its CPU and memory
+//! The processes of a run: the mock upstream, and one system under test at a time (a bare
+//! pass-through, engram in its three configurations, LiteLLM's proxy), each pinned to its core, with its CPU and memory
 //! read from /proc.
 
 use std::io::{BufRead, BufReader, Read};
@@ -88,7 +88,7 @@ impl Mock {
         let (child, address) = start_engram(
             core,
             &[
-                "mock-upstream",
+                crate::mock_process::ARG,
                 "--listen",
                 "127.0.0.1:0",
                 "--worker-threads",
@@ -200,6 +200,33 @@ pub fn start(
     let upstream = format!("{}/v1", mock.address);
     match system {
         System::Direct => Ok(Running::direct(mock)),
+        System::Floor => {
+            // The mock's own binary as a bare pass-through, one thread on engram's core.
+            let (child, address) = start_engram(
+                cores.system,
+                &[
+                    crate::mock_process::ARG,
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--worker-threads",
+                    "1",
+                    "--forward",
+                    &mock.address,
+                ],
+                &[],
+                None,
+            )?;
+            Ok(Running {
+                base_url: address,
+                pids: vec![child.id()],
+                child: Some(child),
+                redis: None,
+                redis_pid: None,
+                admin_token: None,
+                log: None,
+                scratch: None,
+            })
+        }
         System::Off | System::Embedded | System::Redis => {
             let scratch = scratch_dir(system.name());
             let mut env = vec![

@@ -45,6 +45,10 @@ pub struct MockArgs {
     /// Answer every chat completion (streamed or not) with exactly this content.
     #[arg(long)]
     pub reply: Option<String>,
+    /// Forward every request, untouched, to this base URL (`http://host:port`) instead of
+    /// answering it: a bare pass-through, the floor for a proxy's added latency.
+    #[arg(long, value_name = "URL")]
+    pub forward: Option<String>,
     /// Tokio worker threads; 0 means one per core.
     #[arg(long, default_value_t = 0)]
     pub worker_threads: usize,
@@ -61,6 +65,7 @@ impl MockArgs {
             echo: self.echo,
             record: self.record.clone(),
             reply: self.reply.clone(),
+            forward: self.forward.clone(),
         }
     }
 

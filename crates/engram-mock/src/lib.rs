@@ -22,6 +22,11 @@
 //! `MockOptions::reply` (`--reply TEXT`) makes every chat completion, streamed or not, answer
 //! with exactly that content (summarizer tests script a model's JSON this way).
 //!
+//! `MockOptions::forward` (`--forward URL`) makes it no mock at all but a bare pass-through to
+//! that upstream (hyper's pooled client, `TCP_NODELAY` both ways, nothing parsed): the floor a
+//! proxy's added latency is measured against on the same machine (`benches/overhead.sh`'s
+//! `floor` system).
+//!
 //! Every response reflects the `Authorization` its request carried in
 //! `x-mock-received-authorization`, so tests can see which key reached the upstream, and a
 //! received W3C `traceparent` in `x-mock-received-traceparent`.
@@ -40,6 +45,8 @@ use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, Limited, channel::Channel};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use serde_json::{Value, json};
@@ -93,6 +100,8 @@ pub struct MockOptions {
     pub record: Option<PathBuf>,
     /// Answer every chat completion with exactly this content (overrides `echo`).
     pub reply: Option<String>,
+    /// Forward every request to this base URL (`http://host:port`) instead of answering it.
+    pub forward: Option<String>,
 }
 
 impl Default for MockOptions {
@@ -106,6 +115,7 @@ impl Default for MockOptions {
             echo: false,
             record: None,
             reply: None,
+            forward: None,
         }
     }
 }
@@ -114,6 +124,43 @@ struct Mock {
     options: MockOptions,
     record: Option<Mutex<std::fs::File>>,
     tasks: TaskTracker,
+    forward: Option<Forward>,
+}
+
+/// A bare pass-through: the request as received, to the same path on another server.
+struct Forward {
+    /// Scheme and authority, e.g. `http://127.0.0.1:8080`.
+    base: String,
+    client: Client<HttpConnector, Incoming>,
+}
+
+impl Forward {
+    fn new(base: &str) -> Forward {
+        let mut connector = HttpConnector::new();
+        // Without it, a pass-through showed a p99 of 8 ms at 1,000 req/s (DESIGN.md §8a).
+        connector.set_nodelay(true);
+        Forward {
+            base: base.trim_end_matches('/').to_owned(),
+            client: Client::builder(TokioExecutor::new()).build(connector),
+        }
+    }
+
+    async fn send(&self, request: Request<Incoming>) -> Response<ProxyBody> {
+        let (mut parts, body) = request.into_parts();
+        let path = parts
+            .uri
+            .path_and_query()
+            .map_or("/", http::uri::PathAndQuery::as_str);
+        parts.uri = match format!("{}{path}", self.base).parse() {
+            Ok(uri) => uri,
+            Err(error) => return error_response(StatusCode::BAD_GATEWAY, &error.to_string()),
+        };
+        parts.headers.remove(header::HOST);
+        match self.client.request(Request::from_parts(parts, body)).await {
+            Ok(response) => response.map(|body| body.map_err(BodyError::from).boxed()),
+            Err(error) => error_response(StatusCode::BAD_GATEWAY, &error.to_string()),
+        }
+    }
 }
 
 pub struct MockServer {
@@ -133,12 +180,14 @@ impl MockServer {
             )),
             None => None,
         };
+        let forward = options.forward.as_deref().map(Forward::new);
         Ok(MockServer {
             listener,
             mock: Arc::new(Mock {
                 options,
                 record,
                 tasks: TaskTracker::new(),
+                forward,
             }),
         })
     }
@@ -176,6 +225,9 @@ impl MockServer {
 
 impl Mock {
     async fn route(&self, request: Request<Incoming>) -> Response<ProxyBody> {
+        if let Some(forward) = &self.forward {
+            return forward.send(request).await;
+        }
         let reflected = [
             ("traceparent", "x-mock-received-traceparent"),
             ("authorization", "x-mock-received-authorization"),
@@ -648,6 +700,60 @@ mod tests {
                 .all(|e| memchr::memmem::find(e, b"usage").is_none())
         );
         assert_eq!(with.len(), without.len() + 1);
+    }
+
+    /// `(status, reflected authorization, body)` of a chat completion posted to `address`.
+    async fn post_chat(address: SocketAddr) -> (StatusCode, Option<HeaderValue>, Bytes) {
+        let client: Client<HttpConnector, Full<Bytes>> =
+            Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+        let request = Request::post(format!("http://{address}/v1/chat/completions"))
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(header::AUTHORIZATION, "Bearer sk-forwarded")
+            .body(Full::new(Bytes::from_static(
+                br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+            )))
+            .unwrap();
+        let response = client.request(request).await.unwrap();
+        let status = response.status();
+        let reflected = response
+            .headers()
+            .get("x-mock-received-authorization")
+            .cloned();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        (status, reflected, body)
+    }
+
+    #[tokio::test]
+    async fn forward_passes_requests_and_answers_through_untouched() {
+        use clap::Parser as _;
+        let upstream = MockArgs::parse_from(["engram-mock", "--reply", "from upstream"])
+            .start_thread()
+            .unwrap();
+        let upstream_url = format!("http://{}", upstream.local_addr());
+        let forward = MockArgs::parse_from(["engram-mock", "--forward", upstream_url.as_str()])
+            .start_thread()
+            .unwrap();
+        let direct = post_chat(upstream.local_addr()).await;
+        let through = post_chat(forward.local_addr()).await;
+        assert_eq!(direct.0, StatusCode::OK);
+        assert!(memchr::memmem::find(&through.2, b"from upstream").is_some());
+        // The mock's answers are deterministic: the same bytes, and the same key reached it.
+        assert_eq!(through, direct);
+        assert_eq!(
+            through.1,
+            Some(HeaderValue::from_static("Bearer sk-forwarded"))
+        );
+
+        // With nothing behind it: an OpenAI-shaped 502, not a hang or a dropped connection.
+        let dead = format!("http://{}", upstream.local_addr());
+        drop(upstream);
+        let orphan = MockArgs::parse_from(["engram-mock", "--forward", dead.as_str()])
+            .start_thread()
+            .unwrap();
+        let (status, _, body) = post_chat(orphan.local_addr()).await;
+        assert_eq!(status, StatusCode::BAD_GATEWAY);
+        let error: Value = serde_json::from_slice(&body).unwrap();
+        assert!(error["error"]["message"].is_string(), "{error}");
     }
 
     #[test]
