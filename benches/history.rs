@@ -1063,6 +1063,22 @@ fn measure(
         .histogram("engram_job_lag_seconds")
         .map(|h| h.since(before.histogram("engram_job_lag_seconds").as_ref()));
     let lag_observed = lag.as_ref().map_or(0.0, scrape::Histogram::total) as u64;
+    // Where a request's time went, phase by phase (`engram_memory_phase_seconds`).
+    let phases = ["load", "compose", "receipt_wait"]
+        .into_iter()
+        .filter_map(|phase| {
+            let filter = [("phase", phase)];
+            let name = "engram_memory_phase_seconds";
+            let histogram = after
+                .histogram_of(name, &filter)?
+                .since(before.histogram_of(name, &filter).as_ref());
+            Some(results::Phase {
+                phase: phase.to_owned(),
+                p50: histogram.quantile(0.5),
+                p99: histogram.quantile(0.99),
+            })
+        })
+        .collect();
     // Jobs still queued when the drain wait ended arrived before the load ended.
     let unobserved = still_queued.unwrap_or(0);
     let lag_quantile = |q: f64| {
@@ -1119,6 +1135,7 @@ fn measure(
         drain_timeout_secs: args.drain_timeout.as_secs(),
         peak_rss_mib,
         cpu_per_1k: (result.ok > 0).then(|| cpu / result.ok as f64 * 1000.0),
+        phases,
         notes,
     })
 }

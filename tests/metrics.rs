@@ -353,6 +353,20 @@ async fn traffic_moves_the_metrics_and_every_dashboard_metric_is_exported() {
         ) >= 1.0
     );
 
+    // The phases memory adds: every request that read memory (both of session one, the one
+    // asked, the stream, read-only and the 503) loaded and composed it; the four recorded
+    // answers (three whole, one streamed) waited for their receipts.
+    let phase = |phase: &str| {
+        scrape.value(&format!(
+            "engram_memory_phase_seconds_count{{phase=\"{phase}\"}}"
+        ))
+    };
+    assert_eq!(
+        (phase("load"), phase("compose"), phase("receipt_wait")),
+        (6.0, 6.0, 4.0)
+    );
+    assert!(scrape.value("engram_memory_phase_seconds_sum{phase=\"compose\"}") > 0.0);
+
     // Memory: tokens per block, items, the history they stand for, retrieval, reasons.
     assert!(scrape.sum("engram_memory_injected_tokens_sum", &["block=\"core\""]) > 0.0);
     assert!(scrape.sum("engram_memory_injected_tokens_count", &["block=\"recall\""]) >= 3.0);

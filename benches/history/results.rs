@@ -158,7 +158,17 @@ pub struct Run {
     pub peak_rss_mib: Option<f64>,
     /// CPU seconds of the engram process per 1,000 answered requests, drain included.
     pub cpu_per_1k: Option<f64>,
+    /// `engram_memory_phase_seconds` over the run, by phase, when engram exports it.
+    pub phases: Vec<Phase>,
     pub notes: Vec<String>,
+}
+
+/// One phase of the requests' time over a run (`engram_memory_phase_seconds{phase}`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Phase {
+    pub phase: String,
+    pub p50: Option<Quantile>,
+    pub p99: Option<Quantile>,
 }
 
 impl Run {
@@ -673,6 +683,24 @@ fn notes(run: &Run, queue_in_columns: bool) -> String {
             "memory injected into {} of {} answers",
             thousands(injected as f64),
             opt_count(run.chat_requests)
+        ));
+    }
+    if !run.phases.is_empty() {
+        let phases: Vec<String> = run
+            .phases
+            .iter()
+            .map(|phase| {
+                format!(
+                    "{} {} / {}",
+                    phase.phase.replace('_', " "),
+                    q_ms(phase.p50),
+                    q_ms(phase.p99)
+                )
+            })
+            .collect();
+        notes.push(format!(
+            "phases p50 / p99 (ms, bucket bounds): {}",
+            phases.join(", ")
         ));
     }
     if !run.fail_open_reasons.is_empty() {

@@ -77,9 +77,18 @@ impl Scrape {
     /// The histogram `name` (its `_bucket`, `_count` and `_sum` series), merged over every
     /// label but `le`; `None` when the page does not have it.
     pub fn histogram(&self, name: &str) -> Option<Histogram> {
+        self.histogram_of(name, &[])
+    }
+
+    /// [`Scrape::histogram`] over the series with the labels of `filter` only.
+    pub fn histogram_of(&self, name: &str, filter: &[(&str, &str)]) -> Option<Histogram> {
         let bucket = format!("{name}_bucket");
         let mut buckets: Vec<(f64, f64)> = Vec::new();
-        for s in self.samples.iter().filter(|s| s.name == bucket) {
+        for s in self
+            .samples
+            .iter()
+            .filter(|s| s.name == bucket && matches(s, filter))
+        {
             let Some(le) = s
                 .labels
                 .iter()
@@ -99,8 +108,8 @@ impl Scrape {
         buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
         Some(Histogram {
             buckets,
-            count: self.sum(&format!("{name}_count"), &[]).unwrap_or(0.0),
-            sum: self.sum(&format!("{name}_sum"), &[]).unwrap_or(0.0),
+            count: self.sum(&format!("{name}_count"), filter).unwrap_or(0.0),
+            sum: self.sum(&format!("{name}_sum"), filter).unwrap_or(0.0),
         })
     }
 }

@@ -235,6 +235,7 @@ fn filter_response(
                 recorded,
                 max_wait,
                 comment,
+                waited: Some(state.metrics.memory.receipt_wait()),
             };
             (Some(wait), None)
         }
@@ -310,7 +311,9 @@ async fn tee_and_record(
     }));
     let body = match whole_receipt {
         Some(recorded) => {
-            let (receipt, body) = whole_with_receipt(body, recorded, max_wait, capture).await?;
+            let waited = |took: Duration| state.metrics.memory.receipt_waited(took);
+            let (receipt, body) =
+                whole_with_receipt(body, recorded, max_wait, capture, waited).await?;
             if let Some(receipt) = receipt {
                 head.headers.insert(
                     "x-engram-job-state",
@@ -406,6 +409,7 @@ async fn whole_with_receipt(
     recorded: oneshot::Receiver<Receipt>,
     max_wait: Duration,
     capture: &engram_ops::config::CaptureConfig,
+    waited: impl FnOnce(Duration),
 ) -> Result<(Option<Receipt>, ProxyBody), Error> {
     let mut read = Vec::new();
     while let Some(frame) = body.frame().await {
@@ -418,11 +422,13 @@ async fn whole_with_receipt(
             return Ok((None, BodyExt::boxed(rest)));
         }
     }
+    let since = std::time::Instant::now();
     let receipt = match tokio::time::timeout(max_wait, recorded).await {
         Ok(Ok(receipt)) => receipt,
         Ok(Err(_)) => Receipt::Unrecorded,
         Err(_) => Receipt::Pending,
     };
+    waited(since.elapsed());
     Ok((Some(receipt), full_body(Bytes::from(read))))
 }
 

@@ -3,7 +3,9 @@
 
 use prometheus::{Histogram, IntCounter, Registry};
 
-use super::{TOKEN_BUCKETS, child, counter, counter_vec, histogram_vec, try_array};
+use super::{
+    OVERHEAD_BUCKETS, TOKEN_BUCKETS, child, counter, counter_vec, histogram_vec, try_array,
+};
 use crate::error::Result;
 use engram_proxy::pipeline::{MemoryOutcome, Rewrite};
 
@@ -19,6 +21,8 @@ const FAIL_OPEN_REASONS: [&str; 6] = [
 /// `x-engram-memory-reason` values of a skipped one.
 const SKIP_REASONS: [&str; 5] = ["no_user", "mode_off", "disabled", "empty", "other"];
 const BLOCKS: [&str; 3] = ["core", "window", "recall"];
+/// The phases of a request that engram's memory adds to it, timed apiece.
+const PHASES: [&str; 3] = ["load", "compose", "receipt_wait"];
 
 #[derive(Clone)]
 pub struct MemoryMetrics {
@@ -30,6 +34,8 @@ pub struct MemoryMetrics {
     hits: IntCounter,
     fail_open: [IntCounter; FAIL_OPEN_REASONS.len()],
     skipped: [IntCounter; SKIP_REASONS.len()],
+    /// By [`PHASES`].
+    phases: [Histogram; 3],
 }
 
 impl MemoryMetrics {
@@ -53,7 +59,15 @@ impl MemoryMetrics {
             "Chat completions that did not use memory by design, by x-engram-memory-reason.",
             &["reason"],
         )?;
+        let phases = histogram_vec(
+            registry,
+            "engram_memory_phase_seconds",
+            "Time per request in each phase memory adds: load (reading the memory: the cache, the store's one read, catching the cached copy up), compose (the rewritten prompt), receipt_wait (a recorded answer's end held for its durable recording, capture.receipt_wait_ms at most).",
+            &["phase"],
+            OVERHEAD_BUCKETS,
+        )?;
         Ok(MemoryMetrics {
+            phases: try_array(|index| child(&phases, &[PHASES[index]]))?,
             injected_tokens: try_array(|index| child(&injected_tokens, &[BLOCKS[index]]))?,
             injected_items: counter(
                 registry,
@@ -107,6 +121,21 @@ impl MemoryMetrics {
         self.candidates
             .inc_by(u64::from(measures.retrieval_candidates));
         self.hits.inc_by(u64::from(measures.retrieval_hits));
+        for (histogram, took) in self.phases.iter().zip([measures.load, measures.compose]) {
+            if let Some(took) = took {
+                histogram.observe(took.as_secs_f64());
+            }
+        }
+    }
+
+    /// Where a recorded stream's end times its wait for the receipt (the tee observes it).
+    pub fn receipt_wait(&self) -> Histogram {
+        self.phases[2].clone()
+    }
+
+    /// A recorded whole answer's end waited `took` for its receipt.
+    pub fn receipt_waited(&self, took: std::time::Duration) {
+        self.phases[2].observe(took.as_secs_f64());
     }
 }
 
@@ -141,6 +170,8 @@ mod tests {
                 history_tokens: 5000,
                 retrieval_candidates: 9,
                 retrieval_hits: 2,
+                load: Some(std::time::Duration::from_micros(40)),
+                compose: Some(std::time::Duration::from_micros(300)),
             },
             ..Rewrite::default()
         });
@@ -151,6 +182,24 @@ mod tests {
         assert_eq!(metrics.history_tokens.get(), 5000);
         assert_eq!((metrics.candidates.get(), metrics.hits.get()), (9, 2));
         assert!(metrics.fail_open.iter().all(|counter| counter.get() == 0));
+        // Each phase in its own series; the receipt's wait comes from the answer's end.
+        let [load, compose, receipt_wait] = &metrics.phases;
+        assert_eq!(load.get_sample_sum(), 40e-6);
+        assert_eq!(compose.get_sample_sum(), 300e-6);
+        assert_eq!(receipt_wait.get_sample_count(), 0);
+        metrics.receipt_waited(std::time::Duration::from_micros(500));
+        assert_eq!(receipt_wait.get_sample_sum(), 500e-6);
+    }
+
+    #[test]
+    fn a_request_answered_without_memory_times_no_phase() {
+        let metrics = MemoryMetrics::new(&Registry::new()).unwrap();
+        metrics.observe(&Rewrite {
+            outcome: MemoryOutcome::Degraded,
+            reason: Some("store_timeout"),
+            ..Rewrite::default()
+        });
+        assert!(metrics.phases.iter().all(|h| h.get_sample_count() == 0));
     }
 
     #[test]

@@ -11,6 +11,8 @@ pub mod identity;
 pub mod store_memory;
 pub mod trust;
 
+use std::time::Duration;
+
 use http::HeaderMap;
 use serde::Serialize;
 
@@ -66,6 +68,11 @@ pub struct MemoryMeasures {
     /// Items retrieval ranked for the latest user message, and how many of them were injected.
     pub retrieval_candidates: u32,
     pub retrieval_hits: u32,
+    /// How long reading the memory took (the cache, the store's one read, bringing the cached
+    /// copy up to date), when it was read whole; `None` when it failed open or was not read.
+    pub load: Option<Duration>,
+    /// How long composing the prompt took, when memory was composed.
+    pub compose: Option<Duration>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]

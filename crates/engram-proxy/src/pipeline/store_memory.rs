@@ -272,7 +272,9 @@ impl StoreMemory {
         };
 
         load.end();
+        let loaded = started.elapsed();
         let compose = self.telemetry.child("engram.memory.compose");
+        let composing = std::time::Instant::now();
         let composition = memory::compose(
             &memory.state,
             &memory.index,
@@ -286,6 +288,7 @@ impl StoreMemory {
             &self.config,
         );
         compose.end();
+        let composed = composing.elapsed();
         let plan = plan.map(|plan| RecordPlan {
             prior_chain: Some(composition.prior_chain),
             ..plan
@@ -296,6 +299,8 @@ impl StoreMemory {
             retrieval_candidates: u32::try_from(composition.retrieval_candidates)
                 .unwrap_or(u32::MAX),
             retrieval_hits: u32::try_from(composition.retrieval_hits).unwrap_or(u32::MAX),
+            load: Some(loaded),
+            compose: Some(composed),
         };
         self.explains.put(&user, &turn_id, composition.explain);
         if composition.outcome == memory::MemoryOutcome::Empty {

@@ -85,6 +85,8 @@ pub struct ReceiptWait {
     pub max_wait: Duration,
     /// The receipt comment before its state, e.g. `: engram turn=… job=…`.
     pub comment: String,
+    /// Where the end's wait is timed (`engram_memory_phase_seconds{phase="receipt_wait"}`).
+    pub waited: Option<Histogram>,
 }
 
 struct Holding {
@@ -94,6 +96,7 @@ struct Holding {
     /// The tail is the stream's `data: [DONE]`: the comment goes before it.
     tail_is_done: bool,
     deadline: Pin<Box<Sleep>>,
+    since: Instant,
 }
 
 /// Where the SSE terminator `data: [DONE]` starts in `data`, if an event starts with it (not
@@ -195,6 +198,7 @@ impl TeeBody {
             tail,
             tail_is_done,
             deadline,
+            since: Instant::now(),
         });
         None
     }
@@ -230,6 +234,9 @@ impl TeeBody {
             Poll::Pending if holding.deadline.as_mut().poll(cx).is_ready() => Receipt::Pending,
             Poll::Pending => return Poll::Pending,
         };
+        if let Some(waited) = &holding.wait.waited {
+            waited.observe(holding.since.elapsed().as_secs_f64());
+        }
         let comment = format!("{} state={}\n\n", holding.wait.comment, receipt.as_str());
         let out = if holding.tail_is_done {
             [comment.as_bytes(), holding.tail.as_ref()].concat()
