@@ -1063,22 +1063,40 @@ fn measure(
         .histogram("engram_job_lag_seconds")
         .map(|h| h.since(before.histogram("engram_job_lag_seconds").as_ref()));
     let lag_observed = lag.as_ref().map_or(0.0, scrape::Histogram::total) as u64;
-    // Where a request's time went, phase by phase (`engram_memory_phase_seconds`).
-    let phases = ["load", "compose", "receipt_wait"]
-        .into_iter()
-        .filter_map(|phase| {
-            let filter = [("phase", phase)];
-            let name = "engram_memory_phase_seconds";
-            let histogram = after
-                .histogram_of(name, &filter)?
-                .since(before.histogram_of(name, &filter).as_ref());
-            Some(results::Phase {
-                phase: phase.to_owned(),
-                p50: histogram.quantile(0.5),
-                p99: histogram.quantile(0.99),
-            })
+    // Where a request's time went, phase by phase (`engram_memory_phase_seconds`), and the
+    // store's two commits a receipt's wait is made of: its own enqueue, and the worker's job
+    // commits it may queue behind.
+    let phases = [
+        ("engram_memory_phase_seconds", "phase", "load"),
+        ("engram_memory_phase_seconds", "phase", "compose"),
+        ("engram_memory_phase_seconds", "phase", "receipt_wait"),
+        (
+            "engram_store_operation_duration_seconds",
+            "operation",
+            "enqueue",
+        ),
+        (
+            "engram_store_operation_duration_seconds",
+            "operation",
+            "commit_jobs",
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(name, label, phase)| {
+        let filter = [(label, phase)];
+        let histogram = after
+            .histogram_of(name, &filter)?
+            .since(before.histogram_of(name, &filter).as_ref());
+        Some(results::Phase {
+            phase: match label {
+                "operation" => format!("store {phase}"),
+                _ => phase.to_owned(),
+            },
+            p50: histogram.quantile(0.5),
+            p99: histogram.quantile(0.99),
         })
-        .collect();
+    })
+    .collect();
     // Jobs still queued when the drain wait ended arrived before the load ended.
     let unobserved = still_queued.unwrap_or(0);
     let lag_quantile = |q: f64| {

@@ -158,7 +158,8 @@ pub struct Run {
     pub peak_rss_mib: Option<f64>,
     /// CPU seconds of the engram process per 1,000 answered requests, drain included.
     pub cpu_per_1k: Option<f64>,
-    /// `engram_memory_phase_seconds` over the run, by phase, when engram exports it.
+    /// `engram_memory_phase_seconds` over the run, by phase, then the store's `enqueue` and
+    /// `commit_jobs` (`engram_store_operation_duration_seconds`), those engram exports.
     pub phases: Vec<Phase>,
     pub notes: Vec<String>,
 }
@@ -699,7 +700,7 @@ fn notes(run: &Run, queue_in_columns: bool) -> String {
             })
             .collect();
         notes.push(format!(
-            "phases p50 / p99 (ms, bucket bounds): {}",
+            "phases and store commits p50 / p99 (ms, bucket bounds): {}",
             phases.join(", ")
         ));
     }
