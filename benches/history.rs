@@ -502,20 +502,7 @@ fn sizes(context: &Context) -> Vec<SizeResult> {
 /// machine, the part of every added figure that no memory change can take away.
 fn floor(context: &Context) -> Result<results::Floor, String> {
     let args = context.args;
-    let (mut child, base) = systems::start_engram(
-        context.cores.system,
-        &[
-            mock_process::ARG,
-            "--listen",
-            "127.0.0.1:0",
-            "--worker-threads",
-            "1",
-            "--forward",
-            &context.mock.address,
-        ],
-        &[],
-        None,
-    )?;
+    let (mut child, base) = systems::start_floor(context.cores.system, &context.mock.address)?;
     let measured = (|| {
         let body_file = context.scratch.join("floor-bodies.jsonl");
         write_bodies(
@@ -530,25 +517,8 @@ fn floor(context: &Context) -> Result<results::Floor, String> {
         if warmed == 0 {
             return Err("no successful warm-up request".to_owned());
         }
-        let url = format!("{base}/v1/chat/completions");
-        let twin_url = format!("{}/v1/chat/completions", context.mock.address);
-        let headers = headers(preload::USER);
-        let header_refs: Vec<&str> = headers.iter().map(String::as_str).collect();
-        let run = OhaRun {
-            url: &url,
-            body_file: &body_file,
-            body_lines: true,
-            headers: &header_refs,
-            rate: Some(args.rate),
-            connections: CONNECTIONS,
-            duration: args.duration,
-            pin_core: context.cores.rest,
-        };
-        let twin = OhaRun {
-            url: &twin_url,
-            ..run
-        };
-        let result = load::run_oha(&run, Some(&twin))?;
+        let (result, _) = run_paired(context, &base, &body_file, args.rate, args.duration, false);
+        let result = result?;
         Ok(results::Floor {
             offered_rate: args.rate,
             duration_secs: args.duration.as_secs(),
@@ -561,6 +531,40 @@ fn floor(context: &Context) -> Result<results::Floor, String> {
     let _ = child.kill();
     let _ = child.wait();
     measured
+}
+
+/// One open-loop oha run of the user's chat requests against `base`, with its paired direct
+/// baseline: the same rate, length, core, bodies and headers sent straight to the mock (which
+/// ignores engram's headers). With `busy_cores`, busy loops run through it; they are returned
+/// still running, for the caller to stop after its drain.
+fn run_paired(
+    context: &Context,
+    base: &str,
+    body_file: &Path,
+    rate: u64,
+    duration: Duration,
+    busy_cores: bool,
+) -> (Result<load::LoadResult, String>, Option<BusyCores>) {
+    let url = format!("{base}/v1/chat/completions");
+    let twin_url = format!("{}/v1/chat/completions", context.mock.address);
+    let headers = headers(preload::USER);
+    let header_refs: Vec<&str> = headers.iter().map(String::as_str).collect();
+    let run = OhaRun {
+        url: &url,
+        body_file,
+        body_lines: true,
+        headers: &header_refs,
+        rate: Some(rate),
+        connections: CONNECTIONS,
+        duration,
+        pin_core: context.cores.rest,
+    };
+    let twin = OhaRun {
+        url: &twin_url,
+        ..run
+    };
+    let busy = busy_cores.then(|| BusyCores::start(context.cores.system.is_some()));
+    (load::run_oha(&run, Some(&twin)), busy)
 }
 
 fn adversarial(context: &Context, system: Backend) -> AdversarialResult {
@@ -954,29 +958,7 @@ fn measure(
     let before = runtime.block_on(scrape(client, &base))?;
     let cpu_before = systems::cpu_seconds(&[engram.pid()]);
     let sampler = RssSampler::start(&[engram.pid()]);
-    let url = format!("{base}/v1/chat/completions");
-    let twin_url = format!("{}/v1/chat/completions", context.mock.address);
-    let headers = headers(preload::USER);
-    let header_refs: Vec<&str> = headers.iter().map(String::as_str).collect();
-    let run = OhaRun {
-        url: &url,
-        body_file: &body_file,
-        body_lines: true,
-        headers: &header_refs,
-        rate: Some(rate),
-        connections: CONNECTIONS,
-        duration,
-        pin_core: context.cores.rest,
-    };
-    // Same rate, length, core, bodies and headers (the mock ignores engram's).
-    let twin = OhaRun {
-        url: &twin_url,
-        ..run
-    };
-    let busy = args
-        .busy_cores
-        .then(|| BusyCores::start(context.cores.system.is_some()));
-    let result = load::run_oha(&run, Some(&twin));
+    let (result, busy) = run_paired(context, &base, &body_file, rate, duration, args.busy_cores);
     let load_ended = Instant::now();
     let at_end = runtime.block_on(scrape(client, &base)).unwrap_or_default();
     let (drained, still_queued) = runtime.block_on(drain(client, &base, args.drain_timeout));

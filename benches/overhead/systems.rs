@@ -85,22 +85,8 @@ pub struct Mock {
 impl Mock {
     pub fn start(core: Option<&str>, chunks: usize, latency_ms: u64) -> Result<Mock, String> {
         let (chunks, latency) = (chunks.to_string(), latency_ms.to_string());
-        let (child, address) = start_engram(
-            core,
-            &[
-                crate::mock_process::ARG,
-                "--listen",
-                "127.0.0.1:0",
-                "--worker-threads",
-                "1",
-                "--chunks",
-                &chunks,
-                "--latency-ms",
-                &latency,
-            ],
-            &[],
-            None,
-        )?;
+        let (child, address) =
+            start_mock_process(core, &["--chunks", &chunks, "--latency-ms", &latency])?;
         Ok(Mock { child, address })
     }
 }
@@ -127,7 +113,40 @@ pub struct Running {
     scratch: Option<PathBuf>,
 }
 
+/// The floor: the mock's own binary as a bare pass-through to `upstream` (`--forward`), one
+/// thread, on `core`; returns the child and the address it printed.
+pub fn start_floor(core: Option<&str>, upstream: &str) -> Result<(Child, String), String> {
+    start_mock_process(core, &["--forward", upstream])
+}
+
+/// The mock's binary on a free port with one thread, on `core`, with `options` besides.
+fn start_mock_process(core: Option<&str>, options: &[&str]) -> Result<(Child, String), String> {
+    let mut args = vec![
+        crate::mock_process::ARG,
+        "--listen",
+        "127.0.0.1:0",
+        "--worker-threads",
+        "1",
+    ];
+    args.extend_from_slice(options);
+    start_engram(core, &args, &[], None)
+}
+
 impl Running {
+    /// A system of one process, no store and no log of its own.
+    fn alone(child: Child, base_url: String, scratch: Option<PathBuf>) -> Running {
+        Running {
+            base_url,
+            pids: vec![child.id()],
+            child: Some(child),
+            redis: None,
+            redis_pid: None,
+            admin_token: None,
+            log: None,
+            scratch,
+        }
+    }
+
     fn direct(mock: &Mock) -> Running {
         Running {
             base_url: mock.address.clone(),
@@ -201,31 +220,8 @@ pub fn start(
     match system {
         System::Direct => Ok(Running::direct(mock)),
         System::Floor => {
-            // The mock's own binary as a bare pass-through, one thread on engram's core.
-            let (child, address) = start_engram(
-                cores.system,
-                &[
-                    crate::mock_process::ARG,
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--worker-threads",
-                    "1",
-                    "--forward",
-                    &mock.address,
-                ],
-                &[],
-                None,
-            )?;
-            Ok(Running {
-                base_url: address,
-                pids: vec![child.id()],
-                child: Some(child),
-                redis: None,
-                redis_pid: None,
-                admin_token: None,
-                log: None,
-                scratch: None,
-            })
+            let (child, address) = start_floor(cores.system, &mock.address)?;
+            Ok(Running::alone(child, address, None))
         }
         System::Off | System::Embedded | System::Redis => {
             let scratch = scratch_dir(system.name());
@@ -311,16 +307,11 @@ fn start_litellm(litellm: &Path, upstream: &str, core: Option<&str>) -> Result<R
     let child = command
         .spawn()
         .map_err(|e| format!("LiteLLM did not start: {e}"))?;
-    let mut running = Running {
-        base_url: format!("http://127.0.0.1:{port}"),
-        pids: vec![child.id()],
-        child: Some(child),
-        redis: None,
-        redis_pid: None,
-        admin_token: None,
-        log: None,
-        scratch: Some(scratch.clone()),
-    };
+    let mut running = Running::alone(
+        child,
+        format!("http://127.0.0.1:{port}"),
+        Some(scratch.clone()),
+    );
     let started = Instant::now();
     while started.elapsed() < Duration::from_secs(180) {
         if let Some(child) = &mut running.child
