@@ -69,7 +69,7 @@ pub struct MemoryMeasures {
     pub retrieval_candidates: u32,
     pub retrieval_hits: u32,
     /// How long reading the memory took (the cache, the store's one read, bringing the cached
-    /// copy up to date), when it was read whole; `None` when it failed open or was not read.
+    /// copy up to date), when the read succeeded; `None` when it failed open or was not read.
     pub load: Option<Duration>,
     /// How long composing the prompt took, when memory was composed.
     pub compose: Option<Duration>,
