@@ -64,6 +64,7 @@ impl Floor {
         Some(std::array::from_fn(|i| self.latency_us[i] - baseline[i]))
     }
 
+    /// One line: the rate, the length, the added p50 / p99 and the errors.
     pub fn summary(&self) -> String {
         let added = self.added_us().map_or_else(
             || "no paired baseline".to_owned(),
@@ -164,9 +165,11 @@ pub struct Run {
     pub notes: Vec<String>,
 }
 
-/// One phase of the requests' time over a run (`engram_memory_phase_seconds{phase}`).
+/// One phase of the requests' time over a run (`engram_memory_phase_seconds{phase}`), or one
+/// of the store's commits (`store enqueue`, `store commit_jobs`).
 #[derive(Debug, Clone, Serialize)]
 pub struct Phase {
+    /// The phase's label, or `store ` and the operation's.
     pub phase: String,
     pub p50: Option<Quantile>,
     pub p99: Option<Quantile>,
