@@ -60,8 +60,7 @@ pub struct Floor {
 impl Floor {
     /// Latency added over the paired baseline, per percentile, in µs.
     pub fn added_us(&self) -> Option<[f64; 4]> {
-        let baseline = self.baseline_us?;
-        Some(std::array::from_fn(|i| self.latency_us[i] - baseline[i]))
+        added_over(&self.latency_us, self.baseline_us)
     }
 
     /// One line: the rate, the length, the added p50 / p99 and the errors.
@@ -78,6 +77,12 @@ impl Floor {
             thousands((self.ok + self.errors) as f64)
         )
     }
+}
+
+/// `latency` less `baseline`, per percentile; `None` without a baseline.
+fn added_over(latency: &[f64; 4], baseline: Option<[f64; 4]>) -> Option<[f64; 4]> {
+    let baseline = baseline?;
+    Some(std::array::from_fn(|i| latency[i] - baseline[i]))
 }
 
 /// The adversarial case on one store.
@@ -178,17 +183,15 @@ pub struct Phase {
 impl Run {
     /// Added latency over the paired baseline per percentile (µs), when both kept up.
     pub fn added_us(&self) -> Option<[f64; 4]> {
-        let baseline = self.baseline_us?;
         if self.saturation().is_some() || self.baseline_saturation().is_some() {
             return None;
         }
-        Some(std::array::from_fn(|i| self.latency_us[i] - baseline[i]))
+        self.raw_added_us()
     }
 
     /// Added latency whatever the load did (for the JSON and for runs that fell behind).
     pub fn raw_added_us(&self) -> Option<[f64; 4]> {
-        let baseline = self.baseline_us?;
-        Some(std::array::from_fn(|i| self.latency_us[i] - baseline[i]))
+        added_over(&self.latency_us, self.baseline_us)
     }
 
     /// Why engram did not keep up with the offered rate, if it did not.
