@@ -338,7 +338,7 @@ pub async fn open_store(
     match config.backend {
         StoreBackend::Embedded => {
             let linger = Duration::from_millis(config.group_commit_ms);
-            let store = open_embedded(config.data_dir.clone(), "store.data_dir", linger)
+            let store = open_embedded(config.data_dir.clone(), "store.data_dir", linger, false)
                 .await?
                 .with_commit_listener(commits);
             let spool = Spool::Memory {
@@ -358,7 +358,7 @@ pub async fn open_store(
                 .with_commit_listener(commits);
             let spool_dir = config.data_dir.join(SPOOL_DIR);
             let linger = Duration::from_millis(config.group_commit_ms);
-            let spool = open_embedded(spool_dir, "store.data_dir", linger).await?;
+            let spool = open_embedded(spool_dir, "store.data_dir", linger, true).await?;
             let dropped = spool.drop_finished_jobs().await?;
             if dropped > 0 {
                 tracing::info!(
@@ -407,13 +407,20 @@ async fn open_embedded(
     dir: std::path::PathBuf,
     key: &str,
     linger: Duration,
+    spool: bool,
 ) -> Result<EmbeddedStore> {
     let shown = dir.display().to_string();
-    tokio::task::spawn_blocking(move || EmbeddedStore::open_with_linger(&dir, linger))
-        .await
-        .map_err(|error| Error::Internal(format!("opening the store: {error}")))?
-        .map_err(|error| Error::Config {
-            path: key.to_owned(),
-            message: format!("cannot open the embedded store in {shown}: {error}"),
-        })
+    tokio::task::spawn_blocking(move || {
+        if spool {
+            EmbeddedStore::open_spool(&dir, linger)
+        } else {
+            EmbeddedStore::open_with_linger(&dir, linger)
+        }
+    })
+    .await
+    .map_err(|error| Error::Internal(format!("opening the store: {error}")))?
+    .map_err(|error| Error::Config {
+        path: key.to_owned(),
+        message: format!("cannot open the embedded store in {shown}: {error}"),
+    })
 }

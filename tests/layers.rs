@@ -69,9 +69,9 @@ const CRATES: &[Crate] = &[
             // What a job keeps of its request's trace; the stored layout of a memory.
             &["trace"],
             &["layout"],
-            // The embedded store's database handle and group commit.
+            // The embedded store's database handle, group commit and intake log.
             &["db_handle"],
-            &["group_commit"],
+            &["group_commit", "intake"],
             // The backends.
             &["embedded", "redis"],
         ],

@@ -3,7 +3,8 @@
 //! Every write is one committed redb transaction (durability `Immediate`: fsync before commit
 //! returns), so a killed process loses nothing it reported as written. The one exception is a
 //! claim's lease, committed without fsync: losing it in a crash only frees the job earlier. redb calls block, so
-//! each runs on tokio's blocking pool.
+//! each runs on tokio's blocking pool. A placed job is durable earlier, in the intake log
+//! beside the file (see `intake`), and pending in memory until its commit.
 //!
 //! Keys are redb tuples beginning with `(tenant, user)`, so no escaping is needed and a user's
 //! records of one kind are one contiguous range.
@@ -20,6 +21,7 @@ use serde::{Deserialize, Serialize};
 
 use super::db_handle::DbHandle;
 use super::group_commit::{Committed, GroupCommit};
+use super::intake::{Intake, Replay};
 use super::layout::{self, Change, Delta, ItemKey, ItemKind, MemoryUpdate, Stored};
 use super::{
     Appended, ClaimedJob, CommitListener, EncodedState, Enqueued, ForgetReport, HotRecord, Job,
@@ -159,6 +161,9 @@ pub struct EmbeddedStore {
     writes: Arc<GroupCommit<Write, Written>>,
     /// Told of each job commit on the committing thread (see [`CommitListener`]).
     listener: Option<Arc<dyn CommitListener>>,
+    /// Where a recorded job is durable before the database's commit holds it (on disk; see
+    /// `intake`).
+    intake: Option<Arc<Intake>>,
 }
 
 impl std::fmt::Debug for EmbeddedStore {
@@ -179,6 +184,17 @@ impl EmbeddedStore {
 
     /// [`EmbeddedStore::open`] whose enqueues wait `linger` for company (group commit).
     pub fn open_with_linger(data_dir: &Path, linger: Duration) -> Result<EmbeddedStore> {
+        EmbeddedStore::open_with(data_dir, linger, true)
+    }
+
+    /// A spool on disk (Redis's, see `engram_proxy::recorder::outbox`): a store without the
+    /// intake log, whose receipts wait for the database's commit. A spool's forwarded jobs
+    /// leave its database, so a log replayed after them could queue them again.
+    pub fn open_spool(data_dir: &Path, linger: Duration) -> Result<EmbeddedStore> {
+        EmbeddedStore::open_with(data_dir, linger, false)
+    }
+
+    fn open_with(data_dir: &Path, linger: Duration, logged: bool) -> Result<EmbeddedStore> {
         std::fs::create_dir_all(data_dir)?;
         let db = DbHandle::open(&data_dir.join(FILE_NAME), create_tables)?;
         if let Some(database) = db.current() {
@@ -203,8 +219,26 @@ impl EmbeddedStore {
                     "released the leases of jobs a previous process was applying"
                 );
             }
+            let replay = if logged {
+                Intake::read(data_dir)?
+            } else {
+                Replay::default()
+            };
+            let enqueued = enqueue_logged(&database, &replay.jobs)?;
+            if enqueued > 0 {
+                tracing::info!(
+                    jobs = enqueued,
+                    "queued the jobs the intake log held (recorded before the process stopped)"
+                );
+            }
         }
+        // Started only once what the log held is in the database: starting empties the file.
+        let intake = match db.current() {
+            Some(_) if logged => Some(Intake::start(data_dir)?),
+            _ => None,
+        };
         Ok(EmbeddedStore {
+            intake,
             db: Arc::new(db),
             // One group commit for both, at normal priority: each holds redb's one write lock,
             // so as two they took turns, and a recorded answer's enqueue could wait for a job
@@ -222,6 +256,7 @@ impl EmbeddedStore {
             db: Arc::new(DbHandle::in_memory(create_tables)?),
             writes: GroupCommit::new(write_one),
             listener: None,
+            intake: None,
         })
     }
 
@@ -230,6 +265,48 @@ impl EmbeddedStore {
     pub fn with_commit_listener(mut self, listener: Arc<dyn CommitListener>) -> EmbeddedStore {
         self.listener = Some(listener);
         self
+    }
+
+    /// The session's jobs only the intake log holds yet, oldest first, with their keys.
+    fn logged(&self, user: &UserKey, session_id: &str) -> Vec<(String, ExchangeInput)> {
+        self.intake
+            .as_ref()
+            .map(|intake| intake.session_jobs(user, session_id, UNAPPLIED_TURNS))
+            .unwrap_or_default()
+    }
+
+    /// Queues again the logged jobs whose database enqueue failed, oldest first, not held by
+    /// the failure (they were answered `queued`, so they come before anything recorded after
+    /// them); what says when each is committed. One that fails again stays failed, for the
+    /// next call (or a restart, which enqueues it from the log).
+    fn retry_logged(&self) -> Vec<BoxFuture<'static, Result<Written>>> {
+        let Some(intake) = &self.intake else {
+            return Vec::new();
+        };
+        intake
+            .failed_jobs()
+            .into_iter()
+            .map(|job| {
+                let write = Write::Enqueue(job, Some(Arc::clone(intake)));
+                self.writes.queue_now(&self.db, write)
+            })
+            .collect()
+    }
+
+    /// Whether the database holds a job of this id (queued, applied or failed): then the
+    /// job is not logged, and not shown as pending beside the applied one. On an error,
+    /// `false`: the database's enqueue finds the job then, and writes nothing.
+    fn holds_job(&self, id: &JobId) -> bool {
+        let Some(db) = self.db.current() else {
+            return false;
+        };
+        let Ok(txn) = db.begin_read() else {
+            return false;
+        };
+        let Ok(jobs) = txn.open_table(JOBS) else {
+            return false;
+        };
+        matches!(jobs.get(job_key(id)), Ok(Some(_)))
     }
 
     /// The database file; `None` in memory.
@@ -301,10 +378,14 @@ impl EmbeddedStore {
 
     /// Makes the next `commits` transactions of the write thread fail (tests: a disk error
     /// mid-stream; the `faults` feature). Enqueues and job commits share them: a job commit
-    /// committing meanwhile takes its share of the failures.
+    /// committing meanwhile takes its share of the failures. The next `commits` appends to the
+    /// intake log fail too, so a failing disk fails the receipt.
     #[cfg(any(test, feature = "faults"))]
     pub fn fail_next_enqueue_commits(&self, commits: u32) {
         self.writes.fail_next_commits(commits);
+        if let Some(intake) = &self.intake {
+            intake.fail_next_appends(commits);
+        }
     }
 
     /// Makes each injected commit failure take `delay` on the write thread first (the
@@ -395,7 +476,9 @@ fn read_hot_record(
     session_id: &str,
     cached_version: Option<u64>,
     read_whole: bool,
+    logged: Vec<(String, ExchangeInput)>,
 ) -> Result<Option<HotRecord>> {
+    // `logged` was read before this snapshot: a job a commit took from it since is here.
     let txn = db.begin_read().map_err(db_error)?;
     let key = (user.tenant.as_str(), user.user.as_str());
     let version = txn
@@ -447,7 +530,7 @@ fn read_hot_record(
         }
         None => Vec::new(),
     };
-    let unapplied = read_unapplied(&txn, key, session_id, &mut bytes_read)?;
+    let unapplied = read_unapplied(&txn, key, session_id, logged, &mut bytes_read)?;
     Ok(Some(HotRecord {
         version,
         update,
@@ -457,12 +540,14 @@ fn read_hot_record(
     }))
 }
 
-/// The session's queued exchanges, oldest first (see `HotRecord::unapplied`); one seek when
-/// there are none.
+/// The session's queued exchanges, oldest first (see `HotRecord::unapplied`): those the
+/// database holds and, after them, those only the intake log holds yet (`logged`, each with
+/// its job key, oldest first); one seek when there are none.
 fn read_unapplied(
     txn: &redb::ReadTransaction,
     key: UserKeyRef,
     session_id: &str,
+    logged: Vec<(String, ExchangeInput)>,
     bytes_read: &mut usize,
 ) -> Result<Vec<ExchangeInput>> {
     let session_queue = txn.open_table(SESSION_QUEUE).map_err(db_error)?;
@@ -472,29 +557,46 @@ fn read_unapplied(
         .map_err(db_error)?
         .rev()
         .peekable();
-    if rows.peek().is_none() {
+    if rows.peek().is_none() && logged.is_empty() {
         return Ok(Vec::new());
     }
     let exchanges = txn.open_table(JOB_EXCHANGES).map_err(db_error)?;
-    let mut unapplied = Vec::new();
-    let mut taken = 0;
-    for row in rows.take(UNAPPLIED_TURNS) {
-        let (_, job) = row.map_err(db_error)?;
-        let Some(guard) = exchanges
-            .get((key.0, key.1, job.value()))
+    // Newest first: the logged jobs the database does not hold yet (a commit may have taken
+    // some since they were read), then the database's.
+    let mut newest_first: Vec<(usize, ExchangeInput)> = Vec::new();
+    for (job, exchange) in logged.into_iter().rev() {
+        if exchanges
+            .get((key.0, key.1, job.as_str()))
             .map_err(db_error)?
-        else {
-            continue;
-        };
-        taken += guard.value().len();
-        unapplied.push(decode::<ExchangeInput>(guard.value())?);
-        if taken >= UNAPPLIED_BYTES {
-            break;
+            .is_none()
+        {
+            newest_first.push((exchange.text_bytes(), exchange));
         }
     }
-    *bytes_read += taken;
-    unapplied.reverse();
-    Ok(unapplied)
+    let mut taken: usize = newest_first.iter().map(|(bytes, _)| bytes).sum();
+    if newest_first.len() < UNAPPLIED_TURNS && taken < UNAPPLIED_BYTES {
+        for row in rows.take(UNAPPLIED_TURNS - newest_first.len()) {
+            let (_, job) = row.map_err(db_error)?;
+            let Some(guard) = exchanges
+                .get((key.0, key.1, job.value()))
+                .map_err(db_error)?
+            else {
+                continue;
+            };
+            taken += guard.value().len();
+            *bytes_read += guard.value().len();
+            newest_first.push((0, decode::<ExchangeInput>(guard.value())?));
+            if taken >= UNAPPLIED_BYTES {
+                break;
+            }
+        }
+    }
+    newest_first.truncate(UNAPPLIED_TURNS);
+    Ok(newest_first
+        .into_iter()
+        .rev()
+        .map(|(_, exchange)| exchange)
+        .collect())
 }
 
 type UserKeyRef<'k> = (&'k str, &'k str);
@@ -626,6 +728,23 @@ fn convert_legacy(db: &Database) -> Result<usize> {
         txn.commit().map_err(db_error)?;
     }
     Ok(legacy.len())
+}
+
+/// Enqueues the jobs an earlier process left in the intake log, in their order, in one
+/// durable commit; a job the database holds already is left as it is. How many were queued.
+fn enqueue_logged(db: &Database, jobs: &[Job]) -> Result<usize> {
+    if jobs.is_empty() {
+        return Ok(0);
+    }
+    let txn = db.begin_write().map_err(db_error)?;
+    let mut queued = 0;
+    for job in jobs {
+        if matches!(write_enqueue(&txn, job)?, Enqueued::Queued) {
+            queued += 1;
+        }
+    }
+    txn.commit().map_err(db_error)?;
+    Ok(queued)
 }
 
 /// Completes the queue's indexes when the store opens, and returns how many jobs it added: a
@@ -917,14 +1036,22 @@ impl MemoryRecords for EmbeddedStore {
         // decode, an error or a closed file go to a blocking thread, which also recovers.
         if cached_version.is_some()
             && let Some(db) = self.db.current()
-            && let Ok(Some(record)) = read_hot_record(&db, user, session_id, cached_version, false)
+            && let Ok(Some(record)) = read_hot_record(
+                &db,
+                user,
+                session_id,
+                cached_version,
+                false,
+                self.logged(user, session_id),
+            )
         {
             return Box::pin(std::future::ready(Ok(record)));
         }
+        let logged = self.logged(user, session_id);
         let user = user.clone();
         let session_id = session_id.to_owned();
         self.blocking(move |db| {
-            read_hot_record(db, &user, &session_id, cached_version, true)?
+            read_hot_record(db, &user, &session_id, cached_version, true, logged)?
                 .ok_or_else(|| Error::Store("hot record read gave up on its state".into()))
         })
     }
@@ -1015,14 +1142,70 @@ impl MemoryRecords for EmbeddedStore {
 
 impl JobQueue for EmbeddedStore {
     fn enqueue<'a>(&'a self, job: &'a Job) -> BoxFuture<'a, Result<Enqueued>> {
-        let written = self.writes.submit(&self.db, Write::Enqueue(job.clone()));
-        Box::pin(async move { enqueued(written.await) })
+        // Logged jobs whose enqueue failed were answered `queued` before this one was
+        // recorded: they go first, and while one still fails this one waits (the caller, the
+        // spool's forwarder, tries it again).
+        let retries = self.retry_logged();
+        Box::pin(async move {
+            for retry in retries {
+                retry.await?;
+            }
+            enqueued(
+                self.writes
+                    .submit(&self.db, Write::Enqueue(job.clone(), None))
+                    .await,
+            )
+        })
     }
 
     fn place(&self, job: Job) -> Placement {
-        match self.writes.place(&self.db, Write::Enqueue(job)) {
-            Ok(answer) => Placement::Placed(Box::pin(async move { enqueued(answer.await) })),
-            Err((Write::Enqueue(job), _)) => Placement::Held(job),
+        // While a logged job's enqueue has failed, jobs recorded after it are held back, as
+        // behind any failed placement; the caller spools them and forwards them after it.
+        if self
+            .intake
+            .as_ref()
+            .is_some_and(|intake| !intake.failed_jobs().is_empty())
+        {
+            drop(self.retry_logged());
+            return Placement::Held(job);
+        }
+        // On disk the job goes to the intake log too, and its receipt waits for the log's sync
+        // instead of the database's commit (see `intake`); a job the database holds already
+        // (the same exchange sent again) is answered by the database, as before.
+        let logged = match &self.intake {
+            Some(intake) if !self.holds_job(&job.id) => match intake.log(&job) {
+                Some(durable) => Some((Arc::clone(intake), durable)),
+                None => {
+                    let pending = Enqueued::Duplicate(JobState::Queued);
+                    return Placement::Placed(Box::pin(std::future::ready(Ok(pending))));
+                }
+            },
+            _ => None,
+        };
+        let (id, session) = (job.id.clone(), job.exchange.session_id.clone());
+        let write = Write::Enqueue(job, logged.as_ref().map(|(intake, _)| Arc::clone(intake)));
+        match self.writes.place(&self.db, write) {
+            Ok(answer) => match logged {
+                Some((intake, durable)) => Placement::Placed(Box::pin(async move {
+                    if let Ok(Ok(())) = durable.await {
+                        return Ok(Enqueued::Queued);
+                    }
+                    // The log failed: the database's commit is the receipt, as without one.
+                    let result = enqueued(answer.await);
+                    if result.is_err() {
+                        // The caller keeps the job (it spools it): not pending here.
+                        intake.returned(&id, &session);
+                    }
+                    result
+                })),
+                None => Placement::Placed(Box::pin(async move { enqueued(answer.await) })),
+            },
+            Err((Write::Enqueue(job, intake), _)) => {
+                if let Some(intake) = intake {
+                    intake.returned(&job.id, &job.exchange.session_id);
+                }
+                Placement::Held(job)
+            }
             // Only an enqueue was placed, so only one comes back; answered, not a panic.
             Err((Write::Commit(_), error)) => {
                 Placement::Placed(Box::pin(std::future::ready(Err(error))))
@@ -1032,6 +1215,7 @@ impl JobQueue for EmbeddedStore {
 
     fn resume_placing(&self) {
         self.writes.resume();
+        drop(self.retry_logged());
     }
 
     fn claims_whole_runs(&self) -> bool {
@@ -1114,6 +1298,13 @@ impl JobQueue for EmbeddedStore {
     }
 
     fn job_state<'a>(&'a self, job: &'a JobId) -> BoxFuture<'a, Result<Option<JobState>>> {
+        if self
+            .intake
+            .as_ref()
+            .is_some_and(|intake| intake.holds_id(job))
+        {
+            return Box::pin(std::future::ready(Ok(Some(JobState::Queued))));
+        }
         let id = job.clone();
         self.blocking(move |db| {
             let txn = db.begin_read().map_err(db_error)?;
@@ -1146,7 +1337,23 @@ impl Store for EmbeddedStore {
     }
 
     fn forget_user<'a>(&'a self, user: &'a UserKey) -> BoxFuture<'a, Result<ForgetReport>> {
+        // The tombstone first: a restart must not enqueue the user's logged jobs again.
+        let tombstone = self.intake.as_ref().map(|intake| intake.forget(user));
         let user = user.clone();
+        Box::pin(async move {
+            if let Some(tombstone) = tombstone {
+                tombstone
+                    .await
+                    .map_err(|_| Error::Store("the intake log stopped".into()))??;
+            }
+            self.forget_stored(user).await
+        })
+    }
+}
+
+impl EmbeddedStore {
+    /// [`Store::forget_user`]'s delete of the user's records in the database.
+    fn forget_stored(&self, user: UserKey) -> BoxFuture<'static, Result<ForgetReport>> {
         self.blocking_write(move |db| {
             let (tenant, user_id) = (user.tenant.as_str(), user.user.as_str());
             let mut report = ForgetReport::default();
@@ -1484,9 +1691,10 @@ fn write_claims(
     Ok(claimed)
 }
 
-/// A write of the store's write thread: a recorded job, or a worker's applied jobs.
+/// A write of the store's write thread: a recorded job (with the intake log that holds it
+/// until this commit, on disk), or a worker's applied jobs.
 enum Write {
-    Enqueue(Job),
+    Enqueue(Job, Option<Arc<Intake>>),
     Commit(JobCommit),
 }
 
@@ -1497,15 +1705,25 @@ enum Written {
 
 fn write_one(txn: &WriteTransaction, write: &Write) -> Result<Written> {
     match write {
-        Write::Enqueue(job) => write_enqueue(txn, job).map(Written::Enqueued),
+        Write::Enqueue(job, _) => write_enqueue(txn, job).map(Written::Enqueued),
         Write::Commit(commit) => write_commit(txn, commit).map(|()| Written::Committed),
     }
 }
 
 impl Committed for Write {
     fn committed(self) {
-        if let Write::Commit(commit) = self {
-            commit.committed();
+        match self {
+            Write::Commit(commit) => commit.committed(),
+            Write::Enqueue(job, Some(intake)) => {
+                intake.committed(&job.id, &job.exchange.session_id);
+            }
+            Write::Enqueue(_, None) => {}
+        }
+    }
+
+    fn failed(&self) {
+        if let Write::Enqueue(job, Some(intake)) = self {
+            intake.failed(job);
         }
     }
 }
@@ -1731,6 +1949,7 @@ mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
 
     use super::*;
+    use crate::intake;
 
     #[test]
     fn job_records_written_before_traces_still_decode() {
@@ -2120,5 +2339,119 @@ mod tests {
         );
         assert!(store.ack(&job.id).await.unwrap());
         assert_eq!(job_rows(&store, &job.id).1, None);
+    }
+
+    /// What the session's next request sees of its queued exchanges.
+    async fn unapplied_texts(store: &EmbeddedStore) -> Vec<String> {
+        let user = UserKey::new("acme", "alice");
+        store
+            .hot_record(&user, "s1", None)
+            .await
+            .unwrap()
+            .unapplied
+            .into_iter()
+            .map(|exchange| exchange.user_text)
+            .collect()
+    }
+
+    fn placed(store: &EmbeddedStore, job: Job) -> BoxFuture<'static, Result<Enqueued>> {
+        match store.place(job) {
+            Placement::Placed(answer) => answer,
+            Placement::Held(_) | Placement::Unsupported(_) => panic!("not placed"),
+        }
+    }
+
+    /// A job whose database enqueue fails after the intake log took it is answered as queued
+    /// (the log holds it), is seen by the session's next request and by `job_state`, and
+    /// reaches the database when placing resumes.
+    #[tokio::test]
+    async fn a_logged_job_is_seen_before_the_database_holds_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(dir.path()).unwrap();
+        store.writes.fail_next_commits(1);
+        let logged = job("k1", "I live in Oslo.");
+        assert_eq!(
+            placed(&store, logged.clone()).await.unwrap(),
+            Enqueued::Queued
+        );
+        // The database's enqueue has failed once its round ran; the job is still pending.
+        let mut waited = 0;
+        while store.intake.as_ref().unwrap().failed_jobs().is_empty() && waited < 200 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            waited += 1;
+        }
+        assert_eq!(job_rows(&store, &logged.id), (None, None));
+        assert_eq!(unapplied_texts(&store).await, ["I live in Oslo."]);
+        assert_eq!(
+            store.job_state(&logged.id).await.unwrap(),
+            Some(JobState::Queued)
+        );
+        // Placing is held behind the failure (and tries the logged job again); a plain
+        // enqueue (the spool's forwarder) waits for the logged job to be committed first.
+        let next = job("k2", "I work at the harbour.");
+        let held = match store.place(next) {
+            Placement::Held(job) => job,
+            _ => panic!("placing was not held"),
+        };
+        store.resume_placing();
+        assert_eq!(store.enqueue(&held).await.unwrap(), Enqueued::Queued);
+        assert!(!store.intake.as_ref().unwrap().holds_id(&logged.id));
+        let claimed = store.claim_batch("w1", LEASE, 4).await.unwrap();
+        let texts: Vec<&str> = claimed
+            .iter()
+            .map(|claimed| claimed.job.exchange.user_text.as_str())
+            .collect();
+        assert_eq!(texts, ["I live in Oslo.", "I work at the harbour."]);
+    }
+
+    /// Jobs the log held when the process stopped are queued when the store opens, in order,
+    /// once each, without those of a user forgotten after them.
+    #[tokio::test]
+    async fn opening_queues_what_the_intake_log_held() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(EmbeddedStore::open(dir.path()).unwrap());
+        let bob = Job {
+            id: JobId {
+                user: UserKey::new("acme", "bob"),
+                key: "b1".into(),
+            },
+            ..job("b1", "I am Bob.")
+        };
+        {
+            // A process that logged these and stopped before its database held them.
+            let log = Intake::start(dir.path()).unwrap();
+            for logged in [job("k1", "first"), bob.clone(), job("k2", "second")] {
+                log.log(&logged).unwrap().await.unwrap().unwrap();
+            }
+            log.forget(&bob.id.user).await.unwrap().unwrap();
+            log.log(&job("k3", "third"))
+                .unwrap()
+                .await
+                .unwrap()
+                .unwrap();
+        }
+        let store = EmbeddedStore::open(dir.path()).unwrap();
+        assert_eq!(unapplied_texts(&store).await, ["first", "second", "third"]);
+        assert_eq!(store.job_state(&bob.id).await.unwrap(), None);
+        assert_eq!(store.queue_depth().await.unwrap(), 3);
+        // Opened again, nothing is queued twice: the log was emptied.
+        drop(store);
+        assert!(Intake::read(dir.path()).unwrap().jobs.is_empty());
+        let store = EmbeddedStore::open(dir.path()).unwrap();
+        assert_eq!(store.queue_depth().await.unwrap(), 3);
+    }
+
+    /// A spool on disk keeps no intake log: its receipts are the database's commits.
+    #[tokio::test]
+    async fn a_spool_keeps_no_intake_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let spool = EmbeddedStore::open_spool(dir.path(), Duration::ZERO).unwrap();
+        assert!(spool.intake.is_none());
+        assert_eq!(
+            placed(&spool, job("k1", "hi")).await.unwrap(),
+            Enqueued::Queued
+        );
+        assert!(job_rows(&spool, &job("k1", "hi").id).0.is_some());
+        assert!(!dir.path().join(intake::FILE_NAME).exists());
     }
 }

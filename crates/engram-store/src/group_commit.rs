@@ -36,6 +36,10 @@ pub type Apply<Op, Out> = fn(&WriteTransaction, &Op) -> Result<Out>;
 /// before its caller is answered (a job commit tells the store's `CommitListener` there).
 pub trait Committed {
     fn committed(self);
+
+    /// What an operation does when it was not committed (it failed, or was refused while the
+    /// ordered ones were held), on the committing thread before its caller is answered.
+    fn failed(&self) {}
 }
 
 pub struct GroupCommit<Op, Out> {
@@ -138,6 +142,13 @@ where
         Ok(Box::pin(answered(receiver)))
     }
 
+    /// Queues `op` for the next commit at once, not held by a failure of the placed ones (as
+    /// [`GroupCommit::submit`]), and returns what will say its result.
+    pub fn queue_now(self: &Arc<Self>, db: &Arc<DbHandle>, op: Op) -> Answer<Out> {
+        let receiver = self.queue(db, op, false);
+        Box::pin(async move { answered(receiver.map_err(|(_, error)| error)?).await })
+    }
+
     /// Lets placed operations through again after a failure held them.
     pub fn resume(&self) {
         self.state
@@ -210,7 +221,10 @@ where
                     }
                     entries
                         .into_iter()
-                        .map(|entry| (entry.answer, Err(Error::Store(error.to_string()))))
+                        .map(|entry| {
+                            entry.op.failed();
+                            (entry.answer, Err(Error::Store(error.to_string())))
+                        })
                         .collect()
                 }
             };
@@ -264,6 +278,8 @@ where
                         .map(|(entry, result)| {
                             if result.is_ok() {
                                 entry.op.committed();
+                            } else {
+                                entry.op.failed();
                             }
                             (entry.answer, result)
                         })
@@ -281,16 +297,18 @@ where
             .into_iter()
             .map(|entry| {
                 if entry.ordered && held {
+                    entry.op.failed();
                     return (entry.answer, Err(self::held()));
                 }
                 let result = self.commit_one(db, &entry.op);
                 match &result {
                     Ok(_) => entry.op.committed(),
                     Err(_) if entry.ordered => {
+                        entry.op.failed();
                         held = true;
                         self.hold();
                     }
-                    Err(_) => {}
+                    Err(_) => entry.op.failed(),
                 }
                 (entry.answer, result)
             })

@@ -19,6 +19,7 @@
 mod db_handle;
 pub mod embedded;
 mod group_commit;
+pub mod intake;
 pub mod layout;
 pub mod redis;
 mod trace;

@@ -1,0 +1,718 @@
+//! The intake log: where a recorded answer's job is durable before the database holds it.
+//!
+//! A recorded answer ends once its job is durable (the receipt). In redb that took a commit
+//! on the store's one writer, behind whatever job commit was running; with one user's long
+//! history those take longer (p99 about 19 ms at 50,000 turns), and the receipt's wait with
+//! them, while an append and `fdatasync` of a small file stays near 0.3 ms whatever the
+//! history (docs/benchmarks-log.md, 2026-12-07). So on disk a job is written here first, in a
+//! file of its own with its own thread, and the receipt waits for that; the database's enqueue
+//! runs behind it as before, off the answer's path.
+//!
+//! Until the database's commit holds a job, the job is also kept in memory (the *pending*
+//! jobs), so the session's next request sees it among the unapplied exchanges at once. Once
+//! no job is pending, everything in the file is in the database and the file is emptied. When
+//! the store opens, the jobs in the file are enqueued (a job the database holds already is
+//! left as it is) and the file emptied. A forget writes a tombstone first, so a user's jobs
+//! logged before it are not enqueued again from the file.
+//!
+//! The file is written in place, never grown by an append: it is extended with zeros a chunk
+//! at a time, and a record overwrites what is there. So a record's `fdatasync` syncs its data
+//! only; an append that grew the file also committed ext4's journal for the new size, behind
+//! the database's own commits, and took up to 5 ms at p99 where an overwrite took under 2
+//! (docs/benchmarks-log.md, 2026-12-07). The file starts with a header (a magic number and a
+//! generation), and records follow: a little-endian `u32` length, a `u64` FNV-1a checksum of
+//! the generation and the payload, and the payload (the JSON of a job, or of a forget's
+//! tombstone). Emptying the file writes the next generation into the header: the records
+//! after it then fail their checksums, as do zeros and a record a crash cut short (never
+//! acknowledged), and reading stops at the first that fails.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io::Read;
+use std::path::Path;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::oneshot;
+
+use super::{Job, JobId, UserKey};
+use engram_memory::ExchangeInput;
+use engram_runtime::error::{Error, Result};
+
+/// The file name inside the data directory.
+pub const FILE_NAME: &str = "intake.log";
+
+/// The file is emptied once nothing is pending and it holds at least this much (a header
+/// write and its sync; reusing the space from the start keeps the file small).
+const TRUNCATE_AT: u64 = 4 << 20;
+
+/// How much the file is extended by (with zeros, synced) when a write would pass its end.
+const CHUNK: u64 = 8 << 20;
+
+/// The header: [`MAGIC`], then the generation (little-endian `u64`).
+const HEADER: u64 = 16;
+const MAGIC: &[u8; 8] = b"engramIL";
+
+/// A record's length and checksum.
+const FRAME: usize = 12;
+
+/// One record of the file, as read.
+#[derive(Debug, Deserialize)]
+enum Record {
+    Job(Box<Job>),
+    /// The user was forgotten: their jobs before it are not enqueued from the file.
+    Forget(UserKey),
+}
+
+/// One record of the file, as written (the same encoding, borrowed).
+#[derive(Serialize)]
+enum RecordRef<'a> {
+    Job(&'a Job),
+    Forget(&'a UserKey),
+}
+
+/// What the log thread is asked to do, in order.
+enum Message {
+    Append {
+        /// The record's payload (its JSON); the log thread frames it.
+        payload: Vec<u8>,
+        /// The append's number ([`Pending::appended`] when it was sent).
+        number: u64,
+        done: oneshot::Sender<Result<()>>,
+    },
+    /// Empty the file if no append came after `through` (everything up to it is in the
+    /// database).
+    Truncate { through: u64 },
+}
+
+/// Jobs logged and not yet committed to the database.
+#[derive(Default)]
+struct Pending {
+    /// By (tenant, user, session), oldest first: what the hot path adds to the session's
+    /// unapplied exchanges.
+    sessions: HashMap<(String, String, String), Vec<Job>>,
+    /// How many jobs `sessions` holds.
+    jobs: usize,
+    /// Appends sent to the log thread so far.
+    appended: u64,
+    /// Jobs whose database enqueue failed after they were logged, oldest first, until a
+    /// commit holds them ([`Intake::failed_jobs`]).
+    failed: Vec<Job>,
+}
+
+pub struct Intake {
+    pending: Mutex<Pending>,
+    log: Mutex<mpsc::Sender<Message>>,
+    /// Appends left to fail (`fail_next_appends`).
+    #[cfg(any(test, feature = "faults"))]
+    faults: std::sync::atomic::AtomicU32,
+}
+
+impl std::fmt::Debug for Intake {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.debug_struct("Intake").finish_non_exhaustive()
+    }
+}
+
+/// What the file held when the store opened.
+#[derive(Debug, Default)]
+pub struct Replay {
+    /// The jobs to enqueue, in the order they were logged, without those of users forgotten
+    /// after them.
+    pub jobs: Vec<Job>,
+}
+
+impl Intake {
+    /// Reads what an earlier process left in `data_dir`'s log (see [`Replay`]); the caller
+    /// enqueues it and then calls [`Intake::start`], which empties the file.
+    pub fn read(data_dir: &Path) -> Result<Replay> {
+        let mut bytes = Vec::new();
+        match File::open(data_dir.join(FILE_NAME)) {
+            Ok(mut file) => {
+                file.read_to_end(&mut bytes)?;
+            }
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+            Err(error) => return Err(error.into()),
+        }
+        let records = match header_generation(&bytes) {
+            Some(generation) => parse(&bytes[HEADER as usize..], generation).0,
+            None => Vec::new(),
+        };
+        let mut jobs: Vec<Job> = Vec::new();
+        for record in records {
+            match record {
+                Record::Job(job) => jobs.push(*job),
+                Record::Forget(user) => jobs.retain(|job| job.id.user != user),
+            }
+        }
+        Ok(Replay { jobs })
+    }
+
+    /// Empties `data_dir`'s log (its jobs are in the database now: the next generation goes
+    /// into its header) and starts its thread.
+    pub fn start(data_dir: &Path) -> Result<Arc<Intake>> {
+        let mut file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(data_dir.join(FILE_NAME))?;
+        let mut header = [0u8; HEADER as usize];
+        let size = file.metadata()?.len();
+        let generation = if size >= HEADER {
+            file.read_exact(&mut header)?;
+            header_generation(&header).unwrap_or(0)
+        } else {
+            0
+        };
+        let mut log = Log {
+            file,
+            size,
+            generation,
+            offset: HEADER,
+        };
+        log.reset()?;
+        let (sender, receiver) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("engram-intake".to_owned())
+            .spawn(move || run(log, receiver))?;
+        Ok(Arc::new(Intake {
+            pending: Mutex::new(Pending::default()),
+            log: Mutex::new(sender),
+            #[cfg(any(test, feature = "faults"))]
+            faults: std::sync::atomic::AtomicU32::new(0),
+        }))
+    }
+
+    /// Logs `job` and keeps it pending until [`Intake::committed`]; the receiver says when it
+    /// is durable. `None` when it is pending already (the same exchange recorded twice).
+    pub fn log(&self, job: &Job) -> Option<oneshot::Receiver<Result<()>>> {
+        let (done, receiver) = oneshot::channel();
+        #[cfg(any(test, feature = "faults"))]
+        if self.take_fault() {
+            let _ = done.send(Err(Error::Store("injected intake log failure".into())));
+            return Some(receiver);
+        }
+        let payload = match encode_record(&RecordRef::Job(job)) {
+            Ok(payload) => payload,
+            Err(error) => {
+                let _ = done.send(Err(error));
+                return Some(receiver);
+            }
+        };
+        let mut pending = self.lock();
+        let session = session_key(&job.id.user, &job.exchange.session_id);
+        let queued = pending.sessions.entry(session).or_default();
+        if queued.iter().any(|held| held.id == job.id) {
+            return None;
+        }
+        queued.push(job.clone());
+        pending.jobs += 1;
+        pending.appended += 1;
+        let number = pending.appended;
+        // Sent under the lock, so the log thread sees appends in their numbers' order.
+        self.send(Message::Append {
+            payload,
+            number,
+            done,
+        });
+        Some(receiver)
+    }
+
+    /// Logs that `user` was forgotten and drops their pending jobs; the receiver says when the
+    /// tombstone is durable.
+    pub fn forget(&self, user: &UserKey) -> oneshot::Receiver<Result<()>> {
+        let (done, receiver) = oneshot::channel();
+        let payload = match encode_record(&RecordRef::Forget(user)) {
+            Ok(payload) => payload,
+            Err(error) => {
+                let _ = done.send(Err(error));
+                return receiver;
+            }
+        };
+        let mut pending = self.lock();
+        let mut dropped = 0;
+        pending.sessions.retain(|(tenant, id, _), jobs| {
+            let theirs = *tenant == user.tenant && *id == user.user;
+            if theirs {
+                dropped += jobs.len();
+            }
+            !theirs
+        });
+        pending.jobs -= dropped;
+        pending.failed.retain(|job| job.id.user != *user);
+        pending.appended += 1;
+        let number = pending.appended;
+        self.send(Message::Append {
+            payload,
+            number,
+            done,
+        });
+        receiver
+    }
+
+    /// The database's commit holds `job` now: it is no longer pending.
+    pub fn committed(&self, job: &JobId, session: &str) {
+        let mut pending = self.lock();
+        if pending.remove(job, session) {
+            self.truncate_if_idle(&pending);
+        }
+    }
+
+    /// The database's enqueue of `job` failed: it stays pending (and in the file), among the
+    /// failed ones, until a commit holds it.
+    pub fn failed(&self, job: &Job) {
+        let mut pending = self.lock();
+        let session = session_key(&job.id.user, &job.exchange.session_id);
+        let is_pending = pending
+            .sessions
+            .get(&session)
+            .is_some_and(|jobs| jobs.iter().any(|held| held.id == job.id));
+        if is_pending && !pending.failed.iter().any(|held| held.id == job.id) {
+            pending.failed.push(job.clone());
+        }
+    }
+
+    /// `job` was handed back to its caller unwritten (placing was held): the caller keeps it.
+    pub fn returned(&self, job: &JobId, session: &str) {
+        self.committed(job, session);
+    }
+
+    /// The jobs whose database enqueue failed and no commit holds yet, oldest first.
+    pub fn failed_jobs(&self) -> Vec<Job> {
+        self.lock().failed.clone()
+    }
+
+    /// Whether `job` is pending.
+    pub fn holds(&self, job: &JobId, session: &str) -> bool {
+        self.lock()
+            .sessions
+            .get(&session_key(&job.user, session))
+            .is_some_and(|jobs| jobs.iter().any(|held| held.id == *job))
+    }
+
+    /// Whether a job of this id is pending, in any session.
+    pub fn holds_id(&self, job: &JobId) -> bool {
+        self.lock()
+            .sessions
+            .values()
+            .any(|jobs| jobs.iter().any(|held| held.id == *job))
+    }
+
+    /// The session's newest `newest` pending jobs, oldest first (each job's key with its
+    /// exchange): a session's jobs commit in the order they were placed, so those not
+    /// committed yet are its newest.
+    pub fn session_jobs(
+        &self,
+        user: &UserKey,
+        session: &str,
+        newest: usize,
+    ) -> Vec<(String, ExchangeInput)> {
+        let pending = self.lock();
+        if pending.jobs == 0 {
+            return Vec::new();
+        }
+        pending
+            .sessions
+            .get(&session_key(user, session))
+            .map(|jobs| {
+                jobs[jobs.len().saturating_sub(newest)..]
+                    .iter()
+                    .map(|job| (job.id.key.clone(), job.exchange.clone()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Makes the next `appends` log appends fail (the `faults` feature).
+    #[cfg(any(test, feature = "faults"))]
+    pub fn fail_next_appends(&self, appends: u32) {
+        self.faults
+            .store(appends, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    #[cfg(any(test, feature = "faults"))]
+    fn take_fault(&self) -> bool {
+        use std::sync::atomic::Ordering;
+        self.faults
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| {
+                left.checked_sub(1)
+            })
+            .is_ok()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Pending> {
+        self.pending.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn truncate_if_idle(&self, pending: &Pending) {
+        if pending.jobs == 0 {
+            self.send(Message::Truncate {
+                through: pending.appended,
+            });
+        }
+    }
+
+    /// Sends to the log thread; if it is gone (it only stops when the intake is dropped, or
+    /// on a panic) an append's sender is dropped and its caller sees the log fail.
+    fn send(&self, message: Message) {
+        let log = self.log.lock().unwrap_or_else(PoisonError::into_inner);
+        let _ = log.send(message);
+    }
+}
+
+impl Pending {
+    fn remove(&mut self, job: &JobId, session: &str) -> bool {
+        let key = session_key(&job.user, session);
+        let Some(jobs) = self.sessions.get_mut(&key) else {
+            return false;
+        };
+        let Some(at) = jobs.iter().position(|held| held.id == *job) else {
+            return false;
+        };
+        jobs.remove(at);
+        if jobs.is_empty() {
+            self.sessions.remove(&key);
+        }
+        self.jobs -= 1;
+        self.failed.retain(|held| held.id != *job);
+        true
+    }
+}
+
+fn session_key(user: &UserKey, session: &str) -> (String, String, String) {
+    (user.tenant.clone(), user.user.clone(), session.to_owned())
+}
+
+/// The file, as the log thread writes it.
+struct Log {
+    file: File,
+    /// The file's length (zeros past the records, up to a chunk).
+    size: u64,
+    /// Written into the header and into every record's checksum.
+    generation: u64,
+    /// Where the next record goes.
+    offset: u64,
+}
+
+impl Log {
+    /// Empties the log: the next generation in the header, synced, and records from the
+    /// start again.
+    fn reset(&mut self) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt as _;
+        let generation = self.generation.wrapping_add(1);
+        let mut header = [0u8; HEADER as usize];
+        header[..8].copy_from_slice(MAGIC);
+        header[8..].copy_from_slice(&generation.to_le_bytes());
+        self.file.write_all_at(&header, 0)?;
+        if self.size < HEADER {
+            self.size = HEADER;
+            self.file.sync_all()?;
+        } else {
+            self.file.sync_data()?;
+        }
+        self.generation = generation;
+        self.offset = HEADER;
+        Ok(())
+    }
+
+    /// Writes `payloads` as records at the end of the log and syncs them.
+    fn append(&mut self, payloads: &[Vec<u8>]) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt as _;
+        let mut buffer = Vec::new();
+        for payload in payloads {
+            let length = u32::try_from(payload.len()).map_err(|_| {
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, "a record too large")
+            })?;
+            buffer.extend_from_slice(&length.to_le_bytes());
+            buffer.extend_from_slice(&checksum(self.generation, payload).to_le_bytes());
+            buffer.extend_from_slice(payload);
+        }
+        let end = self.offset + buffer.len() as u64;
+        if end > self.size {
+            // Zeros written, not a hole: a later overwrite then changes no metadata.
+            let grown = end.max(self.size + CHUNK);
+            let zeros = vec![0u8; usize::try_from(grown - self.size).unwrap_or(0)];
+            self.file.write_all_at(&zeros, self.size)?;
+            self.file.sync_all()?;
+            self.size = grown;
+        }
+        self.file.write_all_at(&buffer, self.offset)?;
+        self.file.sync_data()?;
+        self.offset = end;
+        Ok(())
+    }
+}
+
+/// The log thread: takes every message waiting, writes the appends, syncs once for all of
+/// them and answers them (a group commit). A truncation empties the log when no append came
+/// after the one it covers (its appends written and synced first).
+fn run(mut log: Log, receiver: mpsc::Receiver<Message>) {
+    let mut last: u64 = 0;
+    while let Ok(first) = receiver.recv() {
+        let mut payloads = Vec::new();
+        let mut waiting = Vec::new();
+        for message in std::iter::once(first).chain(receiver.try_iter()) {
+            match message {
+                Message::Append {
+                    payload,
+                    number,
+                    done,
+                } => {
+                    payloads.push(payload);
+                    last = number;
+                    waiting.push(done);
+                }
+                Message::Truncate { through } => {
+                    if through == last && log.offset >= TRUNCATE_AT {
+                        write(&mut log, &mut payloads, &mut waiting);
+                        if let Err(error) = log.reset() {
+                            tracing::warn!(%error, "could not empty the intake log");
+                        }
+                    }
+                }
+            }
+        }
+        write(&mut log, &mut payloads, &mut waiting);
+    }
+}
+
+/// Writes and syncs `payloads`, answers `waiting`, and empties both.
+fn write(
+    log: &mut Log,
+    payloads: &mut Vec<Vec<u8>>,
+    waiting: &mut Vec<oneshot::Sender<Result<()>>>,
+) {
+    if payloads.is_empty() {
+        return;
+    }
+    // A failed write leaves the offset where it was: the next overwrites what it left.
+    let result = log.append(payloads);
+    for done in waiting.drain(..) {
+        let answer = match &result {
+            Ok(()) => Ok(()),
+            Err(error) => Err(Error::Store(format!("intake log: {error}"))),
+        };
+        let _ = done.send(answer);
+    }
+    payloads.clear();
+}
+
+fn encode_record(record: &RecordRef) -> Result<Vec<u8>> {
+    serde_json::to_vec(record).map_err(|error| Error::Store(format!("encode: {error}")))
+}
+
+/// The generation in a header, if `bytes` start with one.
+fn header_generation(bytes: &[u8]) -> Option<u64> {
+    let header = bytes.get(..HEADER as usize)?;
+    if &header[..8] != MAGIC {
+        return None;
+    }
+    let mut generation = [0u8; 8];
+    generation.copy_from_slice(&header[8..]);
+    Some(u64::from_le_bytes(generation))
+}
+
+/// The whole records of `generation` at the start of `bytes` (the records after the header),
+/// and how many bytes they took.
+fn parse(bytes: &[u8], generation: u64) -> (Vec<Record>, usize) {
+    let mut records = Vec::new();
+    let mut at = 0;
+    while let Some(frame) = bytes.get(at..at + FRAME) {
+        let mut length = [0u8; 4];
+        length.copy_from_slice(&frame[..4]);
+        let mut sum = [0u8; 8];
+        sum.copy_from_slice(&frame[4..]);
+        let end = at + FRAME + u32::from_le_bytes(length) as usize;
+        let Some(payload) = bytes.get(at + FRAME..end) else {
+            break;
+        };
+        if checksum(generation, payload) != u64::from_le_bytes(sum) {
+            break;
+        }
+        match serde_json::from_slice::<Record>(payload) {
+            Ok(record) => records.push(record),
+            Err(_) => break,
+        }
+        at = end;
+    }
+    (records, at)
+}
+
+/// A record's checksum: FNV-1a over its generation and its payload.
+fn checksum(generation: u64, payload: &[u8]) -> u64 {
+    let mut hash = fnv1a(0xcbf2_9ce4_8422_2325, &generation.to_le_bytes());
+    hash = fnv1a(hash, payload);
+    hash
+}
+
+/// FNV-1a, 64 bits, from `hash`: enough to tell a record a crash cut short, or one of an
+/// earlier generation, from a whole one.
+fn fnv1a(mut hash: u64, bytes: &[u8]) -> u64 {
+    for byte in bytes {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+
+    use super::*;
+
+    fn job(user: &str, key: &str) -> Job {
+        Job {
+            id: JobId {
+                user: UserKey::new("acme", user),
+                key: key.into(),
+            },
+            exchange: ExchangeInput {
+                session_id: "s1".into(),
+                turn_id: key.into(),
+                user_text: format!("{user} says {key}"),
+                ..ExchangeInput::default()
+            },
+            trace: None,
+        }
+    }
+
+    fn keys(replay: &Replay) -> Vec<&str> {
+        replay.jobs.iter().map(|job| job.id.key.as_str()).collect()
+    }
+
+    /// `key`'s job as a record of `generation`, framed as the log thread writes it.
+    fn framed(generation: u64, key: &str) -> Vec<u8> {
+        let payload = encode_record(&RecordRef::Job(&job("ann", key))).unwrap();
+        let mut bytes = (payload.len() as u32).to_le_bytes().to_vec();
+        bytes.extend(checksum(generation, &payload).to_le_bytes());
+        bytes.extend(payload);
+        bytes
+    }
+
+    #[test]
+    fn records_read_back_until_one_is_cut_short_altered_or_older() {
+        let mut bytes = Vec::new();
+        for key in ["a", "b", "c"] {
+            bytes.extend(framed(7, key));
+        }
+        let whole = bytes.len();
+        let (records, read) = parse(&bytes, 7);
+        assert_eq!((records.len(), read), (3, whole));
+        // Cut short anywhere in the last record: the first two read.
+        let last = framed(7, "c").len();
+        for cut in [1, 11, 12, last - 1] {
+            let (records, read) = parse(&bytes[..whole - cut], 7);
+            assert_eq!((records.len(), read), (2, whole - last), "cut {cut}");
+        }
+        // Zeros after them (the file's unwritten space) end the reading too.
+        let mut zeroed = bytes.clone();
+        zeroed.extend([0u8; 64]);
+        assert_eq!(parse(&zeroed, 7).1, whole);
+        // Records of an earlier generation (the file emptied since) are not read.
+        let mut reused = framed(8, "d");
+        reused.extend(&bytes);
+        assert_eq!(parse(&reused, 8).0.len(), 1);
+        assert_eq!(parse(&bytes, 8).0.len(), 0);
+        // A changed byte in the second record's payload ends the reading before it.
+        let first = framed(7, "a").len();
+        bytes[first + 20] ^= 1;
+        assert_eq!(parse(&bytes, 7).0.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_forget_drops_the_users_jobs_logged_before_it_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = Intake::start(dir.path()).unwrap();
+        for logged in [job("ann", "a1"), job("bob", "b1"), job("ann", "a2")] {
+            log.log(&logged).unwrap().await.unwrap().unwrap();
+        }
+        log.forget(&UserKey::new("acme", "ann"))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            log.session_jobs(&UserKey::new("acme", "ann"), "s1", 8)
+                .is_empty()
+        );
+        log.log(&job("ann", "a3")).unwrap().await.unwrap().unwrap();
+        drop(log);
+        let replay = Intake::read(dir.path()).unwrap();
+        assert_eq!(keys(&replay), ["b1", "a3"]);
+    }
+
+    #[tokio::test]
+    async fn a_job_is_pending_until_committed_and_logged_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = Intake::start(dir.path()).unwrap();
+        let first = job("ann", "a1");
+        log.log(&first).unwrap().await.unwrap().unwrap();
+        // The same exchange again while it is pending: not logged twice.
+        assert!(log.log(&first).is_none());
+        let ann = UserKey::new("acme", "ann");
+        assert_eq!(log.session_jobs(&ann, "s1", 8).len(), 1);
+        assert!(log.holds(&first.id, "s1") && log.holds_id(&first.id));
+        log.failed(&first);
+        log.failed(&first);
+        assert_eq!(log.failed_jobs(), std::slice::from_ref(&first));
+        log.committed(&first.id, "s1");
+        assert!(!log.holds_id(&first.id));
+        assert!(log.failed_jobs().is_empty());
+        assert!(log.session_jobs(&ann, "s1", 8).is_empty());
+        // The hot path takes a session's newest pending jobs only.
+        for key in ["a2", "a3", "a4"] {
+            log.log(&job("ann", key)).unwrap().await.unwrap().unwrap();
+        }
+        let newest: Vec<String> = log
+            .session_jobs(&ann, "s1", 2)
+            .into_iter()
+            .map(|(key, _)| key)
+            .collect();
+        assert_eq!(newest, ["a3", "a4"]);
+    }
+
+    #[tokio::test]
+    async fn the_log_is_emptied_once_nothing_is_pending() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = Intake::start(dir.path()).unwrap();
+        let big = Job {
+            exchange: ExchangeInput {
+                user_text: "x".repeat(TRUNCATE_AT as usize),
+                ..job("ann", "a1").exchange
+            },
+            ..job("ann", "a1")
+        };
+        log.log(&big).unwrap().await.unwrap().unwrap();
+        let second = job("ann", "a2");
+        log.log(&second).unwrap().await.unwrap().unwrap();
+        log.committed(&big.id, "s1");
+        // One job is still pending: nothing is emptied.
+        log.forget(&UserKey::new("acme", "zed"))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(keys(&Intake::read(dir.path()).unwrap()), ["a1", "a2"]);
+        log.committed(&second.id, "s1");
+        // The thread empties it on the truncate message; a forget's sync waits behind it.
+        log.forget(&UserKey::new("acme", "zed"))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(Intake::read(dir.path()).unwrap().jobs.is_empty());
+        // Records go on from the start of the file, which keeps its size.
+        let size = std::fs::metadata(dir.path().join(FILE_NAME)).unwrap().len();
+        let third = job("ann", "a3");
+        log.log(&third).unwrap().await.unwrap().unwrap();
+        assert_eq!(keys(&Intake::read(dir.path()).unwrap()), ["a3"]);
+        assert_eq!(
+            std::fs::metadata(dir.path().join(FILE_NAME)).unwrap().len(),
+            size
+        );
+        // Started again, the log is empty.
+        drop(log);
+        drop(Intake::start(dir.path()).unwrap());
+        assert!(Intake::read(dir.path()).unwrap().jobs.is_empty());
+    }
+}
