@@ -2452,6 +2452,8 @@ mod tests {
             Enqueued::Queued
         );
         assert!(job_rows(&spool, &job("k1", "hi").id).0.is_some());
-        assert!(!dir.path().join(intake::FILE_NAME).exists());
+        for name in intake::FILE_NAMES {
+            assert!(!dir.path().join(name).exists());
+        }
     }
 }

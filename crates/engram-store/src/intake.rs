@@ -3,28 +3,28 @@
 //! A recorded answer ends once its job is durable (the receipt). In redb that took a commit
 //! on the store's one writer, behind whatever job commit was running; with one user's long
 //! history those take longer (p99 about 19 ms at 50,000 turns), and the receipt's wait with
-//! them, while an append and `fdatasync` of a small file stays near 0.3 ms whatever the
+//! them, while a write and `fdatasync` of a small file stays near 0.3 ms whatever the
 //! history (docs/benchmarks-log.md, 2026-12-07). So on disk a job is written here first, in a
 //! file of its own with its own thread, and the receipt waits for that; the database's enqueue
 //! runs behind it as before, off the answer's path.
 //!
-//! Until the database's commit holds a job, the job is also kept in memory (the *pending*
-//! jobs), so the session's next request sees it among the unapplied exchanges at once. Once
-//! no job is pending, everything in the file is in the database and the file is emptied. When
-//! the store opens, the jobs in the file are enqueued (a job the database holds already is
-//! left as it is) and the file emptied. A forget writes a tombstone first, so a user's jobs
-//! logged before it are not enqueued again from the file.
+//! From its placing until the database's commit holds it, a job is also kept in memory (the
+//! *pending* jobs), so the session's next request sees it among the unapplied exchanges at
+//! once. When the store opens, the jobs the log holds are enqueued (a job the database holds
+//! already is left as it is) and the log emptied. A forget writes a tombstone first, so a
+//! user's jobs logged before it are not enqueued again from the log.
 //!
-//! The file is written in place, never grown by an append: it is extended with zeros a chunk
-//! at a time, and a record overwrites what is there. So a record's `fdatasync` syncs its data
-//! only; an append that grew the file also committed ext4's journal for the new size, behind
-//! the database's own commits, and took up to 5 ms at p99 where an overwrite took under 2
-//! (docs/benchmarks-log.md, 2026-12-07). The file starts with a header (a magic number and a
-//! generation), and records follow: a little-endian `u32` length, a `u64` FNV-1a checksum of
-//! the generation and the payload, and the payload (the JSON of a job, or of a forget's
-//! tombstone). Emptying the file writes the next generation into the header: the records
-//! after it then fail their checksums, as do zeros and a record a crash cut short (never
-//! acknowledged), and reading stops at the first that fails.
+//! The log is two files written in turn. Each is written in place, never grown by an append:
+//! it is extended with zeros a chunk at a time, and a record overwrites what is there, so a
+//! record's `fdatasync` syncs its data only (an append that grew the file also committed
+//! ext4's journal for the new size, behind the database's own commits). A file starts with a
+//! header (a magic number and a generation), and records follow: a little-endian `u32`
+//! length, a `u64` FNV-1a checksum of the generation and the payload, and the payload (the
+//! JSON of a job, or of a forget's tombstone). Once the file being written is full, the log
+//! turns to the other if every job logged there is settled (committed, handed back or
+//! forgotten), writing a new generation into its header: its old records then fail their
+//! checksums, as do zeros and a record a crash cut short (never acknowledged), and reading
+//! stops at the first that fails.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -40,15 +40,16 @@ use super::{Job, JobId, UserKey};
 use engram_memory::ExchangeInput;
 use engram_runtime::error::{Error, Result};
 
-/// The file name inside the data directory.
-pub const FILE_NAME: &str = "intake.log";
+/// The log's two files inside the data directory, written in turn.
+pub const FILE_NAMES: [&str; 2] = ["intake.0.log", "intake.1.log"];
 
-/// The file is emptied once nothing is pending and it holds at least this much (a header
-/// write and its sync; reusing the space from the start keeps the file small).
-const TRUNCATE_AT: u64 = 4 << 20;
+/// Once the file being written holds this much, the log turns to the other file if every job
+/// logged there is settled (committed, handed back or forgotten); else it goes on in this one.
+const TURN_AT: u64 = 4 << 20;
 
-/// How much the file is extended by (with zeros, synced) when a write would pass its end.
-const CHUNK: u64 = 8 << 20;
+/// Each file's size from the start (zeros, synced), and how much it is extended by when a
+/// write would pass its end; a file grows to about [`TURN_AT`] and is then reused.
+const CHUNK: u64 = 1 << 20;
 
 /// The header: [`MAGIC`], then the generation (little-endian `u64`).
 const HEADER: u64 = 16;
@@ -81,9 +82,9 @@ enum Message {
         number: u64,
         done: oneshot::Sender<Result<()>>,
     },
-    /// Empty the file if no append came after `through` (everything up to it is in the
-    /// database).
-    Truncate { through: u64 },
+    /// Every append numbered up to `through` is settled: a file holding only those may be
+    /// written over.
+    Settled { through: u64 },
 }
 
 /// Jobs logged and not yet committed to the database.
@@ -91,11 +92,13 @@ enum Message {
 struct Pending {
     /// By (tenant, user, session), oldest first: what the hot path adds to the session's
     /// unapplied exchanges.
-    sessions: HashMap<(String, String, String), Vec<Job>>,
-    /// How many jobs `sessions` holds.
-    jobs: usize,
+    sessions: HashMap<(String, String, String), Vec<(u64, Job)>>,
+    /// The append numbers of the jobs `sessions` holds.
+    numbers: std::collections::BTreeSet<u64>,
     /// Appends sent to the log thread so far.
     appended: u64,
+    /// The last [`Message::Settled`] sent.
+    settled: u64,
     /// Jobs whose database enqueue failed after they were logged, oldest first, until a
     /// commit holds them ([`Intake::failed_jobs`]).
     failed: Vec<Job>,
@@ -125,22 +128,26 @@ pub struct Replay {
 
 impl Intake {
     /// Reads what an earlier process left in `data_dir`'s log (see [`Replay`]); the caller
-    /// enqueues it and then calls [`Intake::start`], which empties the file.
+    /// enqueues it and then calls [`Intake::start`], which empties the log.
     pub fn read(data_dir: &Path) -> Result<Replay> {
-        let mut bytes = Vec::new();
-        match File::open(data_dir.join(FILE_NAME)) {
-            Ok(mut file) => {
-                file.read_to_end(&mut bytes)?;
+        let mut files: Vec<(u64, Vec<Record>)> = Vec::new();
+        for name in FILE_NAMES {
+            let mut bytes = Vec::new();
+            match File::open(data_dir.join(name)) {
+                Ok(mut file) => {
+                    file.read_to_end(&mut bytes)?;
+                }
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(error) => return Err(error.into()),
             }
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
-            Err(error) => return Err(error.into()),
+            if let Some(generation) = header_generation(&bytes) {
+                files.push((generation, parse(&bytes[HEADER as usize..], generation).0));
+            }
         }
-        let records = match header_generation(&bytes) {
-            Some(generation) => parse(&bytes[HEADER as usize..], generation).0,
-            None => Vec::new(),
-        };
+        // The older file's records came first.
+        files.sort_by_key(|(generation, _)| *generation);
         let mut jobs: Vec<Job> = Vec::new();
-        for record in records {
+        for record in files.into_iter().flat_map(|(_, records)| records) {
             match record {
                 Record::Job(job) => jobs.push(*job),
                 Record::Forget(user) => jobs.retain(|job| job.id.user != user),
@@ -149,30 +156,47 @@ impl Intake {
         Ok(Replay { jobs })
     }
 
-    /// Empties `data_dir`'s log (its jobs are in the database now: the next generation goes
-    /// into its header) and starts its thread.
+    /// Empties `data_dir`'s log (its jobs are in the database now: each file gets a new
+    /// generation) and starts its thread.
     pub fn start(data_dir: &Path) -> Result<Arc<Intake>> {
-        let mut file = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .read(true)
-            .write(true)
-            .open(data_dir.join(FILE_NAME))?;
-        let mut header = [0u8; HEADER as usize];
-        let size = file.metadata()?.len();
-        let generation = if size >= HEADER {
-            file.read_exact(&mut header)?;
-            header_generation(&header).unwrap_or(0)
-        } else {
-            0
+        let mut opened = Vec::with_capacity(2);
+        let mut newest = 0;
+        for name in FILE_NAMES {
+            let mut file = OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .read(true)
+                .write(true)
+                .open(data_dir.join(name))?;
+            let size = file.metadata()?.len();
+            if size >= HEADER {
+                let mut header = [0u8; HEADER as usize];
+                file.read_exact(&mut header)?;
+                newest = newest.max(header_generation(&header).unwrap_or(0));
+            }
+            opened.push(LogFile {
+                file,
+                size,
+                generation: 0,
+                offset: HEADER,
+                last: 0,
+            });
+        }
+        let mut files = opened.into_iter();
+        let (Some(first), Some(second)) = (files.next(), files.next()) else {
+            return Err(Error::Internal("the intake log has two files".into()));
         };
         let mut log = Log {
-            file,
-            size,
-            generation,
-            offset: HEADER,
+            files: [first, second],
+            active: 0,
+            generation: newest,
+            settled: 0,
         };
-        log.reset()?;
+        for at in [1, 0] {
+            log.files[at].extend(CHUNK)?;
+            log.generation += 1;
+            log.files[at].reset(log.generation)?;
+        }
         let (sender, receiver) = mpsc::channel();
         std::thread::Builder::new()
             .name("engram-intake".to_owned())
@@ -203,14 +227,21 @@ impl Intake {
         };
         let mut pending = self.lock();
         let session = session_key(&job.id.user, &job.exchange.session_id);
-        let queued = pending.sessions.entry(session).or_default();
-        if queued.iter().any(|held| held.id == job.id) {
+        if pending
+            .sessions
+            .get(&session)
+            .is_some_and(|jobs| jobs.iter().any(|(_, held)| held.id == job.id))
+        {
             return None;
         }
-        queued.push(job.clone());
-        pending.jobs += 1;
         pending.appended += 1;
         let number = pending.appended;
+        pending
+            .sessions
+            .entry(session)
+            .or_default()
+            .push((number, job.clone()));
+        pending.numbers.insert(number);
         // Sent under the lock, so the log thread sees appends in their numbers' order.
         self.send(Message::Append {
             payload,
@@ -232,16 +263,19 @@ impl Intake {
             }
         };
         let mut pending = self.lock();
-        let mut dropped = 0;
+        let mut dropped = Vec::new();
         pending.sessions.retain(|(tenant, id, _), jobs| {
             let theirs = *tenant == user.tenant && *id == user.user;
             if theirs {
-                dropped += jobs.len();
+                dropped.extend(jobs.iter().map(|(number, _)| *number));
             }
             !theirs
         });
-        pending.jobs -= dropped;
+        for number in dropped {
+            pending.numbers.remove(&number);
+        }
         pending.failed.retain(|job| job.id.user != *user);
+        // A tombstone settles at once: it only matters while the jobs before it are kept.
         pending.appended += 1;
         let number = pending.appended;
         self.send(Message::Append {
@@ -249,6 +283,7 @@ impl Intake {
             number,
             done,
         });
+        self.tell_settled(&mut pending);
         receiver
     }
 
@@ -256,11 +291,11 @@ impl Intake {
     pub fn committed(&self, job: &JobId, session: &str) {
         let mut pending = self.lock();
         if pending.remove(job, session) {
-            self.truncate_if_idle(&pending);
+            self.tell_settled(&mut pending);
         }
     }
 
-    /// The database's enqueue of `job` failed: it stays pending (and in the file), among the
+    /// The database's enqueue of `job` failed: it stays pending (and in the log), among the
     /// failed ones, until a commit holds it.
     pub fn failed(&self, job: &Job) {
         let mut pending = self.lock();
@@ -268,7 +303,7 @@ impl Intake {
         let is_pending = pending
             .sessions
             .get(&session)
-            .is_some_and(|jobs| jobs.iter().any(|held| held.id == job.id));
+            .is_some_and(|jobs| jobs.iter().any(|(_, held)| held.id == job.id));
         if is_pending && !pending.failed.iter().any(|held| held.id == job.id) {
             pending.failed.push(job.clone());
         }
@@ -289,7 +324,7 @@ impl Intake {
         self.lock()
             .sessions
             .get(&session_key(&job.user, session))
-            .is_some_and(|jobs| jobs.iter().any(|held| held.id == *job))
+            .is_some_and(|jobs| jobs.iter().any(|(_, held)| held.id == *job))
     }
 
     /// Whether a job of this id is pending, in any session.
@@ -297,7 +332,7 @@ impl Intake {
         self.lock()
             .sessions
             .values()
-            .any(|jobs| jobs.iter().any(|held| held.id == *job))
+            .any(|jobs| jobs.iter().any(|(_, held)| held.id == *job))
     }
 
     /// The session's newest `newest` pending jobs, oldest first (each job's key with its
@@ -310,7 +345,7 @@ impl Intake {
         newest: usize,
     ) -> Vec<(String, ExchangeInput)> {
         let pending = self.lock();
-        if pending.jobs == 0 {
+        if pending.numbers.is_empty() {
             return Vec::new();
         }
         pending
@@ -319,7 +354,7 @@ impl Intake {
             .map(|jobs| {
                 jobs[jobs.len().saturating_sub(newest)..]
                     .iter()
-                    .map(|job| (job.id.key.clone(), job.exchange.clone()))
+                    .map(|(_, job)| (job.id.key.clone(), job.exchange.clone()))
                     .collect()
             })
             .unwrap_or_default()
@@ -346,11 +381,16 @@ impl Intake {
         self.pending.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn truncate_if_idle(&self, pending: &Pending) {
-        if pending.jobs == 0 {
-            self.send(Message::Truncate {
-                through: pending.appended,
-            });
+    /// Tells the log thread how far every append is settled, when that moved: up to the
+    /// oldest pending job's, or every append when none is pending.
+    fn tell_settled(&self, pending: &mut Pending) {
+        let through = pending
+            .numbers
+            .first()
+            .map_or(pending.appended, |oldest| oldest - 1);
+        if through > pending.settled {
+            pending.settled = through;
+            self.send(Message::Settled { through });
         }
     }
 
@@ -368,14 +408,14 @@ impl Pending {
         let Some(jobs) = self.sessions.get_mut(&key) else {
             return false;
         };
-        let Some(at) = jobs.iter().position(|held| held.id == *job) else {
+        let Some(at) = jobs.iter().position(|(_, held)| held.id == *job) else {
             return false;
         };
-        jobs.remove(at);
+        let (number, _) = jobs.remove(at);
         if jobs.is_empty() {
             self.sessions.remove(&key);
         }
-        self.jobs -= 1;
+        self.numbers.remove(&number);
         self.failed.retain(|held| held.id != *job);
         true
     }
@@ -385,74 +425,107 @@ fn session_key(user: &UserKey, session: &str) -> (String, String, String) {
     (user.tenant.clone(), user.user.clone(), session.to_owned())
 }
 
-/// The file, as the log thread writes it.
-struct Log {
+/// One of the log's files, as the log thread writes it.
+struct LogFile {
     file: File,
-    /// The file's length (zeros past the records, up to a chunk).
+    /// The file's length (zeros past the records).
     size: u64,
-    /// Written into the header and into every record's checksum.
+    /// In the header and in every record's checksum.
     generation: u64,
     /// Where the next record goes.
     offset: u64,
+    /// The number of the last append written here.
+    last: u64,
 }
 
-impl Log {
-    /// Empties the log: the next generation in the header, synced, and records from the
-    /// start again.
-    fn reset(&mut self) -> std::io::Result<()> {
+impl LogFile {
+    /// Empties the file: `generation` in its header, synced, and records from the start.
+    fn reset(&mut self, generation: u64) -> std::io::Result<()> {
         use std::os::unix::fs::FileExt as _;
-        let generation = self.generation.wrapping_add(1);
         let mut header = [0u8; HEADER as usize];
         header[..8].copy_from_slice(MAGIC);
         header[8..].copy_from_slice(&generation.to_le_bytes());
         self.file.write_all_at(&header, 0)?;
-        if self.size < HEADER {
-            self.size = HEADER;
-            self.file.sync_all()?;
-        } else {
-            self.file.sync_data()?;
-        }
+        self.file.sync_data()?;
         self.generation = generation;
         self.offset = HEADER;
         Ok(())
     }
 
-    /// Writes `payloads` as records at the end of the log and syncs them.
-    fn append(&mut self, payloads: &[Vec<u8>]) -> std::io::Result<()> {
+    /// Makes the file at least `size` long with zeros (not a hole: a later overwrite then
+    /// changes no metadata), synced.
+    fn extend(&mut self, size: u64) -> std::io::Result<()> {
         use std::os::unix::fs::FileExt as _;
-        let mut buffer = Vec::new();
-        for payload in payloads {
-            let length = u32::try_from(payload.len()).map_err(|_| {
-                std::io::Error::new(std::io::ErrorKind::InvalidInput, "a record too large")
-            })?;
-            buffer.extend_from_slice(&length.to_le_bytes());
-            buffer.extend_from_slice(&checksum(self.generation, payload).to_le_bytes());
-            buffer.extend_from_slice(payload);
+        if size <= self.size {
+            return Ok(());
         }
+        let zeros = vec![0u8; usize::try_from(size - self.size).unwrap_or(0)];
+        self.file.write_all_at(&zeros, self.size)?;
+        self.file.sync_all()?;
+        self.size = size;
+        Ok(())
+    }
+
+    /// Writes `buffer` (framed records) after the records and syncs it.
+    fn append(&mut self, buffer: &[u8]) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt as _;
         let end = self.offset + buffer.len() as u64;
         if end > self.size {
-            // Zeros written, not a hole: a later overwrite then changes no metadata.
-            let grown = end.max(self.size + CHUNK);
-            let zeros = vec![0u8; usize::try_from(grown - self.size).unwrap_or(0)];
-            self.file.write_all_at(&zeros, self.size)?;
-            self.file.sync_all()?;
-            self.size = grown;
+            self.extend(end.max(self.size + CHUNK))?;
         }
-        self.file.write_all_at(&buffer, self.offset)?;
+        self.file.write_all_at(buffer, self.offset)?;
         self.file.sync_data()?;
         self.offset = end;
         Ok(())
     }
 }
 
+/// The log: two files written in turn, so one can be written over once every job logged in
+/// it is settled while the other takes new records.
+struct Log {
+    files: [LogFile; 2],
+    /// The file being written.
+    active: usize,
+    /// The newest generation given to a file.
+    generation: u64,
+    /// Every append numbered up to this is settled ([`Message::Settled`]).
+    settled: u64,
+}
+
+impl Log {
+    /// Writes `payloads` as records (numbered up to `last`) and syncs them, first turning to
+    /// the other file when this one is full and the other's appends are all settled.
+    fn append(&mut self, payloads: &[Vec<u8>], last: u64) -> std::io::Result<()> {
+        let other = 1 - self.active;
+        if self.files[self.active].offset >= TURN_AT && self.files[other].last <= self.settled {
+            self.generation += 1;
+            self.files[other].reset(self.generation)?;
+            self.active = other;
+        }
+        let file = &mut self.files[self.active];
+        let mut buffer = Vec::new();
+        for payload in payloads {
+            let length = u32::try_from(payload.len()).map_err(|_| {
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, "a record too large")
+            })?;
+            buffer.extend_from_slice(&length.to_le_bytes());
+            buffer.extend_from_slice(&checksum(file.generation, payload).to_le_bytes());
+            buffer.extend_from_slice(payload);
+        }
+        // A failed write leaves the offset where it was: the next overwrites what it left.
+        file.append(&buffer)?;
+        file.last = last;
+        Ok(())
+    }
+}
+
 /// The log thread: takes every message waiting, writes the appends, syncs once for all of
-/// them and answers them (a group commit). A truncation empties the log when no append came
-/// after the one it covers (its appends written and synced first).
+/// them and answers them (a group commit).
 fn run(mut log: Log, receiver: mpsc::Receiver<Message>) {
-    let mut last: u64 = 0;
     while let Ok(first) = receiver.recv() {
         let mut payloads = Vec::new();
         let mut waiting = Vec::new();
+        let mut last = 0;
         for message in std::iter::once(first).chain(receiver.try_iter()) {
             match message {
                 Message::Append {
@@ -464,39 +537,21 @@ fn run(mut log: Log, receiver: mpsc::Receiver<Message>) {
                     last = number;
                     waiting.push(done);
                 }
-                Message::Truncate { through } => {
-                    if through == last && log.offset >= TRUNCATE_AT {
-                        write(&mut log, &mut payloads, &mut waiting);
-                        if let Err(error) = log.reset() {
-                            tracing::warn!(%error, "could not empty the intake log");
-                        }
-                    }
-                }
+                Message::Settled { through } => log.settled = log.settled.max(through),
             }
         }
-        write(&mut log, &mut payloads, &mut waiting);
+        if payloads.is_empty() {
+            continue;
+        }
+        let result = log.append(&payloads, last);
+        for done in waiting {
+            let answer = match &result {
+                Ok(()) => Ok(()),
+                Err(error) => Err(Error::Store(format!("intake log: {error}"))),
+            };
+            let _ = done.send(answer);
+        }
     }
-}
-
-/// Writes and syncs `payloads`, answers `waiting`, and empties both.
-fn write(
-    log: &mut Log,
-    payloads: &mut Vec<Vec<u8>>,
-    waiting: &mut Vec<oneshot::Sender<Result<()>>>,
-) {
-    if payloads.is_empty() {
-        return;
-    }
-    // A failed write leaves the offset where it was: the next overwrites what it left.
-    let result = log.append(payloads);
-    for done in waiting.drain(..) {
-        let answer = match &result {
-            Ok(()) => Ok(()),
-            Err(error) => Err(Error::Store(format!("intake log: {error}"))),
-        };
-        let _ = done.send(answer);
-    }
-    payloads.clear();
 }
 
 fn encode_record(record: &RecordRef) -> Result<Vec<u8>> {
@@ -542,9 +597,8 @@ fn parse(bytes: &[u8], generation: u64) -> (Vec<Record>, usize) {
 
 /// A record's checksum: FNV-1a over its generation and its payload.
 fn checksum(generation: u64, payload: &[u8]) -> u64 {
-    let mut hash = fnv1a(0xcbf2_9ce4_8422_2325, &generation.to_le_bytes());
-    hash = fnv1a(hash, payload);
-    hash
+    let hash = fnv1a(0xcbf2_9ce4_8422_2325, &generation.to_le_bytes());
+    fnv1a(hash, payload)
 }
 
 /// FNV-1a, 64 bits, from `hash`: enough to tell a record a crash cut short, or one of an
@@ -673,46 +727,48 @@ mod tests {
         assert_eq!(newest, ["a3", "a4"]);
     }
 
+    fn big(key: &str) -> Job {
+        let small = job("ann", key);
+        Job {
+            exchange: ExchangeInput {
+                user_text: "x".repeat(TURN_AT as usize),
+                ..small.exchange.clone()
+            },
+            ..small
+        }
+    }
+
+    /// The log turns to its other file once the one it writes is full and every job logged
+    /// in the other is settled; the files stay the size they grew to.
     #[tokio::test]
-    async fn the_log_is_emptied_once_nothing_is_pending() {
+    async fn the_log_writes_over_a_file_once_its_jobs_are_settled() {
         let dir = tempfile::tempdir().unwrap();
         let log = Intake::start(dir.path()).unwrap();
-        let big = Job {
-            exchange: ExchangeInput {
-                user_text: "x".repeat(TRUNCATE_AT as usize),
-                ..job("ann", "a1").exchange
-            },
-            ..job("ann", "a1")
-        };
-        log.log(&big).unwrap().await.unwrap().unwrap();
-        let second = job("ann", "a2");
-        log.log(&second).unwrap().await.unwrap().unwrap();
-        log.committed(&big.id, "s1");
-        // One job is still pending: nothing is emptied.
-        log.forget(&UserKey::new("acme", "zed"))
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!(keys(&Intake::read(dir.path()).unwrap()), ["a1", "a2"]);
-        log.committed(&second.id, "s1");
-        // The thread empties it on the truncate message; a forget's sync waits behind it.
-        log.forget(&UserKey::new("acme", "zed"))
-            .await
-            .unwrap()
-            .unwrap();
-        assert!(Intake::read(dir.path()).unwrap().jobs.is_empty());
-        // Records go on from the start of the file, which keeps its size.
-        let size = std::fs::metadata(dir.path().join(FILE_NAME)).unwrap().len();
-        let third = job("ann", "a3");
-        log.log(&third).unwrap().await.unwrap().unwrap();
-        assert_eq!(keys(&Intake::read(dir.path()).unwrap()), ["a3"]);
-        assert_eq!(
-            std::fs::metadata(dir.path().join(FILE_NAME)).unwrap().len(),
-            size
-        );
+        let read = || keys(&Intake::read(dir.path()).unwrap()).join(" ");
+        let first = big("a1");
+        for logged in [first.clone(), job("ann", "a2"), job("ann", "a3")] {
+            log.log(&logged).unwrap().await.unwrap().unwrap();
+        }
+        // a1 filled the first file; a2 and a3 went to the second.
+        assert_eq!(read(), "a1 a2 a3");
+        for logged in [big("a4"), job("ann", "a5")] {
+            log.log(&logged).unwrap().await.unwrap().unwrap();
+        }
+        // The second is full too, but a1 is pending: the first is not written over.
+        assert_eq!(read(), "a1 a2 a3 a4 a5");
+        log.committed(&first.id, "s1");
+        log.log(&job("ann", "a6")).unwrap().await.unwrap().unwrap();
+        assert_eq!(read(), "a2 a3 a4 a5 a6");
+        let sizes: Vec<u64> = FILE_NAMES
+            .iter()
+            .map(|name| std::fs::metadata(dir.path().join(name)).unwrap().len())
+            .collect();
+        for size in sizes {
+            assert!(size <= TURN_AT + 2 * CHUNK, "{size}");
+        }
         // Started again, the log is empty.
         drop(log);
         drop(Intake::start(dir.path()).unwrap());
-        assert!(Intake::read(dir.path()).unwrap().jobs.is_empty());
+        assert_eq!(read(), "");
     }
 }
