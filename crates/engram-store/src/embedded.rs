@@ -1164,7 +1164,7 @@ impl JobQueue for EmbeddedStore {
         if self
             .intake
             .as_ref()
-            .is_some_and(|intake| !intake.failed_jobs().is_empty())
+            .is_some_and(|intake| intake.has_failed())
         {
             drop(self.retry_logged());
             return Placement::Held(job);
@@ -2376,7 +2376,7 @@ mod tests {
         );
         // The database's enqueue has failed once its round ran; the job is still pending.
         let mut waited = 0;
-        while store.intake.as_ref().unwrap().failed_jobs().is_empty() && waited < 200 {
+        while !store.intake.as_ref().unwrap().has_failed() && waited < 200 {
             tokio::time::sleep(Duration::from_millis(5)).await;
             waited += 1;
         }

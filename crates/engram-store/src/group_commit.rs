@@ -127,8 +127,7 @@ where
 
     /// Queues `op` for the next commit and waits for its result.
     pub async fn submit(self: &Arc<Self>, db: &Arc<DbHandle>, op: Op) -> Result<Out> {
-        let receiver = self.queue(db, op, false).map_err(|(_, error)| error)?;
-        answered(receiver).await
+        self.queue_now(db, op).await
     }
 
     /// Queues `op` behind every operation queued before it and returns at once with what
@@ -142,8 +141,8 @@ where
         Ok(Box::pin(answered(receiver)))
     }
 
-    /// Queues `op` for the next commit at once, not held by a failure of the placed ones (as
-    /// [`GroupCommit::submit`]), and returns what will say its result.
+    /// Queues `op` for the next commit at once, not held by a failure of the placed ones, and
+    /// returns what will say its result ([`GroupCommit::submit`] queues it when first polled).
     pub fn queue_now(self: &Arc<Self>, db: &Arc<DbHandle>, op: Op) -> Answer<Out> {
         let receiver = self.queue(db, op, false);
         Box::pin(async move { answered(receiver.map_err(|(_, error)| error)?).await })

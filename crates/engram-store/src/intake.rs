@@ -159,37 +159,12 @@ impl Intake {
     /// Empties `data_dir`'s log (its jobs are in the database now: each file gets a new
     /// generation) and starts its thread.
     pub fn start(data_dir: &Path) -> Result<Arc<Intake>> {
-        let mut opened = Vec::with_capacity(2);
-        let mut newest = 0;
-        for name in FILE_NAMES {
-            let mut file = OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .read(true)
-                .write(true)
-                .open(data_dir.join(name))?;
-            let size = file.metadata()?.len();
-            if size >= HEADER {
-                let mut header = [0u8; HEADER as usize];
-                file.read_exact(&mut header)?;
-                newest = newest.max(header_generation(&header).unwrap_or(0));
-            }
-            opened.push(LogFile {
-                file,
-                size,
-                generation: 0,
-                offset: HEADER,
-                last: 0,
-            });
-        }
-        let mut files = opened.into_iter();
-        let (Some(first), Some(second)) = (files.next(), files.next()) else {
-            return Err(Error::Internal("the intake log has two files".into()));
-        };
+        let (first, first_generation) = LogFile::open(&data_dir.join(FILE_NAMES[0]))?;
+        let (second, second_generation) = LogFile::open(&data_dir.join(FILE_NAMES[1]))?;
         let mut log = Log {
             files: [first, second],
             active: 0,
-            generation: newest,
+            generation: first_generation.max(second_generation),
             settled: 0,
         };
         for at in [1, 0] {
@@ -319,12 +294,9 @@ impl Intake {
         self.lock().failed.clone()
     }
 
-    /// Whether `job` is pending.
-    pub fn holds(&self, job: &JobId, session: &str) -> bool {
-        self.lock()
-            .sessions
-            .get(&session_key(&job.user, session))
-            .is_some_and(|jobs| jobs.iter().any(|(_, held)| held.id == *job))
+    /// Whether a job's database enqueue failed and no commit holds it yet.
+    pub fn has_failed(&self) -> bool {
+        !self.lock().failed.is_empty()
     }
 
     /// Whether a job of this id is pending, in any session.
@@ -439,6 +411,32 @@ struct LogFile {
 }
 
 impl LogFile {
+    /// Opens (or creates) the file at `path`, with the generation its header holds (0 when it
+    /// has none); it is written from the start once reset.
+    fn open(path: &Path) -> Result<(LogFile, u64)> {
+        let mut file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(path)?;
+        let size = file.metadata()?.len();
+        let mut generation = 0;
+        if size >= HEADER {
+            let mut header = [0u8; HEADER as usize];
+            file.read_exact(&mut header)?;
+            generation = header_generation(&header).unwrap_or(0);
+        }
+        let log_file = LogFile {
+            file,
+            size,
+            generation: 0,
+            offset: HEADER,
+            last: 0,
+        };
+        Ok((log_file, generation))
+    }
+
     /// Empties the file: `generation` in its header, synced, and records from the start.
     fn reset(&mut self, generation: u64) -> std::io::Result<()> {
         use std::os::unix::fs::FileExt as _;
@@ -707,7 +705,7 @@ mod tests {
         assert!(log.log(&first).is_none());
         let ann = UserKey::new("acme", "ann");
         assert_eq!(log.session_jobs(&ann, "s1", 8).len(), 1);
-        assert!(log.holds(&first.id, "s1") && log.holds_id(&first.id));
+        assert!(log.holds_id(&first.id));
         log.failed(&first);
         log.failed(&first);
         assert_eq!(log.failed_jobs(), std::slice::from_ref(&first));
