@@ -11,7 +11,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use redb::{
     Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
@@ -41,6 +41,10 @@ pub const FILE_NAME: &str = "engram.redb";
 /// client waited for it. Now the end of a recorded answer waits for its commit, and enqueues
 /// arriving while a commit runs share the next one anyway: no wait (docs/benchmarks-log.md).
 const ENQUEUE_LINGER: Duration = Duration::ZERO;
+
+/// While a logged job's enqueue has failed, placing queues the failed jobs again at most this
+/// often (each placed turn asked it to; the spool's forwarder retries on its own pace).
+const PLACE_RETRY_EVERY: Duration = Duration::from_millis(100);
 
 /// (tenant, user) → the memory state as JSON.
 const STATES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("memory_state");
@@ -1161,12 +1165,10 @@ impl JobQueue for EmbeddedStore {
     fn place(&self, job: Job) -> Placement {
         // While a logged job's enqueue has failed, jobs recorded after it are held back, as
         // behind any failed placement; the caller spools them and forwards them after it.
-        if self
-            .intake
-            .as_ref()
-            .is_some_and(|intake| intake.has_failed())
-        {
-            drop(self.retry_logged());
+        if let Some(intake) = self.intake.as_ref().filter(|intake| intake.has_failed()) {
+            if intake.retry_due(Instant::now(), PLACE_RETRY_EVERY) {
+                drop(self.retry_logged());
+            }
             return Placement::Held(job);
         }
         // On disk the job goes to the intake log too, and its receipt waits for the log's sync
@@ -1315,12 +1317,20 @@ impl JobQueue for EmbeddedStore {
     }
 
     fn queue_depth(&self) -> BoxFuture<'_, Result<u64>> {
-        self.blocking(|db| {
+        // Jobs only the intake log holds are queued too (their receipts said so); one whose
+        // commit has just landed may count twice until its callback runs.
+        let logged = self
+            .intake
+            .as_ref()
+            .map_or(0, |intake| intake.pending_count());
+        self.blocking(move |db| {
             let txn = db.begin_read().map_err(db_error)?;
-            txn.open_table(QUEUE)
+            let held = txn
+                .open_table(QUEUE)
                 .map_err(db_error)?
                 .len()
-                .map_err(db_error)
+                .map_err(db_error)?;
+            Ok(held + logged)
         })
     }
 }
@@ -2402,6 +2412,85 @@ mod tests {
             .map(|claimed| claimed.job.exchange.user_text.as_str())
             .collect();
         assert_eq!(texts, ["I live in Oslo.", "I work at the harbour."]);
+    }
+
+    /// When the intake log cannot take a job, the database's commit answers its receipt, as
+    /// without a log: the job is queued once, not left pending, and the next job is logged.
+    #[tokio::test]
+    async fn a_job_the_log_cannot_take_is_answered_by_the_database() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(dir.path()).unwrap();
+        let intake = Arc::clone(store.intake.as_ref().unwrap());
+        intake.fail_next_appends(1);
+        let first = job("k1", "I live in Oslo.");
+        assert_eq!(
+            placed(&store, first.clone()).await.unwrap(),
+            Enqueued::Queued
+        );
+        // The receipt came from the database's commit: the database holds the job already.
+        assert!(job_rows(&store, &first.id).0.is_some());
+        assert!(!intake.holds_id(&first.id));
+        assert_eq!(intake.pending_count(), 0);
+        let second = job("k2", "I work at the harbour.");
+        assert_eq!(
+            placed(&store, second.clone()).await.unwrap(),
+            Enqueued::Queued
+        );
+        assert_eq!(Intake::read(dir.path()).unwrap().jobs.len(), 1);
+        let claimed = store.claim_batch("w1", LEASE, 4).await.unwrap();
+        let keys: Vec<&str> = claimed.iter().map(|c| c.job.id.key.as_str()).collect();
+        assert_eq!(keys, ["k1", "k2"]);
+    }
+
+    /// A disk on which every database commit fails while the log still takes jobs: the job
+    /// logged before the failure counts in the queue's depth and is seen by the next request,
+    /// placing is held, the failed job is tried again at most once per `PLACE_RETRY_EVERY`
+    /// however many turns are recorded meanwhile, and once the disk recovers every job
+    /// reaches the queue in order.
+    #[tokio::test]
+    async fn a_disk_that_stays_broken_holds_placing_and_paces_its_retries() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(dir.path()).unwrap();
+        let intake = Arc::clone(store.intake.as_ref().unwrap());
+        const BROKEN: u32 = 1_000_000;
+        store.writes.fail_next_commits(BROKEN);
+        let logged = job("k0", "I live in Oslo.");
+        assert_eq!(
+            placed(&store, logged.clone()).await.unwrap(),
+            Enqueued::Queued
+        );
+        let mut waited = 0;
+        while !intake.has_failed() && waited < 400 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            waited += 1;
+        }
+        assert!(intake.has_failed(), "the database's enqueue did not fail");
+        assert_eq!(store.queue_depth().await.unwrap(), 1);
+        assert_eq!(unapplied_texts(&store).await, ["I live in Oslo."]);
+        // A burst of recorded turns: each is held, and they queue the failed job again a few
+        // times at most, not once each.
+        let mut held = Vec::new();
+        for n in 1..=1_000 {
+            match store.place(job(&format!("k{n}"), "and then?")) {
+                Placement::Held(job) => held.push(job),
+                _ => panic!("placing was not held"),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let attempted = BROKEN - store.writes.faults_left();
+        assert!(attempted < 20, "{attempted} transactions were tried");
+        // The disk recovers; the caller (the spool's forwarder) enqueues what was held.
+        store.writes.fail_next_commits(0);
+        store.resume_placing();
+        for job in &held {
+            assert_eq!(store.enqueue(job).await.unwrap(), Enqueued::Queued);
+        }
+        assert!(!intake.has_failed());
+        assert_eq!(intake.pending_count(), 0);
+        assert_eq!(store.queue_depth().await.unwrap(), 1_001);
+        let claimed = store.claim_batch("w1", LEASE, 3).await.unwrap();
+        let keys: Vec<&str> = claimed.iter().map(|c| c.job.id.key.as_str()).collect();
+        assert_eq!(keys, ["k0", "k1", "k2"]);
     }
 
     /// Jobs the log held when the process stopped are queued when the store opens, in order,

@@ -356,6 +356,12 @@ where
             .store(commits, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// Injected failures not yet taken by a transaction (tests: how many were attempted).
+    #[cfg(test)]
+    pub fn faults_left(&self) -> u32 {
+        self.faults.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     /// Makes each injected failure take `delay` on the write thread first, as a failing disk's
     /// write would: a test can then act while the failing commit is in flight.
     #[cfg(any(test, feature = "faults"))]

@@ -32,6 +32,7 @@ use std::io::Read;
 use std::path::Path;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
@@ -102,6 +103,8 @@ struct Pending {
     /// Jobs whose database enqueue failed after they were logged, oldest first, until a
     /// commit holds them ([`Intake::failed_jobs`]).
     failed: Vec<Job>,
+    /// When placing last queued the failed jobs again ([`Intake::retry_due`]).
+    retried_at: Option<Instant>,
 }
 
 pub struct Intake {
@@ -297,6 +300,25 @@ impl Intake {
     /// Whether a job's database enqueue failed and no commit holds it yet.
     pub fn has_failed(&self) -> bool {
         !self.lock().failed.is_empty()
+    }
+
+    /// Whether placing, held by a failure, may queue the failed jobs again now: once per
+    /// `every`. On a disk that stays broken, each recorded turn queued every failed job
+    /// again, and at a thousand turns a second the write thread did little but fail them.
+    pub fn retry_due(&self, now: Instant, every: Duration) -> bool {
+        let mut pending = self.lock();
+        let due = pending
+            .retried_at
+            .is_none_or(|at| now.saturating_duration_since(at) >= every);
+        if due {
+            pending.retried_at = Some(now);
+        }
+        due
+    }
+
+    /// How many jobs are pending: logged, and not yet held by a database commit.
+    pub fn pending_count(&self) -> u64 {
+        self.lock().numbers.len() as u64
     }
 
     /// Whether a job of this id is pending, in any session.
