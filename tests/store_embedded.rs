@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use engram_store::{
     CommitListener, EmbeddedStore, EncodedState, Enqueued, JobQueue, JobState, MemoryRecords,
-    UserKey,
+    Store, UserKey,
 };
 use tempfile::TempDir;
 
@@ -192,6 +192,61 @@ async fn killed_process_loses_no_committed_write() {
         .unwrap()
         .unwrap();
     assert_eq!(claimed.attempt, 1);
+}
+
+/// Set in the child process: the data directory to apply a job in before aborting.
+const JOB_CHILD_DIR: &str = "ENGRAM_STORE_JOB_CRASH_CHILD_DIR";
+
+/// The child half of `a_job_commit_survives_a_crash_right_after_it_returns`: queues a job,
+/// applies it (a job commit), then dies as a SIGKILL would leave it.
+#[tokio::test]
+async fn job_crash_child() {
+    let Some(dir) = std::env::var_os(JOB_CHILD_DIR) else {
+        return;
+    };
+    let store = EmbeddedStore::open(std::path::Path::new(&dir)).unwrap();
+    let user = UserKey::new("acme", "alice");
+    let job = job(&user, "hash-1");
+    assert_eq!(store.enqueue(&job).await.unwrap(), Enqueued::Queued);
+    store
+        .claim("worker-a", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .unwrap();
+    let state = state_with(&["I'm allergic to peanuts."]);
+    store
+        .commit_jobs(
+            std::slice::from_ref(&job),
+            &EncodedState::of(&state).unwrap(),
+            0,
+            &[],
+        )
+        .await
+        .unwrap();
+    std::process::abort();
+}
+
+/// A job commit is durable when it returns: a process killed just after one leaves the job
+/// applied, its raw turn written and nothing queued, so no worker applies it twice.
+#[tokio::test]
+async fn a_job_commit_survives_a_crash_right_after_it_returns() {
+    let dir = tempfile::tempdir().unwrap();
+    let child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "job_crash_child", "--test-threads", "1"])
+        .env(JOB_CHILD_DIR, dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        !child.status.success(),
+        "the child should have aborted: {}",
+        String::from_utf8_lossy(&child.stdout)
+    );
+    let store = EmbeddedStore::open(dir.path()).unwrap();
+    let user = UserKey::new("acme", "alice");
+    let id = job(&user, "hash-1").id;
+    assert_eq!(store.job_state(&id).await.unwrap(), Some(JobState::Applied));
+    assert_eq!(store.read_raw(&user).await.unwrap().len(), 1);
+    assert_eq!(store.queue_depth().await.unwrap(), 0);
 }
 
 /// Enqueues commit on the store's write thread (which the job commits share), off the threads
