@@ -169,19 +169,25 @@ async fn crash_child() {
     std::process::abort();
 }
 
-#[tokio::test]
-async fn killed_process_loses_no_committed_write() {
-    let dir = tempfile::tempdir().unwrap();
-    let child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "crash_child", "--test-threads", "1"])
-        .env(CHILD_DIR, dir.path())
+/// Runs the test `child` of this binary in a process of its own, with `var` naming `dir`, and
+/// checks that it aborted.
+fn run_crash_child(child: &str, var: &str, dir: &std::path::Path) {
+    let output = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", child, "--test-threads", "1"])
+        .env(var, dir)
         .output()
         .unwrap();
     assert!(
-        !child.status.success(),
+        !output.status.success(),
         "the child should have aborted: {}",
-        String::from_utf8_lossy(&child.stdout)
+        String::from_utf8_lossy(&output.stdout)
     );
+}
+
+#[tokio::test]
+async fn killed_process_loses_no_committed_write() {
+    let dir = tempfile::tempdir().unwrap();
+    run_crash_child("crash_child", CHILD_DIR, dir.path());
 
     let store = EmbeddedStore::open(dir.path()).unwrap();
     assert_turn_survived(&store, &UserKey::new("acme", "alice")).await;
@@ -231,16 +237,7 @@ async fn job_crash_child() {
 #[tokio::test]
 async fn a_job_commit_survives_a_crash_right_after_it_returns() {
     let dir = tempfile::tempdir().unwrap();
-    let child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "job_crash_child", "--test-threads", "1"])
-        .env(JOB_CHILD_DIR, dir.path())
-        .output()
-        .unwrap();
-    assert!(
-        !child.status.success(),
-        "the child should have aborted: {}",
-        String::from_utf8_lossy(&child.stdout)
-    );
+    run_crash_child("job_crash_child", JOB_CHILD_DIR, dir.path());
     let store = EmbeddedStore::open(dir.path()).unwrap();
     let user = UserKey::new("acme", "alice");
     let id = job(&user, "hash-1").id;
