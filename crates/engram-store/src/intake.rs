@@ -205,11 +205,7 @@ impl Intake {
         };
         let mut pending = self.lock();
         let session = session_key(&job.id.user, &job.exchange.session_id);
-        if pending
-            .sessions
-            .get(&session)
-            .is_some_and(|jobs| jobs.iter().any(|(_, held)| held.id == job.id))
-        {
+        if pending.holds(&session, &job.id) {
             return None;
         }
         pending.appended += 1;
@@ -278,11 +274,8 @@ impl Intake {
     pub fn failed(&self, job: &Job) {
         let mut pending = self.lock();
         let session = session_key(&job.id.user, &job.exchange.session_id);
-        let is_pending = pending
-            .sessions
-            .get(&session)
-            .is_some_and(|jobs| jobs.iter().any(|(_, held)| held.id == job.id));
-        if is_pending && !pending.failed.iter().any(|held| held.id == job.id) {
+        if pending.holds(&session, &job.id) && !pending.failed.iter().any(|held| held.id == job.id)
+        {
             pending.failed.push(job.clone());
         }
     }
@@ -398,6 +391,13 @@ impl Intake {
 }
 
 impl Pending {
+    /// Whether `job` is pending in `session` (a [`session_key`]).
+    fn holds(&self, session: &(String, String, String), job: &JobId) -> bool {
+        self.sessions
+            .get(session)
+            .is_some_and(|jobs| jobs.iter().any(|(_, held)| held.id == *job))
+    }
+
     fn remove(&mut self, job: &JobId, session: &str) -> bool {
         let key = session_key(&job.user, session);
         let Some(jobs) = self.sessions.get_mut(&key) else {
