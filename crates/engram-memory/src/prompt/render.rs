@@ -15,7 +15,8 @@ use std::cell::RefCell;
 use std::sync::OnceLock;
 
 use super::shape::{
-    Clipped, INDENT, clipped, fenced, push_continuation, push_quoted, quoted, shaped, split_lines,
+    Clipped, INDENT, as_one_line, clipped, fenced, push_continuation, push_quoted,
+    push_quoted_line, quoted, shaped, split_lines,
 };
 use crate::fence::neutralise_fences;
 use crate::memo::{TextMemo, memoised};
@@ -23,7 +24,7 @@ use crate::model::{
     Artifact, ArtifactKind, EpisodeManifest, Fact, Identity, PinContent, PinnedItem, RawTurn,
     TurnLogEntry,
 };
-use crate::text::{display_date, one_line};
+use crate::text::{clip_words, display_date, one_line};
 use crate::tokens::{Encoding, TokenCount};
 
 pub const FENCE_TAG: &str = "engram-memory";
@@ -147,8 +148,13 @@ pub fn identity_lines(text: &str) -> String {
 
 /// A fact, quoted, with its date after the quote.
 pub fn fact_line(fact: &Fact) -> String {
-    let mut out = String::from("- ");
-    push_quoted(&mut out, "", &shaped(&fact.text()), false);
+    let text = fact.text();
+    let mut out = String::with_capacity(text.len() + 24);
+    out.push_str("- ");
+    match as_one_line(&text) {
+        Some(line) => push_quoted_line(&mut out, "", line),
+        None => push_quoted(&mut out, "", &shaped(&text), false),
+    }
     if let Some(date) = &fact.date {
         out.push_str(" [");
         out.push_str(date);
@@ -203,6 +209,29 @@ const ASSISTANT_SIDE: &str = "|";
 /// side's note of the lines left out follows its quote. Its date is its group's
 /// [`date_heading`].
 pub fn raw_turn_line(turn: &RawTurn, clip: bool) -> String {
+    // Most turns are two one-line texts: quoted as they are, without shaping them into lines
+    // (compose renders dozens of these, the worker two per recorded turn).
+    if let (Some(user), Some(assistant)) = (as_one_line(&turn.user), as_one_line(&turn.assistant)) {
+        let side = |text| match clip {
+            true => Cow::Owned(clip_words(text, RAW_CLIP_WORDS)),
+            false => Cow::Borrowed(text),
+        };
+        let (user, assistant) = (side(user), side(assistant));
+        let mut out = String::with_capacity(user.len() + assistant.len() + 24);
+        out.push_str("- ");
+        push_quoted_line(&mut out, "", &user);
+        if !assistant.is_empty() {
+            out.push(' ');
+            push_quoted_line(&mut out, ASSISTANT_SIDE, &assistant);
+        }
+        out.push('\n');
+        return inert(out);
+    }
+    shaped_raw_turn_line(turn, clip)
+}
+
+/// [`raw_turn_line`] for any text, through [`shaped`] lines.
+fn shaped_raw_turn_line(turn: &RawTurn, clip: bool) -> String {
     let side = |text: &str| {
         let lines = shaped(text);
         if clip {
@@ -661,6 +690,26 @@ mod tests {
     }
 
     proptest::proptest! {
+        /// A turn of one-line texts renders as shaping them into lines renders it, clipped or
+        /// not, beside texts of any shape.
+        #[test]
+        fn a_one_line_turn_renders_as_shaped_lines_do(
+            a in proptest::prop_oneof![
+                "[a-z“]{1,5}( [a-zé”]{1,5}){0,60}",
+                proptest::strategy::Just(String::new()),
+            ],
+            b in hostile_text(),
+            clip in proptest::bool::ANY,
+        ) {
+            for (user, assistant) in [(&a, &b), (&b, &a), (&a, &a)] {
+                let turn = turn(user, assistant);
+                proptest::prop_assert_eq!(
+                    raw_turn_line(&turn, clip),
+                    shaped_raw_turn_line(&turn, clip)
+                );
+            }
+        }
+
         /// Whatever a text holds, every item that shows it keeps it inside quoted spans: with
         /// the spans emptied, an item is one of its kind's fixed skeletons, and the spans hold
         /// the text (shaped, made unquotable and inert).

@@ -15,7 +15,7 @@
 use std::borrow::Cow;
 
 use crate::code::fence_info;
-use crate::text::{clip_words, one_line, word_count};
+use crate::text::{clip_words, is_one_line, one_line, word_count};
 
 /// What every line of an item after its first starts with (a blank line is left empty).
 pub const INDENT: &str = "  ";
@@ -187,6 +187,24 @@ pub fn clipped(lines: &[String], max_words: usize) -> Clipped {
 pub struct Clipped {
     pub lines: Vec<String>,
     pub note: Option<String>,
+}
+
+/// `text` itself when [`shaped`] gives it back as its only line, as most texts are: then it is
+/// quoted with [`push_quoted_line`] without being copied into lines first.
+pub fn as_one_line(text: &str) -> Option<&str> {
+    // A line break is whitespace other than a single space, so such a text has none.
+    is_one_line(text).then_some(text)
+}
+
+/// [`push_quoted`] for the one line [`as_one_line`] gave.
+pub fn push_quoted_line(out: &mut String, label: &str, line: &str) {
+    if !label.is_empty() {
+        out.push_str(label);
+        out.push(' ');
+    }
+    out.push(QUOTE_OPEN);
+    out.push_str(&unquotable(line));
+    out.push(QUOTE_CLOSE);
 }
 
 /// Appends a text's `lines` to the item `out` is writing, quoted, after `label` (`user:`, or
