@@ -240,6 +240,8 @@ pub struct Vector {
     pub scale: f32,
     pub values: Box<[i8; DIMS]>,
     pub code: Code,
+    /// The sum of `values` (see [`PACKED_OFFSET`]).
+    sum: i32,
 }
 
 /// One bit per dimension: set where the component is positive.
@@ -265,6 +267,7 @@ impl Vector {
         }
         Some(Vector {
             scale: step / norm,
+            sum: quantised.iter().map(|value| i32::from(*value)).sum(),
             values: quantised,
             code,
         })
@@ -288,10 +291,15 @@ impl Vector {
 /// The largest magnitude of a packed component: 4 bits, signed, kept symmetric.
 const PACKED_PEAK: f32 = 7.0;
 
+/// What a packed component is stored plus: `v + 8` (1..=15) needs no sign extended when it is
+/// unpacked, only a mask or a shift, and the query's dot product with the offsets is 8 times
+/// the sum of its components, taken off once.
+const PACKED_OFFSET: i32 = 8;
+
 /// An item's unit vector as stored in an index segment: components in 4 bits each (−7..=7,
-/// byte `i` holding component `i` in its low half and `i + DIMS/2` in its high half, so both
-/// halves meet the query's components in order), its scale, and the sign code of the
-/// original. Compared with a query [`Vector`] only.
+/// stored plus [`PACKED_OFFSET`]; byte `i` holding component `i` in its low half and
+/// `i + DIMS/2` in its high half, so both halves meet the query's components in order), its
+/// scale, and the sign code of the original. Compared with a query [`Vector`] only.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Packed {
     scale: f32,
@@ -319,7 +327,9 @@ impl Packed {
         for ((byte, lo), hi) in nibbles.iter_mut().zip(low).zip(high) {
             let (lo, hi) = (quantise(*lo), quantise(*hi));
             norm += i32::from(lo) * i32::from(lo) + i32::from(hi) * i32::from(hi);
-            *byte = (lo as u8 & 0x0F) | ((hi as u8) << 4);
+            // Within 1..=15 by construction of `quantise`.
+            let stored = |v: i8| (i32::from(v) + PACKED_OFFSET) as u8;
+            *byte = stored(lo) | (stored(hi) << 4);
         }
         Packed {
             scale: if norm > 0 {
@@ -334,13 +344,16 @@ impl Packed {
 
     /// Cosine similarity with the query `query` (up to quantisation).
     pub fn cosine(&self, query: &Vector) -> f32 {
-        dot_packed(&query.values, &self.nibbles) as f32 * query.scale * self.scale
+        let dot = dot_packed(&query.values, &self.nibbles) - PACKED_OFFSET * query.sum;
+        dot as f32 * query.scale * self.scale
     }
 }
 
-/// A query's int8 components times packed 4-bit ones, summed in i32: per byte, the low half
-/// meets component `i`, the high half component `i + DIMS/2`, in 16 lane sums as in [`dot`]
-/// (|127·7| twice fits an i16).
+/// A query's int8 components times packed 4-bit ones as stored (plus [`PACKED_OFFSET`]),
+/// summed in i32: per byte, the low half meets component `i`, the high half component
+/// `i + DIMS/2`, in 16 lane sums as in [`dot`] (127·15 twice fits an i16). Unsigned halves
+/// measured a third faster than sign-extending them (16 against 24 ns a product, 4,096
+/// vectors; a query widened to i16 beforehand vectorised badly, 70 ns).
 fn dot_packed(query: &[i8; DIMS], nibbles: &[u8; DIMS / 2]) -> i32 {
     let (low, high) = query.split_at(DIMS / 2);
     let mut lanes = [0i32; 16];
@@ -350,9 +363,8 @@ fn dot_packed(query: &[i8; DIMS], nibbles: &[u8; DIMS / 2]) -> i32 {
         .zip(nibbles.chunks_exact(16))
     {
         for (((lane, q_lo), q_hi), byte) in lanes.iter_mut().zip(lo).zip(hi).zip(packed) {
-            // Sign-extends each half: the low one shifted up first.
-            let n_lo = i16::from(((*byte << 4) as i8) >> 4);
-            let n_hi = i16::from((*byte as i8) >> 4);
+            let n_lo = i16::from(*byte & 0x0F);
+            let n_hi = i16::from(*byte >> 4);
             *lane += i32::from(i16::from(*q_lo) * n_lo + i16::from(*q_hi) * n_hi);
         }
     }
@@ -596,6 +608,53 @@ mod tests {
         let (exact, packed) = (vector.cosine(&other), stored.cosine(&other));
         assert!((exact - 0.2).abs() < 0.01, "{exact}");
         assert!((packed - exact).abs() < 0.05, "{packed} against {exact}");
+    }
+
+    /// The stored components, as signed values.
+    fn unpacked(stored: &Packed) -> Vec<i32> {
+        let half = |shift: u32| {
+            stored
+                .nibbles
+                .iter()
+                .map(move |byte| i32::from((byte >> shift) & 0x0F) - PACKED_OFFSET)
+        };
+        half(0).chain(half(4)).collect()
+    }
+
+    proptest::proptest! {
+        /// The packed dot product is exactly the query's components times the stored signed
+        /// ones, which stay within ±7 and keep the original's signs.
+        #[test]
+        fn the_packed_dot_product_is_exact(
+            item in proptest::collection::vec(-1.0f32..1.0, DIMS),
+            query in proptest::collection::vec(-1.0f32..1.0, DIMS),
+        ) {
+            let array = |values: &[f32]| {
+                let mut out = [0f32; DIMS];
+                out.copy_from_slice(values);
+                out
+            };
+            let (Some(item), Some(query)) =
+                (Vector::from_f32(&array(&item)), Vector::from_f32(&array(&query)))
+            else {
+                return Ok(());
+            };
+            let stored = Packed::of(&item);
+            let components = unpacked(&stored);
+            let exact: i32 = components
+                .iter()
+                .zip(query.values.iter())
+                .map(|(c, q)| c * i32::from(*q))
+                .sum();
+            proptest::prop_assert_eq!(
+                dot_packed(&query.values, &stored.nibbles) - PACKED_OFFSET * query.sum,
+                exact
+            );
+            for (c, v) in components.iter().zip(item.values.iter()) {
+                proptest::prop_assert!(c.abs() <= 7);
+                proptest::prop_assert!(*c == 0 || (*c > 0) == (*v > 0), "{} from {}", c, v);
+            }
+        }
     }
 
     #[test]
