@@ -719,6 +719,16 @@ impl Worker {
                 },
             };
             let expected = record.version;
+            // Held until the commit has returned. Once the cache holds the new memory it lets
+            // go of this one on the store's write thread, which every recorded answer waits
+            // behind; if that were the last reference, freeing it (what the two versions do
+            // not share, and a reference count per chunk of the history: about a tenth of
+            // that thread's time at 50,000 turns) would run there. Here it runs on the
+            // worker's own thread.
+            let previous = match &start {
+                Start::Cached(memory) => Some(Arc::clone(memory)),
+                Start::Fresh | Start::Loaded(_) => None,
+            };
             // The engine's work and the encoding are CPU-bound: off the async threads.
             let memory = Arc::clone(&self.memory);
             let inputs: Vec<ExchangeInput> = jobs.iter().map(|job| job.exchange.clone()).collect();
@@ -748,11 +758,12 @@ impl Worker {
             // The state goes into the cache as soon as it has committed: on the store's commit
             // thread, told by the store (`CommitListener`), or here once the commit returns.
             let staged = self.cache.stage(user, expected, &encoded, Arc::new(state));
-            match self
+            let committed = self
                 .store
                 .commit_jobs(jobs, &encoded, expected, &prefetched)
-                .await
-            {
+                .await;
+            drop(previous);
+            match committed {
                 Ok(()) => {
                     staged.publish();
                     return Ok(outcomes);

@@ -370,3 +370,61 @@ fn only_the_catch_up_holds_its_yields_back_and_only_while_behind() {
         assert_eq!(Applier::Claimed(Claimer::Idle).hold_back(behind), None);
     }
 }
+
+/// Tells the cache of each commit after noting who else holds the user's cached memory, the
+/// one the commit replaces.
+struct HoldersOfTheReplaced {
+    cache: Arc<MemoryCache>,
+    holders: std::sync::Mutex<Vec<usize>>,
+}
+
+impl CommitListener for HoldersOfTheReplaced {
+    fn committed(&self, user: &UserKey, expected_version: u64, state: &engram_store::EncodedState) {
+        if let Some(replaced) = self.cache.get(user) {
+            // Besides the one just taken.
+            let others = Arc::strong_count(&replaced) - 1;
+            drop(replaced);
+            self.holders.lock().unwrap().push(others);
+        }
+        self.cache.committed(user, expected_version, state);
+    }
+}
+
+/// The memory a run starts from is freed on the worker's thread, not on the store's write
+/// thread that tells the cache of the commit (and that every recorded answer waits behind):
+/// while the cache lets go of it there, the worker still holds it.
+#[tokio::test]
+async fn the_replaced_memory_is_not_freed_on_the_write_thread() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = Arc::new(MemoryCache::new(16, usize::MAX));
+    let listener = Arc::new(HoldersOfTheReplaced {
+        cache: Arc::clone(&cache),
+        holders: std::sync::Mutex::new(Vec::new()),
+    });
+    let store: Arc<dyn Store> = Arc::new(
+        EmbeddedStore::open(dir.path())
+            .unwrap()
+            .with_commit_listener(Arc::clone(&listener) as Arc<dyn CommitListener>),
+    );
+    let (worker, _, _) = worker(
+        &store,
+        cache,
+        WorkerConfig::default(),
+        Summarizer::heuristic(),
+    );
+    for turn in 0..3 {
+        store.enqueue(&job("solo", turn)).await.unwrap();
+        let run = store
+            .claim_runs(&worker.consumer, Duration::from_secs(60), 1, 1)
+            .await
+            .unwrap();
+        worker
+            .process(run, super::Applier::Claimed(super::Claimer::Idle))
+            .await;
+    }
+    assert_eq!(worker.stats().applied.load(Ordering::Relaxed), 3);
+    // The first commit replaced nothing; the cache and the worker held the others'.
+    let holders = listener.holders.lock().unwrap().clone();
+    assert_eq!(holders.len(), 2, "{holders:?}");
+    assert!(holders.iter().all(|held| *held >= 2), "{holders:?}");
+}
