@@ -297,7 +297,7 @@ const PACKED_PEAK: f32 = 7.0;
 const PACKED_OFFSET: i32 = 8;
 
 /// An item's unit vector as stored in an index segment: components in 4 bits each (−7..=7,
-/// stored plus [`PACKED_OFFSET`]; byte `i` holding component `i` in its low half and
+/// stored plus 8, `PACKED_OFFSET`; byte `i` holding component `i` in its low half and
 /// `i + DIMS/2` in its high half, so both halves meet the query's components in order), its
 /// scale, and the sign code of the original. Compared with a query [`Vector`] only.
 #[derive(Debug, Clone, PartialEq)]
