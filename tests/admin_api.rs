@@ -136,8 +136,19 @@ async fn forget_deletes_every_record_of_one_user_in_one_tenant_only() {
 
 #[tokio::test]
 async fn explain_names_what_a_turn_was_given_and_where_it_came_from() {
+    explain_names_a_probes_items_and_sources(&[]).await;
+}
+
+/// The explanation keeps its provenance turns by number and names them when read: from the
+/// stored memory when this process has none cached (a budget no memory fits in).
+#[tokio::test]
+async fn explain_names_the_source_turns_from_the_store_when_nothing_is_cached() {
+    explain_names_a_probes_items_and_sources(&[("ENGRAM_WORKER__CACHE_BYTES", "1")]).await;
+}
+
+async fn explain_names_a_probes_items_and_sources(env: &[(&str, &str)]) {
     let upstream = mock(&[]);
-    let proxy = proxy(&upstream.address, &[]);
+    let proxy = proxy(&upstream.address, env);
     let first = say(&proxy, "acme", "vik", "s1", "I'm allergic to sesame.").await;
     wait_applied(&proxy, "acme", "vik", &first).await;
     let source_turn = first.headers["x-engram-turn-id"]

@@ -38,7 +38,7 @@ use crate::config::Config;
 use crate::error::{Error, ProxyBody};
 use engram_memory::index::Bm25;
 use engram_memory::manage::{self, ItemFilter, ItemKind, ManageError};
-use engram_memory::{self as memory, ItemRef, Tier};
+use engram_memory::{self as memory, Explain, ItemRef, Tier};
 use engram_proxy::cache::{CachedMemory, MemoryCache};
 use engram_proxy::pipeline::explain_log::ExplainLog;
 use engram_proxy::pipeline::identity::{self, IdentityConfig};
@@ -165,7 +165,7 @@ impl AdminApi {
             Endpoint::Job => self.job(user, parameter(1)?).await,
             Endpoint::Export => self.export(user).await,
             Endpoint::Forget => self.forget(user).await,
-            Endpoint::Explain => self.explain(&user, parameter(1)?),
+            Endpoint::Explain => self.explain(&user, parameter(1)?).await,
             Endpoint::Items => self.items(user, &query).await,
             Endpoint::Item => {
                 let item = item_ref(parameter(1)?)?;
@@ -374,7 +374,7 @@ impl AdminApi {
         Ok(json_response(StatusCode::OK, &body))
     }
 
-    fn explain(&self, user: &UserKey, turn: &str) -> Result<Response<ProxyBody>, Error> {
+    async fn explain(&self, user: &UserKey, turn: &str) -> Result<Response<ProxyBody>, Error> {
         let Some(explain) = self.explains.get(user, turn) else {
             return Err(Error::ResourceNotFound(format!(
                 "No explanation for turn {turn}: explanations are kept by the process that \
@@ -382,9 +382,19 @@ impl AdminApi {
                 self.explains.capacity()
             )));
         };
+        // The explanation names its provenance turns by number; their ids are in the memory
+        // it was composed from and every later version, this process's cached one first.
+        let mut explain = Explain::clone(&explain);
+        let named = self
+            .cache
+            .get(user)
+            .is_some_and(|memory| explain.name_turns(&memory.state));
+        if !named && let Some(state) = self.store.load_state(user).await? {
+            explain.name_turns(&state);
+        }
         Ok(json_response(
             StatusCode::OK,
-            &json!({ "turn": turn, "explain": &*explain }),
+            &json!({ "turn": turn, "explain": explain }),
         ))
     }
 

@@ -63,10 +63,8 @@ pub(super) fn explained(
         tokens,
         reason: ranking.reason,
         form,
-        provenance: turns
-            .iter()
-            .filter_map(|seq| state.turn_id(*seq).map(str::to_string))
-            .collect(),
+        provenance_turns: turns,
+        provenance: Vec::new(),
         date,
     }
 }

@@ -231,14 +231,21 @@ fn recall_finds_old_turns_with_dates_and_user_prefix_placement() {
         last.contains("[2024-02-04]\n- “My sister Carla adopted a greyhound"),
         "{last}"
     );
-    let hit = composition
-        .explain
+    let mut explain = composition.explain.clone();
+    // Numbers on the hot path, ids once read.
+    assert!(explain.items.iter().all(|item| item.provenance.is_empty()));
+    assert!(explain.name_turns(&state));
+    let hit = explain
         .items
         .iter()
         .find(|item| item.item == ItemRef::RawTurn(3))
         .expect("the turn is recalled");
+    assert_eq!(hit.provenance_turns, [3]);
     assert_eq!(hit.provenance, ["t3"]);
     assert_eq!(hit.date.as_deref(), Some("2024-02-04"));
+    // An older version that lacks the turn names what it holds and says so.
+    assert!(!explain.name_turns(&MemoryState::new()));
+    assert!(explain.items.iter().all(|item| item.provenance.is_empty()));
     // The recalled turn is a retrieval hit among the candidates.
     assert!(composition.retrieval_hits >= 1);
     assert!(composition.retrieval_candidates >= composition.retrieval_hits);
@@ -920,8 +927,9 @@ fn a_pinned_fact_shows_its_current_revision_once() {
     assert!(!core.contains("Ana"), "{core}");
     let memory = core + &block(&composition, &messages, "recall");
     assert_eq!(memory.matches("name: Jay").count(), 1, "{memory}");
-    let pinned = composition
-        .explain
+    let mut explain = composition.explain.clone();
+    explain.name_turns(&state);
+    let pinned = explain
         .items
         .iter()
         .find(|item| item.reason == Reason::Pinned)
