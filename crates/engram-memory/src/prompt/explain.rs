@@ -59,9 +59,10 @@ pub struct ExplainedItem {
     pub reason: Reason,
     pub form: Form,
     /// The raw turns the item comes from, by sequence number, as composed. A turn's number
-    /// names it for good (the raw log only grows), so the hot path keeps these and
+    /// keeps naming it while the memory lives (the raw log only grows; a forget drops the
+    /// explanations with the memory), so the hot path keeps these and
     /// [`Explain::name_turns`] looks their ids up when the explanation is read: copying each
-    /// placed fact's (up to 16) ids was 7 % of compose at 20,000 turns.
+    /// placed fact's (up to 16) ids was 8 % of compose at 20,000 turns.
     #[serde(skip)]
     pub provenance_turns: Vec<TurnSeq>,
     /// The ids of `provenance_turns`, once [`Explain::name_turns`] has named them.
