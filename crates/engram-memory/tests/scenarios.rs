@@ -190,8 +190,9 @@ fn early_allergy_survives_forty_turns() {
         core.contains("## Constraints the user stated\n- “allergic to shellfish” [2024-01-01]"),
         "{core}"
     );
-    let explained = composition
-        .explain
+    let mut explain = composition.explain.clone();
+    assert!(explain.name_turns(&chat.state));
+    let explained = explain
         .items
         .iter()
         .find(|item| item.item == ItemRef::Fact(fact.id))
