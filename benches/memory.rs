@@ -1,4 +1,6 @@
-//! Memory engine benchmark: one user with 2,000 recorded turns and 500 facts.
+//! Memory engine benchmark: one user with 2,000 recorded turns and 500 facts
+//! (`ENGRAM_BENCH_TURNS` sets another number of turns, to see what a longer history costs;
+//! the criterion ids keep their names).
 //!
 //! Prints the figures first (hot path re-rank + pack + compose percentiles, back to
 //! back, spaced as at 200 req/s and with every cache cold; prefetch percentiles, per-user state
@@ -28,6 +30,7 @@ use engram_memory::{
 #[path = "support/prose.rs"]
 mod prose;
 
+/// Recorded turns unless `ENGRAM_BENCH_TURNS` says otherwise.
 const TURNS: usize = 2_000;
 const FACTS: usize = 500;
 const SESSIONS: usize = 20;
@@ -245,6 +248,22 @@ struct Fixture {
     record_time: Duration,
 }
 
+/// The fixture's turns: `ENGRAM_BENCH_TURNS` when it is set to a positive number, else
+/// [`TURNS`].
+fn turns() -> usize {
+    match std::env::var("ENGRAM_BENCH_TURNS") {
+        Ok(text) if text.trim().is_empty() => TURNS,
+        Ok(text) => match text.replace(['_', ','], "").parse() {
+            Ok(turns) if turns > 0 => turns,
+            _ => {
+                println!("ENGRAM_BENCH_TURNS={text:?} is not a positive number; using {TURNS}");
+                TURNS
+            }
+        },
+        Err(_) => TURNS,
+    }
+}
+
 fn build_fixture() -> Fixture {
     let config = MemoryConfig::default();
     let mut state = MemoryState::new();
@@ -256,9 +275,10 @@ fn build_fixture() -> Fixture {
     pin(&mut state, "Always give metric units.");
     pin(&mut state, "Answer in British English.");
 
+    let turns = turns();
     let started = Instant::now();
     let mut topic = 0;
-    for n in 0..TURNS {
+    for n in 0..turns {
         // Topics run for ~12 turns, so episodes form.
         if n % 12 == 0 {
             topic = rng.next() % TOPICS.len();
@@ -275,7 +295,7 @@ fn build_fixture() -> Fixture {
         record_exchange(
             &mut state,
             &ExchangeInput {
-                session_id: format!("session-{}", n * SESSIONS / TURNS),
+                session_id: format!("session-{}", n * SESSIONS / turns),
                 turn_id: format!("turn-{n:05}"),
                 user_text: user,
                 assistant_text: assistant,
@@ -293,13 +313,13 @@ fn build_fixture() -> Fixture {
             &config,
         );
     }
-    let record_time = started.elapsed() / TURNS as u32;
+    let record_time = started.elapsed() / turns as u32;
 
     // Top the base truth up to 500 facts, each grounded in a recorded turn.
     let missing = FACTS.saturating_sub(state.active_facts().count());
     for n in 0..missing {
         let words = TOPICS[n % TOPICS.len()];
-        let seq = (n * 7 % TURNS) as u32;
+        let seq = (n * 7 % turns) as u32;
         apply_diff(
             &mut state,
             &FactDiff {
@@ -414,7 +434,9 @@ fn report(fixture: &Fixture) {
         state.artifacts.len(),
         prefetched.len()
     );
-    println!("record_exchange (heuristic extractor), mean over the 2,000 turns: {record_time:?}");
+    println!(
+        "record_exchange (heuristic extractor), mean over the fixture's turns: {record_time:?}"
+    );
 
     // Hot path: re-rank the prefetched candidates + search + pack + compose, in the default
     // (hybrid) retrieval mode, then lexical-only for comparison.
