@@ -720,9 +720,9 @@ impl Worker {
             };
             let expected = record.version;
             // Held until the commit has returned. Once the cache holds the new memory it lets
-            // go of this one on the store's write thread, which every recorded answer waits
-            // behind; if that were the last reference, freeing it (what the two versions do
-            // not share, and a reference count per chunk of the history: 8 % of
+            // go of this one on the store's write thread, which every enqueue, claim and job
+            // commit goes through; if that were the last reference, freeing it (what the two
+            // versions do not share, and a reference count per chunk of the history: 8 % of
             // that thread's time at 50,000 turns) would run there. Here it runs on the
             // worker's own thread.
             let previous = match &start {
