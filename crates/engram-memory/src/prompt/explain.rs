@@ -59,8 +59,9 @@ pub struct ExplainedItem {
     pub reason: Reason,
     pub form: Form,
     /// The raw turns the item comes from, by sequence number, as composed. A turn's number
-    /// keeps naming it while the memory lives (the raw log only grows; a forget drops the
-    /// explanations with the memory), so the hot path keeps these and
+    /// keeps naming it while the memory lives (the raw log only grows; a forget drops this
+    /// process's explanations with the memory, and [`Explain::origin`] tells another
+    /// replica's memory begun again), so the hot path keeps these and
     /// [`Explain::name_turns`] looks their ids up when the explanation is read: copying each
     /// placed fact's (up to 16) ids was 8 % of compose at 20,000 turns.
     #[serde(skip)]
@@ -115,13 +116,27 @@ pub struct Explain {
     pub left_out: Vec<ItemRef>,
     /// The final guard had to drop a block (a packing bug if it ever shows up).
     pub guard_trimmed: bool,
+    /// Which memory the provenance turns' numbers belong to ([`MemoryState::origin`]): a
+    /// memory forgotten and begun again under the same user numbers its turns from 0 again,
+    /// and a forget on another replica does not reach this process's explanations.
+    #[serde(skip)]
+    pub origin: u64,
 }
 
 impl Explain {
     /// Names each item's provenance turns by their ids in `state` (the memory composed from,
     /// or any later version of it). Whether every turn was found: a turn `state` does not hold
-    /// yet (an older version) is left out.
+    /// yet (an older version) is left out, and so is every turn when `state` is another
+    /// memory (the one composed from was forgotten since).
     pub fn name_turns(&mut self, state: &MemoryState) -> bool {
+        if self.origin != state.origin() {
+            let mut none_cited = true;
+            for item in &mut self.items {
+                item.provenance.clear();
+                none_cited &= item.provenance_turns.is_empty();
+            }
+            return none_cited;
+        }
         let mut all_found = true;
         for item in &mut self.items {
             item.provenance = item

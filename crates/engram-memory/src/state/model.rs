@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use super::lookups::Lookups;
 use super::segmented::Segmented;
-use crate::text::{one_line, one_line_prefix};
+use crate::text::{fnv1a, one_line, one_line_prefix};
 use crate::tokens::TokenCount;
 
 /// Position of a turn in the user's raw log (0-based, across all sessions).
@@ -125,6 +125,13 @@ impl MemoryState {
     /// The client-visible id of a raw turn, for provenance.
     pub fn turn_id(&self, seq: TurnSeq) -> Option<&str> {
         self.raw_turns.get(seq as usize).map(|turn| &*turn.id)
+    }
+
+    /// Which memory this is, for as long as it lives: a hash of its first turn's id (0 before
+    /// any turn). Its turns' numbers name the same turns in every later version; a memory
+    /// forgotten and begun again has another first turn.
+    pub fn origin(&self) -> u64 {
+        self.turn_id(0).map_or(0, |id| fnv1a(0, id.as_bytes()))
     }
 
     /// The position of session `session_id`: through the lookups when they are built (every

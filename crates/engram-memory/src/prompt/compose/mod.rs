@@ -325,6 +325,7 @@ pub fn compose(
             unapplied_turns: packing.window.unapplied_shown,
             left_out,
             guard_trimmed: guarded.trimmed,
+            origin: state.origin(),
         },
         prior_chain: shape.prior_chain,
     }

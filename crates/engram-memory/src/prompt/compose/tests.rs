@@ -246,6 +246,16 @@ fn recall_finds_old_turns_with_dates_and_user_prefix_placement() {
     // An older version that lacks the turn names what it holds and says so.
     assert!(!explain.name_turns(&MemoryState::new()));
     assert!(explain.items.iter().all(|item| item.provenance.is_empty()));
+    // A memory forgotten and begun again (another replica's forget does not reach this
+    // process's explanations) numbers other turns the same: it names none of them.
+    let mut again = state.clone();
+    if let Some(first) = again.raw_turns.get_mut(0) {
+        first.id = "t-new-0".into();
+    }
+    assert_eq!(again.turn_id(3), state.turn_id(3));
+    assert!(!explain.name_turns(&again));
+    assert!(explain.items.iter().all(|item| item.provenance.is_empty()));
+    assert!(explain.name_turns(&state));
     // The recalled turn is a retrieval hit among the candidates.
     assert!(composition.retrieval_hits >= 1);
     assert!(composition.retrieval_candidates >= composition.retrieval_hits);
