@@ -291,11 +291,20 @@ fn describe(args: &Args, pinned: bool, raw: &[String]) -> Vec<String> {
             "--porcelain",
             "--",
             "src",
+            "crates",
             "Cargo.toml",
             "Cargo.lock",
         ])
         .output()
         .is_ok_and(|o| !o.stdout.is_empty());
+    // HEAD names the source; the binary is named apart, since an A/B run may swap it.
+    let binary = command_line("sha256sum", &[systems::BIN]);
+    let binary = binary
+        .split_whitespace()
+        .next()
+        .filter(|hash| hash.len() == 64)
+        .and_then(|hash| hash.get(..12))
+        .unwrap_or("unknown");
     let oha = command_line(&load::oha_path(), &["--version"]);
     let redis = command_line("redis-server", &["--version"]);
     let redis = redis
@@ -308,10 +317,11 @@ fn describe(args: &Args, pinned: bool, raw: &[String]) -> Vec<String> {
             cores()
         ),
         format!(
-            "engram {commit}{} (release profile), 1 tokio worker thread, its memory worker on \
-             the same core at idle priority (as shipped); heuristic extractor; {oha}; {redis}",
+            "engram {commit}{} (release profile; the binary's sha256 {binary}…), 1 tokio worker \
+             thread, its memory worker on the same core at idle priority (as shipped); heuristic \
+             extractor; {oha}; {redis}",
             if dirty {
-                " with uncommitted changes to src/ or Cargo.lock"
+                " with uncommitted changes to src/, crates/ or Cargo.lock"
             } else {
                 ""
             }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crate::report::System;
 use crate::support;
 
-const BIN: &str = env!("CARGO_BIN_EXE_engram");
+pub const BIN: &str = env!("CARGO_BIN_EXE_engram");
 
 /// The peer, pinned so a rerun measures the same code.
 pub const LITELLM_REQUIREMENT: &str = "litellm[proxy]==1.106.2";
