@@ -297,14 +297,7 @@ fn describe(args: &Args, pinned: bool, raw: &[String]) -> Vec<String> {
         ])
         .output()
         .is_ok_and(|o| !o.stdout.is_empty());
-    // HEAD names the source; the binary is named apart, since an A/B run may swap it.
-    let binary = command_line("sha256sum", &[systems::BIN]);
-    let binary = binary
-        .split_whitespace()
-        .next()
-        .filter(|hash| hash.len() == 64)
-        .and_then(|hash| hash.get(..12))
-        .unwrap_or("unknown");
+    let binary = systems::binary_hash();
     let oha = command_line(&load::oha_path(), &["--version"]);
     let redis = command_line("redis-server", &["--version"]);
     let redis = redis

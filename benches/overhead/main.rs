@@ -289,7 +289,8 @@ fn describe(context: &Context, pinned: bool, raw: &[String]) -> Vec<String> {
             }
         ),
         format!(
-            "engram {commit} (release profile), 1 worker thread; mock upstream 1 thread; {oha}; {litellm} (1 worker)"
+            "engram {commit} (release profile; the binary's sha256 {}…), 1 worker thread; mock upstream 1 thread; {oha}; {litellm} (1 worker)",
+            systems::binary_hash()
         ),
         format!(
             "{} per measured run{}, each system started fresh for every step and warmed with 200 requests; memory on: {} users taking turns",

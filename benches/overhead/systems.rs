@@ -12,7 +12,25 @@ use std::time::{Duration, Instant};
 use crate::report::System;
 use crate::support;
 
-pub const BIN: &str = env!("CARGO_BIN_EXE_engram");
+const BIN: &str = env!("CARGO_BIN_EXE_engram");
+
+/// The first 12 hex digits of the `engram` binary's sha256, for a report's header: the
+/// repository's HEAD names the source, and an A/B run may swap the binary under one harness.
+pub fn binary_hash() -> String {
+    std::process::Command::new("sha256sum")
+        .arg(BIN)
+        .output()
+        .ok()
+        .and_then(|out| {
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            let hash = text.split_whitespace().next()?;
+            (hash.len() == 64)
+                .then(|| hash.get(..12))
+                .flatten()
+                .map(str::to_owned)
+        })
+        .unwrap_or_else(|| "unknown".to_owned())
+}
 
 /// The peer, pinned so a rerun measures the same code.
 pub const LITELLM_REQUIREMENT: &str = "litellm[proxy]==1.106.2";
