@@ -129,21 +129,18 @@ impl Explain {
     /// yet (an older version) is left out, and so is every turn when `state` is another
     /// memory (the one composed from was forgotten since).
     pub fn name_turns(&mut self, state: &MemoryState) -> bool {
-        if self.origin != state.origin() {
-            let mut none_cited = true;
-            for item in &mut self.items {
-                item.provenance.clear();
-                none_cited &= item.provenance_turns.is_empty();
-            }
-            return none_cited;
-        }
+        // Another memory holds none of the turns composed from.
+        let same_memory = self.origin == state.origin();
         let mut all_found = true;
         for item in &mut self.items {
             item.provenance = item
                 .provenance_turns
                 .iter()
                 .filter_map(|seq| {
-                    let id = state.turn_id(*seq).map(str::to_owned);
+                    let id = same_memory
+                        .then(|| state.turn_id(*seq))
+                        .flatten()
+                        .map(str::to_owned);
                     all_found &= id.is_some();
                     id
                 })
