@@ -204,6 +204,65 @@ async fn forget_leaves_no_key_stream_entry_or_value_of_the_user_in_redis() {
     common::assert_openai_error(&admin(&second, &explain, TENANT).await, 404);
 }
 
+/// A forget on one replica does not reach another's explanations: once the other has read the
+/// memory begun again, it names none of that memory's turns as the old explanation's sources,
+/// and says the memory it came from was forgotten.
+#[tokio::test]
+async fn an_explanation_says_its_memory_was_forgotten_on_another_replica() {
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let url = redis.url();
+    let upstream = mock(&[]);
+    let backend = [
+        ("ENGRAM_STORE__BACKEND", "redis"),
+        ("ENGRAM_STORE__REDIS_URL", url.as_str()),
+    ];
+    let (first, second) = (
+        proxy(&upstream.address, &backend),
+        proxy(&upstream.address, &backend),
+    );
+    let old_turns = applied_memory(&first).await;
+    let question = say(&first, TENANT, GONE, "s1", "What is my locker number?").await;
+    let turn = header(&question, "x-engram-turn-id").to_owned();
+    let explain = format!("/engram/v1/users/{GONE}/turns/{turn}/explain");
+    let named = |body: &Value| -> Vec<String> {
+        body["explain"]["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|item| item["provenance"].as_array().cloned().unwrap_or_default())
+            .filter_map(|id| id.as_str().map(str::to_owned))
+            .collect()
+    };
+    let before = admin(&first, &explain, TENANT).await.json();
+    assert_eq!(before["provenance"], "named", "{before}");
+    assert!(
+        named(&before).iter().any(|id| old_turns.contains(id)),
+        "no item names an earlier turn: {before}"
+    );
+
+    forget(&second).await;
+    let reply = say(&second, TENANT, GONE, "s1", "I moved to a new gym.").await;
+    wait_applied(&second, TENANT, GONE, &reply).await;
+    // The first replica reads the new memory on its next turn of the user.
+    say(&first, TENANT, GONE, "s1", "Which gym do I go to?").await;
+
+    let after = admin(&first, &explain, TENANT).await.json();
+    assert_eq!(after["provenance"], "forgotten", "{after}");
+    assert!(named(&after).is_empty(), "{after}");
+    // The same items, without their sources' ids.
+    let items = |body: &Value| -> Vec<Value> {
+        body["explain"]["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|item| item["item"].clone())
+            .collect()
+    };
+    assert_eq!(items(&after), items(&before));
+}
+
 fn hex(text: &str) -> String {
     text.bytes().map(|byte| format!("{byte:02x}")).collect()
 }

@@ -34,7 +34,7 @@ pub use compose::{ComposeRequest, Composition, MemoryOutcome, compose};
 pub use config::{MemoryConfig, Placement, ScoringWeights};
 pub use diff::{DiffReport, FactDiff, FactEdit, apply_diff};
 pub use error::Error;
-pub use explain::{Block, BlockTokens, ClientMode, Explain, ExplainedItem, Reason};
+pub use explain::{Block, BlockTokens, ClientMode, Explain, ExplainedItem, Provenance, Reason};
 pub use extract::{Extraction, Extractor, HeuristicExtractor, Precomputed};
 pub use fence::strip_fences;
 pub use index::MemoryIndex;

@@ -4,7 +4,8 @@ use engram_memory::model::{FactCategory, RevisionEnd, Tier};
 use engram_memory::openai::ChatMessage;
 use engram_memory::{
     ComposeRequest, Composition, ExchangeInput, HeuristicExtractor, ItemRef, MemoryConfig,
-    MemoryIndex, MemoryState, RecordOutcome, compose, prefetch, record_exchange, strip_fences,
+    MemoryIndex, MemoryState, Provenance, RecordOutcome, compose, prefetch, record_exchange,
+    strip_fences,
 };
 
 const SESSION: &str = "session-1";
@@ -191,7 +192,7 @@ fn early_allergy_survives_forty_turns() {
         "{core}"
     );
     let mut explain = composition.explain.clone();
-    assert!(explain.name_turns(&chat.state));
+    assert_eq!(explain.name_turns(&chat.state), Provenance::Named);
     let explained = explain
         .items
         .iter()

@@ -123,15 +123,28 @@ pub struct Explain {
     pub origin: u64,
 }
 
+/// What [`Explain::name_turns`] found of an explanation's provenance turns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Provenance {
+    /// Every turn cited is named (or none is cited).
+    Named,
+    /// Some are left out: the memory read is a version older than the one composed from.
+    Partial,
+    /// None is named: the memory composed from has been forgotten since (nothing is stored,
+    /// or a memory begun again under the same user numbers other turns the same).
+    Forgotten,
+}
+
 impl Explain {
     /// Names each item's provenance turns by their ids in `state` (the memory composed from,
-    /// or any later version of it). Whether every turn was found: a turn `state` does not hold
-    /// yet (an older version) is left out, and so is every turn when `state` is another
-    /// memory (the one composed from was forgotten since).
-    pub fn name_turns(&mut self, state: &MemoryState) -> bool {
+    /// or any later version of it), and says what it found: a turn `state` does not hold yet
+    /// (an older version) is left out, and so is every turn when `state` is another memory
+    /// (the one composed from was forgotten since; an empty `state` when nothing is stored).
+    pub fn name_turns(&mut self, state: &MemoryState) -> Provenance {
         // Another memory holds none of the turns composed from.
         let same_memory = self.origin == state.origin();
-        let mut all_found = true;
+        let (mut cited, mut found) = (0usize, 0usize);
         for item in &mut self.items {
             item.provenance = item
                 .provenance_turns
@@ -141,11 +154,16 @@ impl Explain {
                         .then(|| state.turn_id(*seq))
                         .flatten()
                         .map(str::to_owned);
-                    all_found &= id.is_some();
+                    cited += 1;
+                    found += usize::from(id.is_some());
                     id
                 })
                 .collect();
         }
-        all_found
+        match (found == cited, same_memory) {
+            (true, _) => Provenance::Named,
+            (false, true) => Provenance::Partial,
+            (false, false) => Provenance::Forgotten,
+        }
     }
 }

@@ -38,7 +38,7 @@ use crate::config::Config;
 use crate::error::{Error, ProxyBody};
 use engram_memory::index::Bm25;
 use engram_memory::manage::{self, ItemFilter, ItemKind, ManageError};
-use engram_memory::{self as memory, Explain, ItemRef, Tier};
+use engram_memory::{self as memory, Explain, ItemRef, Provenance, Tier};
 use engram_proxy::cache::{CachedMemory, MemoryCache};
 use engram_proxy::pipeline::explain_log::ExplainLog;
 use engram_proxy::pipeline::identity::{self, IdentityConfig};
@@ -384,17 +384,23 @@ impl AdminApi {
         };
         // The explanation names its provenance turns by number; their ids are in the memory
         // it was composed from and every later version, this process's cached one first.
+        // A forget on another replica does not reach this process's explanations: then the
+        // stored memory is another (or none), and `provenance` says the turns were forgotten.
         let mut explain = Explain::clone(&explain);
-        let named = self
+        let cached = self
             .cache
             .get(user)
-            .is_some_and(|memory| explain.name_turns(&memory.state));
-        if !named && let Some(state) = self.store.load_state(user).await? {
-            explain.name_turns(&state);
-        }
+            .map(|memory| explain.name_turns(&memory.state));
+        let provenance = match cached {
+            Some(Provenance::Named) => Provenance::Named,
+            _ => {
+                let stored = self.store.load_state(user).await?.unwrap_or_default();
+                explain.name_turns(&stored)
+            }
+        };
         Ok(json_response(
             StatusCode::OK,
-            &json!({ "turn": turn, "explain": explain }),
+            &json!({ "turn": turn, "provenance": provenance, "explain": explain }),
         ))
     }
 

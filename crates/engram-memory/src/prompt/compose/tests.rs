@@ -3,7 +3,7 @@
 use super::*;
 use crate::config::RetrievalMode;
 use crate::diff::{FactDiff, FactEdit, apply_diff};
-use crate::explain::ClientMode;
+use crate::explain::{ClientMode, Provenance};
 use crate::fence::has_fence_like;
 use crate::record::test_support::{record_turn, recorded_with};
 use crate::record::{consolidate, pin, pin_fact, set_identity};
@@ -234,7 +234,7 @@ fn recall_finds_old_turns_with_dates_and_user_prefix_placement() {
     let mut explain = composition.explain.clone();
     // Numbers on the hot path, ids once read.
     assert!(explain.items.iter().all(|item| item.provenance.is_empty()));
-    assert!(explain.name_turns(&state));
+    assert_eq!(explain.name_turns(&state), Provenance::Named);
     let hit = explain
         .items
         .iter()
@@ -244,7 +244,24 @@ fn recall_finds_old_turns_with_dates_and_user_prefix_placement() {
     assert_eq!(hit.provenance, ["t3"]);
     assert_eq!(hit.date.as_deref(), Some("2024-02-04"));
     // An older version that lacks the turn names what it holds and says so.
-    assert!(!explain.name_turns(&MemoryState::new()));
+    let mut older = state.clone();
+    older.raw_turns = Default::default();
+    for turn in state.raw_turns.iter().take(3) {
+        older.raw_turns.push(turn.clone());
+    }
+    assert_eq!(older.origin(), state.origin());
+    assert_eq!(explain.name_turns(&older), Provenance::Partial);
+    assert!(
+        explain
+            .items
+            .iter()
+            .all(|item| !item.provenance.contains(&"t3".into()))
+    );
+    // Nothing stored any more: the memory was forgotten.
+    assert_eq!(
+        explain.name_turns(&MemoryState::new()),
+        Provenance::Forgotten
+    );
     assert!(explain.items.iter().all(|item| item.provenance.is_empty()));
     // A memory forgotten and begun again (another replica's forget does not reach this
     // process's explanations) numbers other turns the same: it names none of them.
@@ -253,9 +270,9 @@ fn recall_finds_old_turns_with_dates_and_user_prefix_placement() {
         first.id = "t-new-0".into();
     }
     assert_eq!(again.turn_id(3), state.turn_id(3));
-    assert!(!explain.name_turns(&again));
+    assert_eq!(explain.name_turns(&again), Provenance::Forgotten);
     assert!(explain.items.iter().all(|item| item.provenance.is_empty()));
-    assert!(explain.name_turns(&state));
+    assert_eq!(explain.name_turns(&state), Provenance::Named);
     // The recalled turn is a retrieval hit among the candidates.
     assert!(composition.retrieval_hits >= 1);
     assert!(composition.retrieval_candidates >= composition.retrieval_hits);
@@ -938,7 +955,7 @@ fn a_pinned_fact_shows_its_current_revision_once() {
     let memory = core + &block(&composition, &messages, "recall");
     assert_eq!(memory.matches("name: Jay").count(), 1, "{memory}");
     let mut explain = composition.explain.clone();
-    explain.name_turns(&state);
+    assert_eq!(explain.name_turns(&state), Provenance::Named);
     let pinned = explain
         .items
         .iter()
