@@ -258,17 +258,6 @@ fn cores() -> usize {
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from))
 }
 
-fn command_line(program: &str, args: &[&str]) -> String {
-    Command::new(program)
-        .args(args)
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| format!("{program} unavailable"))
-}
-
 fn describe(args: &Args, pinned: bool, raw: &[String]) -> Vec<String> {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .unwrap_or_default()
@@ -283,8 +272,8 @@ fn describe(args: &Args, pinned: bool, raw: &[String]) -> Vec<String> {
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|kib| kib.parse::<f64>().ok())
         .map_or(0.0, |kib| kib / 1024.0 / 1024.0);
-    let kernel = command_line("uname", &["-r"]);
-    let commit = command_line("git", &["rev-parse", "--short", "HEAD"]);
+    let kernel = systems::command_line("uname", &["-r"]);
+    let commit = systems::command_line("git", &["rev-parse", "--short", "HEAD"]);
     let dirty = Command::new("git")
         .args([
             "status",
@@ -298,8 +287,8 @@ fn describe(args: &Args, pinned: bool, raw: &[String]) -> Vec<String> {
         .output()
         .is_ok_and(|o| !o.stdout.is_empty());
     let binary = systems::binary_hash();
-    let oha = command_line(&load::oha_path(), &["--version"]);
-    let redis = command_line("redis-server", &["--version"]);
+    let oha = systems::command_line(&load::oha_path(), &["--version"]);
+    let redis = systems::command_line("redis-server", &["--version"]);
     let redis = redis
         .split_whitespace()
         .find_map(|w| w.strip_prefix("v="))

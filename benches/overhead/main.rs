@@ -268,9 +268,9 @@ fn describe(context: &Context, pinned: bool, raw: &[String]) -> Vec<String> {
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|kib| kib.parse::<f64>().ok())
         .map_or(0.0, |kib| kib / 1024.0 / 1024.0);
-    let kernel = command_line("uname", &["-r"]);
-    let commit = command_line("git", &["rev-parse", "--short", "HEAD"]);
-    let oha = command_line(&load::oha_path(), &["--version"]);
+    let kernel = systems::command_line("uname", &["-r"]);
+    let commit = systems::command_line("git", &["rev-parse", "--short", "HEAD"]);
+    let oha = systems::command_line(&load::oha_path(), &["--version"]);
     let litellm = match &context.litellm {
         Ok(path) => format!("LiteLLM {}", systems::litellm_version(path)),
         Err(why) => format!("LiteLLM not run ({why})"),
@@ -333,16 +333,6 @@ fn lowest_rate(args: &Args) -> Option<u64> {
 
 fn humantime(duration: Duration) -> String {
     format!("{} s", duration.as_secs())
-}
-
-fn command_line(program: &str, args: &[&str]) -> String {
-    Command::new(program)
-        .args(args)
-        .output()
-        .ok()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "unknown".into())
 }
 
 /// Why `system` is not run at `step`, if it is not.

@@ -17,12 +17,8 @@ const BIN: &str = env!("CARGO_BIN_EXE_engram");
 /// The first 12 hex digits of the `engram` binary's sha256, for a report's header: the
 /// repository's HEAD names the source, and an A/B run may swap the binary under one harness.
 pub fn binary_hash() -> String {
-    std::process::Command::new("sha256sum")
-        .arg(BIN)
-        .output()
-        .ok()
-        .and_then(|out| {
-            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    command_output("sha256sum", &[BIN])
+        .and_then(|text| {
             let hash = text.split_whitespace().next()?;
             (hash.len() == 64)
                 .then(|| hash.get(..12))
@@ -30,6 +26,22 @@ pub fn binary_hash() -> String {
                 .map(str::to_owned)
         })
         .unwrap_or_else(|| "unknown".to_owned())
+}
+
+/// What `program args` printed, trimmed, for a report's header; `<program> unavailable` when
+/// it failed or printed nothing.
+pub fn command_line(program: &str, args: &[&str]) -> String {
+    command_output(program, args).unwrap_or_else(|| format!("{program} unavailable"))
+}
+
+fn command_output(program: &str, args: &[&str]) -> Option<String> {
+    Command::new(program)
+        .args(args)
+        .output()
+        .ok()
+        .filter(|out| out.status.success())
+        .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+        .filter(|text| !text.is_empty())
 }
 
 /// The peer, pinned so a rerun measures the same code.
