@@ -150,10 +150,7 @@ async fn forget_leaves_no_key_stream_entry_or_value_of_the_user_in_redis() {
     };
     let url = redis.url();
     let upstream = mock(&[]);
-    let backend = [
-        ("ENGRAM_STORE__BACKEND", "redis"),
-        ("ENGRAM_STORE__REDIS_URL", url.as_str()),
-    ];
+    let backend = on_redis(&url);
     let first = proxy(&upstream.address, &backend);
     applied_memory(&first).await;
     drop(first);
@@ -214,10 +211,7 @@ async fn an_explanation_says_its_memory_was_forgotten_on_another_replica() {
     };
     let url = redis.url();
     let upstream = mock(&[]);
-    let backend = [
-        ("ENGRAM_STORE__BACKEND", "redis"),
-        ("ENGRAM_STORE__REDIS_URL", url.as_str()),
-    ];
+    let backend = on_redis(&url);
     let (first, second) = (
         proxy(&upstream.address, &backend),
         proxy(&upstream.address, &backend),
@@ -261,6 +255,14 @@ async fn an_explanation_says_its_memory_was_forgotten_on_another_replica() {
             .collect()
     };
     assert_eq!(items(&after), items(&before));
+}
+
+/// The environment of a proxy whose store is the Redis at `url`.
+fn on_redis(url: &str) -> [(&'static str, &str); 2] {
+    [
+        ("ENGRAM_STORE__BACKEND", "redis"),
+        ("ENGRAM_STORE__REDIS_URL", url),
+    ]
 }
 
 fn hex(text: &str) -> String {
