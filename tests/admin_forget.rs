@@ -14,7 +14,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::memory::{admin, admin_request, export, header, say, wait_applied};
-use common::redis::RedisServer;
+use common::redis::{RedisServer, store_env};
 use common::{Process, mock, proxy};
 use engram_store::EmbeddedStore;
 use serde_json::Value;
@@ -150,7 +150,7 @@ async fn forget_leaves_no_key_stream_entry_or_value_of_the_user_in_redis() {
     };
     let url = redis.url();
     let upstream = mock(&[]);
-    let backend = on_redis(&url);
+    let backend = store_env(&url);
     let first = proxy(&upstream.address, &backend);
     applied_memory(&first).await;
     drop(first);
@@ -211,7 +211,7 @@ async fn an_explanation_says_its_memory_was_forgotten_on_another_replica() {
     };
     let url = redis.url();
     let upstream = mock(&[]);
-    let backend = on_redis(&url);
+    let backend = store_env(&url);
     let (first, second) = (
         proxy(&upstream.address, &backend),
         proxy(&upstream.address, &backend),
@@ -255,14 +255,6 @@ async fn an_explanation_says_its_memory_was_forgotten_on_another_replica() {
             .collect()
     };
     assert_eq!(items(&after), items(&before));
-}
-
-/// The environment of a proxy whose store is the Redis at `url`.
-fn on_redis(url: &str) -> [(&'static str, &str); 2] {
-    [
-        ("ENGRAM_STORE__BACKEND", "redis"),
-        ("ENGRAM_STORE__REDIS_URL", url),
-    ]
 }
 
 fn hex(text: &str) -> String {

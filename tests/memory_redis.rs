@@ -15,7 +15,7 @@ use std::time::Duration;
 use common::memory::{
     admin, export, header, memory_part, recorded, say, wait_applied, wait_drained,
 };
-use common::redis::RedisServer;
+use common::redis::{RedisServer, store_env};
 use common::{mock, proxy, temp_path};
 
 #[tokio::test]
@@ -239,10 +239,7 @@ async fn the_redis_backend_carries_a_fact_across_sessions_and_proxies() {
     let record = temp_path("redis-shared.jsonl");
     let upstream = mock(&["--record", record.to_str().unwrap()]);
     let url = redis.url();
-    let env = [
-        ("ENGRAM_STORE__BACKEND", "redis"),
-        ("ENGRAM_STORE__REDIS_URL", url.as_str()),
-    ];
+    let env = store_env(&url);
     // Two proxies on one Redis, as two sidecars would be; only the first runs a worker.
     let writer = proxy(&upstream.address, &env);
     let mut reader_env = env.to_vec();
@@ -347,10 +344,7 @@ fn redis_proxy(
     settings: &[(&str, &str)],
 ) -> common::Process {
     let url = redis.url();
-    let mut env = vec![
-        ("ENGRAM_STORE__BACKEND", "redis"),
-        ("ENGRAM_STORE__REDIS_URL", url.as_str()),
-    ];
+    let mut env = store_env(&url).to_vec();
     env.extend_from_slice(settings);
     proxy(&upstream.address, &env)
 }

@@ -19,7 +19,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::memory::{recorded, say, wait_applied};
-use common::redis::RedisServer;
+use common::redis::{RedisServer, store_env};
 use common::{Process, mock, proxy, send, temp_path};
 
 /// One user's conversation: 60 turns at 20 a second. Without the catch-up, 22-59 of them waited
@@ -104,11 +104,7 @@ async fn job_lag_stays_under_a_second_on_redis_while_other_processes_keep_every_
         return;
     };
     let url = redis.url();
-    let env = [
-        ("ENGRAM_STORE__BACKEND", "redis"),
-        ("ENGRAM_STORE__REDIS_URL", url.as_str()),
-    ];
-    lag_stays_bounded("redis", &env, TURNS, TURN_EVERY).await;
+    lag_stays_bounded("redis", &store_env(&url), TURNS, TURN_EVERY).await;
 }
 
 /// One user says `turns` things, one every `every`, to a proxy started with `env` while a busy

@@ -204,3 +204,11 @@ fn free_port() -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     listener.local_addr().expect("local addr").port()
 }
+
+/// The environment of a proxy whose store is the Redis at `url`.
+pub fn store_env(url: &str) -> [(&'static str, &str); 2] {
+    [
+        ("ENGRAM_STORE__BACKEND", "redis"),
+        ("ENGRAM_STORE__REDIS_URL", url),
+    ]
+}
