@@ -22,10 +22,13 @@ use common::memory::{recorded, say, wait_applied};
 use common::redis::{RedisServer, store_env};
 use common::{Process, mock, proxy, send, temp_path};
 
-/// One user's conversation: 60 turns at 20 a second. Without the catch-up, 22-59 of them waited
+/// One user's conversation: 300 turns at 20 a second. Without the catch-up, 22-59 of 60 waited
 /// over a second (six runs, 2026-12-06); at 2 a second the idle worker of an optimised build
-/// kept up alone.
-const TURNS: u32 = 60;
+/// kept up alone. With 60 turns the p99 was the slowest job, and one job in the handover from
+/// the idle loop to the catch-up (the debug build's engine pass, on a core shared with two busy
+/// loops) passed a second in about one run in thirty (2026-12-07): over 300, the p99 allows
+/// three.
+const TURNS: u32 = 300;
 const TURN_EVERY: Duration = Duration::from_millis(50);
 
 /// CPU-bound processes at normal priority, one per core; killed on drop, and each ends by itself
@@ -126,6 +129,12 @@ async fn lag_stays_bounded(name: &str, env: &[(&str, &str)], turns: u32, every: 
     )
     .await;
     wait_applied(&proxy, "default", "warm-up", &warm).await;
+    // The worker observes a job's lag after its commit, which `wait_applied` sees: wait for the
+    // observation too, or the warm-up's (often over a second) lands in the measured turns.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while lags(&proxy).await[0] < 1.0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let [before, before_late, before_catch_up, before_taken] = lags(&proxy).await;
     let buckets_before = buckets(&proxy).await;
 
@@ -183,7 +192,7 @@ async fn lag_stays_bounded(name: &str, env: &[(&str, &str)], turns: u32, every: 
         "{turns} turns in {talked:?}: applied {applied}, over 1 s {late}, still waiting {waiting}, \
          by the catch-up {catch_up} (runs taken over from the idle loop {taken_over}); lag buckets (cumulative): {spread:?}"
     );
-    // p99 of 40 is the slowest: no job over a second.
+    // p99: at most one job in a hundred over a second.
     let moves: Vec<String> = proxy
         .log_events("update path: claims moved")
         .iter()
