@@ -359,8 +359,16 @@ pub fn recount_pinned(item: &mut PinnedItem) {
 pub fn recount_raw_turn(turn: &mut RawTurn) {
     turn.tokens.user = TokenCount::of(&turn.user);
     turn.tokens.assistant = TokenCount::of(&turn.assistant);
-    turn.tokens.line = TokenCount::of(&raw_turn_line(turn, false));
-    turn.tokens.clipped_line = TokenCount::of(&raw_turn_line(turn, true));
+    let (line, clipped) = (raw_turn_line(turn, false), raw_turn_line(turn, true));
+    turn.tokens.line = TokenCount::of(&line);
+    // Clipping leaves most turns whole (no side over `RAW_CLIP_WORDS`), so count the line once:
+    // the tokenizer's passes over a raw turn were a tenth of recording it (`apply_growth`'s
+    // profile at 10,000 turns).
+    turn.tokens.clipped_line = if clipped == line {
+        turn.tokens.line
+    } else {
+        TokenCount::of(&clipped)
+    };
     turn.tokens.date = TokenCount::of(&date_heading(turn.event_time.as_deref()));
 }
 
@@ -514,6 +522,24 @@ mod tests {
             "- “Here is my invoice script:”\n  [… 40 lines left out …]\n  \
              | “ok”\n"
         );
+    }
+
+    /// A turn's counts are its texts' (the clipped line's counted once when clipping leaves
+    /// the turn whole).
+    #[test]
+    fn a_raw_turn_counts_its_line_and_clipped_line() {
+        let long: String = (0..120).map(|n| format!("word{n} ")).collect();
+        for (user, assistant) in [("Hi there.", "Hello!"), (long.as_str(), "ok")] {
+            let mut counted = turn(user, assistant);
+            recount_raw_turn(&mut counted);
+            let (line, clipped) = (
+                raw_turn_line(&counted, false),
+                raw_turn_line(&counted, true),
+            );
+            assert_eq!(counted.tokens.line, TokenCount::of(&line));
+            assert_eq!(counted.tokens.clipped_line, TokenCount::of(&clipped));
+            assert_eq!(line == clipped, user.len() < 100, "{clipped}");
+        }
     }
 
     fn fact(key: &str, value: &str) -> Fact {
