@@ -2,10 +2,12 @@
 //! the offline default (no network, microseconds); an LLM summarizer returns the same
 //! `Extraction` and is plugged in through `Precomputed`.
 
+use std::sync::LazyLock;
+
 use serde::{Deserialize, Serialize};
 
 use super::diff::{FactDiff, FactEdit};
-use super::patterns::{Table, patterns};
+use super::patterns::{Phrase, Table, patterns};
 use crate::code::without_code;
 use crate::model::{Depth, FactCategory};
 use crate::text::{clip_words, excerpt, one_line, word_count};
@@ -192,28 +194,47 @@ fn phrase(rest: &str, max_words: usize, boundary: &Table) -> String {
 
 /// The original-case text after the first whole-word occurrence of `trigger` in `sentence`.
 fn after<'a>(sentence: &'a str, lower: &str, trigger: &str) -> Option<&'a str> {
-    let mut from = 0;
     // memchr's search, not `str::find`: std sets up a two-way searcher for every call, which
     // with a few dozen triggers per sentence was most of the extractor's time on long texts.
-    // A match of a whole UTF-8 needle always starts on a character boundary.
-    while let Some(found) = memchr::memmem::find(&lower.as_bytes()[from..], trigger.as_bytes()) {
+    after_found(sentence, lower, trigger.len(), |haystack| {
+        memchr::memmem::find(haystack, trigger.as_bytes())
+    })
+}
+
+/// [`after`] for a phrase of the tables, whose searcher is built once.
+fn after_phrase<'a>(sentence: &'a str, lower: &str, phrase: &Phrase) -> Option<&'a str> {
+    after_found(sentence, lower, phrase.as_str().len(), |haystack| {
+        phrase.find(haystack)
+    })
+}
+
+/// The text after the first match in `lower` that `find` finds (`len` bytes long) and that
+/// begins a word. A match of a whole UTF-8 needle always starts on a character boundary.
+fn after_found<'a>(
+    sentence: &'a str,
+    lower: &str,
+    len: usize,
+    find: impl Fn(&[u8]) -> Option<usize>,
+) -> Option<&'a str> {
+    let mut from = 0;
+    while let Some(found) = lower.as_bytes().get(from..).and_then(&find) {
         let start = from + found;
         let boundary_before = lower[..start]
             .chars()
             .next_back()
             .is_none_or(|c| !c.is_alphanumeric() && c != '\'');
         if boundary_before {
-            return sentence.get(start + trigger.len()..);
+            return sentence.get(start + len..);
         }
-        from = start + trigger.len();
+        from = start + len;
     }
     None
 }
 
-fn after_any<'a>(sentence: &'a str, lower: &str, triggers: &[impl AsRef<str>]) -> Option<&'a str> {
-    triggers
+fn after_any<'a>(sentence: &'a str, lower: &str, phrases: &[Phrase]) -> Option<&'a str> {
+    phrases
         .iter()
-        .find_map(|trigger| after(sentence, lower, trigger.as_ref()))
+        .find_map(|phrase| after_phrase(sentence, lower, phrase))
 }
 
 /// A statement is worth keeping if it has a key, and a value when it has a colon.
@@ -349,7 +370,7 @@ fn identity_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
         update(diff, format!("born: {when}"), FactCategory::Identity);
     }
     for (trigger, status) in p.relationship_statuses.iter() {
-        if after(sentence, lower, trigger).is_some() {
+        if after_phrase(sentence, lower, trigger).is_some() {
             update(
                 diff,
                 format!("relationship status: {status}"),
@@ -427,19 +448,8 @@ fn constraint_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
             );
         }
     }
-    for diet in p.words.diets.iter() {
-        let stated = [
-            format!("i'm {diet}"),
-            format!("i am {diet}"),
-            format!("i'm a {diet}"),
-            format!("i am a {diet}"),
-            format!("i eat {diet}"),
-            format!("i keep {diet}"),
-        ];
-        if stated
-            .iter()
-            .any(|form| after(sentence, lower, form).is_some())
-        {
+    for (diet, stated) in DIET_PHRASES.iter() {
+        if after_any(sentence, lower, stated).is_some() {
             update(diff, format!("diet: {diet}"), FactCategory::HardConstraint);
         }
     }
@@ -453,10 +463,7 @@ fn constraint_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
         .iter()
         .filter_map(|start| bare.strip_prefix(start.as_str()))
         .any(|rest| rest.split_whitespace().next().is_some_and(instruction_verb))
-        || p.triggers
-            .instructions
-            .iter()
-            .any(|trigger| after(sentence, lower, trigger).is_some());
+        || after_any(sentence, lower, &p.triggers.instructions).is_some();
     if instruction {
         let from = p
             .triggers
@@ -595,24 +602,70 @@ fn preference_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
     }
 }
 
-fn relation_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
-    let p = patterns();
-    for relation in p
-        .words
+/// Each word with the phrases made of it, `forms` of (before, after) it, searchers built once.
+fn phrases_of<const N: usize>(
+    words: impl Iterator<Item = &'static String>,
+    forms: [(&str, &str); N],
+) -> Vec<(&'static str, [Phrase; N])> {
+    words
+        .map(|word| {
+            let phrases =
+                forms.map(|(before, after)| Phrase::new(format!("{before}{word}{after}")));
+            (word.as_str(), phrases)
+        })
+        .collect()
+}
+
+/// Each relation word with the phrases that name one, in the order tried.
+static RELATION_PHRASES: LazyLock<Vec<(&str, [Phrase; 4])>> = LazyLock::new(|| {
+    let words = &patterns().words;
+    let relations = words
         .single_relations
         .iter()
-        .chain(p.words.multi_relations.iter())
-    {
-        let Some(rest) = after_any(
-            sentence,
-            lower,
-            &[
-                &format!("my {relation} is named "),
-                &format!("my {relation} is called "),
-                &format!("my {relation}'s name is "),
-                &format!("my {relation} "),
-            ],
-        ) else {
+        .chain(words.multi_relations.iter());
+    let forms = [
+        ("my ", " is named "),
+        ("my ", " is called "),
+        ("my ", "'s name is "),
+        ("my ", " "),
+    ];
+    phrases_of(relations, forms)
+});
+
+/// Each diet with the phrases that state it, in the order tried.
+static DIET_PHRASES: LazyLock<Vec<(&str, [Phrase; 6])>> = LazyLock::new(|| {
+    let forms = [
+        ("i'm ", ""),
+        ("i am ", ""),
+        ("i'm a ", ""),
+        ("i am a ", ""),
+        ("i eat ", ""),
+        ("i keep ", ""),
+    ];
+    phrases_of(patterns().words.diets.iter(), forms)
+});
+
+/// Each scheduled thing with the phrases that say when it is, in the order tried.
+static SCHEDULED_PHRASES: LazyLock<Vec<(&str, [Phrase; 4])>> = LazyLock::new(|| {
+    let forms = [
+        ("my ", " is on "),
+        ("my ", " is at "),
+        ("my ", " is in "),
+        ("my ", " is "),
+    ];
+    phrases_of(patterns().words.scheduled.iter(), forms)
+});
+
+/// Each event verb with the phrases that say it happened, in the order tried.
+static EVENT_PHRASES: LazyLock<Vec<(&str, [Phrase; 3])>> = LazyLock::new(|| {
+    let forms = [("i ", " "), ("we ", " "), ("i just ", " ")];
+    phrases_of(patterns().words.event_verbs.iter(), forms)
+});
+
+fn relation_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
+    let p = patterns();
+    for (relation, naming) in RELATION_PHRASES.iter() {
+        let Some(rest) = after_any(sentence, lower, naming) else {
             continue;
         };
         let name = name_words(rest, true);
@@ -700,17 +753,8 @@ fn plan_and_event_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
             add(diff, format!("plans to {plan}"), FactCategory::Plan);
         }
     }
-    for thing in p.words.scheduled.iter() {
-        let Some(rest) = after_any(
-            sentence,
-            lower,
-            &[
-                &format!("my {thing} is on "),
-                &format!("my {thing} is at "),
-                &format!("my {thing} is in "),
-                &format!("my {thing} is "),
-            ],
-        ) else {
+    for (thing, when) in SCHEDULED_PHRASES.iter() {
+        let Some(rest) = after_any(sentence, lower, when) else {
             continue;
         };
         let when = phrase(rest, 5, &p.words.plan_boundary);
@@ -718,16 +762,8 @@ fn plan_and_event_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
             update(diff, format!("{thing}: {when}"), FactCategory::Plan);
         }
     }
-    for verb in p.words.event_verbs.iter() {
-        let Some(rest) = after_any(
-            sentence,
-            lower,
-            &[
-                &format!("i {verb} "),
-                &format!("we {verb} "),
-                &format!("i just {verb} "),
-            ],
-        ) else {
+    for (verb, happened) in EVENT_PHRASES.iter() {
+        let Some(rest) = after_any(sentence, lower, happened) else {
             continue;
         };
         let object = phrase(rest, 8, &p.words.boundary);
