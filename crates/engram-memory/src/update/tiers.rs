@@ -206,10 +206,13 @@ pub fn rehydrate(
             }
         }
         for fact_id in facts {
-            if let Some(fact) = state.facts.get_mut(fact_id as usize)
-                && fact.active
-                && fact.tier.tier == Tier::Old
-            {
+            // Looked at before it is taken for changing: that copies its chunk of 64 facts when
+            // the published memory shares it, and marks the fact for the store's write.
+            let dormant = state
+                .facts
+                .get(fact_id as usize)
+                .is_some_and(|fact| fact.active && fact.tier.tier == Tier::Old);
+            if dormant && let Some(fact) = state.facts.get_mut(fact_id as usize) {
                 revive(&mut fact.tier);
             }
         }
@@ -592,6 +595,53 @@ mod tests {
                 assert_eq!(episode.rehydrated_at, [turn]);
             }
         }
+    }
+
+    /// A rehydrated episode revives its OLD facts and leaves the others as they were: not
+    /// copied, not marked for the store's write.
+    #[test]
+    fn rehydration_changes_only_the_facts_it_revives() {
+        let config = MemoryConfig::default();
+        let user_terms: TermSet = terms("the sourdough starter recipe from the bakery").collect();
+        let mut state = state_with_episodes(1);
+        // Fact 0 OLD, 1 CURRENT, 2 OLD but retired; the episode lists all three.
+        for (id, tier, active) in [
+            (0, Tier::Old, true),
+            (1, Tier::Current, true),
+            (2, Tier::Old, false),
+        ] {
+            state.facts.push(crate::model::Fact {
+                id,
+                key: format!("fact {id}"),
+                value: "value".into(),
+                category: crate::model::FactCategory::General,
+                importance: 0.5,
+                version: 1,
+                provenance: Vec::new(),
+                date: None,
+                history: Vec::new(),
+                active,
+                tier: TierState {
+                    tier,
+                    ..TierState::fresh(0)
+                },
+                tokens: Default::default(),
+            });
+        }
+        if let Some(episode) = state.episode_mut(0) {
+            episode.facts = vec![0, 1, 2];
+        }
+        state.facts.take_dirty();
+        assert_eq!(rehydrate(&mut state, &user_terms, 9, &config), [0]);
+        assert_eq!(state.facts.take_dirty(), [0]);
+        let tiers: Vec<(Tier, TurnSeq)> = (0..3)
+            .filter_map(|id| {
+                state
+                    .fact(id)
+                    .map(|fact| (fact.tier.tier, fact.tier.last_touched_turn))
+            })
+            .collect();
+        assert_eq!(tiers, [(Tier::New, 9), (Tier::Current, 0), (Tier::Old, 0)]);
     }
 
     #[test]
