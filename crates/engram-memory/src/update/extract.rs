@@ -753,8 +753,8 @@ fn plan_and_event_patterns(sentence: &str, lower: &str, diff: &mut FactDiff) {
             add(diff, format!("plans to {plan}"), FactCategory::Plan);
         }
     }
-    for (thing, when) in SCHEDULED_PHRASES.iter() {
-        let Some(rest) = after_any(sentence, lower, when) else {
+    for (thing, timed) in SCHEDULED_PHRASES.iter() {
+        let Some(rest) = after_any(sentence, lower, timed) else {
             continue;
         };
         let when = phrase(rest, 5, &p.words.plan_boundary);

@@ -208,11 +208,11 @@ pub fn rehydrate(
         for fact_id in facts {
             // Looked at before it is taken for changing: that copies its chunk of 64 facts when
             // the published memory shares it, and marks the fact for the store's write.
-            let dormant = state
+            let revives = state
                 .facts
                 .get(fact_id as usize)
                 .is_some_and(|fact| fact.active && fact.tier.tier == Tier::Old);
-            if dormant && let Some(fact) = state.facts.get_mut(fact_id as usize) {
+            if revives && let Some(fact) = state.facts.get_mut(fact_id as usize) {
                 revive(&mut fact.tier);
             }
         }
