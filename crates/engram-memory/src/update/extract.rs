@@ -4,6 +4,7 @@
 
 use std::sync::LazyLock;
 
+use memchr::memmem::Finder;
 use serde::{Deserialize, Serialize};
 
 use super::diff::{FactDiff, FactEdit};
@@ -194,30 +195,26 @@ fn phrase(rest: &str, max_words: usize, boundary: &Table) -> String {
 
 /// The original-case text after the first whole-word occurrence of `trigger` in `sentence`.
 fn after<'a>(sentence: &'a str, lower: &str, trigger: &str) -> Option<&'a str> {
-    // memchr's search, not `str::find`: std sets up a two-way searcher for every call, which
+    // memchr's searcher, not `str::find`: std sets up a two-way searcher for every call, which
     // with a few dozen triggers per sentence was most of the extractor's time on long texts.
-    after_found(sentence, lower, trigger.len(), |haystack| {
-        memchr::memmem::find(haystack, trigger.as_bytes())
-    })
+    after_found(sentence, lower, &Finder::new(trigger))
 }
 
 /// [`after`] for a phrase of the tables, whose searcher is built once.
 fn after_phrase<'a>(sentence: &'a str, lower: &str, phrase: &Phrase) -> Option<&'a str> {
-    after_found(sentence, lower, phrase.as_str().len(), |haystack| {
-        phrase.find(haystack)
-    })
+    after_found(sentence, lower, phrase.finder())
 }
 
-/// The text after the first match in `lower` that `find` finds (`len` bytes long) and that
-/// begins a word. A match of a whole UTF-8 needle always starts on a character boundary.
-fn after_found<'a>(
-    sentence: &'a str,
-    lower: &str,
-    len: usize,
-    find: impl Fn(&[u8]) -> Option<usize>,
-) -> Option<&'a str> {
+/// The text after the first match of `finder`'s needle in `lower` that begins a word. A match
+/// of a whole UTF-8 needle always starts on a character boundary.
+fn after_found<'a>(sentence: &'a str, lower: &str, finder: &Finder) -> Option<&'a str> {
+    let len = finder.needle().len();
     let mut from = 0;
-    while let Some(found) = lower.as_bytes().get(from..).and_then(&find) {
+    while let Some(found) = lower
+        .as_bytes()
+        .get(from..)
+        .and_then(|rest| finder.find(rest))
+    {
         let start = from + found;
         let boundary_before = lower[..start]
             .chars()

@@ -125,9 +125,9 @@ impl Phrase {
         &self.text
     }
 
-    /// Where the phrase first occurs in `haystack`.
-    pub fn find(&self, haystack: &[u8]) -> Option<usize> {
-        self.finder.find(haystack)
+    /// The phrase's searcher.
+    pub fn finder(&self) -> &Finder<'static> {
+        &self.finder
     }
 }
 
