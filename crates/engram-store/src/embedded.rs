@@ -279,22 +279,21 @@ impl EmbeddedStore {
             .unwrap_or_default()
     }
 
-    /// Queues again the logged jobs whose database enqueue failed, oldest first, not held by
-    /// the failure (they were answered `queued`, so they come before anything recorded after
-    /// them); what says when each is committed. One that fails again stays failed, for the
-    /// next call (or a restart, which enqueues it from the log).
-    fn retry_logged(&self) -> Vec<BoxFuture<'static, Result<Written>>> {
-        let Some(intake) = &self.intake else {
-            return Vec::new();
-        };
-        intake
-            .failed_jobs()
-            .into_iter()
-            .map(|job| {
-                let write = Write::Enqueue(job, Some(Arc::clone(intake)));
-                self.writes.queue_now(&self.db, write)
-            })
-            .collect()
+    /// Queues again the logged jobs whose database enqueue failed, oldest first, in one write
+    /// not held by the failure (they were answered `queued`, so they come before anything
+    /// recorded after them); what says when they are committed, if there are any. If it
+    /// fails they stay failed, for the next call (or a restart, which enqueues them from the
+    /// log). One write, not one each: a first that failed again alone let the second commit
+    /// ahead of it, and a session's turns reached the queue swapped (a full disk freed between
+    /// the two commits, `faults::a_full_disk_…` in CI).
+    fn retry_logged(&self) -> Option<BoxFuture<'static, Result<Written>>> {
+        let intake = self.intake.as_ref()?;
+        let failed = intake.failed_jobs();
+        if failed.is_empty() {
+            return None;
+        }
+        let write = Write::Retry(failed, Arc::clone(intake));
+        Some(self.writes.queue_now(&self.db, write))
     }
 
     /// Whether the database holds a job of this id (queued, applied or failed): then the
@@ -1149,9 +1148,9 @@ impl JobQueue for EmbeddedStore {
         // Logged jobs whose enqueue failed were answered `queued` before this one was
         // recorded: they go first, and while one still fails this one waits (the caller, the
         // spool's forwarder, tries it again).
-        let retries = self.retry_logged();
+        let retry = self.retry_logged();
         Box::pin(async move {
-            for retry in retries {
+            if let Some(retry) = retry {
                 retry.await?;
             }
             enqueued(
@@ -1209,7 +1208,7 @@ impl JobQueue for EmbeddedStore {
                 Placement::Held(job)
             }
             // Only an enqueue was placed, so only one comes back; answered, not a panic.
-            Err((Write::Commit(_), error)) => {
+            Err((Write::Commit(_) | Write::Retry(..), error)) => {
                 Placement::Placed(Box::pin(std::future::ready(Err(error))))
             }
         }
@@ -1702,9 +1701,11 @@ fn write_claims(
 }
 
 /// A write of the store's write thread: a recorded job (with the intake log that holds it
-/// until this commit, on disk), or a worker's applied jobs.
+/// until this commit, on disk), the logged jobs whose enqueue failed, tried again together
+/// (all or none, so they stay in order), or a worker's applied jobs.
 enum Write {
     Enqueue(Job, Option<Arc<Intake>>),
+    Retry(Vec<Job>, Arc<Intake>),
     Commit(JobCommit),
 }
 
@@ -1716,6 +1717,12 @@ enum Written {
 fn write_one(txn: &WriteTransaction, write: &Write) -> Result<Written> {
     match write {
         Write::Enqueue(job, _) => write_enqueue(txn, job).map(Written::Enqueued),
+        Write::Retry(jobs, _) => {
+            for job in jobs {
+                write_enqueue(txn, job)?;
+            }
+            Ok(Written::Enqueued(Enqueued::Queued))
+        }
         Write::Commit(commit) => write_commit(txn, commit).map(|()| Written::Committed),
     }
 }
@@ -1727,13 +1734,20 @@ impl Committed for Write {
             Write::Enqueue(job, Some(intake)) => {
                 intake.committed(&job.id, &job.exchange.session_id);
             }
+            Write::Retry(jobs, intake) => {
+                for job in &jobs {
+                    intake.committed(&job.id, &job.exchange.session_id);
+                }
+            }
             Write::Enqueue(_, None) => {}
         }
     }
 
     fn failed(&self) {
-        if let Write::Enqueue(job, Some(intake)) = self {
-            intake.failed(job);
+        match self {
+            Write::Enqueue(job, Some(intake)) => intake.failed(job),
+            // Still among the failed ones, in their order.
+            Write::Retry(..) | Write::Enqueue(_, None) | Write::Commit(_) => {}
         }
     }
 }
@@ -2412,6 +2426,46 @@ mod tests {
             .map(|claimed| claimed.job.exchange.user_text.as_str())
             .collect();
         assert_eq!(texts, ["I live in Oslo.", "I work at the harbour."]);
+    }
+
+    /// Logged jobs whose enqueue failed are tried again together, in one write: when it
+    /// fails, none of them is queued, and the next try queues them in their order. Tried one
+    /// write each, the first failed again alone and the second committed ahead of it (a full
+    /// disk freed between the two commits, `faults::a_full_disk_…`, once in CI).
+    #[tokio::test]
+    async fn logged_jobs_tried_again_keep_their_order_through_a_failure() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open_with_linger(dir.path(), Duration::from_millis(50)).unwrap();
+        let intake = Arc::clone(store.intake.as_ref().unwrap());
+        // The round of both placed jobs fails whole, then its first job alone; the second is
+        // held back behind it.
+        store.writes.fail_next_commits(2);
+        let first = placed(&store, job("k1", "I live in Oslo."));
+        let second = placed(&store, job("k2", "I work at the harbour."));
+        assert_eq!(first.await.unwrap(), Enqueued::Queued);
+        assert_eq!(second.await.unwrap(), Enqueued::Queued);
+        let mut waited = 0;
+        while intake.failed_jobs().len() < 2 && waited < 2_000 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            waited += 1;
+        }
+        assert_eq!(intake.failed_jobs().len(), 2, "both enqueues did not fail");
+        // Tried again, twice failing: one write each, the second of those failures took the
+        // first job alone.
+        store.writes.fail_next_commits(2);
+        store.resume_placing();
+        // The spool's forwarder enqueues the next job, trying until the store takes it: the
+        // logged ones go first.
+        let next = job("k3", "And I cycle.");
+        let mut tries = 0;
+        while store.enqueue(&next).await.is_err() && tries < 10 {
+            tries += 1;
+        }
+        assert_eq!(store.writes.faults_left(), 0, "the failures were not taken");
+        assert!(!intake.has_failed());
+        let claimed = store.claim_batch("w1", LEASE, 4).await.unwrap();
+        let keys: Vec<&str> = claimed.iter().map(|c| c.job.id.key.as_str()).collect();
+        assert_eq!(keys, ["k1", "k2", "k3"]);
     }
 
     /// When the intake log cannot take a job, the database's commit answers its receipt, as
