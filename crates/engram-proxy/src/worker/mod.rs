@@ -575,7 +575,8 @@ impl Worker {
     /// one engine pass, one write, whatever the run's length.
     async fn apply_run(&self, jobs: &[Job], applier: Applier) -> Result<Vec<Applied>> {
         let mut extractions = Vec::with_capacity(jobs.len());
-        let mut retry = Vec::new();
+        // Per job: why the summarizer fell back, and whether to ask it again later.
+        let mut fallbacks = Vec::with_capacity(jobs.len());
         for job in jobs {
             let exchange = &job.exchange;
             let (user_text, assistant_text) = (&exchange.user_text, &exchange.assistant_text);
@@ -585,15 +586,11 @@ impl Worker {
                 let reason = SummaryFailure::TokenBudget;
                 self.summarizer.fallback(user_text, assistant_text, reason)
             };
-            if let SummarySource::Fallback { reason } = &summary.source {
-                self.stats
-                    .summarizer_fallbacks
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::info!(job = %job.id.key, reason = reason.as_str(), "summarizer fell back to the heuristic extractor");
-            }
-            if summary.retry_later {
-                retry.push(job.clone());
-            }
+            let reason = match summary.source {
+                SummarySource::Fallback { reason } => Some(reason),
+                SummarySource::Heuristic | SummarySource::Llm => None,
+            };
+            fallbacks.push((reason, summary.retry_later));
             extractions.push(Precomputed(summary.extraction));
         }
         let applied = {
@@ -613,8 +610,22 @@ impl Worker {
             let hold_back = applier.hold_back(self.behind.load(Ordering::Relaxed));
             self.apply_with(jobs, &extractions, hold_back).await?
         };
-        for job in retry {
-            self.schedule_refinement(job);
+        // Counted, and refined later, for the jobs this pass recorded only: a run taken over
+        // from a starved idle loop is summarized twice, and the pass that loses finds its jobs
+        // applied (a fallback counted per pass read 2 for one turn, with both cores busy).
+        for ((job, outcome), (reason, retry_later)) in jobs.iter().zip(&applied).zip(fallbacks) {
+            if !matches!(outcome, Applied::Recorded { .. }) {
+                continue;
+            }
+            if let Some(reason) = reason {
+                self.stats
+                    .summarizer_fallbacks
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::info!(job = %job.id.key, reason = reason.as_str(), "summarizer fell back to the heuristic extractor");
+            }
+            if retry_later {
+                self.schedule_refinement(job.clone());
+            }
         }
         Ok(applied)
     }

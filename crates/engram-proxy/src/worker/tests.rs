@@ -147,8 +147,17 @@ async fn many_sessions_are_claimed_as_room_frees_each_in_one_run() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_an_llm_summarizer_a_claim_takes_only_what_can_start_at_once() {
     let config = two_runs_at_once(40);
-    // Nothing listens there: every call fails at once and the heuristic extraction stands (its
-    // retry waits past the test's end).
+    let summarizer = unreachable_summarizer();
+    // A run's model calls go one after another, so runs stay as short as the room: at most 2
+    // jobs each, so at least 10 runs for 20 jobs (the heuristic alone took them in one).
+    let (applied, runs) = apply_backlog_with(config, summarizer, &["solo"], 20).await;
+    assert_eq!(applied, 20);
+    assert!(runs >= 10, "{runs} runs for 20 jobs");
+}
+
+/// A model summarizer nothing listens for: every call fails at once and the heuristic
+/// extraction stands (its retry waits past a test's end).
+fn unreachable_summarizer() -> Summarizer {
     let summarizer = Summarizer::new(
         &SummarizerConfig {
             base_url: Some("http://127.0.0.1:1/v1".to_owned()),
@@ -160,11 +169,7 @@ async fn with_an_llm_summarizer_a_claim_takes_only_what_can_start_at_once() {
     )
     .unwrap();
     assert!(summarizer.is_configured());
-    // A run's model calls go one after another, so runs stay as short as the room: at most 2
-    // jobs each, so at least 10 runs for 20 jobs (the heuristic alone took them in one).
-    let (applied, runs) = apply_backlog_with(config, summarizer, &["solo"], 20).await;
-    assert_eq!(applied, 20);
-    assert!(runs >= 10, "{runs} runs for 20 jobs");
+    summarizer
 }
 
 /// The idle loop claimed a run and then got no CPU (its one thread is blocked here, as the busy
@@ -317,6 +322,28 @@ async fn a_run_applied_by_both_loops_at_once_is_recorded_once() {
     let user = UserKey::new("t", "solo");
     let state = store.load_state(&user).await.unwrap().unwrap();
     assert_eq!(state.turn_log.len(), 3, "each turn once");
+}
+
+/// The summarizer's fallbacks of a run applied by both loops at once are counted once per
+/// turn, by the pass that recorded it: counted per pass, a turn read 2 (with both cores busy,
+/// `memory_pipeline::a_summarizer_timeout_…`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_applied_by_both_loops_counts_each_fallback_once() {
+    let (_dir, cache, store) = queued_store(&["solo"], 3).await;
+    let config = WorkerConfig::default();
+    let (worker, _, _) = worker(&store, cache, config, unreachable_summarizer());
+    let lease = Duration::from_secs(60);
+    let run = store
+        .claim_runs(&worker.consumer, lease, 3, 1)
+        .await
+        .unwrap();
+    tokio::join!(
+        worker.process(run.clone(), super::Applier::Claimed(super::Claimer::Idle)),
+        worker.process(run, super::Applier::TakenOver),
+    );
+    let stats = worker.stats();
+    assert_eq!(stats.applied.load(Ordering::Relaxed), 3);
+    assert_eq!(stats.summarizer_fallbacks.load(Ordering::Relaxed), 3);
 }
 
 /// The monitor counts the idle threads as starved when a run they compute gets no CPU, though
