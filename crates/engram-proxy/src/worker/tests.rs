@@ -301,20 +301,7 @@ async fn the_catch_up_caught_up_lets_jobs_gather_between_claims() {
 /// conflicts and its retry finds the jobs recorded, so each job is applied once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_applied_by_both_loops_at_once_is_recorded_once() {
-    let (_dir, cache, store) = queued_store(&["solo"], 3).await;
-    // Not started: the test runs the run on both loops' behalf.
-    let config = WorkerConfig::default();
-    let (worker, _, _) = worker(&store, cache, config, Summarizer::heuristic());
-    let lease = Duration::from_secs(60);
-    let run = store
-        .claim_runs(&worker.consumer, lease, 3, 1)
-        .await
-        .unwrap();
-    assert_eq!(run.len(), 3);
-    tokio::join!(
-        worker.process(run.clone(), super::Applier::Claimed(super::Claimer::Idle)),
-        worker.process(run, super::Applier::TakenOver),
-    );
+    let (_dir, store, worker) = applied_by_both_loops(Summarizer::heuristic()).await;
     let stats = worker.stats();
     assert_eq!(stats.applied.load(Ordering::Relaxed), 3);
     assert_eq!(stats.duplicates.load(Ordering::Relaxed), 3);
@@ -329,21 +316,31 @@ async fn a_run_applied_by_both_loops_at_once_is_recorded_once() {
 /// `memory_pipeline::a_summarizer_timeout_…`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_applied_by_both_loops_counts_each_fallback_once() {
-    let (_dir, cache, store) = queued_store(&["solo"], 3).await;
-    let config = WorkerConfig::default();
-    let (worker, _, _) = worker(&store, cache, config, unreachable_summarizer());
+    let (_dir, _store, worker) = applied_by_both_loops(unreachable_summarizer()).await;
+    let stats = worker.stats();
+    assert_eq!(stats.applied.load(Ordering::Relaxed), 3);
+    assert_eq!(stats.summarizer_fallbacks.load(Ordering::Relaxed), 3);
+}
+
+/// Three queued jobs of one session claimed as one run, which a worker with `summarizer` (not
+/// started) then applies on both loops' behalf at once; the store (kept while the first value
+/// lives) and the worker.
+async fn applied_by_both_loops(
+    summarizer: Summarizer,
+) -> (tempfile::TempDir, Arc<dyn Store>, Arc<Worker>) {
+    let (dir, cache, store) = queued_store(&["solo"], 3).await;
+    let (worker, _, _) = worker(&store, cache, WorkerConfig::default(), summarizer);
     let lease = Duration::from_secs(60);
     let run = store
         .claim_runs(&worker.consumer, lease, 3, 1)
         .await
         .unwrap();
+    assert_eq!(run.len(), 3);
     tokio::join!(
         worker.process(run.clone(), super::Applier::Claimed(super::Claimer::Idle)),
         worker.process(run, super::Applier::TakenOver),
     );
-    let stats = worker.stats();
-    assert_eq!(stats.applied.load(Ordering::Relaxed), 3);
-    assert_eq!(stats.summarizer_fallbacks.load(Ordering::Relaxed), 3);
+    (dir, store, worker)
 }
 
 /// The monitor counts the idle threads as starved when a run they compute gets no CPU, though
