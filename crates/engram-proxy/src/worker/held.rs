@@ -11,10 +11,12 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use engram_store::ClaimedJob;
+
+use super::summaries::RunSummaries;
 
 /// The runs the idle loop claimed and has not finished, by id (in the order they were held).
 #[derive(Debug, Default)]
@@ -27,15 +29,19 @@ pub struct HeldRuns {
 struct Held {
     since: Instant,
     jobs: Vec<ClaimedJob>,
+    /// Shared with the idle task, so a taken-over run is not summarized twice.
+    summaries: Arc<RunSummaries>,
 }
 
 impl HeldRuns {
-    /// Holds a run claimed at `now`; the id ends the hold ([`HeldRuns::release`]).
-    pub fn hold(&self, jobs: &[ClaimedJob], now: Instant) -> u64 {
+    /// Holds a run claimed at `now`, with the summaries its claimer makes; the id ends the
+    /// hold ([`HeldRuns::release`]).
+    pub fn hold(&self, jobs: &[ClaimedJob], summaries: &Arc<RunSummaries>, now: Instant) -> u64 {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let held = Held {
             since: now,
             jobs: jobs.to_vec(),
+            summaries: Arc::clone(summaries),
         };
         self.runs().insert(id, held);
         id
@@ -51,8 +57,13 @@ impl HeldRuns {
         self.runs().remove(&id);
     }
 
-    /// Takes the runs held for `age` or longer, oldest first; nobody else can take them then.
-    pub fn take_older_than(&self, age: Duration, now: Instant) -> Vec<Vec<ClaimedJob>> {
+    /// Takes the runs held for `age` or longer, oldest first, each with its summaries; nobody
+    /// else can take them then.
+    pub fn take_older_than(
+        &self,
+        age: Duration,
+        now: Instant,
+    ) -> Vec<(Vec<ClaimedJob>, Arc<RunSummaries>)> {
         let mut runs = self.runs();
         // In id order, so oldest first.
         let old: Vec<u64> = runs
@@ -62,7 +73,7 @@ impl HeldRuns {
             .collect();
         old.iter()
             .filter_map(|id| runs.remove(id))
-            .map(|held| held.jobs)
+            .map(|held| (held.jobs, held.summaries))
             .collect()
     }
 
@@ -103,18 +114,23 @@ mod tests {
         }
     }
 
-    fn keys(runs: &[Vec<ClaimedJob>]) -> Vec<Vec<&str>> {
+    fn keys(runs: &[(Vec<ClaimedJob>, Arc<RunSummaries>)]) -> Vec<Vec<&str>> {
         runs.iter()
-            .map(|run| run.iter().map(|job| job.job.id.key.as_str()).collect())
+            .map(|(run, _)| run.iter().map(|job| job.job.id.key.as_str()).collect())
             .collect()
+    }
+
+    /// Holds `run` with summaries of its own.
+    fn hold(held: &HeldRuns, run: &[ClaimedJob], now: Instant) -> u64 {
+        held.hold(run, &Arc::new(RunSummaries::new(run)), now)
     }
 
     #[test]
     fn only_runs_held_long_enough_are_taken_and_each_once() {
         let held = HeldRuns::default();
         let start = Instant::now();
-        let first = held.hold(&[claimed("a"), claimed("b")], start);
-        let second = held.hold(&[claimed("c")], start + Duration::from_millis(50));
+        let first = hold(&held, &[claimed("a"), claimed("b")], start);
+        let second = hold(&held, &[claimed("c")], start + Duration::from_millis(50));
         let later = start + Duration::from_millis(120);
         // Only the first has been held 100 ms.
         let taken = held.take_older_than(Duration::from_millis(100), later);
@@ -136,7 +152,7 @@ mod tests {
         let held = HeldRuns::default();
         let now = Instant::now();
         for key in ["a", "b", "c"] {
-            held.hold(&[claimed(key)], now);
+            hold(&held, &[claimed(key)], now);
         }
         let taken = held.take_older_than(Duration::ZERO, now);
         assert_eq!(keys(&taken), [["a"], ["b"], ["c"]]);

@@ -25,6 +25,7 @@ mod held;
 pub mod lag;
 mod metrics;
 mod stall;
+mod summaries;
 
 pub use config::WorkerConfig;
 pub use metrics::WorkerMetrics;
@@ -40,7 +41,7 @@ use tokio_util::task::TaskTracker;
 use crate::cache::{CachedMemory, MemoryCache, first_version};
 use crate::error::{Error, Result};
 use crate::ratelimit::TokenBudget;
-use crate::summarizer::{Summarizer, SummaryFailure, SummarySource};
+use crate::summarizer::{Summarizer, Summary, SummaryFailure, SummarySource};
 use crate::telemetry::{Telemetry, attributes};
 use engram_memory::{
     self as memory, CandidateId, ExchangeInput, MemoryConfig, MemoryState, Precomputed,
@@ -51,6 +52,7 @@ use engram_store::{ClaimedJob, EncodedState, Job, MemoryRecords, MemoryUpdate, S
 use held::HeldRuns;
 use lag::{Claimer, LagGate, OwnCpu, Progress};
 use stall::{Computing, Stalls};
+use summaries::RunSummaries;
 
 /// Version conflicts tolerated per job before it is left for a later claim.
 const CONFLICT_RETRIES: u32 = 8;
@@ -355,11 +357,14 @@ impl Worker {
                             .or_else(|| Arc::clone(&room).try_acquire_owned().ok());
                         let worker = Arc::clone(&self);
                         let run_ended = Arc::clone(&run_ended);
-                        let hold = holding.then(|| self.held.hold(&run, Instant::now()));
+                        let summaries = Arc::new(RunSummaries::new(&run));
+                        let hold =
+                            holding.then(|| self.held.hold(&run, &summaries, Instant::now()));
                         self.tasks.spawn(async move {
                             // Not if the catch-up took it over before it started.
                             if hold.is_none_or(|id| worker.held.is_held(id)) {
-                                worker.process(run, Applier::Claimed(me)).await;
+                                let applier = Applier::Claimed(me);
+                                worker.process(run, &summaries, applier).await;
                             }
                             if let Some(id) = hold {
                                 worker.held.release(id);
@@ -477,7 +482,7 @@ impl Worker {
     /// from an idle loop that our own requests delay only briefly. Their permits stay with the
     /// idle loop.
     fn take_over_held_runs(self: &Arc<Self>, age: Duration) {
-        for run in self.held.take_older_than(age, Instant::now()) {
+        for (run, summaries) in self.held.take_older_than(age, Instant::now()) {
             let Some(first) = run.first() else { continue };
             tracing::info!(
                 first = %first.job.id.key,
@@ -486,13 +491,15 @@ impl Worker {
             );
             self.stats.taken_over.fetch_add(1, Ordering::Relaxed);
             let worker = Arc::clone(self);
-            self.tasks
-                .spawn(async move { worker.process(run, Applier::TakenOver).await });
+            self.tasks.spawn(async move {
+                worker.process(run, &summaries, Applier::TakenOver).await;
+            });
         }
     }
 
-    /// Applies a run of one session's jobs, in order.
-    async fn process(&self, run: Vec<ClaimedJob>, applier: Applier) {
+    /// Applies a run of one session's jobs, in order; `summaries` are the run's, shared with
+    /// any other pass over it.
+    async fn process(&self, run: Vec<ClaimedJob>, summaries: &RunSummaries, applier: Applier) {
         let mut jobs = Vec::with_capacity(run.len());
         for claimed in run {
             if claimed.attempt > self.config.max_attempts {
@@ -515,13 +522,13 @@ impl Worker {
             jobs.iter().filter_map(|job| job.trace),
         );
         let started = std::time::Instant::now();
-        let mut result = self.apply_run(&jobs, applier).await;
+        let mut result = self.apply_run(&jobs, summaries, applier).await;
         for wait in STORE_RETRIES {
             if !matches!(result, Err(Error::Store(_))) {
                 break;
             }
             tokio::time::sleep(wait).await;
-            result = self.apply_run(&jobs, applier).await;
+            result = self.apply_run(&jobs, summaries, applier).await;
         }
         match result {
             Ok(applied) => {
@@ -573,19 +580,21 @@ impl Worker {
 
     /// Applies jobs of one session, in order, and commits them together: one state read,
     /// one engine pass, one write, whatever the run's length.
-    async fn apply_run(&self, jobs: &[Job], applier: Applier) -> Result<Vec<Applied>> {
+    async fn apply_run(
+        &self,
+        jobs: &[Job],
+        summaries: &RunSummaries,
+        applier: Applier,
+    ) -> Result<Vec<Applied>> {
         let mut extractions = Vec::with_capacity(jobs.len());
         // Per job: why the summarizer fell back, and whether to ask it again later.
         let mut fallbacks = Vec::with_capacity(jobs.len());
+        // The taken-over pass waits a tick at most for a summary the idle task is making.
+        let wait = (applier == Applier::TakenOver).then_some(lag::TICK);
         for job in jobs {
-            let exchange = &job.exchange;
-            let (user_text, assistant_text) = (&exchange.user_text, &exchange.assistant_text);
-            let summary = if within_budget(&self.summarizer, self.token_budget.as_deref(), job) {
-                self.summarizer.extract(user_text, assistant_text).await
-            } else {
-                let reason = SummaryFailure::TokenBudget;
-                self.summarizer.fallback(user_text, assistant_text, reason)
-            };
+            let summary = summaries
+                .get_or_make(&job.id.key, wait, || self.summarize(job))
+                .await;
             let reason = match summary.source {
                 SummarySource::Fallback { reason } => Some(reason),
                 SummarySource::Heuristic | SummarySource::Llm => None,
@@ -628,6 +637,18 @@ impl Worker {
             }
         }
         Ok(applied)
+    }
+
+    /// The job's summary: the summarizer's, or the heuristic extraction when its tenant's
+    /// summarizer tokens are spent.
+    async fn summarize(&self, job: &Job) -> Summary {
+        let (user_text, assistant_text) = (&job.exchange.user_text, &job.exchange.assistant_text);
+        if within_budget(&self.summarizer, self.token_budget.as_deref(), job) {
+            self.summarizer.extract(user_text, assistant_text).await
+        } else {
+            let reason = SummaryFailure::TokenBudget;
+            self.summarizer.fallback(user_text, assistant_text, reason)
+        }
     }
 
     /// The stripe of [`Worker::applying`] that `user`'s applies take.

@@ -11,8 +11,10 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::{Worker, WorkerConfig};
+use super::summaries::RunSummaries;
+use super::{Applier, Claimer, Worker, WorkerConfig};
 use crate::cache::MemoryCache;
+use crate::ratelimit::{RateLimitConfig, RateLimitMetrics, TokenBudget};
 use crate::summarizer::{Summarizer, SummarizerConfig};
 use engram_runtime::priority;
 
@@ -209,7 +211,8 @@ async fn starved_idle_loop_holding_a_run(mid_apply: bool) -> (u64, u64) {
         .await
         .unwrap();
     assert_eq!(claimed.len(), 1);
-    worker.held.hold(&claimed, Instant::now());
+    let summaries = Arc::new(RunSummaries::new(&claimed));
+    worker.held.hold(&claimed, &summaries, Instant::now());
     let stripe = mid_apply.then(|| worker.applying_user(&UserKey::new("t", "solo")));
     let held_lock = match stripe {
         Some(stripe) => Some(stripe.lock().await),
@@ -322,23 +325,105 @@ async fn a_run_applied_by_both_loops_counts_each_fallback_once() {
     assert_eq!(stats.summarizer_fallbacks.load(Ordering::Relaxed), 3);
 }
 
+/// Both passes over a taken-over run take one summary per job: a tenant whose summarizer
+/// tokens are spent is refused once per turn, not once per pass (with both cores busy,
+/// `rate_limits::a_spent_summarizer_token_budget_…` read 2 for one turn).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_applied_by_both_loops_asks_the_summarizer_once_per_job() {
+    let (refused, budget) = spent_token_budget();
+    let (_dir, _store, worker) =
+        applied_by_both_loops_with(unreachable_summarizer(), Some(budget)).await;
+    let stats = worker.stats();
+    assert_eq!(stats.applied.load(Ordering::Relaxed), 3);
+    assert_eq!(refused.get(), 3);
+}
+
+/// A run whose commit fails on a store error is applied again without asking the summarizer
+/// again: each retry did, so a store hiccup cost a turn another model call and more tokens.
+#[tokio::test]
+async fn a_run_applied_again_after_a_store_error_is_summarized_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = Arc::new(MemoryCache::new(16, usize::MAX));
+    let embedded = Arc::new(
+        EmbeddedStore::open(dir.path())
+            .unwrap()
+            .with_commit_listener(Arc::clone(&cache) as Arc<dyn CommitListener>),
+    );
+    let store: Arc<dyn Store> = Arc::clone(&embedded) as Arc<dyn Store>;
+    for turn in 0..2 {
+        store.enqueue(&job("solo", turn)).await.unwrap();
+    }
+    let (refused, budget) = spent_token_budget();
+    let (worker, _, _) = worker(
+        &store,
+        cache,
+        WorkerConfig::default(),
+        unreachable_summarizer(),
+    );
+    let worker = Arc::new(
+        Arc::into_inner(worker)
+            .unwrap()
+            .with_token_budget(Some(budget)),
+    );
+    let run = store
+        .claim_runs(&worker.consumer, Duration::from_secs(60), 2, 1)
+        .await
+        .unwrap();
+    assert_eq!(run.len(), 2);
+    // The run's commit fails once; the first retry commits it.
+    embedded.fail_next_enqueue_commits(1);
+    let summaries = RunSummaries::new(&run);
+    worker
+        .process(run, &summaries, Applier::Claimed(Claimer::Idle))
+        .await;
+    let stats = worker.stats();
+    assert_eq!(stats.applied.load(Ordering::Relaxed), 2);
+    assert_eq!(stats.errors.load(Ordering::Relaxed), 0);
+    assert_eq!(refused.get(), 2, "one refusal per turn");
+}
+
+/// A token budget no job fits (one token a minute), and the counter of its refusals.
+fn spent_token_budget() -> (prometheus::IntCounter, Arc<TokenBudget>) {
+    let config = RateLimitConfig {
+        tenant_summarizer_tokens_per_minute: 1,
+        ..RateLimitConfig::default()
+    };
+    let refused = prometheus::IntCounter::new("refused", "summarizer calls refused").unwrap();
+    let requests = prometheus::IntCounter::new("requests", "requests refused").unwrap();
+    let metrics = RateLimitMetrics::new([requests, refused.clone()]);
+    let budget = TokenBudget::from_config(&config)
+        .unwrap()
+        .with_metrics(metrics);
+    (refused, Arc::new(budget))
+}
+
 /// Three queued jobs of one session claimed as one run, which a worker with `summarizer` (not
 /// started) then applies on both loops' behalf at once; the store (kept while the first value
 /// lives) and the worker.
 async fn applied_by_both_loops(
     summarizer: Summarizer,
 ) -> (tempfile::TempDir, Arc<dyn Store>, Arc<Worker>) {
+    applied_by_both_loops_with(summarizer, None).await
+}
+
+async fn applied_by_both_loops_with(
+    summarizer: Summarizer,
+    budget: Option<Arc<TokenBudget>>,
+) -> (tempfile::TempDir, Arc<dyn Store>, Arc<Worker>) {
     let (dir, cache, store) = queued_store(&["solo"], 3).await;
     let (worker, _, _) = worker(&store, cache, WorkerConfig::default(), summarizer);
+    let worker = Arc::new(Arc::into_inner(worker).unwrap().with_token_budget(budget));
     let lease = Duration::from_secs(60);
     let run = store
         .claim_runs(&worker.consumer, lease, 3, 1)
         .await
         .unwrap();
     assert_eq!(run.len(), 3);
+    // As the idle task holds it: the take-over shares its summaries.
+    let summaries = RunSummaries::new(&run);
     tokio::join!(
-        worker.process(run.clone(), super::Applier::Claimed(super::Claimer::Idle)),
-        worker.process(run, super::Applier::TakenOver),
+        worker.process(run.clone(), &summaries, Applier::Claimed(Claimer::Idle)),
+        worker.process(run, &summaries, Applier::TakenOver),
     );
     (dir, store, worker)
 }
@@ -442,8 +527,9 @@ async fn the_replaced_memory_is_not_freed_on_the_write_thread() {
             .claim_runs(&worker.consumer, Duration::from_secs(60), 1, 1)
             .await
             .unwrap();
+        let summaries = RunSummaries::new(&run);
         worker
-            .process(run, super::Applier::Claimed(super::Claimer::Idle))
+            .process(run, &summaries, Applier::Claimed(Claimer::Idle))
             .await;
     }
     assert_eq!(worker.stats().applied.load(Ordering::Relaxed), 3);

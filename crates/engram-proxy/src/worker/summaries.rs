@@ -1,0 +1,163 @@
+//! A run's summaries, made once whichever pass applies it.
+//!
+//! A job's summary can cost a model call and its tenant's summarizer tokens. A run is applied
+//! again after a store error (`STORE_RETRIES`), and a run taken over from a starved idle loop
+//! is applied by both loops (see [`super::held`]): each pass asked the summarizer again, so one
+//! turn cost up to two model calls and twice its tokens (with both cores busy,
+//! `rate_limits::a_spent_summarizer_token_budget_…` read two refusals for one turn). So each
+//! job of a run has a slot here, shared by every pass over the run in this process: the first
+//! pass to reach a job makes its summary, the others take it.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::sync::Mutex;
+
+use crate::summarizer::Summary;
+use engram_store::ClaimedJob;
+
+/// One slot per job of a run, by job key.
+#[derive(Debug, Default)]
+pub struct RunSummaries {
+    slots: HashMap<String, Mutex<Option<Summary>>>,
+}
+
+impl RunSummaries {
+    pub fn new(run: &[ClaimedJob]) -> RunSummaries {
+        let slots = run
+            .iter()
+            .map(|claimed| (claimed.job.id.key.clone(), Mutex::new(None)))
+            .collect();
+        RunSummaries { slots }
+    }
+
+    /// The summary of the job keyed `key`: the one a pass over the run made already, else
+    /// `make`'s, kept for the others. While another pass is making it, waits for that one; for
+    /// at most `wait` when given, then makes its own and does not keep it, since the other
+    /// pass may be a starved idle task, which is what the taken-over pass must not wait on.
+    /// A key the run does not hold is made each time.
+    pub async fn get_or_make<F, Fut>(&self, key: &str, wait: Option<Duration>, make: F) -> Summary
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Summary>,
+    {
+        let Some(slot) = self.slots.get(key) else {
+            return make().await;
+        };
+        let held = match wait {
+            Some(wait) => tokio::time::timeout(wait, slot.lock()).await.ok(),
+            None => Some(slot.lock().await),
+        };
+        let Some(mut held) = held else {
+            return make().await;
+        };
+        if let Some(summary) = held.as_ref() {
+            return summary.clone();
+        }
+        // Made while the slot is held, so a pass arriving meanwhile waits for it; a pass
+        // dropped mid-way leaves the slot empty for the next.
+        let summary = make().await;
+        *held = Some(summary.clone());
+        summary
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use engram_memory::ExchangeInput;
+    use engram_store::{Job, JobId, UserKey};
+
+    use super::*;
+    use crate::summarizer::Summarizer;
+
+    fn run(keys: &[&str]) -> Vec<ClaimedJob> {
+        keys.iter()
+            .map(|key| ClaimedJob {
+                job: Job {
+                    id: JobId {
+                        user: UserKey::new("t", "u"),
+                        key: (*key).to_owned(),
+                    },
+                    exchange: ExchangeInput {
+                        session_id: "s".to_owned(),
+                        turn_id: (*key).to_owned(),
+                        user_text: "I moved to Oslo.".to_owned(),
+                        assistant_text: "Noted.".to_owned(),
+                        event_time: None,
+                        prior_chain: None,
+                        incomplete: false,
+                        arrival: None,
+                    },
+                    trace: None,
+                },
+                attempt: 1,
+            })
+            .collect()
+    }
+
+    /// A summary made by counting into `made`.
+    async fn counted(made: &AtomicU32) -> Summary {
+        made.fetch_add(1, Ordering::SeqCst);
+        Summarizer::heuristic()
+            .extract("I moved to Oslo.", "Noted.")
+            .await
+    }
+
+    #[tokio::test]
+    async fn each_job_is_summarized_once_by_every_pass_over_the_run() {
+        let summaries = RunSummaries::new(&run(&["a", "b"]));
+        let made = AtomicU32::new(0);
+        for _pass in 0..3 {
+            for key in ["a", "b"] {
+                summaries.get_or_make(key, None, || counted(&made)).await;
+            }
+        }
+        assert_eq!(made.load(Ordering::SeqCst), 2);
+        // A key outside the run is not kept.
+        summaries.get_or_make("c", None, || counted(&made)).await;
+        summaries.get_or_make("c", None, || counted(&made)).await;
+        assert_eq!(made.load(Ordering::SeqCst), 4);
+    }
+
+    /// A pass that arrives while another makes the summary takes that one; one that may wait
+    /// only briefly makes its own once the wait is over, and the slot keeps the first.
+    #[tokio::test]
+    async fn a_pass_waits_for_the_summary_being_made_at_most_its_wait() {
+        let tasks = tokio_util::task::TaskTracker::new();
+        let summaries = Arc::new(RunSummaries::new(&run(&["a"])));
+        let made = Arc::new(AtomicU32::new(0));
+        let (release, released) = tokio::sync::oneshot::channel::<()>();
+        let slow = {
+            let (summaries, made) = (Arc::clone(&summaries), Arc::clone(&made));
+            tasks.spawn(async move {
+                summaries
+                    .get_or_make("a", None, || async {
+                        released.await.unwrap();
+                        counted(&made).await
+                    })
+                    .await
+            })
+        };
+        tokio::task::yield_now().await;
+        // Brief: it gives up on the slow pass and makes its own.
+        let brief = summaries.get_or_make("a", Some(Duration::from_millis(20)), || counted(&made));
+        brief.await;
+        assert_eq!(made.load(Ordering::SeqCst), 1);
+        // Patient: it waits for the slow pass and takes its summary.
+        let patient = {
+            let (summaries, made) = (Arc::clone(&summaries), Arc::clone(&made));
+            tasks.spawn(async move { summaries.get_or_make("a", None, || counted(&made)).await })
+        };
+        tokio::task::yield_now().await;
+        release.send(()).unwrap();
+        slow.await.unwrap();
+        patient.await.unwrap();
+        assert_eq!(made.load(Ordering::SeqCst), 2);
+    }
+}
