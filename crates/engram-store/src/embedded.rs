@@ -1716,9 +1716,14 @@ enum Written {
 
 fn write_one(txn: &WriteTransaction, write: &Write) -> Result<Written> {
     match write {
+        // Its user was forgotten after it was logged (see `Intake::is_pending`): the forget
+        // settled it, and nothing is written.
+        Write::Enqueue(job, Some(intake)) if !intake.is_pending(job) => {
+            Ok(Written::Enqueued(Enqueued::Queued))
+        }
         Write::Enqueue(job, _) => write_enqueue(txn, job).map(Written::Enqueued),
-        Write::Retry(jobs, _) => {
-            for job in jobs {
+        Write::Retry(jobs, intake) => {
+            for job in jobs.iter().filter(|job| intake.is_pending(job)) {
                 write_enqueue(txn, job)?;
             }
             Ok(Written::Enqueued(Enqueued::Queued))
@@ -2466,6 +2471,70 @@ mod tests {
         let claimed = store.claim_batch("w1", LEASE, 4).await.unwrap();
         let keys: Vec<&str> = claimed.iter().map(|c| c.job.id.key.as_str()).collect();
         assert_eq!(keys, ["k1", "k2", "k3"]);
+    }
+
+    /// A forget that runs between a job's logging and its database enqueue's write (`place`
+    /// logs it, then queues the write: a forget on another thread can run in between) leaves
+    /// nothing of the job: before, the enqueue committed it after the forget's delete, so the
+    /// worker would apply a forgotten user's turn. Another user's job is queued as before.
+    #[tokio::test]
+    async fn a_forget_between_a_jobs_logging_and_its_enqueue_leaves_nothing_of_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(dir.path()).unwrap();
+        let intake = Arc::clone(store.intake.as_ref().unwrap());
+        let forgotten = job("k1", "I live in Oslo.");
+        let mut kept = job("k2", "I work at the harbour.");
+        kept.id.user = UserKey::new("acme", "bob");
+        let durable = intake.log(&forgotten).unwrap();
+        store.forget_user(&forgotten.id.user).await.unwrap();
+        let enqueue = Write::Enqueue(forgotten.clone(), Some(Arc::clone(&intake)));
+        let Ok(written) = store.writes.place(&store.db, enqueue) else {
+            panic!("placing was held");
+        };
+        assert!(durable.await.unwrap().is_ok());
+        assert_eq!(enqueued(written.await).unwrap(), Enqueued::Queued);
+        assert_eq!(
+            placed(&store, kept.clone()).await.unwrap(),
+            Enqueued::Queued
+        );
+        // Its receipt came from the log; its enqueue commits just after.
+        let mut waited = 0;
+        while job_rows(&store, &kept.id).0.is_none() && waited < 400 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            waited += 1;
+        }
+        assert_eq!(job_rows(&store, &forgotten.id), (None, None));
+        let claimed = store.claim_batch("w1", LEASE, 4).await.unwrap();
+        let keys: Vec<&str> = claimed.iter().map(|c| c.job.id.key.as_str()).collect();
+        assert_eq!(keys, ["k2"]);
+        assert_eq!(intake.pending_count(), 0);
+    }
+
+    /// The same for a logged job whose enqueue failed and is tried again after the forget.
+    #[tokio::test]
+    async fn a_forget_before_a_failed_jobs_retry_leaves_nothing_of_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(dir.path()).unwrap();
+        let intake = Arc::clone(store.intake.as_ref().unwrap());
+        store.writes.fail_next_commits(1);
+        let failed = job("k1", "I live in Oslo.");
+        assert_eq!(
+            placed(&store, failed.clone()).await.unwrap(),
+            Enqueued::Queued
+        );
+        let mut waited = 0;
+        while !intake.has_failed() && waited < 400 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            waited += 1;
+        }
+        assert!(intake.has_failed(), "the database's enqueue did not fail");
+        // The retry read the failed jobs before the forget dropped them, and is written after
+        // it: what `retry_logged` can meet when a forget runs between its read and its write.
+        let retry = Write::Retry(intake.failed_jobs(), Arc::clone(&intake));
+        store.forget_user(&failed.id.user).await.unwrap();
+        store.writes.queue_now(&store.db, retry).await.unwrap();
+        assert_eq!(job_rows(&store, &failed.id), (None, None));
+        assert!(store.claim_batch("w1", LEASE, 4).await.unwrap().is_empty());
     }
 
     /// When the intake log cannot take a job, the database's commit answers its receipt, as

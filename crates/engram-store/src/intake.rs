@@ -187,22 +187,15 @@ impl Intake {
         }))
     }
 
-    /// Logs `job` and keeps it pending until [`Intake::committed`]; the receiver says when it
-    /// is durable. `None` when it is pending already (the same exchange recorded twice).
+    /// Logs `job` and keeps it pending until a database commit holds it
+    /// ([`Intake::committed`]), it is handed back ([`Intake::returned`]) or its user is
+    /// forgotten; the receiver says when it is durable. `None` when it is pending already (the
+    /// same exchange recorded twice). A job the log cannot take is pending too, its receiver
+    /// failing: the database's commit is its receipt then, and that commit writes only a job
+    /// still pending ([`Intake::is_pending`]).
     pub fn log(&self, job: &Job) -> Option<oneshot::Receiver<Result<()>>> {
         let (done, receiver) = oneshot::channel();
-        #[cfg(any(test, feature = "faults"))]
-        if self.take_fault() {
-            let _ = done.send(Err(Error::Store("injected intake log failure".into())));
-            return Some(receiver);
-        }
-        let payload = match encode_record(&RecordRef::Job(job)) {
-            Ok(payload) => payload,
-            Err(error) => {
-                let _ = done.send(Err(error));
-                return Some(receiver);
-            }
-        };
+        let payload = encode_record(&RecordRef::Job(job));
         let mut pending = self.lock();
         let session = session_key(&job.id.user, &job.exchange.session_id);
         if pending.holds(&session, &job.id) {
@@ -216,12 +209,22 @@ impl Intake {
             .or_default()
             .push((number, job.clone()));
         pending.numbers.insert(number);
-        // Sent under the lock, so the log thread sees appends in their numbers' order.
-        self.send(Message::Append {
-            payload,
-            number,
-            done,
-        });
+        #[cfg(any(test, feature = "faults"))]
+        if self.take_fault() {
+            let _ = done.send(Err(Error::Store("injected intake log failure".into())));
+            return Some(receiver);
+        }
+        match payload {
+            // Sent under the lock, so the log thread sees appends in their numbers' order.
+            Ok(payload) => self.send(Message::Append {
+                payload,
+                number,
+                done,
+            }),
+            Err(error) => {
+                let _ = done.send(Err(error));
+            }
+        }
         Some(receiver)
     }
 
@@ -259,6 +262,16 @@ impl Intake {
         });
         self.tell_settled(&mut pending);
         receiver
+    }
+
+    /// Whether `job` is pending: logged, and since then neither committed, handed back nor
+    /// dropped by a forget of its user. The database's enqueue of a logged job writes it only
+    /// then, inside its transaction: a forget that ran between the logging and that commit
+    /// (its own delete behind the redb writer, or done before) would find nothing of it, and
+    /// the enqueue would bring the forgotten user's turn back.
+    pub fn is_pending(&self, job: &Job) -> bool {
+        let session = session_key(&job.id.user, &job.exchange.session_id);
+        self.lock().holds(&session, &job.id)
     }
 
     /// The database's commit holds `job` now: it is no longer pending.
