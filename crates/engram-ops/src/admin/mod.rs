@@ -297,7 +297,8 @@ impl AdminApi {
     /// memory and the kept explanations.
     async fn forget(&self, user: UserKey) -> Result<Response<ProxyBody>, Error> {
         // The spool first: a job the forwarder moves meanwhile lands in the store before the
-        // store's records go.
+        // store's records go, and one it holds from before is not moved after (the outbox's
+        // forget marks the user, waiting for a move in progress).
         let spooled = self.outbox.forget_user(&user).await?.total();
         let report = self.store.forget_user(&user).await?;
         self.cache.remove(&user);

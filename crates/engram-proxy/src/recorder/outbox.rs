@@ -149,6 +149,10 @@ pub struct Outbox {
     /// Where answers released before their recording was durable are noted: a job forwarded
     /// from the in-memory spool closes its note.
     journal: Option<Arc<Journal>>,
+    /// Users forgotten since the forwarder's last claim from the spool: it does not move their
+    /// jobs it claimed before the forget, and holds this while it moves jobs into the store
+    /// (see [`Outbox::forget_user`]).
+    forgotten: tokio::sync::Mutex<Vec<UserKey>>,
 }
 
 #[derive(Debug, Default)]
@@ -189,6 +193,7 @@ impl Outbox {
             recording: Mutex::default(),
             unsettled: Mutex::new(0),
             journal: None,
+            forgotten: tokio::sync::Mutex::default(),
         }
     }
 
@@ -293,10 +298,16 @@ impl Outbox {
         self.spooled_bytes.load(Ordering::Acquire)
     }
 
-    /// Deletes the user's jobs from this process's local spool (part of forgetting a user).
+    /// Deletes the user's jobs from this process's local spool (part of forgetting a user,
+    /// before the store's records). The forwarder may hold jobs of theirs it claimed before the
+    /// delete: the user is marked so it does not move them, and the mark waits for a move in
+    /// progress, which so lands in the store before the store's forget. Unmarked, the forwarder
+    /// moved them after it once the store took jobs again, and the worker applied a forgotten
+    /// user's turns.
     pub async fn forget_user(&self, user: &UserKey) -> Result<ForgetReport> {
         let spool = self.spool.store();
         let report = spool.forget_user(user).await?;
+        self.forgotten.lock().await.push(user.clone());
         let left = spool.queue_depth().await?;
         let before = self.spooled.swap(left, Ordering::AcqRel);
         // The forgotten jobs' sizes are not known here: the bytes shrink in proportion (to 0,
@@ -644,6 +655,8 @@ impl Outbox {
             let left = self.spooled();
             self.set_closing(quick_last && (1..=FORWARD_BATCH as u64).contains(&left));
             let round = tokio::time::Instant::now();
+            // A user forgotten before this point lost their spooled jobs before the claim.
+            self.forgotten.lock().await.clear();
             let claimed = match spool
                 .claim_batch(&consumer, SPOOL_LEASE, FORWARD_BATCH)
                 .await
@@ -666,7 +679,9 @@ impl Outbox {
                 }
                 continue;
             }
-            let jobs: Vec<Job> = claimed.into_iter().map(|claimed| claimed.job).collect();
+            let mut jobs: Vec<Job> = claimed.into_iter().map(|claimed| claimed.job).collect();
+            let forgotten = self.forgotten.lock().await;
+            jobs.retain(|job| !forgotten.contains(&job.id.user));
             let placed = self.place_forwarded(&jobs).await;
             self.forwarded(&spool, &jobs[..placed]).await;
             let mut store_took_all = true;
@@ -687,12 +702,23 @@ impl Outbox {
                     0
                 }
             };
+            drop(forgotten);
             let mut cleared = 0;
             for (at, job) in rest.iter().enumerate().skip(run) {
                 loop {
+                    let forgotten = self.forgotten.lock().await;
+                    if forgotten.contains(&job.id.user) {
+                        // Forgotten while the store was refusing it: its spool row went with
+                        // the forget, and it is not moved.
+                        drop(forgotten);
+                        self.forwarded(&spool, &rest[cleared..at]).await;
+                        cleared = at + 1;
+                        break;
+                    }
                     match self.store.enqueue(job).await {
                         Ok(_) => break,
                         Err(error) => {
+                            drop(forgotten);
                             tracing::debug!(%error, "store still unreachable; spool kept");
                             store_took_all = false;
                             self.set_closing(false);
@@ -1383,6 +1409,54 @@ mod tests {
         }
         let spooled: Vec<String> = jobs.iter().map(|job| job.id.key.clone()).collect();
         assert_eq!(queued, spooled);
+    }
+
+    /// A user forgotten while the forwarder holds a job of theirs it claimed (the store was
+    /// refusing it) loses that job: the forwarder does not move it into the store once the
+    /// store takes jobs again, after the store's own forget. Another user's job is moved.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_job_the_forwarder_holds_is_not_moved_after_its_user_is_forgotten() {
+        let store = Arc::new(crate::test_store::ByArrival::new());
+        // Down: every enqueue is refused until `failing` is emptied.
+        *store.failing.lock().unwrap() = (0..10_000).collect();
+        store.open.add_permits(100);
+        let spool = Spool::Memory {
+            store: Arc::new(EmbeddedStore::in_memory().unwrap()),
+            capacity: 16,
+        };
+        let store_dyn: Arc<dyn Store> = store.clone();
+        let outbox = Arc::new(Outbox::new(store_dyn, spool, Arc::new(Notify::new())).await);
+        let (gone, kept) = (UserKey::new("t", "gone"), UserKey::new("t", "kept"));
+        outbox.spool(job(&gone, "a")).await;
+        outbox.spool(job(&kept, "b")).await;
+        let cancel = CancellationToken::new();
+        let mut forwarder = tokio::task::JoinSet::new();
+        forwarder.spawn(Arc::clone(&outbox).forward(cancel.clone()));
+        // The run, then the first job alone, refused: the forwarder holds both jobs.
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while store.started.load(Ordering::Acquire) < 2 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the forwarder did not try the store");
+        // The admin API's order: the spool, then the store.
+        outbox.forget_user(&gone).await.unwrap();
+        store.forget_user(&gone).await.unwrap();
+        store.failing.lock().unwrap().clear();
+        let b = job(&kept, "b").id;
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while store.job_state(&b).await.unwrap().is_none() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the other user's job was not moved");
+        cancel.cancel();
+        while forwarder.join_next().await.is_some() {}
+        assert_eq!(store.job_state(&job(&gone, "a").id).await.unwrap(), None);
+        assert_eq!(store.queue_depth().await.unwrap(), 1);
+        assert_eq!(outbox.spooled(), 0);
     }
 
     #[tokio::test]
