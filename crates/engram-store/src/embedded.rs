@@ -2390,6 +2390,20 @@ mod tests {
         }
     }
 
+    /// Places `job` while the write thread's next `failures` commits fail: answered `queued`
+    /// (the intake log holds it), then waits until its database enqueue has failed.
+    async fn logged_and_failed(store: &EmbeddedStore, job: &Job, failures: u32) {
+        store.writes.fail_next_commits(failures);
+        assert_eq!(placed(store, job.clone()).await.unwrap(), Enqueued::Queued);
+        let intake = store.intake.as_ref().unwrap();
+        let mut waited = 0;
+        while !intake.has_failed() && waited < 400 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            waited += 1;
+        }
+        assert!(intake.has_failed(), "the database's enqueue did not fail");
+    }
+
     /// A job whose database enqueue fails after the intake log took it is answered as queued
     /// (the log holds it), is seen by the session's next request and by `job_state`, and
     /// reaches the database when placing resumes.
@@ -2397,18 +2411,9 @@ mod tests {
     async fn a_logged_job_is_seen_before_the_database_holds_it() {
         let dir = tempfile::tempdir().unwrap();
         let store = EmbeddedStore::open(dir.path()).unwrap();
-        store.writes.fail_next_commits(1);
         let logged = job("k1", "I live in Oslo.");
-        assert_eq!(
-            placed(&store, logged.clone()).await.unwrap(),
-            Enqueued::Queued
-        );
         // The database's enqueue has failed once its round ran; the job is still pending.
-        let mut waited = 0;
-        while !store.intake.as_ref().unwrap().has_failed() && waited < 200 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-            waited += 1;
-        }
+        logged_and_failed(&store, &logged, 1).await;
         assert_eq!(job_rows(&store, &logged.id), (None, None));
         assert_eq!(unapplied_texts(&store).await, ["I live in Oslo."]);
         assert_eq!(
@@ -2516,18 +2521,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = EmbeddedStore::open(dir.path()).unwrap();
         let intake = Arc::clone(store.intake.as_ref().unwrap());
-        store.writes.fail_next_commits(1);
         let failed = job("k1", "I live in Oslo.");
-        assert_eq!(
-            placed(&store, failed.clone()).await.unwrap(),
-            Enqueued::Queued
-        );
-        let mut waited = 0;
-        while !intake.has_failed() && waited < 400 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-            waited += 1;
-        }
-        assert!(intake.has_failed(), "the database's enqueue did not fail");
+        logged_and_failed(&store, &failed, 1).await;
         // The retry read the failed jobs before the forget dropped them, and is written after
         // it: what `retry_logged` can meet when a forget runs between its read and its write.
         let retry = Write::Retry(intake.failed_jobs(), Arc::clone(&intake));
@@ -2576,18 +2571,8 @@ mod tests {
         let store = EmbeddedStore::open(dir.path()).unwrap();
         let intake = Arc::clone(store.intake.as_ref().unwrap());
         const BROKEN: u32 = 1_000_000;
-        store.writes.fail_next_commits(BROKEN);
         let logged = job("k0", "I live in Oslo.");
-        assert_eq!(
-            placed(&store, logged.clone()).await.unwrap(),
-            Enqueued::Queued
-        );
-        let mut waited = 0;
-        while !intake.has_failed() && waited < 400 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-            waited += 1;
-        }
-        assert!(intake.has_failed(), "the database's enqueue did not fail");
+        logged_and_failed(&store, &logged, BROKEN).await;
         assert_eq!(store.queue_depth().await.unwrap(), 1);
         assert_eq!(unapplied_texts(&store).await, ["I live in Oslo."]);
         // A burst of recorded turns: each is held, and they queue the failed job again a few

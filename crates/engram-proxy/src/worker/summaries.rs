@@ -70,35 +70,22 @@ mod tests {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicU32, Ordering};
 
-    use engram_memory::ExchangeInput;
-    use engram_store::{Job, JobId, UserKey};
-
     use super::*;
     use crate::summarizer::Summarizer;
 
-    fn run(keys: &[&str]) -> Vec<ClaimedJob> {
-        keys.iter()
-            .map(|key| ClaimedJob {
-                job: Job {
-                    id: JobId {
-                        user: UserKey::new("t", "u"),
-                        key: (*key).to_owned(),
-                    },
-                    exchange: ExchangeInput {
-                        session_id: "s".to_owned(),
-                        turn_id: (*key).to_owned(),
-                        user_text: "I moved to Oslo.".to_owned(),
-                        assistant_text: "Noted.".to_owned(),
-                        event_time: None,
-                        prior_chain: None,
-                        incomplete: false,
-                        arrival: None,
-                    },
-                    trace: None,
-                },
+    /// A run of one job per key, keyed as `worker::tests::job` keys user `u`'s turns.
+    fn run(turns: &[usize]) -> Vec<ClaimedJob> {
+        turns
+            .iter()
+            .map(|turn| ClaimedJob {
+                job: super::super::tests::job("u", *turn),
                 attempt: 1,
             })
             .collect()
+    }
+
+    fn key(turn: usize) -> String {
+        super::super::tests::job("u", turn).id.key
     }
 
     /// A summary made by counting into `made`.
@@ -111,17 +98,23 @@ mod tests {
 
     #[tokio::test]
     async fn each_job_is_summarized_once_by_every_pass_over_the_run() {
-        let summaries = RunSummaries::new(&run(&["a", "b"]));
+        let summaries = RunSummaries::new(&run(&[0, 1]));
         let made = AtomicU32::new(0);
         for _pass in 0..3 {
-            for key in ["a", "b"] {
-                summaries.get_or_make(key, None, || counted(&made)).await;
+            for turn in [0, 1] {
+                summaries
+                    .get_or_make(&key(turn), None, || counted(&made))
+                    .await;
             }
         }
         assert_eq!(made.load(Ordering::SeqCst), 2);
         // A key outside the run is not kept.
-        summaries.get_or_make("c", None, || counted(&made)).await;
-        summaries.get_or_make("c", None, || counted(&made)).await;
+        summaries
+            .get_or_make(&key(2), None, || counted(&made))
+            .await;
+        summaries
+            .get_or_make(&key(2), None, || counted(&made))
+            .await;
         assert_eq!(made.load(Ordering::SeqCst), 4);
     }
 
@@ -130,14 +123,14 @@ mod tests {
     #[tokio::test]
     async fn a_pass_waits_for_the_summary_being_made_at_most_its_wait() {
         let tasks = tokio_util::task::TaskTracker::new();
-        let summaries = Arc::new(RunSummaries::new(&run(&["a"])));
+        let summaries = Arc::new(RunSummaries::new(&run(&[0])));
         let made = Arc::new(AtomicU32::new(0));
         let (release, released) = tokio::sync::oneshot::channel::<()>();
         let slow = {
             let (summaries, made) = (Arc::clone(&summaries), Arc::clone(&made));
             tasks.spawn(async move {
                 summaries
-                    .get_or_make("a", None, || async {
+                    .get_or_make(&key(0), None, || async {
                         released.await.unwrap();
                         counted(&made).await
                     })
@@ -146,13 +139,19 @@ mod tests {
         };
         tokio::task::yield_now().await;
         // Brief: it gives up on the slow pass and makes its own.
-        let brief = summaries.get_or_make("a", Some(Duration::from_millis(20)), || counted(&made));
-        brief.await;
+        let brief = Some(Duration::from_millis(20));
+        summaries
+            .get_or_make(&key(0), brief, || counted(&made))
+            .await;
         assert_eq!(made.load(Ordering::SeqCst), 1);
         // Patient: it waits for the slow pass and takes its summary.
         let patient = {
             let (summaries, made) = (Arc::clone(&summaries), Arc::clone(&made));
-            tasks.spawn(async move { summaries.get_or_make("a", None, || counted(&made)).await })
+            tasks.spawn(async move {
+                summaries
+                    .get_or_make(&key(0), None, || counted(&made))
+                    .await
+            })
         };
         tokio::task::yield_now().await;
         release.send(()).unwrap();

@@ -18,7 +18,7 @@ use crate::ratelimit::{RateLimitConfig, RateLimitMetrics, TokenBudget};
 use crate::summarizer::{Summarizer, SummarizerConfig};
 use engram_runtime::priority;
 
-fn job(user: &str, turn: usize) -> Job {
+pub(super) fn job(user: &str, turn: usize) -> Job {
     Job {
         id: JobId {
             user: UserKey::new("t", user),
