@@ -302,10 +302,19 @@ async fn stalls_past_the_response_timeout_leave_every_turn_applied_and_counted()
         {
             break queue;
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "not every turn applied within 10 s: {queue}"
-        );
+        if std::time::Instant::now() >= deadline {
+            // What the proxy warned of says where the work waits (seen once, with both cores
+            // busy: 55 of 60 applied, no worker error).
+            let warnings: Vec<String> = proxy
+                .stderr_lines()
+                .into_iter()
+                .filter(|line| line.contains("WARN") || line.contains("ERROR"))
+                .collect();
+            panic!(
+                "not every turn applied within 10 s: {queue}\n{}",
+                warnings.join("\n")
+            );
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert_eq!(queue["recorded"]["lost"], 0, "{queue}");
