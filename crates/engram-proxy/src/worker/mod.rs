@@ -620,8 +620,8 @@ impl Worker {
             self.apply_with(jobs, &extractions, hold_back).await?
         };
         // Counted, and refined later, for the jobs this pass recorded only: a run taken over
-        // from a starved idle loop is summarized twice, and the pass that loses finds its jobs
-        // applied (a fallback counted per pass read 2 for one turn, with both cores busy).
+        // from a starved idle loop is applied by both passes, and the pass that loses finds its
+        // jobs applied (a fallback counted per pass read 2 for one turn, with both cores busy).
         for ((job, outcome), (reason, retry_later)) in jobs.iter().zip(&applied).zip(fallbacks) {
             if !matches!(outcome, Applied::Recorded { .. }) {
                 continue;

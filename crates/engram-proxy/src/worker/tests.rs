@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use engram_memory::{ExchangeInput, MemoryConfig};
-use engram_store::{CommitListener, EmbeddedStore, Job, JobId, Store, UserKey};
+use engram_store::{CommitListener, EmbeddedStore, Job, JobId, JobQueue, Store, UserKey};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -45,9 +45,18 @@ async fn queued_store(
     users: &[&str],
     turns: usize,
 ) -> (tempfile::TempDir, Arc<MemoryCache>, Arc<dyn Store>) {
+    let (dir, cache, store) = queued_embedded(users, turns).await;
+    (dir, cache, store)
+}
+
+/// [`queued_store`], the store as itself (for its fault injection).
+async fn queued_embedded(
+    users: &[&str],
+    turns: usize,
+) -> (tempfile::TempDir, Arc<MemoryCache>, Arc<EmbeddedStore>) {
     let dir = tempfile::tempdir().unwrap();
     let cache = Arc::new(MemoryCache::new(16, usize::MAX));
-    let store: Arc<dyn Store> = Arc::new(
+    let store = Arc::new(
         EmbeddedStore::open(dir.path())
             .unwrap()
             .with_commit_listener(Arc::clone(&cache) as Arc<dyn CommitListener>),
@@ -342,17 +351,8 @@ async fn a_run_applied_by_both_loops_asks_the_summarizer_once_per_job() {
 /// again: each retry did, so a store hiccup cost a turn another model call and more tokens.
 #[tokio::test]
 async fn a_run_applied_again_after_a_store_error_is_summarized_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = Arc::new(MemoryCache::new(16, usize::MAX));
-    let embedded = Arc::new(
-        EmbeddedStore::open(dir.path())
-            .unwrap()
-            .with_commit_listener(Arc::clone(&cache) as Arc<dyn CommitListener>),
-    );
+    let (_dir, cache, embedded) = queued_embedded(&["solo"], 2).await;
     let store: Arc<dyn Store> = Arc::clone(&embedded) as Arc<dyn Store>;
-    for turn in 0..2 {
-        store.enqueue(&job("solo", turn)).await.unwrap();
-    }
     let (refused, budget) = spent_token_budget();
     let (worker, _, _) = worker(
         &store,
@@ -360,11 +360,7 @@ async fn a_run_applied_again_after_a_store_error_is_summarized_once() {
         WorkerConfig::default(),
         unreachable_summarizer(),
     );
-    let worker = Arc::new(
-        Arc::into_inner(worker)
-            .unwrap()
-            .with_token_budget(Some(budget)),
-    );
+    let worker = with_budget(worker, Some(budget));
     let run = store
         .claim_runs(&worker.consumer, Duration::from_secs(60), 2, 1)
         .await
@@ -380,6 +376,11 @@ async fn a_run_applied_again_after_a_store_error_is_summarized_once() {
     assert_eq!(stats.applied.load(Ordering::Relaxed), 2);
     assert_eq!(stats.errors.load(Ordering::Relaxed), 0);
     assert_eq!(refused.get(), 2, "one refusal per turn");
+}
+
+/// `worker` (not started, so held only here) charging its summarizer calls to `budget`.
+fn with_budget(worker: Arc<Worker>, budget: Option<Arc<TokenBudget>>) -> Arc<Worker> {
+    Arc::new(Arc::into_inner(worker).unwrap().with_token_budget(budget))
 }
 
 /// A token budget no job fits (one token a minute), and the counter of its refusals.
@@ -412,7 +413,7 @@ async fn applied_by_both_loops_with(
 ) -> (tempfile::TempDir, Arc<dyn Store>, Arc<Worker>) {
     let (dir, cache, store) = queued_store(&["solo"], 3).await;
     let (worker, _, _) = worker(&store, cache, WorkerConfig::default(), summarizer);
-    let worker = Arc::new(Arc::into_inner(worker).unwrap().with_token_budget(budget));
+    let worker = with_budget(worker, budget);
     let lease = Duration::from_secs(60);
     let run = store
         .claim_runs(&worker.consumer, lease, 3, 1)
