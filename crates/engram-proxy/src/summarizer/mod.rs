@@ -222,42 +222,55 @@ impl Summarizer {
 
     /// Summaries and a grounded diff for one exchange. Never fails: see `Summary::source`.
     pub async fn extract(&self, user_text: &str, assistant_text: &str) -> Summary {
-        let exchange = self.prepare(user_text, assistant_text);
-        let Some(llm) = &self.llm else {
-            return heuristic(&exchange, SummarySource::Heuristic, false);
-        };
-        match llm.extract(&exchange).await {
+        match self.answer(user_text, assistant_text).await {
             Ok(summary) => summary,
-            Err(reason) => {
-                let retry_later = reason.is_transient();
-                tracing::warn!(
-                    reason = reason.as_str(),
-                    status = reason.status(),
-                    retry_later,
-                    "summarizer fell back to the heuristic extractor"
-                );
-                heuristic(&exchange, SummarySource::Fallback { reason }, retry_later)
-            }
+            Err(reason) => self.after_failure(user_text, assistant_text, reason),
         }
     }
 
+    /// The model's summary (without a model, the heuristic extraction's), or why the model
+    /// gave none, counted and logged here: [`Summarizer::extract`] without its fallback, which
+    /// costs CPU and no tokens, so a caller may make it elsewhere.
+    pub async fn answer(
+        &self,
+        user_text: &str,
+        assistant_text: &str,
+    ) -> Result<Summary, SummaryFailure> {
+        let exchange = self.prepare(user_text, assistant_text);
+        let Some(llm) = &self.llm else {
+            return Ok(heuristic(&exchange, SummarySource::Heuristic, false));
+        };
+        llm.extract(&exchange).await.inspect_err(|reason| {
+            tracing::warn!(
+                reason = reason.as_str(),
+                status = reason.status(),
+                retry_later = reason.is_transient(),
+                "summarizer fell back to the heuristic extractor"
+            );
+        })
+    }
+
     /// The heuristic extraction, marked as a fallback for `reason` (and retried later when the
-    /// reason is transient): what `extract` gives when the model fails, without calling it.
-    pub fn fallback(
+    /// reason is transient), after [`Summarizer::answer`] gave `reason`.
+    pub fn after_failure(
         &self,
         user_text: &str,
         assistant_text: &str,
         reason: SummaryFailure,
     ) -> Summary {
-        if let Some(metrics) = self.llm.as_ref().and_then(|llm| llm.metrics.as_ref()) {
-            metrics.failed(reason);
-        }
         let exchange = self.prepare(user_text, assistant_text);
         heuristic(
             &exchange,
             SummarySource::Fallback { reason },
             reason.is_transient(),
         )
+    }
+
+    /// Counts a model call not made for `reason` (the tenant's summarizer tokens spent).
+    pub fn refused(&self, reason: SummaryFailure) {
+        if let Some(metrics) = self.llm.as_ref().and_then(|llm| llm.metrics.as_ref()) {
+            metrics.failed(reason);
+        }
     }
 
     /// The input tokens a model call for this exchange would send, estimated at four bytes a

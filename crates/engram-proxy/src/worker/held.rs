@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use engram_store::ClaimedJob;
 
+use super::Answer;
 use super::summaries::RunSummaries;
 
 /// The runs the idle loop claimed and has not finished, by id (in the order they were held).
@@ -30,13 +31,18 @@ struct Held {
     since: Instant,
     jobs: Vec<ClaimedJob>,
     /// Shared with the idle task, so a taken-over run is not summarized twice.
-    summaries: Arc<RunSummaries>,
+    summaries: Arc<RunSummaries<Answer>>,
 }
 
 impl HeldRuns {
     /// Holds a run claimed at `now`, with the summaries its claimer makes; the id ends the
     /// hold ([`HeldRuns::release`]).
-    pub fn hold(&self, jobs: &[ClaimedJob], summaries: &Arc<RunSummaries>, now: Instant) -> u64 {
+    pub fn hold(
+        &self,
+        jobs: &[ClaimedJob],
+        summaries: &Arc<RunSummaries<Answer>>,
+        now: Instant,
+    ) -> u64 {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let held = Held {
             since: now,
@@ -63,7 +69,7 @@ impl HeldRuns {
         &self,
         age: Duration,
         now: Instant,
-    ) -> Vec<(Vec<ClaimedJob>, Arc<RunSummaries>)> {
+    ) -> Vec<(Vec<ClaimedJob>, Arc<RunSummaries<Answer>>)> {
         let mut runs = self.runs();
         // In id order, so oldest first.
         let old: Vec<u64> = runs
@@ -114,7 +120,7 @@ mod tests {
         }
     }
 
-    fn keys(runs: &[(Vec<ClaimedJob>, Arc<RunSummaries>)]) -> Vec<Vec<&str>> {
+    fn keys(runs: &[(Vec<ClaimedJob>, Arc<RunSummaries<Answer>>)]) -> Vec<Vec<&str>> {
         runs.iter()
             .map(|(run, _)| run.iter().map(|job| job.job.id.key.as_str()).collect())
             .collect()

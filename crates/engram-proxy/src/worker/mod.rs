@@ -127,6 +127,9 @@ pub struct Worker {
     idle_starved: AtomicBool,
     /// Set by the catch-up's monitor while it is behind ([`LagGate::behind`]).
     behind: AtomicBool,
+    /// With a catch-up and a model summarizer: the catch-up's (normal-priority) runtime, where
+    /// every pass's model summaries are made (see [`summaries`]).
+    model_runtime: std::sync::OnceLock<tokio::runtime::Handle>,
     /// One user's runs of different sessions apply one at a time in this process (a stripe per
     /// user hash): run side by side they each read the same version and all but one commit
     /// conflicted, and after a restart with a backlog, eight conflicts in a row left a job to
@@ -170,6 +173,23 @@ fn within_budget(summarizer: &Summarizer, budget: Option<&TokenBudget>, job: &Jo
         return true;
     };
     budget.spend(&job.id.user.tenant, tokens)
+}
+
+/// What the summarizer gave for a job: its summary, or why the model gave none (the pass then
+/// takes the heuristic extraction, `Summarizer::after_failure`).
+type Answer = std::result::Result<Summary, SummaryFailure>;
+
+/// The summarizer's answer for the job; a refusal when its tenant's summarizer tokens are
+/// spent (counted here).
+async fn answer(summarizer: &Summarizer, budget: Option<&TokenBudget>, job: &Job) -> Answer {
+    let (user_text, assistant_text) = (&job.exchange.user_text, &job.exchange.assistant_text);
+    if within_budget(summarizer, budget, job) {
+        summarizer.answer(user_text, assistant_text).await
+    } else {
+        let reason = SummaryFailure::TokenBudget;
+        summarizer.refused(reason);
+        Err(reason)
+    }
 }
 
 /// What applying one job did.
@@ -221,6 +241,7 @@ impl Worker {
             computing: Arc::default(),
             idle_starved: AtomicBool::new(false),
             behind: AtomicBool::new(false),
+            model_runtime: std::sync::OnceLock::new(),
             applying: (0..APPLY_STRIPES)
                 .map(|_| tokio::sync::Mutex::new(()))
                 .collect(),
@@ -263,6 +284,9 @@ impl Worker {
             self.spawn_dispatch(Claimer::Idle, None, idle);
             return;
         };
+        if self.summarizer.is_configured() {
+            let _ = self.model_runtime.set(catch_up.clone());
+        }
         let (turns, turn) = watch::channel(Claimer::Idle);
         self.spawn_dispatch(Claimer::Idle, Some(turn.clone()), idle);
         self.spawn_dispatch(Claimer::CatchUp, Some(turn), catch_up);
@@ -499,7 +523,12 @@ impl Worker {
 
     /// Applies a run of one session's jobs, in order; `summaries` are the run's, shared with
     /// any other pass over it.
-    async fn process(&self, run: Vec<ClaimedJob>, summaries: &RunSummaries, applier: Applier) {
+    async fn process(
+        &self,
+        run: Vec<ClaimedJob>,
+        summaries: &RunSummaries<Answer>,
+        applier: Applier,
+    ) {
         let mut jobs = Vec::with_capacity(run.len());
         for claimed in run {
             if claimed.attempt > self.config.max_attempts {
@@ -583,18 +612,42 @@ impl Worker {
     async fn apply_run(
         &self,
         jobs: &[Job],
-        summaries: &RunSummaries,
+        summaries: &RunSummaries<Answer>,
         applier: Applier,
     ) -> Result<Vec<Applied>> {
         let mut extractions = Vec::with_capacity(jobs.len());
         // Per job: why the summarizer fell back, and whether to ask it again later.
         let mut fallbacks = Vec::with_capacity(jobs.len());
-        // The taken-over pass waits a tick at most for a summary the idle task is making.
+        // The taken-over pass waits a tick at most for a summary the idle task is making (a
+        // model's is made on the catch-up's runtime, and waited for).
         let wait = (applier == Applier::TakenOver).then_some(lag::TICK);
         for job in jobs {
-            let summary = summaries
-                .get_or_make(&job.id.key, wait, || self.summarize(job))
-                .await;
+            let answer = match self.model_runtime.get() {
+                Some(runtime) => {
+                    let (summarizer, budget) =
+                        (Arc::clone(&self.summarizer), self.token_budget.clone());
+                    let owned = Arc::new(job.clone());
+                    let make = move || {
+                        let (summarizer, budget, job) =
+                            (Arc::clone(&summarizer), budget.clone(), Arc::clone(&owned));
+                        async move { answer(&summarizer, budget.as_deref(), &job).await }
+                    };
+                    summaries
+                        .get_or_make_on(&job.id.key, runtime, &self.tasks, make)
+                        .await
+                }
+                None => {
+                    let make = || answer(&self.summarizer, self.token_budget.as_deref(), job);
+                    summaries.get_or_make(&job.id.key, wait, make).await
+                }
+            };
+            // The fallback here, on this loop's thread: CPU, and no tokens.
+            let summary = answer.unwrap_or_else(|reason| {
+                let exchange = &job.exchange;
+                let (user_text, assistant_text) = (&exchange.user_text, &exchange.assistant_text);
+                self.summarizer
+                    .after_failure(user_text, assistant_text, reason)
+            });
             let reason = match summary.source {
                 SummarySource::Fallback { reason } => Some(reason),
                 SummarySource::Heuristic | SummarySource::Llm => None,
@@ -637,18 +690,6 @@ impl Worker {
             }
         }
         Ok(applied)
-    }
-
-    /// The job's summary: the summarizer's, or the heuristic extraction when its tenant's
-    /// summarizer tokens are spent.
-    async fn summarize(&self, job: &Job) -> Summary {
-        let (user_text, assistant_text) = (&job.exchange.user_text, &job.exchange.assistant_text);
-        if within_budget(&self.summarizer, self.token_budget.as_deref(), job) {
-            self.summarizer.extract(user_text, assistant_text).await
-        } else {
-            let reason = SummaryFailure::TokenBudget;
-            self.summarizer.fallback(user_text, assistant_text, reason)
-        }
     }
 
     /// The stripe of [`Worker::applying`] that `user`'s applies take.

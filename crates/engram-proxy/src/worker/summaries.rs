@@ -7,27 +7,36 @@
 //! `rate_limits::a_spent_summarizer_token_budget_…` read two refusals for one turn). So each
 //! job of a run has a slot here, shared by every pass over the run in this process: the first
 //! pass to reach a job makes its summary, the others take it.
+//!
+//! A model's answer is waited for off the idle threads ([`RunSummaries::get_or_make_on`]): a
+//! task on the catch-up's normal-priority runtime holds the slot while it waits for the model,
+//! so a starved idle loop cannot keep it, and the pass that took its run over waits for that
+//! answer instead of asking the model again.
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::Mutex;
+use tokio_util::task::TaskTracker;
 
-use crate::summarizer::Summary;
 use engram_store::ClaimedJob;
 
+/// One job's summary (`T`), once a pass made it; held while one makes it.
+type Slot<T> = Arc<Mutex<Option<T>>>;
+
 /// One slot per job of a run, by job key.
-#[derive(Debug, Default)]
-pub struct RunSummaries {
-    slots: HashMap<String, Mutex<Option<Summary>>>,
+#[derive(Debug)]
+pub struct RunSummaries<T> {
+    slots: HashMap<String, Slot<T>>,
 }
 
-impl RunSummaries {
-    pub fn new(run: &[ClaimedJob]) -> RunSummaries {
+impl<T: Clone + Send + 'static> RunSummaries<T> {
+    pub fn new(run: &[ClaimedJob]) -> RunSummaries<T> {
         let slots = run
             .iter()
-            .map(|claimed| (claimed.job.id.key.clone(), Mutex::new(None)))
+            .map(|claimed| (claimed.job.id.key.clone(), Slot::default()))
             .collect();
         RunSummaries { slots }
     }
@@ -37,10 +46,10 @@ impl RunSummaries {
     /// at most `wait` when given, then makes its own and does not keep it, since the other
     /// pass may be a starved idle task, which is what the taken-over pass must not wait on.
     /// A key the run does not hold is made each time.
-    pub async fn get_or_make<F, Fut>(&self, key: &str, wait: Option<Duration>, make: F) -> Summary
+    pub async fn get_or_make<F, Fut>(&self, key: &str, wait: Option<Duration>, make: F) -> T
     where
         F: FnOnce() -> Fut,
-        Fut: Future<Output = Summary>,
+        Fut: Future<Output = T>,
     {
         let Some(slot) = self.slots.get(key) else {
             return make().await;
@@ -61,6 +70,44 @@ impl RunSummaries {
         *held = Some(summary.clone());
         summary
     }
+
+    /// [`RunSummaries::get_or_make`] for what waits on a model (a network call, little CPU): a
+    /// task on `runtime` (normal priority) takes the slot, makes it and keeps it, and every pass
+    /// waits for that task however long it takes, since no starved thread can hold the slot. If
+    /// the task does not finish (the runtime shutting down), `make` is called here.
+    pub async fn get_or_make_on<F, Fut>(
+        &self,
+        key: &str,
+        runtime: &tokio::runtime::Handle,
+        tasks: &TaskTracker,
+        make: F,
+    ) -> T
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = T> + Send + 'static,
+    {
+        let Some(slot) = self.slots.get(key) else {
+            return make().await;
+        };
+        let (slot, make) = (Arc::clone(slot), Arc::new(make));
+        let maker = Arc::clone(&make);
+        let made = tasks.spawn_on(
+            async move {
+                let mut held = slot.lock_owned().await;
+                if let Some(summary) = held.as_ref() {
+                    return summary.clone();
+                }
+                let summary = maker().await;
+                *held = Some(summary.clone());
+                summary
+            },
+            runtime,
+        );
+        match made.await {
+            Ok(summary) => summary,
+            Err(_) => make().await,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -71,7 +118,7 @@ mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
 
     use super::*;
-    use crate::summarizer::Summarizer;
+    use crate::summarizer::{Summarizer, Summary};
 
     /// A run of one job per key, keyed as `worker::tests::job` keys user `u`'s turns.
     fn run(turns: &[usize]) -> Vec<ClaimedJob> {
@@ -98,7 +145,7 @@ mod tests {
 
     #[tokio::test]
     async fn each_job_is_summarized_once_by_every_pass_over_the_run() {
-        let summaries = RunSummaries::new(&run(&[0, 1]));
+        let summaries = RunSummaries::<Summary>::new(&run(&[0, 1]));
         let made = AtomicU32::new(0);
         for _pass in 0..3 {
             for turn in [0, 1] {
@@ -123,7 +170,7 @@ mod tests {
     #[tokio::test]
     async fn a_pass_waits_for_the_summary_being_made_at_most_its_wait() {
         let tasks = tokio_util::task::TaskTracker::new();
-        let summaries = Arc::new(RunSummaries::new(&run(&[0])));
+        let summaries = Arc::new(RunSummaries::<Summary>::new(&run(&[0])));
         let made = Arc::new(AtomicU32::new(0));
         let (release, released) = tokio::sync::oneshot::channel::<()>();
         let slow = {
@@ -158,5 +205,46 @@ mod tests {
         slow.await.unwrap();
         patient.await.unwrap();
         assert_eq!(made.load(Ordering::SeqCst), 2);
+    }
+
+    /// A model's summary is made by a task on the given runtime, which holds the slot: a pass
+    /// that started it and then got no CPU (a starved idle task, here a future polled once and
+    /// left) does not hold the slot, so the pass that took the run over waits for that summary
+    /// instead of making a second (which `get_or_make`'s brief wait does, above).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_model_summary_started_by_a_starved_pass_is_made_once() {
+        let tasks = tokio_util::task::TaskTracker::new();
+        let runtime = tokio::runtime::Handle::current();
+        let summaries = RunSummaries::<Summary>::new(&run(&[0]));
+        let made = Arc::new(AtomicU32::new(0));
+        let (release, released) = tokio::sync::watch::channel(false);
+        let make = {
+            let made = Arc::clone(&made);
+            move || {
+                let (made, mut released) = (Arc::clone(&made), released.clone());
+                async move {
+                    let _ = released.wait_for(|open| *open).await;
+                    counted(&made).await
+                }
+            }
+        };
+        let key = key(0);
+        let mut starved =
+            std::pin::pin!(summaries.get_or_make_on(&key, &runtime, &tasks, make.clone()));
+        std::future::poll_fn(|cx| {
+            assert!(starved.as_mut().poll(cx).is_pending());
+            std::task::Poll::Ready(())
+        })
+        .await;
+        let taken_over = summaries.get_or_make_on(&key, &runtime, &tasks, make);
+        let opened = async {
+            // Past the brief wait a taken-over pass gave the old slot holder.
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            release.send(true).unwrap();
+        };
+        let (summary, ()) = tokio::join!(taken_over, opened);
+        assert_eq!(made.load(Ordering::SeqCst), 1);
+        assert_eq!(starved.await, summary);
+        assert_eq!(made.load(Ordering::SeqCst), 1);
     }
 }

@@ -336,15 +336,18 @@ async fn a_run_applied_by_both_loops_counts_each_fallback_once() {
 
 /// Both passes over a taken-over run take one summary per job: a tenant whose summarizer
 /// tokens are spent is refused once per turn, not once per pass (with both cores busy,
-/// `rate_limits::a_spent_summarizer_token_budget_…` read 2 for one turn).
+/// `rate_limits::a_spent_summarizer_token_budget_…` read 2 for one turn); so too when the
+/// summaries are made on the catch-up's runtime.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_applied_by_both_loops_asks_the_summarizer_once_per_job() {
-    let (refused, budget) = spent_token_budget();
-    let (_dir, _store, worker) =
-        applied_by_both_loops_with(unreachable_summarizer(), Some(budget)).await;
-    let stats = worker.stats();
-    assert_eq!(stats.applied.load(Ordering::Relaxed), 3);
-    assert_eq!(refused.get(), 3);
+    for model_runtime in [false, true] {
+        let (refused, budget) = spent_token_budget();
+        let (_dir, _store, worker) =
+            applied_by_both_loops_with(unreachable_summarizer(), Some(budget), model_runtime).await;
+        let stats = worker.stats();
+        assert_eq!(stats.applied.load(Ordering::Relaxed), 3);
+        assert_eq!(refused.get(), 3, "model runtime: {model_runtime}");
+    }
 }
 
 /// A run whose commit fails on a store error is applied again without asking the summarizer
@@ -404,16 +407,25 @@ fn spent_token_budget() -> (prometheus::IntCounter, Arc<TokenBudget>) {
 async fn applied_by_both_loops(
     summarizer: Summarizer,
 ) -> (tempfile::TempDir, Arc<dyn Store>, Arc<Worker>) {
-    applied_by_both_loops_with(summarizer, None).await
+    applied_by_both_loops_with(summarizer, None, false).await
 }
 
+/// With `model_runtime`, the worker makes model summaries on this test's runtime, as on the
+/// catch-up's when started with one.
 async fn applied_by_both_loops_with(
     summarizer: Summarizer,
     budget: Option<Arc<TokenBudget>>,
+    model_runtime: bool,
 ) -> (tempfile::TempDir, Arc<dyn Store>, Arc<Worker>) {
     let (dir, cache, store) = queued_store(&["solo"], 3).await;
     let (worker, _, _) = worker(&store, cache, WorkerConfig::default(), summarizer);
     let worker = with_budget(worker, budget);
+    if model_runtime {
+        worker
+            .model_runtime
+            .set(tokio::runtime::Handle::current())
+            .unwrap();
+    }
     let lease = Duration::from_secs(60);
     let run = store
         .claim_runs(&worker.consumer, lease, 3, 1)
