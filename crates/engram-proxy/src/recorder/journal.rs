@@ -8,7 +8,9 @@
 //! holds them), not the machine losing power. At start-up every `+` without its `-` is a turn
 //! answered but never recorded: counted (`engram_turns_unrecorded_at_start`), logged with its
 //! job key, and the file starts over. Nothing is written for a turn whose receipt said
-//! `queued` or `spooled`, which is every turn while the store keeps up.
+//! `queued` or `spooled`, which is every turn while the store keeps up. Forgetting a user closes
+//! their open notes (`-`): their spooled jobs go with the forget, and a restart counted them as
+//! turns a crash took.
 //!
 //! The file is rewritten with only its open notes once it passes [`COMPACT_BYTES`] and they
 //! are under half of it: with `capture.receipt_wait_ms: 0` every answer writes two lines, and
@@ -22,6 +24,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 
 use crate::error::Result;
+use engram_store::UserKey;
 
 /// The journal's file name in the data directory.
 pub const FILE_NAME: &str = "unrecorded.log";
@@ -44,9 +47,9 @@ struct Written {
     file: File,
     /// Its length.
     bytes: u64,
-    /// The keys noted as answered and not yet as recorded, each with its note's order: what a
-    /// rewrite keeps.
-    open: HashMap<String, u64>,
+    /// The keys noted as answered and not yet as recorded, each with its note's order (what a
+    /// rewrite keeps) and its user (what a forget closes).
+    open: HashMap<String, (u64, UserKey)>,
     /// Bytes of their lines.
     open_bytes: u64,
     next: u64,
@@ -98,15 +101,17 @@ impl Journal {
         &self.unrecorded_at_start
     }
 
-    /// `job_key`'s answer is going to the client before its recording is durable.
-    pub fn answered(&self, job_key: &str) {
+    /// `job_key`'s answer (a turn of `user`) is going to the client before its recording is
+    /// durable.
+    pub fn answered(&self, user: &UserKey, job_key: &str) {
         let mut written = self.lock();
         if written.early_keys.remove(job_key) {
             return;
         }
         let order = written.next;
         written.next += 1;
-        if written.open.insert(job_key.to_owned(), order).is_none() {
+        let note = (order, user.clone());
+        if written.open.insert(job_key.to_owned(), note).is_none() {
             written.open_bytes += line_bytes(job_key);
         }
         self.append(&mut written, '+', job_key);
@@ -129,8 +134,31 @@ impl Journal {
         }
         written.open_bytes = written.open_bytes.saturating_sub(line_bytes(job_key));
         self.append(&mut written, '-', job_key);
+        self.compact_if_due(&mut written);
+    }
+
+    /// `user` was forgotten: their open notes close. Their spooled jobs went with the forget,
+    /// and a recording still under way lands as a new memory's turn (docs/pipeline.md); either
+    /// way no crash took them.
+    pub fn forgotten(&self, user: &UserKey) {
+        let mut written = self.lock();
+        let keys: Vec<String> = written
+            .open
+            .iter()
+            .filter(|(_, (_, of))| of == user)
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in keys {
+            written.open.remove(&key);
+            written.open_bytes = written.open_bytes.saturating_sub(line_bytes(&key));
+            self.append(&mut written, '-', &key);
+        }
+        self.compact_if_due(&mut written);
+    }
+
+    fn compact_if_due(&self, written: &mut Written) {
         if written.bytes > self.compact_bytes && written.open_bytes * 2 < written.bytes {
-            self.compact(&mut written);
+            self.compact(written);
         }
     }
 
@@ -152,7 +180,8 @@ impl Journal {
     /// Rewrites the file with its open notes, in their order, through a file renamed over it:
     /// a kill at any point leaves the old file or the new one whole.
     fn compact(&self, written: &mut Written) {
-        let mut open: Vec<(&u64, &String)> = written.open.iter().map(|(k, o)| (o, k)).collect();
+        let mut open: Vec<(&u64, &String)> =
+            written.open.iter().map(|(k, (o, _))| (o, k)).collect();
         open.sort_unstable();
         let text: String = open.iter().map(|(_, key)| line('+', key)).collect();
         let staged = self.path.with_extension("log.new");
@@ -212,15 +241,20 @@ mod tests {
 
     use super::*;
 
+    /// Whose turns the tests' notes are.
+    fn user() -> UserKey {
+        UserKey::new("t", "u")
+    }
+
     #[test]
     fn a_restart_counts_the_answers_never_recorded_and_starts_over() {
         let dir = tempfile::tempdir().unwrap();
         let journal = Journal::open(dir.path()).unwrap();
         assert!(journal.unrecorded_at_start().is_empty());
-        journal.answered("a");
-        journal.answered("b");
+        journal.answered(&user(), "a");
+        journal.answered(&user(), "b");
         journal.recorded("a");
-        journal.answered("c");
+        journal.answered(&user(), "c");
         drop(journal);
 
         let reopened = Journal::open(dir.path()).unwrap();
@@ -243,13 +277,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let journal = Journal::open(dir.path()).unwrap().compacting_past(4_096);
         let path = dir.path().join(FILE_NAME);
-        journal.answered("kept-1");
+        journal.answered(&user(), "kept-1");
         let mut largest = 0;
         for turn in 0..5_000 {
             let key = format!("turn-{turn:06}");
-            journal.answered(&key);
+            journal.answered(&user(), &key);
             if turn == 2_500 {
-                journal.answered("kept-2");
+                journal.answered(&user(), "kept-2");
             }
             journal.recorded(&key);
             largest = largest.max(std::fs::metadata(&path).unwrap().len());
@@ -270,7 +304,7 @@ mod tests {
         let journal = Journal::open(dir.path()).unwrap();
         journal.recorded("never-answered-early");
         journal.recorded("forwarded-first");
-        journal.answered("forwarded-first");
+        journal.answered(&user(), "forwarded-first");
         let text = std::fs::read_to_string(dir.path().join(FILE_NAME)).unwrap();
         assert_eq!(text, "");
         drop(journal);
@@ -280,6 +314,22 @@ mod tests {
                 .unrecorded_at_start()
                 .is_empty()
         );
+    }
+
+    /// A forget closes its user's open notes, and no other user's: a restart does not count
+    /// a forgotten user's spooled turns as taken by a crash.
+    #[test]
+    fn a_forget_closes_its_users_notes() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        let gone = UserKey::new("t", "gone");
+        journal.answered(&gone, "gone-1");
+        journal.answered(&user(), "kept");
+        journal.answered(&gone, "gone-2");
+        journal.forgotten(&gone);
+        drop(journal);
+        let reopened = Journal::open(dir.path()).unwrap();
+        assert_eq!(reopened.unrecorded_at_start(), ["kept"]);
     }
 
     #[test]

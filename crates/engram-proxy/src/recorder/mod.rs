@@ -235,7 +235,7 @@ impl Recorder {
                 return;
             };
             let _span = telemetry.child("engram.memory.record");
-            let key = plan.job.key.clone();
+            let id = plan.job.clone();
             // Released once the job has its place in the store's queue, so the session's next
             // recording queues after this one.
             let ticket = plan.ticket.take();
@@ -243,14 +243,14 @@ impl Recorder {
             if calls_tools {
                 // A round of an agent's tool loop: the turn is recorded once, whole, with the
                 // round that answers it.
-                answer.send(&key, Receipt::Deferred);
+                answer.send(&id, Receipt::Deferred);
                 return;
             }
             if let Some(ticket) = &ticket {
                 if !ticket.is_turn() {
                     // An earlier request of the session is still going (a concurrent request,
                     // not a follow-up): its answer may take minutes, so this one ends now.
-                    answer.release_pending(&key);
+                    answer.release_pending(&id);
                 }
                 if !ticket.wait_turn().await {
                     tracing::warn!(
@@ -260,7 +260,7 @@ impl Recorder {
             }
             let (user_text, assistant_text) = texts;
             if user_text.trim().is_empty() && assistant_text.trim().is_empty() {
-                answer.send(&key, Receipt::Unrecorded);
+                answer.send(&id, Receipt::Unrecorded);
                 return;
             }
             let job = Job {
@@ -291,17 +291,17 @@ impl Recorder {
             if answer.deadline <= tokio::time::Instant::now() {
                 // No wait configured (`receipt_wait_ms: 0`): a timer would still hold the
                 // answer to the next millisecond tick.
-                answer.release_pending(&key);
+                answer.release_pending(&id);
             }
             let recorded = tokio::select! {
                 recorded = &mut submit => recorded,
                 () = tokio::time::sleep_until(answer.deadline), if answer.waiting() => {
-                    answer.release_pending(&key);
+                    answer.release_pending(&id);
                     submit.await
                 }
             };
             // Durable (or spooled, or lost): the client may have the end of the answer.
-            answer.send(&key, recorded);
+            answer.send(&id, recorded);
         })
     }
 }
@@ -342,12 +342,12 @@ impl AnswerEnd {
     }
 
     /// Releases the answer before its recording is durable, noting it in the journal first.
-    fn release_pending(&mut self, job_key: &str) {
+    fn release_pending(&mut self, job: &JobId) {
         let Some(receipt) = self.receipt.take() else {
             return;
         };
         if let Some(journal) = &self.journal {
-            journal.answered(job_key);
+            journal.answered(&job.user, &job.key);
         }
         self.released_pending = true;
         let _ = receipt.send(Receipt::Pending);
@@ -355,20 +355,20 @@ impl AnswerEnd {
 
     /// The recording's outcome: the receipt, if the answer still waits for one; the journal's
     /// note closed, if it was released early and the recording is durable now.
-    fn send(&mut self, job_key: &str, recorded: Receipt) {
+    fn send(&mut self, job: &JobId, recorded: Receipt) {
         match self.receipt.take() {
             Some(receipt) => {
                 if !recorded.is_durable()
                     && !matches!(recorded, Receipt::Unrecorded | Receipt::Deferred)
                     && let Some(journal) = &self.journal
                 {
-                    journal.answered(job_key);
+                    journal.answered(&job.user, &job.key);
                 }
                 let _ = receipt.send(recorded);
             }
             None if self.released_pending && recorded.is_durable() => {
                 if let Some(journal) = &self.journal {
-                    journal.recorded(job_key);
+                    journal.recorded(&job.key);
                 }
             }
             None => {}

@@ -303,11 +303,14 @@ impl Outbox {
     /// delete: the user is marked so it does not move them, and the mark waits for a move in
     /// progress, which so lands in the store before the store's forget. Unmarked, the forwarder
     /// moved them after it once the store took jobs again, and the worker applied a forgotten
-    /// user's turns.
+    /// user's turns. The user's open notes in the journal close (`Journal::forgotten`).
     pub async fn forget_user(&self, user: &UserKey) -> Result<ForgetReport> {
         let spool = self.spool.store();
         let report = spool.forget_user(user).await?;
         self.forgotten.lock().await.push(user.clone());
+        if let Some(journal) = &self.journal {
+            journal.forgotten(user);
+        }
         let left = spool.queue_depth().await?;
         let before = self.spooled.swap(left, Ordering::AcqRel);
         // The forgotten jobs' sizes are not known here: the bytes shrink in proportion (to 0,
@@ -1117,24 +1120,32 @@ mod tests {
         assert_eq!(spool("e", 150).await, Receipt::Spooled);
     }
 
-    /// A job forwarded from the in-memory spool closes the note its `pending` answer left in
-    /// the journal, so a restart does not report it as answered and never recorded.
-    #[tokio::test]
-    async fn a_job_forwarded_from_the_memory_spool_closes_its_journal_note() {
-        let dir = tempfile::tempdir().unwrap();
-        let journal = Arc::new(Journal::open(dir.path()).unwrap());
+    /// A journal in `dir`, a store, and an outbox over it with an in-memory spool that notes
+    /// in the journal.
+    async fn journaled(dir: &std::path::Path) -> (Arc<Journal>, Arc<dyn Store>, Outbox) {
+        let journal = Arc::new(Journal::open(dir).unwrap());
         let store: Arc<dyn Store> = Arc::new(EmbeddedStore::in_memory().unwrap());
         let spool = Spool::Memory {
             store: Arc::new(EmbeddedStore::in_memory().unwrap()),
             capacity: MEMORY_SPOOL_JOBS,
         };
         let outbox = Outbox::new(Arc::clone(&store), spool, Arc::new(Notify::new())).await;
-        let outbox = Arc::new(outbox.with_journal(Arc::clone(&journal)));
+        let outbox = outbox.with_journal(Arc::clone(&journal));
+        (journal, store, outbox)
+    }
+
+    /// A job forwarded from the in-memory spool closes the note its `pending` answer left in
+    /// the journal, so a restart does not report it as answered and never recorded.
+    #[tokio::test]
+    async fn a_job_forwarded_from_the_memory_spool_closes_its_journal_note() {
+        let dir = tempfile::tempdir().unwrap();
+        let (journal, store, outbox) = journaled(dir.path()).await;
+        let outbox = Arc::new(outbox);
         let user = UserKey::new("t", "u");
         assert_eq!(outbox.spool(job(&user, "spooled")).await, Receipt::Pending);
         // What the recorder notes for a `pending` receipt, and one answer never recorded.
-        journal.answered("spooled");
-        journal.answered("never-recorded");
+        journal.answered(&user, "spooled");
+        journal.answered(&user, "never-recorded");
 
         let cancel = CancellationToken::new();
         let mut forwarder = tokio::task::JoinSet::new();
@@ -1144,6 +1155,23 @@ mod tests {
         drop((outbox, journal));
         let reopened = Journal::open(dir.path()).unwrap();
         assert_eq!(reopened.unrecorded_at_start(), ["never-recorded"]);
+    }
+
+    /// Forgetting a user closes the journal's notes of their `pending` answers: their spooled
+    /// jobs went with the forget, and a restart reported them as turns a crash took.
+    #[tokio::test]
+    async fn forgetting_a_user_closes_their_journal_notes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (journal, _store, outbox) = journaled(dir.path()).await;
+        let (gone, kept) = (UserKey::new("t", "gone"), UserKey::new("t", "kept"));
+        for (user, key) in [(&gone, "a"), (&kept, "b")] {
+            assert_eq!(outbox.spool(job(user, key)).await, Receipt::Pending);
+            journal.answered(user, key);
+        }
+        outbox.forget_user(&gone).await.unwrap();
+        drop((outbox, journal));
+        let reopened = Journal::open(dir.path()).unwrap();
+        assert_eq!(reopened.unrecorded_at_start(), ["b"]);
     }
 
     /// Forgetting a user takes their jobs' bytes off the spool's (in proportion, the sizes of
