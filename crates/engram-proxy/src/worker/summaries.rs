@@ -61,14 +61,7 @@ impl<T: Clone + Send + 'static> RunSummaries<T> {
         let Some(mut held) = held else {
             return make().await;
         };
-        if let Some(summary) = held.as_ref() {
-            return summary.clone();
-        }
-        // Made while the slot is held, so a pass arriving meanwhile waits for it; a pass
-        // dropped mid-way leaves the slot empty for the next.
-        let summary = make().await;
-        *held = Some(summary.clone());
-        summary
+        kept_or_made(&mut held, make).await
     }
 
     /// [`RunSummaries::get_or_make`] for what waits on a model (a network call, little CPU): a
@@ -94,12 +87,7 @@ impl<T: Clone + Send + 'static> RunSummaries<T> {
         let made = tasks.spawn_on(
             async move {
                 let mut held = slot.lock_owned().await;
-                if let Some(summary) = held.as_ref() {
-                    return summary.clone();
-                }
-                let summary = maker().await;
-                *held = Some(summary.clone());
-                summary
+                kept_or_made(&mut held, || maker()).await
             },
             runtime,
         );
@@ -108,6 +96,21 @@ impl<T: Clone + Send + 'static> RunSummaries<T> {
             Err(_) => make().await,
         }
     }
+}
+
+/// What the held slot keeps, else `make`'s, kept there. Made while the slot is held, so a
+/// pass arriving meanwhile waits for it; a pass dropped mid-way leaves the slot empty for the
+/// next.
+async fn kept_or_made<T: Clone, Fut: Future<Output = T>>(
+    held: &mut Option<T>,
+    make: impl FnOnce() -> Fut,
+) -> T {
+    if let Some(kept) = held.as_ref() {
+        return kept.clone();
+    }
+    let made = make().await;
+    *held = Some(made.clone());
+    made
 }
 
 #[cfg(test)]
